@@ -1,0 +1,29 @@
+"""offtensor: train and run PyTorch models larger than the GPU by streaming parameters from
+pinned host memory, exactly when they are used.
+
+    import offtensor
+    offtensor.wrap(model)       # each nn.ModuleList element becomes an offloaded scope
+    model.to("cuda")            # the rest of the model; masters stay on the host
+
+See README.md and docs/design.md.
+"""
+
+from ._api import Policy, ScopeState, ScopeSummary, Summary
+from ._param import OffloadedParameter
+from ._transfer import no_offload
+from ._wrap import is_wrapped, summary, unwrap, wrap
+
+__all__ = [
+    "OffloadedParameter",
+    "Policy",
+    "ScopeState",
+    "ScopeSummary",
+    "Summary",
+    "is_wrapped",
+    "no_offload",
+    "summary",
+    "unwrap",
+    "wrap",
+]
+
+__version__ = "0.1.0"

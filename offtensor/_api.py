@@ -1,0 +1,84 @@
+"""User-facing option and report types."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class ScopeState(enum.Enum):
+    """Where a scope's parameters live. See Note [scope states] in _scope.py."""
+
+    OFFLOADED = "offloaded"  # host master only; the device storage has size 0
+    LOADING = "loading"  # host-to-device copy enqueued; compute has not waited for it yet
+    RESIDENT = "resident"  # compute stream waited on weights_ready; device copy usable
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Options for `offtensor.wrap`, passed through whole.
+
+    Attributes:
+        prefetch: how many scopes, beyond the one computing, are kept in flight on the copy
+            stream (forward order in forward, reverse order in backward). 1 is double
+            buffering; 0 loads each scope when its forward starts. Model-wide: taken from the
+            policy given to `wrap`, not from per-scope policies.
+        keep_for_backward: keep this scope resident from its forward until its backward has
+            run (no release and reload in between). Costs device memory for the scope during
+            the whole forward, saves one host-to-device copy per step. Useful for the last
+            blocks of a model in training; ignored under `torch.no_grad()`.
+        pin_memory: page-lock the host masters and grads. `None` pins when the compute device is
+            CUDA. Without pinning, host-to-device copies are synchronous and several times
+            slower.
+    """
+
+    prefetch: int = 1
+    keep_for_backward: bool = False
+    pin_memory: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"offtensor.Policy: prefetch must be an int >= 0, got {self.prefetch!r}")
+
+
+@dataclass(frozen=True)
+class ScopeSummary:
+    name: str
+    state: ScopeState
+    num_params: int  # number of elements
+    host_bytes: int  # bytes of the host masters
+    device_bytes: int  # bytes the scope holds on the compute device right now
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What is offloaded, what is resident, and how much device memory each scope takes."""
+
+    device: str
+    scopes: list[ScopeSummary] = field(default_factory=list)
+    device_allocated: int | None = None  # torch.cuda.memory_allocated on CUDA, else None
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(s.host_bytes for s in self.scopes)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(s.device_bytes for s in self.scopes)
+
+    def __str__(self) -> str:
+        rows = [("scope", "state", "params", "host MiB", "device MiB")]
+        for s in self.scopes:
+            rows.append(
+                (s.name, s.state.value, f"{s.num_params:,}", f"{s.host_bytes / 2**20:.1f}",
+                 f"{s.device_bytes / 2**20:.1f}")
+            )
+        rows.append(("total", "", f"{sum(s.num_params for s in self.scopes):,}",
+                     f"{self.host_bytes / 2**20:.1f}", f"{self.device_bytes / 2**20:.1f}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                 for r in rows]
+        head = f"offtensor: {len(self.scopes)} scopes computing on {self.device}"
+        if self.device_allocated is not None:
+            head += f", device memory allocated {self.device_allocated / 2**20:.1f} MiB"
+        return "\n".join([head, *lines])

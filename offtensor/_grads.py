@@ -1,0 +1,144 @@
+"""Gradient offload: device gradients to host `.grad`, accumulation, end-of-backward.
+
+# Note [gradient path]
+Autograd differentiates the device copies (ParamSlot.device_leaf, or a temporary copy made for
+one op), never the host master, so the master's own AccumulateGrad does not run. Each device copy
+has a post-accumulate-grad hook that hands its gradient here (`on_leaf_grad`):
+1. user `register_hook` hooks run on the device gradient;
+2. if the parameter already has a host gradient (accumulation over micro-batches, or a second
+   contribution in this backward), it is added on the device: the old host gradient was fetched
+   by the copy stream with the scope's weights (TransferEngine._load_old_grads), or is copied now;
+3. the sum is copied device-to-host on the d2h stream into the parameter's pinned gradient
+   buffer (allocated once, reused every step), keeping the device tensor alive next to the
+   copy's event until compute has waited on it (`flush`).
+At the end of the outermost backward (an autograd engine callback) the host waits once for the
+last copy, points `p.grad` at the buffer, runs user post-accumulate-grad hooks and releases
+whatever is still resident. Reentrant checkpointing runs nested backward calls: callbacks are
+queued per graph task and only the outermost one finalizes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.autograd import Variable
+
+from ._host_memory import host_empty
+
+if TYPE_CHECKING:
+    from ._scope import ParamSlot, Scope
+    from ._transfer import TransferEngine
+
+_TensorBase = torch._C.TensorBase
+
+
+class GradOffload:
+    """Moves gradients of offloaded parameters to their host `.grad` (one per engine)."""
+
+    def __init__(self, engine: TransferEngine) -> None:
+        self._engine = engine
+        self._tasks: list[int] = []  # graph tasks with a queued end callback, outermost first
+        self._written: list[ParamSlot] = []  # slots whose host_grad changed in this backward
+        self._inflight: list[tuple[Scope, Any, torch.Tensor]] = []  # (scope, d2h event, device grad)
+        self._last_d2h: Any = None
+
+    def enter_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task in self._tasks:
+            return
+        self._tasks.append(task)
+        Variable._execution_engine.queue_callback(lambda: self._on_task_end(task))
+
+    def on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None:
+        grad = leaf.grad
+        leaf.grad = None  # the device copy keeps no gradient: it lives on the host
+        if grad is not None:
+            self.accumulate(slot, grad)
+
+    def accumulate(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        self.enter_backward()
+        engine = self._engine
+        for hook in slot.grad_hooks.values():
+            out = hook(grad)
+            if out is not None:
+                grad = out
+        old = None if slot.grad_written else engine.take_old_grad(slot)
+        if old is None:
+            host_old = slot.host_grad if slot.grad_written else _TensorBase.grad.__get__(slot.param)
+            if host_old is not None:
+                if slot.grad_written and grad.device.type == "cuda":
+                    engine.wait(engine.compute_stream(), slot.last_d2h)
+                old = host_old.to(grad.device, non_blocking=True)
+        if old is not None:
+            grad = grad + old.to(grad.dtype)
+        buf = self._host_buffer(slot, grad.dtype)
+        if grad.device.type == "cuda":
+            d2h = engine.d2h_stream()
+            engine.wait(d2h, engine.record(torch.cuda.current_stream(grad.device)))
+            with engine.on(d2h):
+                buf.copy_(grad, non_blocking=True)
+            slot.last_d2h = self._last_d2h = engine.record(d2h)
+            self._inflight.append((slot.scope, slot.last_d2h, grad))
+        else:
+            buf.copy_(grad)
+        if not slot.grad_written:
+            slot.grad_written = True
+            self._written.append(slot)
+
+    def _host_buffer(self, slot: ParamSlot, dtype: torch.dtype) -> torch.Tensor:
+        p = slot.param
+        buf = slot.host_grad
+        if buf is None or buf.dtype != p.dtype:
+            nbytes = p.numel() * p.element_size()
+            buf = host_empty(nbytes, pin=slot.scope.pinned).view(p.dtype).view(p.shape)
+            slot.host_grad = buf
+        return buf
+
+    def flush(self, keep: Scope | None = None) -> None:
+        """Let compute wait for finished scopes' d2h copies, then drop the device grads (their
+        memory returns to the allocator, ordered after the copies)."""
+        if not self._inflight:
+            return
+        compute = self._engine.compute_stream()
+        kept = []
+        for scope, event, grad in self._inflight:
+            if scope is keep:
+                kept.append((scope, event, grad))
+            else:
+                self._engine.wait(compute, event)
+        self._inflight = kept
+
+    def _on_task_end(self, task: int) -> None:
+        if task in self._tasks:
+            self._tasks.remove(task)
+        if not self._tasks:
+            self.finalize()
+
+    def finalize(self) -> None:
+        """End of the outermost backward: host grads complete, `p.grad` set, hooks fired."""
+        if self._last_d2h is not None:
+            self._last_d2h.synchronize()
+        self._inflight.clear()
+        self._last_d2h = None
+        written, self._written = self._written, []
+        with torch._C.DisableTorchFunctionSubclass():
+            for slot in written:
+                slot.grad_written = False
+                slot.param.grad = slot.host_grad
+            for slot in written:
+                for hook in slot.post_hooks.values():
+                    hook(slot.param)
+        self._engine.end_backward()
+
+    def reset_if_stale(self) -> None:
+        """A new forward pass began while a backward was unfinished (it raised): forget it."""
+        if self._tasks or self._written:
+            if self._last_d2h is not None:
+                self._last_d2h.synchronize()
+            self._tasks.clear()
+            for slot in self._written:
+                slot.grad_written = False
+            self._written.clear()
+            self._inflight.clear()
+            self._last_d2h = None

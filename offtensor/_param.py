@@ -1,0 +1,191 @@
+"""OffloadedParameter: an nn.Parameter whose master lives in host memory.
+
+# Note [dispatch of an offloaded parameter]
+Every torch op that receives an OffloadedParameter comes through `__torch_function__`. We decide,
+per parameter, which tensor the op really sees (TransferEngine.materialize):
+- inside its own scope's forward (or the recompute of it under checkpointing): the scope's device
+  copy, one per scope, shared by all ops (`ParamSlot.device_leaf`);
+- anywhere else, when the op needs a gradient for it or runs on the compute device with device
+  tensors (a tied embedding read by a resident head, a user's functional call): a temporary copy
+  made for that op, with its own path for the gradient;
+- otherwise (optimizer updates, init, state_dict, printing): the host master itself.
+Property access (`p.grad`, `p.data`, `p.requires_grad`) also comes here and always acts on the
+master, so `p.grad` is the host gradient and `p.device` is `cpu`. Results are never wrapped in the
+subclass: ops run under `DisableTorchFunctionSubclass`, so optimizer state, `zeros_like(p)` and
+`state_dict()` hold plain tensors.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:
+    from ._scope import ParamSlot
+
+_DisableSubclass = torch._C.DisableTorchFunctionSubclass
+_TensorBase = torch._C.TensorBase
+
+
+class OffloadedParameter(nn.Parameter):
+    """An `nn.Parameter` kept in (pinned) host memory and streamed to the device when used.
+
+    `isinstance(p, nn.Parameter)` holds and `p.device` is `cpu`: the tensor itself is the host
+    master. Created only by `offtensor.wrap`, which changes the class of the model's existing
+    parameter objects in place (their identity, and any optimizer built on them, is kept).
+    """
+
+    _ot: ParamSlot
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if kwargs is None:
+            kwargs = {}
+        with _DisableSubclass():
+            name = getattr(func, "__name__", "")
+            if name == "__set__" and getattr(func.__self__, "__name__", "") == "data":
+                return _set_data(args[0], args[1])
+            if name in ("__get__", "__set__", "__delete__"):
+                return func(*args, **kwargs)
+            handler = _HANDLERS.get(func)
+            if handler is not None:
+                return handler(*args, **kwargs)
+            return _dispatch(func, args, kwargs)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        with _DisableSubclass():
+            slot = getattr(self, "_ot", None)
+            if slot is None:
+                return f"OffloadedParameter(detached from offtensor, shape={tuple(self.shape)})"
+            where = "pinned cpu" if slot.scope.pinned else "cpu"
+            return (
+                f"OffloadedParameter(name={slot.name!r}, shape={tuple(self.shape)}, "
+                f"dtype={self.dtype}, master on {where}, computes on {slot.scope.engine.device}, "
+                f"scope={slot.scope.name!r}, state={slot.scope.state.name}, "
+                f"requires_grad={self.requires_grad})"
+            )
+
+    def __deepcopy__(self, memo: dict) -> nn.Parameter:
+        # A copy is a plain Parameter holding a copy of the master: it belongs to no scope.
+        with _DisableSubclass():
+            result = nn.Parameter(self.detach().clone(), self.requires_grad)
+        memo[id(self)] = result
+        return result
+
+    def __reduce_ex__(self, proto):  # type: ignore[override]
+        # Pickle (torch.save) as a plain Parameter: the offloading is a runtime arrangement.
+        with _DisableSubclass():
+            return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, {}))
+
+
+def _dispatch(func, args: tuple, kwargs: dict) -> Any:
+    params = _find_params(args, kwargs)
+    if not params:
+        return func(*args, **kwargs)
+    op_device = _op_device(args, kwargs)
+    subs: dict[int, torch.Tensor] = {}
+    for p in params:
+        slot = getattr(p, "_ot", None)
+        if slot is None:
+            continue
+        replacement = slot.scope.engine.materialize(slot, op_device)
+        if replacement is not None:
+            subs[id(p)] = replacement
+        elif _is_inplace(func):
+            slot.scope.engine.before_master_write(slot)
+    if subs:
+        args, kwargs = _substitute(args, subs), {k: _sub_one(v, subs) for k, v in kwargs.items()}
+    return func(*args, **kwargs)
+
+
+def _find_params(args: tuple, kwargs: dict) -> list[OffloadedParameter]:
+    found: list[OffloadedParameter] = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, OffloadedParameter):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(x for x in a if isinstance(x, OffloadedParameter))
+    return found
+
+
+def _op_device(args: tuple, kwargs: dict) -> torch.device | None:
+    """The accelerator device of the op's other tensors, or None when they are all on the CPU."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            if not isinstance(a, OffloadedParameter) and a.device.type != "cpu":
+                return a.device
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, torch.Tensor) and not isinstance(x, OffloadedParameter) and x.device.type != "cpu":
+                    return x.device
+    return None
+
+
+def _sub_one(a: Any, subs: dict[int, torch.Tensor]) -> Any:
+    if isinstance(a, OffloadedParameter):
+        return subs.get(id(a), a)
+    if isinstance(a, (list, tuple)) and any(isinstance(x, OffloadedParameter) for x in a):
+        return type(a)(subs.get(id(x), x) if isinstance(x, OffloadedParameter) else x for x in a)
+    return a
+
+
+def _substitute(args: tuple, subs: dict[int, torch.Tensor]) -> tuple:
+    return tuple(_sub_one(a, subs) for a in args)
+
+
+def _is_inplace(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+
+
+def _set_data(p: OffloadedParameter, value: torch.Tensor) -> None:
+    """`p.data = t` copies into the host master instead of rebinding it (the master must stay in
+    the scope's pinned buffer). `model.cuda()` never gets here: see Note [moving a wrapped model]."""
+    slot = getattr(p, "_ot", None)
+    if slot is None:
+        _TensorBase.data.__set__(p, value)
+        return
+    if value is p or (value.device.type == "cpu" and value.data_ptr() == p.data_ptr()):
+        return
+    if value.shape != p.shape or value.dtype != p.dtype:
+        raise TypeError(
+            f"offtensor: cannot set .data of offloaded parameter {slot.name!r} "
+            f"({tuple(p.shape)}, {p.dtype}) to a tensor of shape {tuple(value.shape)} and dtype "
+            f"{value.dtype}; offloaded masters keep their shape and dtype. Copy values with "
+            "p.data.copy_(t), or call offtensor.unwrap(model) first"
+        )
+    slot.scope.engine.before_master_write(slot)
+    with torch.no_grad():
+        p.copy_(value)
+
+
+def _register_post_accumulate_grad_hook(p: OffloadedParameter, hook) -> RemovableHandle:
+    slot = getattr(p, "_ot", None)
+    if slot is None:
+        return _TensorBase.register_post_accumulate_grad_hook(p, hook)
+    handle = RemovableHandle(slot.post_hooks)
+    slot.post_hooks[handle.id] = hook
+    return handle
+
+
+def _register_hook(p: OffloadedParameter, hook) -> RemovableHandle:
+    slot = getattr(p, "_ot", None)
+    if slot is None:
+        return torch.Tensor.register_hook(p, hook)
+    handle = RemovableHandle(slot.grad_hooks)
+    slot.grad_hooks[handle.id] = hook
+    return handle
+
+
+# Note [user gradient hooks]: the device copy, not the master, is what autograd differentiates,
+# so hooks registered on the master would never fire. We keep them on the ParamSlot and call them
+# from the gradient path (_grads.py): `register_hook` hooks see each backward contribution (on
+# the device, before accumulation), post-accumulate-grad hooks see the parameter once its host
+# `.grad` is complete, at the end of backward.
+_HANDLERS = {
+    torch.Tensor.register_post_accumulate_grad_hook: _register_post_accumulate_grad_hook,
+    torch.Tensor.register_hook: _register_hook,
+}

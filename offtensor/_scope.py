@@ -1,0 +1,159 @@
+"""A scope: one selected module whose parameters move to the device together.
+
+# Note [scope states]
+A scope's parameters share one flat host buffer (the masters, pinned) and one flat device buffer
+of the same layout. The state says which of them holds usable weights:
+- OFFLOADED: only the host buffer. The device buffer's storage is resized to 0 bytes.
+- LOADING: device storage allocated and a host-to-device copy enqueued on the copy stream;
+  `weights_ready` is the event recorded after it. Compute has not waited for it yet.
+- RESIDENT: the compute stream has waited on `weights_ready`; ops may use the device copy.
+Transitions are TransferEngine.load (OFFLOADED -> LOADING), make_resident (-> RESIDENT) and
+release (-> OFFLOADED). There is no other per-scope flag: what a parameter "is" follows from its
+scope's state.
+
+# Note [why storage is resized instead of reassigned]
+Autograd saves the device copy of a weight for backward (F.linear saves its weight). Each
+parameter's device copy (`device_leaf`) is a tensor created once, sharing the scope's device
+storage. Releasing resizes that storage to 0 bytes: the memory goes back to the allocator while
+the tensors autograd saved stay valid objects with an unchanged version counter. Before backward
+needs them, the scope is loaded again into the same storage object (see Note [backward
+triggers]). Reassigning `.data` or allocating new tensors would either keep the memory alive
+through autograd's references or break its saved-tensor checks.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ._api import Policy, ScopeState
+
+if TYPE_CHECKING:
+    from ._param import OffloadedParameter
+    from ._transfer import TransferEngine
+
+# Each parameter starts at a multiple of this many bytes in the flat buffers (aligned loads).
+ALIGN = 256
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """Per-parameter bookkeeping, stored on the parameter as `p._ot`."""
+
+    param: OffloadedParameter
+    name: str  # qualified name in the wrapped model
+    scope: Scope
+    offset: int  # bytes into the scope's flat buffers
+    device_leaf: torch.Tensor  # on the compute device; shares the scope's device storage
+    host_grad: torch.Tensor | None = None  # pinned; `p.grad` points here after backward
+    grad_written: bool = False  # host_grad received a contribution in the current backward
+    last_d2h: Any = None  # event after the latest device-to-host copy into host_grad
+    old_grad: torch.Tensor | None = None  # device copy of `p.grad`, fetched for accumulation
+    grad_hooks: dict = field(default_factory=dict)  # register_hook hooks, see Note [user gradient hooks]
+    post_hooks: dict = field(default_factory=dict)  # post-accumulate-grad hooks
+
+    def use_device_copy(self) -> torch.Tensor:
+        leaf = self.device_leaf
+        wants = self.param.requires_grad
+        if leaf.requires_grad != wants:  # the user froze or unfroze the parameter after wrap
+            leaf.requires_grad_(wants)
+        return leaf
+
+
+class Scope:
+    """One selected module: its parameters' flat buffers, state and module hooks."""
+
+    def __init__(self, name: str, module: nn.Module, policy: Policy, engine: TransferEngine,
+                 pinned: bool) -> None:
+        self.name = name
+        self.module = module
+        self.policy = policy
+        self.engine = engine
+        self.pinned = pinned
+        self.slots: list[ParamSlot] = []
+        self.nbytes = 0
+        self.host_flat: torch.Tensor | None = None  # uint8, pinned when `pinned`
+        self.device_flat: torch.Tensor | None = None  # uint8 on the compute device
+        self.state = ScopeState.OFFLOADED
+        self.weights_ready: Any = None  # event on the copy stream after the weights' copy
+        self.grads_ready: Any = None  # event on the copy stream after the old grads' copy
+        self.active_calls = 0  # forward calls of the module in progress (recompute included)
+        self.calls_in_pass = 0  # forward calls in the current forward pass (shared modules)
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    @property
+    def device_storage(self) -> torch.UntypedStorage:
+        assert self.device_flat is not None
+        return self.device_flat.untyped_storage()
+
+    def device_bytes(self) -> int:
+        n = self.device_storage.nbytes() if self.device_flat is not None else 0
+        return n + sum(s.old_grad.nbytes for s in self.slots if s.old_grad is not None)
+
+    def num_params(self) -> int:
+        return sum(s.param.numel() for s in self.slots)
+
+    def install_hooks(self) -> None:
+        self.handles.append(self.module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+        self.handles.append(
+            self.module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
+        )
+
+    def remove_hooks(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    # Note [backward triggers]
+    # Backward of a scope is bracketed by tensor hooks, not module backward hooks (which break
+    # under checkpointing and in-place ops): a hook on each forward output that requires grad
+    # fires when the first output gradient is computed, i.e. just before the module's backward
+    # ops run (pre_backward: load, prefetch the previous scopes). A hook on each forward input
+    # that requires grad fires once the gradient w.r.t. that input is complete, i.e. when the
+    # module's backward is done (post_backward: release). Scopes whose inputs need no grad (the
+    # first block of a frozen-embedding model) are released by the end-of-backward callback
+    # (_grads.py). Recompute under checkpointing runs the forward hooks again inside backward;
+    # the engine recognises it by the autograd graph task id and neither reloads nor releases.
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.engine.pre_forward(self, args, kwargs)
+        if torch.is_grad_enabled():
+            inputs = [t for t in _tensors(args, kwargs) if t.requires_grad]
+            if inputs:
+                done = _AllInputGrads(self, len(inputs))
+                for t in inputs:
+                    t.register_hook(done)
+
+    def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        failed = sys.exc_info()[0] is not None  # always_call hooks run inside `except`
+        outputs = [] if failed or not torch.is_grad_enabled() else [
+            t for t in _tensors(output) if t.requires_grad
+        ]
+        for t in outputs:
+            t.register_hook(self._on_output_grad)
+        self.engine.post_forward(self, failed=failed, backward_expected=bool(outputs))
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        self.engine.pre_backward(self)
+
+
+class _AllInputGrads:
+    """Counts the input gradients of one forward call; the last one ends the scope's backward."""
+
+    def __init__(self, scope: Scope, n: int) -> None:
+        self.scope = scope
+        self.remaining = n
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.scope.engine.post_backward(self.scope)
+
+
+def _tensors(*trees: Any) -> list[torch.Tensor]:
+    leaves, _ = torch.utils._pytree.tree_flatten(trees)
+    return [t for t in leaves if isinstance(t, torch.Tensor)]

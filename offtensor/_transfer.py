@@ -1,0 +1,360 @@
+"""The transfer engine: streams, events, prefetch order, and the scope state transitions.
+
+# Note [streams and events]
+One engine per wrapped model owns every stream and event (created lazily, CUDA only):
+- compute: the current stream when a hook runs (usually the default stream); all ops and all
+  device allocations and frees of scope buffers happen on it, so the caching allocator's
+  stream-ordered reuse is always safe.
+- h2d ("copy stream"): host-to-device copies of weights (and of existing grads when
+  accumulating), so the next scope loads while the current one computes.
+- d2h: device-to-host copies of gradients, on their own stream so both PCIe directions are used.
+A device buffer is allocated on compute, then the copy stream waits on an event recorded there
+(`alloc_done`): the memory may have just been freed by compute and still be read by queued
+kernels. Compute waits on `weights_ready` before the first use, and the release (resize to 0) is
+issued on compute after the last use, so it is ordered after every kernel that reads the scope.
+Gradients read by a d2h copy are kept alive by holding a reference next to the copy's event
+(no `record_stream`) until compute has waited on that event. The host never waits, except once at
+the end of backward so that `p.grad` is complete when `backward()` returns, and before the first
+write to a master while a copy from it may still be in flight.
+
+# Note [prefetch order]
+The engine records the order in which scopes start their forward. From the second pass on, each
+scope's forward start prefetches the next `policy.prefetch` scopes; in backward, each scope's
+pre-backward prefetches the `prefetch` scopes before it. A scope arriving out of order re-learns
+the order from that point; the first scope of the order arriving again starts a new pass and
+releases whatever a previous, abandoned pass left resident.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Any
+
+import torch
+
+from ._api import Policy, ScopeState
+from ._grads import GradOffload
+from ._scope import ParamSlot, Scope, _tensors
+
+logger = logging.getLogger("offtensor")
+
+_hold_depth = 0  # > 0 inside offtensor.no_offload()
+_engines: "weakref.WeakSet[TransferEngine]" = weakref.WeakSet()
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs (backward, and recompute under checkpointing)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class TransferEngine:
+    """Streams, events and prefetch decisions for one wrapped model; drives scope states."""
+
+    def __init__(self, device: torch.device, policy: Policy) -> None:
+        self.device = device
+        self.policy = policy
+        self.is_cuda = device.type == "cuda"
+        self.scopes: list[Scope] = []
+        self.grads = GradOffload(self)
+        self._h2d_stream: Any = None
+        self._d2h_stream: Any = None
+        self._order: list[Scope] = []
+        self._pos = 0
+        self._learned = False
+        self._index: dict[Scope, int] = {}
+        self._live: dict[Scope, None] = {}  # scopes not OFFLOADED, in load order
+        self._unsynced_h2d: list[Any] = []  # events of copies that may still read host masters
+        _engines.add(self)
+
+    # ---- streams and events (no-ops on the CPU) -------------------------------------------
+
+    def compute_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device) if self.is_cuda else None
+
+    def h2d_stream(self) -> Any:
+        if self.is_cuda and self._h2d_stream is None:
+            self._h2d_stream = torch.cuda.Stream(self.device)
+        return self._h2d_stream
+
+    def d2h_stream(self) -> Any:
+        if self.is_cuda and self._d2h_stream is None:
+            self._d2h_stream = torch.cuda.Stream(self.device)
+        return self._d2h_stream
+
+    def record(self, stream: Any) -> Any:
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    @staticmethod
+    def wait(stream: Any, event: Any) -> None:
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def hold(self) -> bool:
+        return _hold_depth > 0
+
+    # ---- scope state transitions (Note [scope states]) -------------------------------------
+
+    def load(self, scope: Scope, *, with_grads: bool) -> None:
+        """OFFLOADED -> LOADING: allocate on compute, copy host->device on the copy stream."""
+        if scope.state is ScopeState.OFFLOADED:
+            compute, h2d = self.compute_stream(), self.h2d_stream()
+            scope.device_storage.resize_(scope.nbytes)
+            self.wait(h2d, self.record(compute))  # alloc_done
+            with self.on(h2d):
+                scope.device_flat.copy_(scope.host_flat, non_blocking=True)
+            scope.weights_ready = self.record(h2d)
+            self._note_h2d(scope.weights_ready)
+            scope.state = ScopeState.LOADING
+            self._live[scope] = None
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("load %s (%.1f MiB)%s", scope.name, scope.nbytes / 2**20, self._mem())
+        if with_grads:
+            self._load_old_grads(scope)
+
+    def make_resident(self, scope: Scope) -> None:
+        """-> RESIDENT: the compute stream waits (device side) for the weights' copy."""
+        if scope.state is ScopeState.RESIDENT:
+            return
+        if scope.state is ScopeState.OFFLOADED:
+            self.load(scope, with_grads=False)
+        self.wait(self.compute_stream(), scope.weights_ready)
+        scope.weights_ready = None
+        scope.state = ScopeState.RESIDENT
+
+    def release(self, scope: Scope) -> None:
+        """-> OFFLOADED: free the device copy, ordered after every queued use of it."""
+        if scope.state is ScopeState.OFFLOADED:
+            return
+        compute = self.compute_stream()
+        self.wait(compute, scope.weights_ready)  # a prefetch nobody used: the free must follow it
+        self.wait(compute, scope.grads_ready)
+        scope.weights_ready = scope.grads_ready = None
+        for slot in scope.slots:
+            slot.old_grad = None
+        scope.device_storage.resize_(0)
+        scope.state = ScopeState.OFFLOADED
+        self._live.pop(scope, None)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("release %s%s", scope.name, self._mem())
+
+    def release_all(self) -> None:
+        for scope in list(self._live):
+            self.release(scope)
+
+    def _load_old_grads(self, scope: Scope) -> None:
+        """Fetch existing host grads of the scope's parameters, for accumulation on the device."""
+        todo = []
+        for slot in scope.slots:
+            if slot.old_grad is None and not slot.grad_written:
+                g = torch._C.TensorBase.grad.__get__(slot.param)
+                if g is not None:
+                    todo.append((slot, g))
+        if not todo:
+            return
+        compute, h2d = self.compute_stream(), self.h2d_stream()
+        for slot, g in todo:
+            slot.old_grad = torch.empty(g.shape, dtype=g.dtype, device=self.device)
+        self.wait(h2d, self.record(compute))
+        with self.on(h2d):
+            for slot, g in todo:
+                slot.old_grad.copy_(g, non_blocking=True)
+        scope.grads_ready = self.record(h2d)
+        self._note_h2d(scope.grads_ready)
+
+    def take_old_grad(self, slot: ParamSlot) -> torch.Tensor | None:
+        g = slot.old_grad
+        if g is not None:
+            self.wait(self.compute_stream(), slot.scope.grads_ready)
+            slot.old_grad = None
+        return g
+
+    # ---- materialization for ops (Note [dispatch of an offloaded parameter]) ----------------
+
+    def materialize(self, slot: ParamSlot, op_device: torch.device | None) -> torch.Tensor | None:
+        scope = slot.scope
+        if scope.active_calls > 0:
+            self.make_resident(scope)
+            return slot.use_device_copy()
+        p = slot.param
+        needs_grad = torch.is_grad_enabled() and p.requires_grad
+        if op_device is None and not needs_grad:
+            return None  # act on the host master
+        return self._temporary_copy(slot, op_device, needs_grad)
+
+    def _temporary_copy(self, slot: ParamSlot, op_device: torch.device | None,
+                        needs_grad: bool) -> torch.Tensor:
+        """A copy of the master for one op outside the parameter's scope (tied weights,
+        functional calls). Its gradient takes the same path as the scope's device copy."""
+        master = slot.param
+        if op_device is None:
+            copy = master.detach().clone()
+        else:
+            copy = torch.empty(master.shape, dtype=master.dtype, device=op_device)
+            copy.copy_(master, non_blocking=True)  # on the current stream: ordered with its use
+            if op_device.type == "cuda":
+                self._note_h2d(self.record(torch.cuda.current_stream(op_device)))
+        if needs_grad:
+            copy.requires_grad_(True)
+            copy.register_post_accumulate_grad_hook(lambda t, slot=slot: self.grads.on_leaf_grad(slot, t))
+        return copy
+
+    def _note_h2d(self, event: Any) -> None:
+        if event is not None:
+            self._unsynced_h2d.append(event)
+            if len(self._unsynced_h2d) > 64:
+                self._unsynced_h2d = [e for e in self._unsynced_h2d if not e.query()]
+
+    def before_master_write(self, slot: ParamSlot) -> None:
+        """Called before an in-place op on a master: no copy may still be reading it, and a
+        device copy made from the old value is stale."""
+        if self._unsynced_h2d:
+            for event in self._unsynced_h2d:
+                event.synchronize()
+            self._unsynced_h2d.clear()
+        scope = slot.scope
+        if scope.state is not ScopeState.OFFLOADED and scope.active_calls == 0:
+            self.release(scope)
+
+    # ---- forward / backward progress (called by Scope hooks and GradOffload) ---------------
+
+    def pre_forward(self, scope: Scope, args: tuple, kwargs: dict) -> None:
+        scope.active_calls += 1
+        if in_backward():
+            self.pre_backward(scope)
+            return
+        self._check_inputs(scope, args, kwargs)
+        self._advance_order(scope)
+        scope.calls_in_pass += 1
+        self.load(scope, with_grads=False)
+        if self._learned:
+            for nxt in self._order[self._pos : self._pos + self.policy.prefetch]:
+                if nxt is not scope:
+                    self.load(nxt, with_grads=False)
+        self.make_resident(scope)
+
+    def post_forward(self, scope: Scope, *, failed: bool, backward_expected: bool) -> None:
+        scope.active_calls = max(0, scope.active_calls - 1)
+        if in_backward():
+            return  # a recompute: the scope's backward follows, post_backward releases it
+        if failed:
+            self.abort()
+            return
+        if self.hold():
+            return
+        if backward_expected and (
+            scope.policy.keep_for_backward
+            or (self._learned and self._pos == len(self._order) and self._order[-1] is scope)
+        ):
+            return  # needed again first thing in backward: skip the release and reload
+        self.release(scope)
+
+    def pre_backward(self, scope: Scope) -> None:
+        self.grads.enter_backward()
+        self.load(scope, with_grads=True)
+        i = self._index.get(scope)
+        if i is not None:
+            for prev in reversed(self._order[max(0, i - self.policy.prefetch) : i]):
+                if prev is not scope:
+                    self.load(prev, with_grads=True)
+        self.make_resident(scope)
+
+    def post_backward(self, scope: Scope) -> None:
+        self.grads.flush(keep=scope)
+        if self.hold() or scope.calls_in_pass > 1:
+            return  # a module called several times: later calls' backward still needs it
+        if scope.state is not ScopeState.OFFLOADED and scope.active_calls == 0:
+            self.release(scope)
+
+    def end_backward(self) -> None:
+        """End of the outermost backward: nothing stays resident (unless no_offload holds)."""
+        for scope in self.scopes:
+            scope.active_calls = 0
+        if not self.hold():
+            self.release_all()
+
+    def abort(self) -> None:
+        """An exception in a scope's forward: drop every device copy and in-flight prefetch."""
+        for scope in self.scopes:
+            scope.active_calls = 0
+        self._pos = 0
+        if not self.hold():
+            self.release_all()
+
+    def _advance_order(self, scope: Scope) -> None:
+        order = self._order
+        if self._pos < len(order) and order[self._pos] is scope:
+            self._pos += 1
+        elif order and order[0] is scope:
+            self._learned = True
+            self._start_pass(scope)
+            self._pos = 1
+        else:
+            if self._learned:
+                logger.debug("scope order changed at %s; relearning", scope.name)
+            del order[self._pos :]
+            order.append(scope)
+            self._pos = len(order)
+        self._index[scope] = self._pos - 1
+
+    def _start_pass(self, first: Scope) -> None:
+        self.grads.reset_if_stale()
+        for scope in self.scopes:
+            scope.calls_in_pass = 0
+            if scope is not first:
+                scope.active_calls = 0
+        if not self.hold():
+            for scope in list(self._live):
+                if scope is not first:
+                    self.release(scope)
+
+    def _check_inputs(self, scope: Scope, args: tuple, kwargs: dict) -> None:
+        if not self.is_cuda:
+            return
+        for i, t in enumerate(_tensors(args, kwargs)):
+            if t.device.type == "cpu" and t.dim() > 0:
+                raise RuntimeError(
+                    f"offtensor: input tensor {i} of scope {scope.name!r} "
+                    f"(shape {tuple(t.shape)}, {t.dtype}) is on the cpu, but the scope computes "
+                    f"on {self.device}; move inputs with .to({str(self.device)!r}) (and the "
+                    "model's unwrapped parts with model.to(...); offloaded parameters stay on "
+                    "the host)"
+                )
+
+    def _mem(self) -> str:
+        if not self.is_cuda:
+            return ""
+        return f"; device memory allocated {torch.cuda.memory_allocated(self.device) / 2**20:.1f} MiB"
+
+
+@contextlib.contextmanager
+def no_offload():
+    """Turn offloading off temporarily: scopes loaded inside stay resident until the outermost
+    `no_offload()` exits, which releases them.
+
+    Useful when the model fits the device for a while (evaluation, generation of many tokens)
+    and streaming every forward would only cost time.
+
+    Example::
+
+        with offtensor.no_offload():
+            model.generate(input_ids, max_new_tokens=64)  # weights stream once, then stay
+    """
+    global _hold_depth
+    _hold_depth += 1
+    try:
+        yield
+    finally:
+        _hold_depth -= 1
+        if _hold_depth == 0:
+            for engine in list(_engines):
+                if not in_backward():
+                    engine.release_all()
