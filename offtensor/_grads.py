@@ -19,6 +19,7 @@ queued per graph task and only the outermost one finalizes.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,16 +64,16 @@ class GradOffload:
             out = hook(grad)
             if out is not None:
                 grad = out
+        if not slot.grad_written:
+            slot.host_grad = self._destination(slot)
         old = None if slot.grad_written else engine.take_old_grad(slot)
-        if old is None:
-            host_old = slot.host_grad if slot.grad_written else _TensorBase.grad.__get__(slot.param)
-            if host_old is not None:
-                if slot.grad_written and grad.device.type == "cuda":
-                    engine.wait(engine.compute_stream(), slot.last_d2h)
-                old = host_old.to(grad.device, non_blocking=True)
+        if old is None and (slot.grad_written or slot.accumulate):
+            if slot.grad_written and grad.device.type == "cuda":
+                engine.wait(engine.compute_stream(), slot.last_d2h)
+            old = slot.host_grad.to(grad.device, non_blocking=True)
         if old is not None:
             grad = grad + old.to(grad.dtype)
-        buf = self._host_buffer(slot, grad.dtype)
+        buf = slot.host_grad
         if grad.device.type == "cuda":
             d2h = engine.d2h_stream()
             engine.wait(d2h, engine.record(torch.cuda.current_stream(grad.device)))
@@ -86,13 +87,23 @@ class GradOffload:
             slot.grad_written = True
             self._written.append(slot)
 
-    def _host_buffer(self, slot: ParamSlot, dtype: torch.dtype) -> torch.Tensor:
+    def _destination(self, slot: ParamSlot) -> torch.Tensor:
+        """Where this backward's gradient for the slot goes: into `p.grad` when it exists
+        (accumulation, in place, as PyTorch does), else the slot's pinned buffer from earlier
+        steps, unless the user still holds that tensor (after `zero_grad(set_to_none=True)` a
+        kept gradient must keep its values): then a new buffer."""
         p = slot.param
+        current = _TensorBase.grad.__get__(p)
+        slot.accumulate = current is not None
+        if current is not None:
+            return current
         buf = slot.host_grad
-        if buf is None or buf.dtype != p.dtype:
-            nbytes = p.numel() * p.element_size()
-            buf = host_empty(nbytes, pin=slot.scope.pinned).view(p.dtype).view(p.shape)
-            slot.host_grad = buf
+        if buf is not None and _holders(buf) == slot.host_grad_holders:
+            return buf
+        nbytes = p.numel() * p.element_size()
+        buf = host_empty(nbytes, pin=slot.scope.pinned).view(p.dtype).view(p.shape)
+        refs, users = _holders(buf)
+        slot.host_grad_holders = (refs + 1, users)  # + the slot's own reference, set by the caller
         return buf
 
     def flush(self, keep: Scope | None = None) -> None:
@@ -142,3 +153,8 @@ class GradOffload:
             self._written.clear()
             self._inflight.clear()
             self._last_d2h = None
+
+
+def _holders(t: torch.Tensor) -> tuple[int, int]:
+    """(Python references to `t`, tensors sharing its storage): changes when a user keeps it."""
+    return sys.getrefcount(t) - 1, torch._C._storage_Use_Count(t.untyped_storage()._cdata)

@@ -85,6 +85,16 @@ def _dispatch(func, args: tuple, kwargs: dict) -> Any:
     params = _find_params(args, kwargs)
     if not params:
         return func(*args, **kwargs)
+    if func in _MASTER_ONLY:
+        return func(*args, **kwargs)
+    if _is_inplace(func):
+        # Writes always go to the master (under grad mode PyTorch then raises its usual
+        # leaf-in-place error, as for a plain parameter).
+        for p in params:
+            slot = getattr(p, "_ot", None)
+            if slot is not None:
+                slot.scope.engine.before_master_write(slot)
+        return func(*args, **kwargs)
     op_device = _op_device(args, kwargs)
     subs: dict[int, torch.Tensor] = {}
     for p in params:
@@ -94,8 +104,6 @@ def _dispatch(func, args: tuple, kwargs: dict) -> Any:
         replacement = slot.scope.engine.materialize(slot, op_device)
         if replacement is not None:
             subs[id(p)] = replacement
-        elif _is_inplace(func):
-            slot.scope.engine.before_master_write(slot)
     if subs:
         args, kwargs = _substitute(args, subs), {k: _sub_one(v, subs) for k, v in kwargs.items()}
     return func(*args, **kwargs)
@@ -179,6 +187,19 @@ def _register_hook(p: OffloadedParameter, hook) -> RemovableHandle:
     slot.grad_hooks[handle.id] = hook
     return handle
 
+
+# Queries about the master itself, and methods that change the parameter object: never
+# materialized, even when grad mode would otherwise call for a differentiable copy.
+_MASTER_ONLY = {
+    torch.Tensor.is_pinned, torch.Tensor.data_ptr, torch.Tensor.untyped_storage,
+    torch.Tensor.storage_offset, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.size,
+    torch.Tensor.dim, torch.Tensor.ndimension, torch.Tensor.stride, torch.Tensor.element_size,
+    torch.Tensor.is_contiguous, torch.Tensor.is_floating_point, torch.Tensor.is_complex,
+    torch.Tensor.is_signed, torch.Tensor.__len__, torch.Tensor.get_device, torch.Tensor.detach,
+    torch.Tensor.requires_grad_, torch.Tensor.retain_grad, torch.Tensor.is_shared,
+    torch.Tensor.pin_memory, torch.Tensor.__format__, torch.Tensor.tolist, torch.Tensor.item,
+    torch.Tensor.numpy, torch.Tensor.type, torch.Tensor.__hash__, torch.Tensor.__bool__,
+}
 
 # Note [user gradient hooks]: the device copy, not the master, is what autograd differentiates,
 # so hooks registered on the master would never fire. We keep them on the ParamSlot and call them

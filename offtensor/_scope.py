@@ -24,6 +24,7 @@ through autograd's references or break its saved-tensor checks.
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,10 +52,12 @@ class ParamSlot:
     device_leaf: torch.Tensor  # on the compute device; shares the scope's device storage
     host_grad: torch.Tensor | None = None  # pinned; `p.grad` points here after backward
     grad_written: bool = False  # host_grad received a contribution in the current backward
+    host_grad_holders: tuple[int, int] = (0, 0)  # _grads._holders(host_grad) when only we hold it
+    accumulate: bool = False  # `p.grad` existed when this backward's first contribution came
     last_d2h: Any = None  # event after the latest device-to-host copy into host_grad
     old_grad: torch.Tensor | None = None  # device copy of `p.grad`, fetched for accumulation
-    grad_hooks: dict = field(default_factory=dict)  # register_hook hooks, see Note [user gradient hooks]
-    post_hooks: dict = field(default_factory=dict)  # post-accumulate-grad hooks
+    grad_hooks: OrderedDict = field(default_factory=OrderedDict)  # register_hook hooks, see Note [user gradient hooks]
+    post_hooks: OrderedDict = field(default_factory=OrderedDict)  # post-accumulate-grad hooks
 
     def use_device_copy(self) -> torch.Tensor:
         leaf = self.device_leaf

@@ -245,12 +245,14 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
             p.grad = None
             leaf = torch.empty(0, dtype=p.dtype, device=device)
             leaf.set_(storage, offset // p.element_size(), p.shape, host.stride())
-            leaf.requires_grad_(p.requires_grad)
             p.data = host
             p.__class__ = OffloadedParameter
             slot = ParamSlot(param=p, name=qual, scope=scope, offset=offset, device_leaf=leaf)
             p._ot = slot
+            # The hook stays if the parameter is frozen now and unfrozen later.
+            leaf.requires_grad_(True)
             leaf.register_post_accumulate_grad_hook(functools.partial(_leaf_grad_hook, slot))
+            leaf.requires_grad_(p.requires_grad)
             if grad is not None:
                 slot.host_grad = host_empty(nbytes, pin=scope.pinned).view(p.dtype).view(p.shape)
                 slot.host_grad.copy_(grad)

@@ -1,0 +1,854 @@
+"""Benchmark offtensor against the whole model on the GPU and against other offloading libraries.
+
+Runs a randomly initialised Hugging Face Llama (no download) through four scenarios and, for each
+*peer* (a way of placing the model), reports the median wall time, the roofline, peak device
+memory and host memory growth. docs/benchmarks.md defines every column; in short:
+
+    roofline = max(time of the same scenario with the whole model resident on the device,
+                   bytes that must cross PCIe / measured pinned bandwidth)
+
+Usage:
+
+    python -m offtensor.bench                          # 8 layers, every scenario and peer
+    python -m offtensor.bench --layers 16 --peers resident offtensor --json out.json
+    python -m offtensor.bench --quick --device cpu     # smoke test: tiny model, no GPU needed
+
+Peers other than offtensor are optional: one that is not installed, or that fails, is reported
+with a note and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+GiB = 2**30
+
+# --------------------------------------------------------------------------------------------
+# What is run
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Dimensions of the Llama that is built (random weights, bf16)."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    layers: int
+
+
+FULL_SHAPE = ModelShape(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000, layers=8)
+QUICK_SHAPE = ModelShape(hidden=256, intermediate=688, heads=4, kv_heads=2, vocab=1024, layers=2)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One workload. kind: 'infer' (no_grad forward), 'train' (all params trainable) or
+    'frozen' (decoder layers frozen, a small trainable part)."""
+
+    name: str
+    kind: str
+    batch: int
+    seq: int
+    micro_batches: int = 1  # forward+backward passes per timed iteration (grad accumulation)
+
+    @property
+    def variant(self) -> str:
+        # Scenarios of the same variant share one freshly built model per peer.
+        return "lora" if self.kind == "frozen" else "base"
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("infer-1x512", "infer", 1, 512),  # transfer-bound
+        Scenario("infer-8x2048", "infer", 8, 2048),  # compute-bound
+        Scenario("train-4x2048", "train", 4, 2048, micro_batches=2),
+        Scenario("lora-4x2048", "frozen", 4, 2048, micro_batches=2),
+    )
+}
+
+
+def _quick(s: Scenario) -> Scenario:
+    return Scenario(s.name, s.kind, min(s.batch, 2), max(16, s.seq // 32), s.micro_batches)
+
+
+PEER_NAMES = ("resident", "offtensor", "accelerate", "diffusers")
+
+
+# --------------------------------------------------------------------------------------------
+# Small utilities
+# --------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _host_rss() -> int | None:
+    """Resident set size of this process in bytes (psutil, else /proc/self/status)."""
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        # Pinned blocks freed by tensors stay cached by PyTorch's host allocator; give them back
+        # so the next peer's host-memory baseline is clean. The name moved between releases.
+        for fn in (getattr(torch.accelerator, "empty_host_cache", None),
+                   getattr(torch._C, "_host_emptyCache", None)):
+            if fn is not None:
+                with contextlib.suppress(Exception):
+                    fn()
+                break
+
+
+def _short_error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _version(module_name: str) -> str | None:
+    try:
+        module = __import__(module_name)
+    except Exception:  # noqa: BLE001 - a broken install is reported as missing
+        return None
+    return str(getattr(module, "__version__", "unknown"))
+
+
+# --------------------------------------------------------------------------------------------
+# Bandwidth
+# --------------------------------------------------------------------------------------------
+
+
+def measure_bandwidth(device: torch.device, nbytes: int, reps: int = 5) -> dict[str, Any]:
+    """Pinned host<->device copy bandwidth in bytes/s, median of `reps` timed copies.
+
+    On CUDA: one large pinned buffer, CUDA events around each copy, plus both directions at
+    once on two streams (for reference; the roofline uses the one-way numbers). On the CPU, the
+    "transfer" offtensor does is a memcpy between two host buffers, timed with perf_counter.
+    """
+    out: dict[str, Any] = {"bytes": nbytes, "reps": reps, "method": None}
+    if device.type == "cuda":
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dev2 = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+        def timed(dst: torch.Tensor, src: torch.Tensor) -> float:
+            samples = []
+            for i in range(reps + 2):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                if i >= 2:  # first two are warm-up
+                    samples.append(start.elapsed_time(end) / 1e3)
+            return nbytes / statistics.median(samples)
+
+        out["method"] = "pinned, CUDA events"
+        out["h2d"] = timed(dev, host)
+        out["d2h"] = timed(host, dev)
+
+        s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        samples = []
+        for i in range(reps + 2):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            with torch.cuda.stream(s1):
+                dev.copy_(host, non_blocking=True)
+            with torch.cuda.stream(s2):
+                host2.copy_(dev2, non_blocking=True)
+            torch.cuda.synchronize(device)
+            if i >= 2:
+                samples.append(time.perf_counter() - t0)
+        out["bidirectional_total"] = 2 * nbytes / statistics.median(samples)
+        del host, host2, dev, dev2
+        _free_memory(device)
+    else:
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        samples = []
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            if i >= 1:
+                samples.append(time.perf_counter() - t0)
+        out["method"] = "host memcpy, perf_counter"
+        out["h2d"] = out["d2h"] = nbytes / statistics.median(samples)
+        out["bidirectional_total"] = None
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _no_init_weights() -> contextlib.AbstractContextManager[Any]:
+    # transformers' own random init of billions of bf16 values takes tens of seconds on the CPU;
+    # we skip it and fill the weights from the device's generator instead (_fill_random).
+    for path in ("transformers.initialization", "transformers.modeling_utils"):
+        try:
+            module = __import__(path, fromlist=["no_init_weights"])
+            return module.no_init_weights()
+        except (ImportError, AttributeError):
+            continue
+    return contextlib.nullcontext()
+
+
+def _fill_random(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Normal(0, 0.02) matrices, ones for norm weights; generated on `device`, stored in place."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim < 2:
+                p.fill_(1.0)
+                continue
+            src = torch.empty(p.shape, dtype=p.dtype, device=device).normal_(0.0, 0.02, generator=gen)
+            p.copy_(src)
+            del src
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList of decoder layers (also found inside a peft-injected model)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    for m in lists:
+        if type(m[0]).__name__.endswith("DecoderLayer"):
+            return m
+    if not lists:
+        raise RuntimeError("bench: the model has no nn.ModuleList of layers")
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+@dataclass
+class BuiltModel:
+    variant: str  # 'base' or 'lora'
+    vocab: int
+    model: nn.Module
+    layers: nn.ModuleList
+    trainable: str  # what requires grad, in words
+    total_bytes: int  # all parameters
+    wrapped_bytes: int  # decoder-layer parameters: what an offloader moves
+    wrapped_trainable_bytes: int  # decoder-layer parameters that get a grad
+
+
+def build_model(shape: ModelShape, variant: str, device: torch.device, seed: int) -> BuiltModel:
+    """A random-weight bf16 LlamaForCausalLM with SDPA attention, parameters on the CPU.
+
+    variant 'lora': every base parameter frozen; LoRA adapters (r=16 on q/k/v/o) trainable when
+    peft is installed, otherwise the input embeddings (so that backward still runs through every
+    decoder layer).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        use_cache=False,
+        **{"attn_implementation": "sdpa"},  # a kwarg the config stores, not a declared parameter
+    )
+    with _no_init_weights(), _default_dtype(torch.bfloat16), torch.device("cpu"):
+        model = LlamaForCausalLM(config)
+    _fill_random(model, device, seed)
+
+    trainable = "all parameters"
+    if variant == "lora":
+        model.requires_grad_(False)
+        peft: Any
+        try:
+            import peft
+        except ImportError:
+            peft = None
+        if peft is not None:
+            lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+            peft.inject_adapter_in_model(lora, model)
+            for name, p in model.named_parameters():
+                is_lora = "lora_" in name
+                p.requires_grad_(is_lora)
+                if is_lora and p.dtype != torch.bfloat16:
+                    p.data = p.data.to(torch.bfloat16)
+            trainable = "peft LoRA r=16 on q/k/v/o_proj; base frozen"
+        else:
+            model.get_input_embeddings().weight.requires_grad_(True)
+            trainable = "input embeddings only (peft not installed); decoder layers frozen"
+
+    layers = decoder_layers(model)
+    def nbytes(ps: Iterable[torch.Tensor]) -> int:
+        return sum(p.numel() * p.element_size() for p in ps)
+
+    return BuiltModel(
+        variant=variant,
+        vocab=shape.vocab,
+        model=model,
+        layers=layers,
+        trainable=trainable,
+        total_bytes=nbytes(model.parameters()),
+        wrapped_bytes=nbytes(layers.parameters()),
+        wrapped_trainable_bytes=nbytes(p for p in layers.parameters() if p.requires_grad),
+    )
+
+
+def _place_outside(model: nn.Module, layers: nn.ModuleList, device: torch.device) -> None:
+    """Move every parameter and buffer that is not in `layers` to `device`, in place.
+
+    For peers whose hooks own the layers' placement, where a plain `model.to(device)` would
+    pull the offloaded weights onto the device too.
+    """
+    inside = {id(m) for m in layers.modules()}
+    with torch.no_grad():
+        for module in model.modules():
+            if id(module) in inside:
+                continue
+            for name, p in module._parameters.items():
+                if p is not None:
+                    p.data = p.data.to(device)
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = b.to(device)
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    # transformers 5.2x renamed gradient_checkpointing_enable to activation_checkpointing_enable.
+    kwargs = {"use_reentrant": False}
+    model = cast(Any, model)
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Peers: each places a freshly built CPU model for computing on `device`, in place
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeerOptions:
+    offtensor_prefetch: int | None = None
+
+
+def _setup_resident(built: BuiltModel, device: torch.device, opts: PeerOptions) -> str:
+    built.model.to(device)
+    return "whole model on the device"
+
+
+def _setup_offtensor(built: BuiltModel, device: torch.device, opts: PeerOptions) -> str:
+    import offtensor
+
+    policy = None
+    if opts.offtensor_prefetch is not None:
+        policy = offtensor.Policy(prefetch=opts.offtensor_prefetch)
+    # Default predicate (every element of every nn.ModuleList): the decoder layers.
+    offtensor.wrap(built.model, device=device, policy=policy)
+    built.model.to(device)  # embeddings, final norm, head, rotary buffers; masters stay on the host
+    return f"offtensor.wrap(model, device={str(device)!r}, policy={policy})"
+
+
+def _setup_accelerate(built: BuiltModel, device: torch.device, opts: PeerOptions) -> str:
+    from accelerate import cpu_offload
+
+    _place_outside(built.model, built.layers, device)
+    for layer in built.layers:
+        cpu_offload(layer, execution_device=device)
+    return "accelerate.cpu_offload on each decoder layer"
+
+
+def _setup_diffusers(built: BuiltModel, device: torch.device, opts: PeerOptions) -> str:
+    from diffusers.hooks import apply_group_offloading
+
+    use_stream = device.type == "cuda"  # diffusers refuses streams on the CPU
+    _place_outside(built.model, built.layers, device)
+    # Applied per decoder layer: diffusers traces the execution order from the forward of the
+    # module it is given, and an nn.ModuleList has no forward, so giving it `layers` would
+    # disable prefetching; per layer, each leaf prefetches the next one within the layer.
+    for layer in built.layers:
+        apply_group_offloading(layer, onload_device=device, offload_device=torch.device("cpu"),
+                               offload_type="leaf_level", use_stream=use_stream)
+    return f"diffusers apply_group_offloading(leaf_level, use_stream={use_stream}) on each decoder layer"
+
+
+PEER_SETUP: dict[str, Callable[[BuiltModel, torch.device, PeerOptions], str]] = {
+    "resident": _setup_resident,
+    "offtensor": _setup_offtensor,
+    "accelerate": _setup_accelerate,
+    "diffusers": _setup_diffusers,
+}
+PEER_MODULE = {"resident": None, "offtensor": "offtensor", "accelerate": "accelerate", "diffusers": "diffusers"}
+
+
+def peer_unavailable(peer: str) -> str | None:
+    """Why `peer` cannot run here, or None."""
+    module = PEER_MODULE[peer]
+    if module is None:
+        return None
+    try:
+        __import__(module if peer != "diffusers" else "diffusers.hooks")
+    except Exception as exc:  # noqa: BLE001 - not installed, or broken on import
+        return f"not available: {_short_error(exc)}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring one scenario
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    scenario: str
+    peer: str
+    status: str  # ok | error | skipped
+    note: str = ""
+    batch: int = 0
+    seq: int = 0
+    times_ms: list[float] = field(default_factory=list)  # per iteration (per micro-batch in training)
+    median_ms: float | None = None
+    peak_vram_bytes: int | None = None
+    vram_before_bytes: int | None = None  # allocated when the scenario starts (weights at rest)
+    host_growth_bytes: int | None = None  # RSS now minus RSS before this peer's model was built
+    grads_kept: float | None = None  # fraction of trainable layer params with a .grad after backward
+    grad_devices: list[str] | None = None
+    roofline_ms: float | None = None
+    ratio: float | None = None
+
+
+def _grad_state(layers: nn.ModuleList) -> tuple[float | None, list[str]]:
+    trainable = [p for p in layers.parameters() if p.requires_grad]
+    if not trainable:
+        return None, []
+    grads = [p.grad for p in trainable if p.grad is not None]
+    devices = sorted({str(g.device) + (" pinned" if g.is_pinned() else "") for g in grads})
+    return len(grads) / len(trainable), devices
+
+
+def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *, warmup: int,
+                 iters: int, max_seconds: float, seed: int, row: Row) -> None:
+    """Fill `row` with the timings and memory of `scenario` on the placed model `built`."""
+    model, layers = built.model, built.layers
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    ids = torch.randint(0, built.vocab, (scenario.batch, scenario.seq), device=device,
+                        generator=gen)
+
+    if scenario.kind == "infer":
+        model.eval()
+
+        def step() -> None:
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=False)
+
+        per_step = 1
+    else:
+        model.train()
+        if not getattr(model, "is_gradient_checkpointing", False):
+            enable_checkpointing(model)
+
+        def step() -> None:
+            for _ in range(scenario.micro_batches):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+                del loss
+            model.zero_grad(set_to_none=True)
+
+        per_step = scenario.micro_batches
+
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        row.vram_before_bytes = torch.cuda.memory_allocated(device)
+
+    def timed(fn: Callable[[], None]) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - t0
+
+    def first_step() -> None:
+        # The first warm-up iteration also tells whether the grads landed in p.grad.
+        if scenario.kind == "infer":
+            step()
+            return
+        for _ in range(scenario.micro_batches):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            del loss
+        row.grads_kept, row.grad_devices = _grad_state(layers)
+        if row.grads_kept is not None and row.grads_kept < 1.0:
+            row.note = (f"only {row.grads_kept:.0%} of the trainable layer parameters had a .grad "
+                        "after backward: not a valid training step")
+        model.zero_grad(set_to_none=True)
+
+    last = timed(first_step)
+    for _ in range(warmup - 1):
+        last = timed(step)
+    # A peer much slower than expected gets fewer iterations rather than stalling the run.
+    if last * iters > max_seconds:
+        iters = max(1, min(iters, int(max_seconds // max(last, 1e-9))))
+        row.note = (row.note + f" iterations cut to {iters} (warm-up took {last:.1f} s)").strip()
+
+    times = [timed(step) / per_step for _ in range(iters)]
+
+    row.times_ms = [t * 1e3 for t in times]
+    row.median_ms = statistics.median(row.times_ms)
+    if device.type == "cuda":
+        row.peak_vram_bytes = torch.cuda.max_memory_allocated(device)
+    if scenario.kind != "infer":
+        model.zero_grad(set_to_none=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VariantBytes:
+    total_bytes: int
+    wrapped_bytes: int
+    wrapped_trainable_bytes: int
+    trainable: str
+
+
+def _iterations(args: argparse.Namespace, scenario: Scenario) -> tuple[int, int]:
+    """(warm-up, timed) iterations: a few per scenario keeps the full 8-layer run to minutes."""
+    warmup = args.warmup or (1 if args.quick else 2)
+    iters = args.iters or (2 if args.quick else 5 if scenario.kind == "infer" else 3)
+    return warmup, iters
+
+
+def run_peer(peer: str, scenarios: list[Scenario], shape: ModelShape, device: torch.device,
+             args: argparse.Namespace, rows: list[Row], variant_bytes: dict[str, VariantBytes],
+             setups: dict[str, Any]) -> None:
+    """Every scenario for one peer, appended to `rows`: one fresh model per variant, and a
+    fresh one again after a failed scenario (the peer's state may be half-updated)."""
+    opts = PeerOptions(offtensor_prefetch=args.offtensor_prefetch)
+    built: BuiltModel | None = None
+    rss0: int | None = None
+    setup_failed: dict[str, str] = {}  # variant -> note
+
+    for scenario in scenarios:
+        row = Row(scenario.name, peer, "ok", batch=scenario.batch, seq=scenario.seq)
+        rows.append(row)
+        if built is not None and built.variant != scenario.variant:
+            built = None
+            _free_memory(device)
+        if scenario.variant in setup_failed:
+            row.status, row.note = "error", setup_failed[scenario.variant]
+            continue
+
+        error: str | None = None
+        if built is None:
+            _free_memory(device)
+            rss0 = _host_rss()
+            try:
+                built = _build_and_place(peer, scenario.variant, shape, device, args.seed, opts,
+                                         variant_bytes, setups)
+            except Exception as exc:  # noqa: BLE001 - any failure of a peer is a result
+                error = f"setup failed: {_short_error(exc)}"
+            if error is not None:  # outside the except block, so the traceback no longer holds the model
+                row.status, row.note = "error", error
+                setup_failed[scenario.variant] = error
+                print(f"  {peer}/{scenario.name}: {error}", flush=True)
+                built = None
+                _free_memory(device)
+                continue
+        assert built is not None
+
+        try:
+            warmup, iters = _iterations(args, scenario)
+            run_scenario(built, scenario, device, warmup=warmup, iters=iters,
+                         max_seconds=args.max_scenario_s, seed=args.seed, row=row)
+        except Exception as exc:  # noqa: BLE001 - any failure of a peer is a result
+            error = _short_error(exc)
+        if error is not None:
+            row.status, row.note = "error", f"{row.note} {error}".strip()
+            row.times_ms, row.median_ms, row.peak_vram_bytes = [], None, None
+            print(f"  {peer}/{scenario.name}: {row.note}", flush=True)
+            built = None
+            _free_memory(device)
+            continue
+
+        rss = _host_rss()
+        if rss is not None and rss0 is not None:
+            row.host_growth_bytes = rss - rss0
+        print(f"  {peer}/{scenario.name}: median {row.median_ms:.2f} ms"
+              + (f", peak VRAM {row.peak_vram_bytes / GiB:.2f} GiB" if row.peak_vram_bytes else "")
+              + (f", host {row.host_growth_bytes / GiB:+.2f} GiB" if row.host_growth_bytes is not None else "")
+              + (f", grads kept {row.grads_kept:.0%} {row.grad_devices}" if row.grads_kept is not None else "")
+              + (f" ({row.note})" if row.note else ""),
+              flush=True)
+    built = None
+    _free_memory(device)
+
+
+def _build_and_place(peer: str, variant: str, shape: ModelShape, device: torch.device, seed: int,
+                     opts: PeerOptions, variant_bytes: dict[str, VariantBytes],
+                     setups: dict[str, Any]) -> BuiltModel:
+    t0 = time.perf_counter()
+    built = build_model(shape, variant, device, seed)
+    variant_bytes.setdefault(variant, VariantBytes(
+        built.total_bytes, built.wrapped_bytes, built.wrapped_trainable_bytes, built.trainable))
+    t1 = time.perf_counter()
+    how = PEER_SETUP[peer](built, device, opts)
+    _sync(device)
+    info: dict[str, Any] = {"how": how, "build_s": t1 - t0, "setup_s": time.perf_counter() - t1,
+                            "trainable": built.trainable}
+    if peer == "offtensor":
+        with contextlib.suppress(Exception):
+            import offtensor
+
+            info["summary"] = str(offtensor.summary(built.model))
+    setups[f"{peer}/{variant}"] = info
+    return built
+
+
+def compute_rooflines(rows: list[Row], scenarios: list[Scenario], bw: dict[str, Any],
+                      variant_bytes: dict[str, VariantBytes]) -> dict[str, dict[str, Any]]:
+    """Per scenario: the compute term (resident time), the transfer terms, and their max."""
+    out: dict[str, dict[str, Any]] = {}
+    for s in scenarios:
+        vb = variant_bytes.get(s.variant)
+        resident = next((r for r in rows if r.scenario == s.name and r.peer == "resident"
+                         and r.status == "ok"), None)
+        entry: dict[str, Any] = {"compute_ms": resident.median_ms if resident else None}
+        if vb is not None:
+            passes = 1 if s.kind == "infer" else 2  # backward re-loads every layer (checkpointing)
+            h2d = passes * vb.wrapped_bytes
+            d2h = 0 if s.kind == "infer" else vb.wrapped_trainable_bytes
+            entry.update(h2d_bytes=h2d, d2h_bytes=d2h,
+                         h2d_ms=h2d / bw["h2d"] * 1e3, d2h_ms=d2h / bw["d2h"] * 1e3)
+            entry["transfer_ms"] = max(entry["h2d_ms"], entry["d2h_ms"])
+        terms = [t for t in (entry["compute_ms"], entry.get("transfer_ms")) if t is not None]
+        entry["roofline_ms"] = max(terms) if terms else None
+        entry["bound"] = (None if not terms else "transfer" if entry["roofline_ms"] == entry.get("transfer_ms")
+                          else "compute")
+        if entry["compute_ms"] is None:
+            entry["note"] = "no resident time: roofline is the transfer term only"
+        out[s.name] = entry
+        for r in rows:
+            if r.scenario == s.name:
+                r.roofline_ms = entry["roofline_ms"]
+                if r.median_ms is not None and r.roofline_ms:
+                    r.ratio = r.median_ms / r.roofline_ms
+    return out
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "device": str(device),
+    }
+    for name in ("offtensor", "transformers", "accelerate", "diffusers", "peft", "psutil"):
+        env[name] = _version(name)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["gpu"] = props.name
+        env["gpu_memory_bytes"] = props.total_memory
+        env["gpu_capability"] = f"{props.major}.{props.minor}"
+        env["driver"] = None
+        with contextlib.suppress(Exception):
+            import subprocess
+
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                check=False, capture_output=True, text=True, timeout=20).stdout.strip() or None
+    return env
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(rows: list[Row], bw: dict[str, Any], env: dict[str, Any], shape: ModelShape,
+                 quick: bool) -> str:
+    head = (f"{shape.layers} layers, hidden {shape.hidden}, bf16, on {env.get('gpu', env['device'])}, "
+            f"torch {env['torch']} | H2D {bw['h2d'] / 1e9:.1f} GB/s, D2H {bw['d2h'] / 1e9:.1f} GB/s "
+            f"({bw['method']})")
+    table = [("scenario", "peer", "median ms", "roofline ms", "ratio", "peak VRAM GiB", "host GiB")]
+    for r in rows:
+        # --quick keeps the scenario names but shrinks the shapes: show the real one.
+        name = f"{r.scenario} ({r.batch}x{r.seq})" if quick else r.scenario
+        median = _fmt(r.median_ms, ".1f") if r.status == "ok" else r.status
+        table.append((name, r.peer, median, _fmt(r.roofline_ms, ".1f"), _fmt(r.ratio, ".2f"),
+                      _fmt(None if r.peak_vram_bytes is None else r.peak_vram_bytes / GiB, ".2f"),
+                      _fmt(None if r.host_growth_bytes is None else r.host_growth_bytes / GiB, ".2f")))
+    widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
+    lines = [" | ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(t, widths)))
+             for t in table]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join([head, *lines])
+
+
+def _names(values: list[str], known: tuple[str, ...] | list[str], what: str) -> list[str]:
+    names = [n for v in values for n in v.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"bench: unknown {what} {unknown}; choose from {list(known)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m offtensor.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; 2 with --quick)")
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS),
+                   help=f"any of {list(SCENARIOS)} (space or comma separated; default all)")
+    p.add_argument("--peers", nargs="+", default=list(PEER_NAMES),
+                   help=f"any of {list(PEER_NAMES)} (default all; resident always runs first)")
+    p.add_argument("--json", default=None, help="write every number to this JSON file")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model (hidden 256, 2 layers) and short sequences: a smoke test")
+    p.add_argument("--device", default=None, help="compute device (default cuda if available, else cpu)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default 2; 1 with --quick)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed iterations (default 5 for inference, 3 for training; 2 with --quick)")
+    p.add_argument("--max-scenario-s", type=float, default=25.0,
+                   help="cut iterations when one peer/scenario would take longer than this")
+    p.add_argument("--offtensor-prefetch", type=int, default=None,
+                   help="pass offtensor.Policy(prefetch=N) to wrap (default: the library's default)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.scenarios = _names(args.scenarios, list(SCENARIOS), "scenario")
+    args.peers = _names(args.peers, PEER_NAMES, "peer")
+    if args.warmup is not None and args.warmup < 1:
+        p.error("--warmup must be >= 1")
+    if args.iters is not None and args.iters < 1:
+        p.error("--iters must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench: --device cuda, but torch sees no CUDA device")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    base = QUICK_SHAPE if args.quick else FULL_SHAPE
+    shape = ModelShape(**{**asdict(base), "layers": args.layers or base.layers})
+    scenarios = [SCENARIOS[n] for n in SCENARIOS if n in args.scenarios]  # canonical order
+    if args.quick:
+        scenarios = [_quick(s) for s in scenarios]
+    peers = sorted(args.peers, key=lambda n: n != "resident")  # resident first: it is the roofline
+
+    env = environment(device)
+    print(f"bench: {shape} on {env.get('gpu', device)}; torch {env['torch']}", flush=True)
+
+    bw = measure_bandwidth(device, (256 if args.quick else 1024) * 2**20)
+    print(f"bench: bandwidth H2D {bw['h2d'] / 1e9:.1f} GB/s, D2H {bw['d2h'] / 1e9:.1f} GB/s"
+          + (f", both at once {bw['bidirectional_total'] / 1e9:.1f} GB/s total"
+             if bw.get("bidirectional_total") else "") + f" ({bw['method']})", flush=True)
+
+    rows: list[Row] = []
+    variant_bytes: dict[str, VariantBytes] = {}
+    setups: dict[str, Any] = {}
+    interrupted = False
+    try:
+        for peer in peers:
+            why = peer_unavailable(peer)
+            if why is not None:
+                print(f"bench: {peer}: skipped, {why}", flush=True)
+                rows += [Row(s.name, peer, "skipped", why, batch=s.batch, seq=s.seq) for s in scenarios]
+                continue
+            print(f"bench: {peer}", flush=True)
+            run_peer(peer, scenarios, shape, device, args, rows, variant_bytes, setups)
+    except KeyboardInterrupt:
+        # `timeout --signal=INT` in scripts/gpu_check.sh lands here: report what was measured.
+        interrupted = True
+        print("bench: interrupted; reporting the results so far", flush=True)
+        if rows and rows[-1].status == "ok" and rows[-1].median_ms is None:
+            rows[-1].status, rows[-1].note = "error", "interrupted"
+
+    # Keep table order: scenario, then peer.
+    order = {n: i for i, n in enumerate(peers)}
+    rows.sort(key=lambda r: ([s.name for s in scenarios].index(r.scenario), order[r.peer]))
+    rooflines = compute_rooflines(rows, scenarios, bw, variant_bytes)
+
+    result = {
+        "environment": env,
+        "interrupted": interrupted,
+        "args": {k: v for k, v in vars(args).items()},
+        "model": {**asdict(shape), "dtype": "bfloat16", "attn_implementation": "sdpa",
+                  "variants": {k: asdict(v) for k, v in variant_bytes.items()}},
+        "bandwidth": bw,
+        "scenarios": {s.name: {**asdict(s), **rooflines[s.name]} for s in scenarios},
+        "setups": setups,
+        "results": [asdict(r) for r in rows],
+    }
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"bench: wrote {args.json}", flush=True)
+
+    notes = [f"  {r.peer}/{r.scenario}: {r.note}" for r in rows if r.note]
+    notes += [f"  {s}: {e['note']}" for s, e in rooflines.items() if e.get("note")]
+    if notes:
+        print("notes:\n" + "\n".join(notes))
+    print()
+    print(format_table(rows, bw, env, shape, args.quick), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
