@@ -8,7 +8,8 @@ pinned host memory, exactly when they are used.
 See README.md and docs/design.md.
 """
 
-from ._api import Policy, ScopeState, ScopeSummary, Summary
+from ._api import Policy, ScopeState, ScopeSummary, Summary, frozen_only
+from ._overlap import backward_and_step
 from ._param import OffloadedParameter
 from ._transfer import no_offload
 from ._wrap import is_wrapped, summary, unwrap, wrap
@@ -19,6 +20,8 @@ __all__ = [
     "ScopeState",
     "ScopeSummary",
     "Summary",
+    "backward_and_step",
+    "frozen_only",
     "is_wrapped",
     "no_offload",
     "summary",

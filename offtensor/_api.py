@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import torch
+from torch import nn
 
 
 class ScopeState(enum.Enum):
@@ -30,15 +34,47 @@ class Policy:
         pin_memory: page-lock the host masters and grads. `None` pins when the compute device is
             CUDA. Without pinning, host-to-device copies are synchronous and several times
             slower.
+        param_filter: `param_filter(qualified_name, param) -> bool` picks which parameters of a
+            selected module are offloaded; the others stay ordinary parameters that you place
+            (`model.to(device)`). `offtensor.frozen_only` offloads the frozen base weights of a
+            LoRA/PEFT model and leaves the small trainable adapters on the device. `None`
+            offloads all.
+        compute_dtype: dtype of the device copy of floating-point parameters, e.g.
+            `torch.bfloat16` with fp32 masters: the masters, their `.grad` and the optimizer
+            state stay fp32 on the host, the device computes in `compute_dtype` (use activations
+            of that dtype or `torch.autocast`). `None`: the masters' dtype.
+        cast: where masters are cast to `compute_dtype` (see docs/design.md for measurements).
+            `"device"`: the master bytes cross PCIe and are cast on the GPU (always exact, but
+            fp32 moves twice the bytes of bf16). `"host"`: a host copy in `compute_dtype` is
+            kept, refreshed on the CPU when the masters change; half the PCIe bytes, plus a CPU
+            cast after each optimizer step. Writes that bypass the parameter (`p.data.add_()`)
+            are not seen by `"host"`: write through the parameter (`p.add_()`, optimizers do).
     """
 
     prefetch: int = 1
     keep_for_backward: bool = False
     pin_memory: bool | None = None
+    param_filter: Callable[[str, nn.Parameter], bool] | None = None
+    compute_dtype: torch.dtype | None = None
+    cast: Literal["device", "host"] = "device"
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"offtensor.Policy: prefetch must be an int >= 0, got {self.prefetch!r}")
+        if self.compute_dtype is not None and not (
+            isinstance(self.compute_dtype, torch.dtype) and self.compute_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"offtensor.Policy: compute_dtype must be a floating-point torch.dtype such as "
+                f"torch.bfloat16, got {self.compute_dtype!r}"
+            )
+        if self.cast not in ("device", "host"):
+            raise ValueError(f"offtensor.Policy: cast must be 'device' or 'host', got {self.cast!r}")
+
+
+def frozen_only(name: str, param: nn.Parameter) -> bool:
+    """`Policy.param_filter` for LoRA/PEFT: offload the parameters that do not require grad."""
+    return not param.requires_grad
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ class GradOffload:
         self._written: list[ParamSlot] = []  # slots whose host_grad changed in this backward
         self._inflight: list[tuple[Scope, Any, torch.Tensor]] = []  # (scope, d2h event, device grad)
         self._last_d2h: Any = None
+        self.stepper: Any = None  # _overlap._OverlappedStep during backward_and_step
 
     def enter_backward(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -66,13 +67,14 @@ class GradOffload:
                 grad = out
         if not slot.grad_written:
             slot.host_grad = self._destination(slot)
+        grad = grad.to(slot.host_grad.dtype)  # Policy.compute_dtype: cast up on the device
         old = None if slot.grad_written else engine.take_old_grad(slot)
         if old is None and (slot.grad_written or slot.accumulate):
             if slot.grad_written and grad.device.type == "cuda":
                 engine.wait(engine.compute_stream(), slot.last_d2h)
             old = slot.host_grad.to(grad.device, non_blocking=True)
         if old is not None:
-            grad = grad + old.to(grad.dtype)
+            grad = grad + old
         buf = slot.host_grad
         if grad.device.type == "cuda":
             d2h = engine.d2h_stream()
@@ -80,6 +82,7 @@ class GradOffload:
             with engine.on(d2h):
                 buf.copy_(grad, non_blocking=True)
             slot.last_d2h = self._last_d2h = engine.record(d2h)
+            slot.scope.grads_offloaded = slot.last_d2h  # the d2h stream is in order
             self._inflight.append((slot.scope, slot.last_d2h, grad))
         else:
             buf.copy_(grad)
@@ -106,6 +109,12 @@ class GradOffload:
         slot.host_grad_holders = (refs + 1, users)  # + the slot's own reference, set by the caller
         return buf
 
+    def scope_done(self, scope: Scope) -> None:
+        """A scope's backward is over: its gradients are final once its copies land."""
+        self.flush(keep=scope)
+        if self.stepper is not None:
+            self.stepper.scope_done(scope, scope.grads_offloaded)
+
     def flush(self, keep: Scope | None = None) -> None:
         """Let compute wait for finished scopes' d2h copies, then drop the device grads (their
         memory returns to the allocator, ordered after the copies)."""
@@ -130,12 +139,19 @@ class GradOffload:
         """End of the outermost backward: host grads complete, `p.grad` set, hooks fired."""
         if self._last_d2h is not None:
             self._last_d2h.synchronize()
+        if self.stepper is not None:
+            self.stepper.drain()  # those slots are published and stepped already
+            written = [s for s in self._written if not self.stepper.published(s)]
+        else:
+            written = self._written
+        for slot in self._written:
+            slot.grad_written = False
+            slot.scope.grads_offloaded = None
+        self._written = []
         self._inflight.clear()
         self._last_d2h = None
-        written, self._written = self._written, []
         with torch._C.DisableTorchFunctionSubclass():
             for slot in written:
-                slot.grad_written = False
                 slot.param.grad = slot.host_grad
             for slot in written:
                 for hook in slot.post_hooks.values():

@@ -48,11 +48,15 @@ class ParamSlot:
     param: OffloadedParameter
     name: str  # qualified name in the wrapped model
     scope: Scope
-    offset: int  # bytes into the scope's flat buffers
-    device_leaf: torch.Tensor  # on the compute device; shares the scope's device storage
+    offset: int  # bytes into the scope's host buffer (master layout)
+    device_offset: int  # bytes into the scope's device buffer (compute-dtype layout)
+    device_leaf: torch.Tensor  # what ops see; shares the scope's device storage
+    device_view: torch.Tensor  # the same bytes as a view of device_flat, for the loader's
+    # writes (writing through device_leaf would bump the version counter autograd checks)
     host_grad: torch.Tensor | None = None  # pinned; `p.grad` points here after backward
     grad_written: bool = False  # host_grad received a contribution in the current backward
     host_grad_holders: tuple[int, int] = (0, 0)  # _grads._holders(host_grad) when only we hold it
+    used_outside: bool = False  # ever materialized for an op outside its scope
     accumulate: bool = False  # `p.grad` existed when this backward's first contribution came
     last_d2h: Any = None  # event after the latest device-to-host copy into host_grad
     old_grad: torch.Tensor | None = None  # device copy of `p.grad`, fetched for accumulation
@@ -78,12 +82,19 @@ class Scope:
         self.engine = engine
         self.pinned = pinned
         self.slots: list[ParamSlot] = []
-        self.nbytes = 0
-        self.host_flat: torch.Tensor | None = None  # uint8, pinned when `pinned`
+        self.nbytes = 0  # host buffer, master dtypes
+        self.device_nbytes = 0  # device buffer, compute dtypes
+        self.host_flat: torch.Tensor | None = None  # uint8, pinned when `pinned`; the masters
         self.device_flat: torch.Tensor | None = None  # uint8 on the compute device
+        # Policy.compute_dtype differs from a master's dtype: the load casts (Policy.cast).
+        self.casts = False
+        self.host_shadow: torch.Tensor | None = None  # uint8, device layout (cast="host")
+        self.shadow_stale = True  # masters changed since host_shadow was cast
+        self.shadow_read: Any = None  # event after the latest copy from host_shadow
         self.state = ScopeState.OFFLOADED
         self.weights_ready: Any = None  # event on the copy stream after the weights' copy
         self.grads_ready: Any = None  # event on the copy stream after the old grads' copy
+        self.grads_offloaded: Any = None  # event on the d2h stream after this backward's grads
         self.active_calls = 0  # forward calls of the module in progress (recompute included)
         self.calls_in_pass = 0  # forward calls in the current forward pass (shared modules)
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -92,6 +103,9 @@ class Scope:
     def device_storage(self) -> torch.UntypedStorage:
         assert self.device_flat is not None
         return self.device_flat.untyped_storage()
+
+    def host_bytes(self) -> int:
+        return self.nbytes + (self.device_nbytes if self.host_shadow is not None else 0)
 
     def device_bytes(self) -> int:
         n = self.device_storage.nbytes() if self.device_flat is not None else 0

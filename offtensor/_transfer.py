@@ -36,6 +36,7 @@ import torch
 
 from ._api import Policy, ScopeState
 from ._grads import GradOffload
+from ._overlap import worker_state
 from ._scope import ParamSlot, Scope, _tensors
 
 logger = logging.getLogger("offtensor")
@@ -107,11 +108,20 @@ class TransferEngine:
         """OFFLOADED -> LOADING: allocate on compute, copy host->device on the copy stream."""
         if scope.state is ScopeState.OFFLOADED:
             compute, h2d = self.compute_stream(), self.h2d_stream()
-            scope.device_storage.resize_(scope.nbytes)
+            scope.device_storage.resize_(scope.device_nbytes)
             self.wait(h2d, self.record(compute))  # alloc_done
-            with self.on(h2d):
-                scope.device_flat.copy_(scope.host_flat, non_blocking=True)
+            if scope.casts and scope.policy.cast == "host":
+                self._refresh_shadow(scope)
+            with self.on(h2d), torch.no_grad():
+                if not scope.casts:
+                    scope.device_flat.copy_(scope.host_flat, non_blocking=True)
+                elif scope.policy.cast == "host":
+                    scope.device_flat.copy_(scope.host_shadow, non_blocking=True)
+                else:
+                    self._copy_and_cast(scope)
             scope.weights_ready = self.record(h2d)
+            if scope.host_shadow is not None:
+                scope.shadow_read = scope.weights_ready
             self._note_h2d(scope.weights_ready)
             scope.state = ScopeState.LOADING
             self._live[scope] = None
@@ -119,6 +129,33 @@ class TransferEngine:
                 logger.debug("load %s (%.1f MiB)%s", scope.name, scope.nbytes / 2**20, self._mem())
         if with_grads:
             self._load_old_grads(scope)
+
+    def _copy_and_cast(self, scope: Scope) -> None:
+        """Policy(cast="device"): master bytes cross PCIe into a staging buffer, cast on the
+        device. Runs on the copy stream; the staging buffer is allocated on that stream, so
+        freeing it right after enqueueing the casts is stream-ordered."""
+        staging = torch.empty(scope.nbytes, dtype=torch.uint8, device=self.device)
+        staging.copy_(scope.host_flat, non_blocking=True)
+        for slot in scope.slots:
+            p = slot.param
+            n = p.numel() * p.element_size()
+            slot.device_view.copy_(staging[slot.offset : slot.offset + n].view(p.dtype).view(p.shape))
+
+    def _refresh_shadow(self, scope: Scope) -> None:
+        """Policy(cast="host"): re-cast the masters into the compute-dtype host copy after they
+        changed. Waits (host side) for the previous copy out of the shadow, rarely pending."""
+        if not scope.shadow_stale:
+            return
+        if scope.shadow_read is not None:
+            scope.shadow_read.synchronize()
+            scope.shadow_read = None
+        shadow = scope.host_shadow
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            for slot in scope.slots:
+                dt, p = slot.device_view.dtype, slot.param
+                n = p.numel() * dt.itemsize
+                shadow[slot.device_offset : slot.device_offset + n].view(dt).view(p.shape).copy_(p)
+        scope.shadow_stale = False
 
     def make_resident(self, scope: Scope) -> None:
         """-> RESIDENT: the compute stream waits (device side) for the weights' copy."""
@@ -195,14 +232,16 @@ class TransferEngine:
         """A copy of the master for one op outside the parameter's scope (tied weights,
         functional calls). Its gradient takes the same path as the scope's device copy."""
         master = slot.param
+        dtype = slot.device_view.dtype
         if op_device is None:
-            copy = master.detach().clone()
+            copy = master.detach().to(dtype=dtype, copy=True)
         else:
-            copy = torch.empty(master.shape, dtype=master.dtype, device=op_device)
+            copy = torch.empty(master.shape, dtype=dtype, device=op_device)
             copy.copy_(master, non_blocking=True)  # on the current stream: ordered with its use
             if op_device.type == "cuda":
                 self._note_h2d(self.record(torch.cuda.current_stream(op_device)))
         if needs_grad:
+            slot.used_outside = True  # its grad may come after its scope's backward
             copy.requires_grad_(True)
             copy.register_post_accumulate_grad_hook(lambda t, slot=slot: self.grads.on_leaf_grad(slot, t))
         return copy
@@ -216,11 +255,14 @@ class TransferEngine:
     def before_master_write(self, slot: ParamSlot) -> None:
         """Called before an in-place op on a master: no copy may still be reading it, and a
         device copy made from the old value is stale."""
+        scope = slot.scope
+        scope.shadow_stale = True
+        if getattr(worker_state, "active", False):
+            return  # optimizer overlap: see Note [optimizer overlap]
         if self._unsynced_h2d:
             for event in self._unsynced_h2d:
                 event.synchronize()
             self._unsynced_h2d.clear()
-        scope = slot.scope
         if scope.state is not ScopeState.OFFLOADED and scope.active_calls == 0:
             self.release(scope)
 
@@ -268,7 +310,7 @@ class TransferEngine:
         self.make_resident(scope)
 
     def post_backward(self, scope: Scope) -> None:
-        self.grads.flush(keep=scope)
+        self.grads.scope_done(scope)
         if self.hold() or scope.calls_in_pass > 1:
             return  # a module called several times: later calls' backward still needs it
         if scope.state is not ScopeState.OFFLOADED and scope.active_calls == 0:

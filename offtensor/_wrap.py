@@ -98,10 +98,20 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
     for name, module, scope_policy in selected:
         params = []
         for pname, p in module.named_parameters():
-            if id(p) not in owned:
+            qual = f"{name}.{pname}" if name else pname
+            keep = scope_policy.param_filter is None or scope_policy.param_filter(qual, p)
+            if keep and id(p) not in owned:
                 owned.add(id(p))
-                params.append((f"{name}.{pname}" if name else pname, p))
-        plans.append((name, module, scope_policy, params))
+                params.append((qual, p))
+        if params:
+            plans.append((name, module, scope_policy, params))
+    if not plans:
+        raise ValueError(
+            f"offtensor.wrap: the predicate selected {len(selected)} modules (e.g. "
+            f"{selected[0][0]!r}) but Policy.param_filter kept none of their parameters; with "
+            "offtensor.frozen_only, freeze the base weights (requires_grad_(False), or "
+            "peft.get_peft_model) before wrapping"
+        )
     progress = PinProgress(sum(p.numel() * p.element_size() for *_, ps in plans for _, p in ps))
     try:
         for name, module, scope_policy, params in plans:
@@ -151,7 +161,7 @@ def summary(model: nn.Module) -> Summary:
     """What each scope holds on the host and on the device right now."""
     engine = _engine_of(model)
     rows = [
-        ScopeSummary(s.name, s.state, s.num_params(), s.nbytes, s.device_bytes()) for s in engine.scopes
+        ScopeSummary(s.name, s.state, s.num_params(), s.host_bytes(), s.device_bytes()) for s in engine.scopes
     ]
     allocated = torch.cuda.memory_allocated(engine.device) if engine.is_cuda else None
     return Summary(str(engine.device), rows, allocated)
@@ -225,29 +235,43 @@ def _check_selection(model: nn.Module, selected: list[tuple[str, nn.Module, Poli
                 raise ValueError(f"offtensor.wrap: parameter {qual!r} is uninitialized (lazy module); run one forward first")
 
 
-def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device: torch.device) -> None:
-    offsets = []
-    total = 0
-    for _, p in params:
+def _layout(sizes: list[int]) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for n in sizes:
         offsets.append(total)
-        total += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
-    scope.nbytes = total
-    scope.host_flat = host_empty(total, pin=scope.pinned)
+        total += -(-n // ALIGN) * ALIGN
+    return offsets, max(total, ALIGN)
+
+
+def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device: torch.device) -> None:
+    compute_dtype = scope.policy.compute_dtype
+    dtypes = [compute_dtype if compute_dtype is not None and p.is_floating_point() else p.dtype
+              for _, p in params]
+    offsets, scope.nbytes = _layout([p.numel() * p.element_size() for _, p in params])
+    dev_offsets, scope.device_nbytes = _layout(
+        [p.numel() * dt.itemsize for (_, p), dt in zip(params, dtypes)]
+    )
+    scope.casts = any(dt != p.dtype for (_, p), dt in zip(params, dtypes))
+    scope.host_flat = host_empty(scope.nbytes, pin=scope.pinned)
+    if scope.casts and scope.policy.cast == "host":
+        scope.host_shadow = host_empty(scope.device_nbytes, pin=scope.pinned)
     # Allocated here only to create each parameter's device tensor on it; freed below.
-    scope.device_flat = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+    scope.device_flat = torch.empty(scope.device_nbytes, dtype=torch.uint8, device=device)
     storage = scope.device_flat.untyped_storage()
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-        for (qual, p), offset in zip(params, offsets):
+        for (qual, p), offset, dev_offset, dt in zip(params, offsets, dev_offsets, dtypes):
             nbytes = p.numel() * p.element_size()
             host = scope.host_flat[offset : offset + nbytes].view(p.dtype).view(p.shape)
             host.copy_(p.detach())
             grad = p.grad
             p.grad = None
-            leaf = torch.empty(0, dtype=p.dtype, device=device)
-            leaf.set_(storage, offset // p.element_size(), p.shape, host.stride())
+            leaf = torch.empty(0, dtype=dt, device=device)
+            leaf.set_(storage, dev_offset // dt.itemsize, p.shape, host.stride())
+            view = scope.device_flat[dev_offset : dev_offset + p.numel() * dt.itemsize].view(dt).view(p.shape)
             p.data = host
             p.__class__ = OffloadedParameter
-            slot = ParamSlot(param=p, name=qual, scope=scope, offset=offset, device_leaf=leaf)
+            slot = ParamSlot(param=p, name=qual, scope=scope, offset=offset, device_offset=dev_offset,
+                             device_leaf=leaf, device_view=view)
             p._ot = slot
             # The hook stays if the parameter is frozen now and unfrozen later.
             leaf.requires_grad_(True)

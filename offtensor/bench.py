@@ -288,7 +288,8 @@ def build_model(shape: ModelShape, variant: str, device: torch.device, seed: int
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    # attn_implementation is stored by the base config from **kwargs; typed stubs do not know it.
+    config = cast(Any, LlamaConfig)(
         vocab_size=shape.vocab,
         hidden_size=shape.hidden,
         intermediate_size=shape.intermediate,
@@ -298,7 +299,7 @@ def build_model(shape: ModelShape, variant: str, device: torch.device, seed: int
         max_position_embeddings=4096,
         tie_word_embeddings=False,
         use_cache=False,
-        **{"attn_implementation": "sdpa"},  # a kwarg the config stores, not a declared parameter
+        attn_implementation="sdpa",
     )
     with _no_init_weights(), _default_dtype(torch.bfloat16), torch.device("cpu"):
         model = LlamaForCausalLM(config)
@@ -364,11 +365,11 @@ def _place_outside(model: nn.Module, layers: nn.ModuleList, device: torch.device
 def enable_checkpointing(model: nn.Module) -> None:
     # transformers 5.2x renamed gradient_checkpointing_enable to activation_checkpointing_enable.
     kwargs = {"use_reentrant": False}
-    model = cast(Any, model)
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    hf_model: Any = model
+    if hasattr(hf_model, "activation_checkpointing_enable"):
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -782,8 +783,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench: --device cuda, but torch sees no CUDA device")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)  # events and streams below use the current device
     base = QUICK_SHAPE if args.quick else FULL_SHAPE
     shape = ModelShape(**{**asdict(base), "layers": args.layers or base.layers})
     scenarios = [SCENARIOS[n] for n in SCENARIOS if n in args.scenarios]  # canonical order
@@ -802,6 +805,31 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     variant_bytes: dict[str, VariantBytes] = {}
     setups: dict[str, Any] = {}
+    scenario_order = [s.name for s in scenarios]
+    peer_order = {n: i for i, n in enumerate(peers)}
+
+    def report(interrupted: bool) -> tuple[list[Row], dict[str, dict[str, Any]]]:
+        """Sorted rows with rooflines filled in; also (re)writes --json, so a run killed
+        part-way still leaves every peer finished so far on disk."""
+        table = sorted(rows, key=lambda r: (scenario_order.index(r.scenario), peer_order[r.peer]))
+        rooflines = compute_rooflines(table, scenarios, bw, variant_bytes)
+        if args.json:
+            result = {
+                "environment": env,
+                "interrupted": interrupted,
+                "args": dict(vars(args)),
+                "model": {**asdict(shape), "dtype": "bfloat16", "attn_implementation": "sdpa",
+                          "variants": {k: asdict(v) for k, v in variant_bytes.items()}},
+                "bandwidth": bw,
+                "scenarios": {s.name: {**asdict(s), **rooflines[s.name]} for s in scenarios},
+                "setups": setups,
+                "results": [asdict(r) for r in table],
+            }
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return table, rooflines
+
     interrupted = False
     try:
         for peer in peers:
@@ -812,6 +840,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"bench: {peer}", flush=True)
             run_peer(peer, scenarios, shape, device, args, rows, variant_bytes, setups)
+            report(interrupted=False)
     except KeyboardInterrupt:
         # `timeout --signal=INT` in scripts/gpu_check.sh lands here: report what was measured.
         interrupted = True
@@ -819,34 +848,15 @@ def main(argv: list[str] | None = None) -> int:
         if rows and rows[-1].status == "ok" and rows[-1].median_ms is None:
             rows[-1].status, rows[-1].note = "error", "interrupted"
 
-    # Keep table order: scenario, then peer.
-    order = {n: i for i, n in enumerate(peers)}
-    rows.sort(key=lambda r: ([s.name for s in scenarios].index(r.scenario), order[r.peer]))
-    rooflines = compute_rooflines(rows, scenarios, bw, variant_bytes)
-
-    result = {
-        "environment": env,
-        "interrupted": interrupted,
-        "args": {k: v for k, v in vars(args).items()},
-        "model": {**asdict(shape), "dtype": "bfloat16", "attn_implementation": "sdpa",
-                  "variants": {k: asdict(v) for k, v in variant_bytes.items()}},
-        "bandwidth": bw,
-        "scenarios": {s.name: {**asdict(s), **rooflines[s.name]} for s in scenarios},
-        "setups": setups,
-        "results": [asdict(r) for r in rows],
-    }
+    table, rooflines = report(interrupted)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
         print(f"bench: wrote {args.json}", flush=True)
-
-    notes = [f"  {r.peer}/{r.scenario}: {r.note}" for r in rows if r.note]
+    notes = [f"  {r.peer}/{r.scenario}: {r.note}" for r in table if r.note]
     notes += [f"  {s}: {e['note']}" for s, e in rooflines.items() if e.get("note")]
     if notes:
         print("notes:\n" + "\n".join(notes))
     print()
-    print(format_table(rows, bw, env, shape, args.quick), flush=True)
+    print(format_table(table, bw, env, shape, args.quick), flush=True)
     return 0
 
 
