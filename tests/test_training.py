@@ -1,0 +1,266 @@
+"""Training features: fp32 masters with low-precision compute, optimizer overlap, LoRA/frozen
+bases (Policy.param_filter), gradient buffers reused across steps."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call
+
+import offtensor
+from conftest import (
+    assert_all_scopes_offloaded,
+    assert_grads_match,
+    assert_params_match,
+    devices,
+    mlp_of_blocks,
+    offload,
+    offloaded_parameters,
+    tolerances,
+    unwrapped_reference,
+)
+
+
+def _batches(device: str, n: int, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.randn(6, 8, device=device, dtype=dtype), torch.randn(6, 4, device=device, dtype=dtype))
+            for _ in range(n)]
+
+
+# --------------------------------------------------------------------------------------------
+# Policy(compute_dtype=...): fp32 masters, bf16 device copies
+# --------------------------------------------------------------------------------------------
+
+
+def _hand_cast_forward(reference: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The reference does by hand what compute_dtype does: cast each fp32 weight to `dtype`
+    for the op; autograd casts the gradient back to fp32 for the master."""
+    params = {n: p.to(dtype) for n, p in reference.named_parameters()}
+    return functional_call(reference, params, (x,))
+
+
+@pytest.mark.parametrize("cast", ["device", "host"])
+@pytest.mark.parametrize("device", devices)
+def test_compute_dtype_matches_a_reference_that_casts_by_hand(device, cast):
+    model = mlp_of_blocks()
+    reference = unwrapped_reference(model, device)
+    everything = lambda name, module: name in ("input", "head") or re.fullmatch(r"blocks\.\d+", name)
+    offload(model, device, everything, policy=offtensor.Policy(compute_dtype=torch.bfloat16, cast=cast))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    tol = tolerances(device, torch.bfloat16)
+    for x, y in _batches(device, 4, torch.bfloat16):
+        out = model(x)
+        ref_out = _hand_cast_forward(reference, x, torch.bfloat16)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, ref_out, **tol)
+        F.mse_loss(out.float(), y.float()).backward()
+        F.mse_loss(ref_out.float(), y.float()).backward()
+        for _, p in offloaded_parameters(model):
+            assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
+        assert_grads_match(model, reference, **tol)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert_params_match(model, reference, **tol)
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_compute_dtype_device_copy_has_the_compute_dtype_size(device):
+    model = mlp_of_blocks()
+    offload(model, device, policy=offtensor.Policy(compute_dtype=torch.bfloat16))
+    seen = {}
+
+    def record(module, args):
+        for s in offtensor.summary(model).scopes:
+            if s.name == "blocks.1":
+                seen["device"], seen["host"] = s.device_bytes, s.host_bytes
+
+    model.blocks[1].register_forward_pre_hook(record)  # runs after offtensor loaded the scope
+    with torch.no_grad():
+        model.input.to(torch.bfloat16), model.head.to(torch.bfloat16)
+        model(torch.randn(2, 8, device=device, dtype=torch.bfloat16))
+    padded = lambda nbytes: -(-nbytes // 256) * 256  # each parameter starts 256-byte aligned
+    params = list(model.blocks[1].parameters())
+    assert seen["device"] == sum(padded(p.numel() * 2) for p in params), seen
+    assert seen["host"] == sum(padded(p.numel() * 4) for p in params), seen
+
+
+def test_host_cast_refreshes_after_optimizer_step_and_misses_nothing_written_through_the_parameter():
+    model = mlp_of_blocks()
+    offload(model, "cpu", policy=offtensor.Policy(compute_dtype=torch.bfloat16, cast="host"))
+    x = torch.randn(2, 8).bfloat16()
+    with torch.no_grad():
+        model.input.bfloat16(), model.head.bfloat16()
+        before = model(x)
+        model.blocks[0].fc1.weight.add_(1.0)  # through the parameter: seen
+        after = model(x)
+    assert not torch.equal(before, after)
+
+
+# --------------------------------------------------------------------------------------------
+# backward_and_step: the optimizer overlapped with backward
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["single_tensor", "fused"])
+@pytest.mark.parametrize("checkpoint", [None, "reentrant", "non_reentrant"])
+@pytest.mark.parametrize("device", devices)
+def test_backward_and_step_equals_backward_then_step_with_grad_accumulation(device, checkpoint, fused):
+    model = mlp_of_blocks(n_blocks=4)
+    model.checkpoint = checkpoint
+    reference = unwrapped_reference(model, device)
+    offload(model, device)
+    fused_ok = fused and device == "cpu"  # CUDA reference: fused kernels differ from CPU ones
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused_ok or None)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=fused_ok or None)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.5)
+    tol = tolerances(device)
+    hook_grads = []
+    model.blocks[1].fc1.weight.register_post_accumulate_grad_hook(lambda p: hook_grads.append(p.grad.clone()))
+    for step in range(3):
+        micro = _batches(device, 3)
+        for i, (x, y) in enumerate(micro):
+            loss = F.mse_loss(model(x), y) / len(micro)
+            if i < len(micro) - 1:
+                loss.backward()
+            else:
+                offtensor.backward_and_step(loss, opt)
+            (F.mse_loss(reference(x), y) / len(micro)).backward()
+        ref_opt.step()
+        assert_grads_match(model, reference, **tol)
+        assert_params_match(model, reference, **tol)
+        sched.step(), ref_sched.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert len(hook_grads) == 9, "the user's post-accumulate-grad hook fires once per backward"
+    assert_all_scopes_offloaded(model)
+
+
+def test_backward_and_step_reports_an_optimizer_error_on_the_calling_thread():
+    model = mlp_of_blocks()
+    offload(model, "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def broken(optimizer, args, kwargs):
+        raise ValueError("optimizer exploded")
+
+    opt.register_step_pre_hook(broken)
+    x, y = _batches("cpu", 1)[0]
+    with pytest.raises(ValueError, match="optimizer exploded"):
+        offtensor.backward_and_step(F.mse_loss(model(x), y), opt)
+    # The model stays usable afterwards.
+    opt._optimizer_step_pre_hooks.clear()
+    offtensor.backward_and_step(F.mse_loss(model(x), y), opt)
+    assert_all_scopes_offloaded(model)
+
+
+# --------------------------------------------------------------------------------------------
+# Frozen bases and LoRA: Policy(param_filter=offtensor.frozen_only)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", devices)
+def test_frozen_only_offloads_frozen_weights_and_leaves_trainable_ones_as_plain_parameters(device):
+    model = mlp_of_blocks()
+    for block in model.blocks:
+        block.fc1.weight.requires_grad_(False)
+        block.fc2.weight.requires_grad_(False)
+    reference = unwrapped_reference(model, device)
+    offload(model, device, policy=offtensor.Policy(param_filter=offtensor.frozen_only))
+    offloaded = dict(offloaded_parameters(model))
+    assert set(offloaded) == {f"blocks.{i}.{n}.weight" for i in range(3) for n in ("fc1", "fc2")}
+    assert model.blocks[0].fc1.bias.device.type == device and not isinstance(
+        model.blocks[0].fc1.bias, offtensor.OffloadedParameter
+    )
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    for x, y in _batches(device, 3):
+        F.mse_loss(model(x), y).backward()
+        F.mse_loss(reference(x), y).backward()
+        opt.step(), ref_opt.step()
+        assert_grads_match(model, reference, **tolerances(device))
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert_params_match(model, reference, **tolerances(device))
+    for p in offloaded.values():
+        assert p._ot.host_grad is None, "frozen weights must never travel device-to-host"
+
+
+def test_param_filter_that_keeps_nothing_is_an_error():
+    model = mlp_of_blocks()
+    with pytest.raises(ValueError, match="param_filter kept none"):
+        offtensor.wrap(model, device="cpu", policy=offtensor.Policy(param_filter=offtensor.frozen_only))
+
+
+@pytest.mark.parametrize("device", devices)
+def test_peft_lora_model_with_offloaded_frozen_base_matches_unwrapped(device):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    base = transformers.LlamaForCausalLM(config)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                           lora_dropout=0.0, init_lora_weights=False)
+    model = peft.get_peft_model(base, lora)
+    reference = unwrapped_reference(model, device)
+    offload(model, device, policy=offtensor.Policy(param_filter=offtensor.frozen_only))
+    offloaded = dict(offloaded_parameters(model))
+    assert offloaded and all(not p.requires_grad for p in offloaded.values())
+    assert all("lora_" not in name for name in offloaded)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 64, (2, 12), device=device)
+    tol = tolerances(device)
+    for _ in range(3):
+        out = model(input_ids=ids, labels=ids)
+        ref_out = reference(input_ids=ids, labels=ids)
+        torch.testing.assert_close(out.logits, ref_out.logits, **tol)
+        out.loss.backward()
+        ref_out.loss.backward()
+        assert_grads_match(model, reference, **tol)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert_params_match(model, reference, **tol)
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient buffers
+# --------------------------------------------------------------------------------------------
+
+
+def test_host_grad_buffers_are_reused_across_steps_not_reallocated():
+    # Regression: a fresh (pinned) host buffer per step costs an allocation and, on CUDA, a
+    # page-locking call on the hot path.
+    model = offload(mlp_of_blocks(), "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    pointers = []
+    for x, y in _batches("cpu", 4):
+        F.mse_loss(model(x), y).backward()
+        pointers.append({n: p.grad.data_ptr() for n, p in offloaded_parameters(model)})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert all(p == pointers[0] for p in pointers[1:])
+
+
+@pytest.mark.parametrize("device", devices)
+def test_fused_adamw_steps_wrapped_parameters_like_plain_cpu_parameters(device):
+    model = mlp_of_blocks()
+    reference = copy.deepcopy(model)  # everything on the CPU: the optimizer's home
+    offload(model, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        q.grad = torch.randn_like(q)
+        p.grad = q.grad.clone().to(p.device)
+    opt.step()
+    ref_opt.step()
+    for (name, p), q in zip(offloaded_parameters(model), [q for n, q in reference.named_parameters() if n.startswith("blocks.")]):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0, msg=name)
+        assert type(opt.state[p]["exp_avg"]) is torch.Tensor
