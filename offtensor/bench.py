@@ -390,13 +390,20 @@ def _setup_resident(built: BuiltModel, device: torch.device, opts: PeerOptions) 
 def _setup_offtensor(built: BuiltModel, device: torch.device, opts: PeerOptions) -> str:
     import offtensor
 
-    policy = None
+    options: dict[str, Any] = {}
     if opts.offtensor_prefetch is not None:
-        policy = offtensor.Policy(prefetch=opts.offtensor_prefetch)
+        options["prefetch"] = opts.offtensor_prefetch
+    frozen_only = getattr(offtensor, "frozen_only", None)
+    if built.variant == "lora" and frozen_only is not None:
+        # Offload the frozen base; the small trainable adapters stay on the device, so nothing
+        # but the base weights crosses PCIe (host-to-device only).
+        options["param_filter"] = frozen_only
+    policy = offtensor.Policy(**options) if options else None
     # Default predicate (every element of every nn.ModuleList): the decoder layers.
     offtensor.wrap(built.model, device=device, policy=policy)
     built.model.to(device)  # embeddings, final norm, head, rotary buffers; masters stay on the host
-    return f"offtensor.wrap(model, device={str(device)!r}, policy={policy})"
+    shown = ", ".join(f"{k}={getattr(v, '__name__', v)}" for k, v in options.items())
+    return f"offtensor.wrap(model, device={str(device)!r}, policy=Policy({shown}))"
 
 
 def _setup_accelerate(built: BuiltModel, device: torch.device, opts: PeerOptions) -> str:
@@ -668,9 +675,14 @@ def compute_rooflines(rows: list[Row], scenarios: list[Scenario], bw: dict[str, 
                          and r.status == "ok"), None)
         entry: dict[str, Any] = {"compute_ms": resident.median_ms if resident else None}
         if vb is not None:
-            passes = 1 if s.kind == "infer" else 2  # backward re-loads every layer (checkpointing)
-            h2d = passes * vb.wrapped_bytes
-            d2h = 0 if s.kind == "infer" else vb.wrapped_trainable_bytes
+            # Training re-loads every layer for the recompute in backward (checkpointing). A
+            # frozen base needs only its frozen weights moved: the adapters can stay on the device.
+            if s.kind == "infer":
+                h2d, d2h = vb.wrapped_bytes, 0
+            elif s.kind == "train":
+                h2d, d2h = 2 * vb.wrapped_bytes, vb.wrapped_trainable_bytes
+            else:
+                h2d, d2h = 2 * (vb.wrapped_bytes - vb.wrapped_trainable_bytes), 0
             entry.update(h2d_bytes=h2d, d2h_bytes=d2h,
                          h2d_ms=h2d / bw["h2d"] * 1e3, d2h_ms=d2h / bw["d2h"] * 1e3)
             entry["transfer_ms"] = max(entry["h2d_ms"], entry["d2h_ms"])
