@@ -70,6 +70,7 @@ echo "================ gpu_check summary ================"
 if [ "$test_rc" != skipped ]; then
     # pytest -q ends with a line such as "12 passed, 1 skipped in 3.4s".
     line=$(grep -E '[0-9]+ (passed|failed|error|errors|skipped|deselected)|no tests ran' "$OUT/pytest.log" | tail -n 1)
+    grep -E '^(FAILED|ERROR) ' "$OUT/pytest.log" | cut -c1-240 | head -n 40
     echo "pytest (exit $test_rc): ${line:-no summary line; see pytest.log}"
     [ "$test_rc" = 124 ] && echo "pytest: stopped after ${PYTEST_TIMEOUT}s"
 fi
