@@ -33,7 +33,9 @@ def host_empty(nbytes: int, *, pin: bool) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
     raw = np.empty(nbytes + _PAGE, dtype=np.uint8)
     start = (-raw.ctypes.data) % _PAGE
-    flat = torch.from_numpy(raw)[start : start + nbytes]
+    # The tensor's storage must begin at the registered address: `Tensor.is_pinned()` asks CUDA
+    # about the storage's first byte, not the tensor's.
+    flat = torch.from_numpy(raw[start : start + nbytes])
     ptr = flat.data_ptr()
     err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:

@@ -5,7 +5,8 @@ A scope's parameters share one flat host buffer (the masters, pinned) and one fl
 of the same layout. The state says which of them holds usable weights:
 - OFFLOADED: only the host buffer. The device buffer's storage is resized to 0 bytes.
 - LOADING: device storage allocated and a host-to-device copy enqueued on the copy stream;
-  `weights_ready` is the event recorded after it. Compute has not waited for it yet.
+  `weights_ready` is the event recorded after it (`chunk_ready` after each part of it). Compute
+  has not yet waited for all of it: ops wait for the part they use (Note [progressive loads]).
 - RESIDENT: the compute stream has waited on `weights_ready`; ops may use the device copy.
 Transitions are TransferEngine.load (OFFLOADED -> LOADING), make_resident (-> RESIDENT) and
 release (-> OFFLOADED). There is no other per-scope flag: what a parameter "is" follows from its
@@ -60,6 +61,7 @@ class ParamSlot:
     accumulate: bool = False  # `p.grad` existed when this backward's first contribution came
     last_d2h: Any = None  # event after the latest device-to-host copy into host_grad
     old_grad: torch.Tensor | None = None  # device copy of `p.grad`, fetched for accumulation
+    chunk: int = 0  # which of the scope's chunk_ready events covers this parameter's copy
     grad_hooks: OrderedDict = field(default_factory=OrderedDict)  # register_hook hooks, see Note [user gradient hooks]
     post_hooks: OrderedDict = field(default_factory=OrderedDict)  # post-accumulate-grad hooks
 
@@ -93,6 +95,10 @@ class Scope:
         self.shadow_read: Any = None  # event after the latest copy from host_shadow
         self.state = ScopeState.OFFLOADED
         self.weights_ready: Any = None  # event on the copy stream after the weights' copy
+        self.chunk_ready: list[Any] = []  # events after each chunk of the copy; last = weights_ready
+        self.chunks_waited = 0  # chunks the compute stream has waited for (Note [progressive loads])
+        self.first_uses: dict[ParamSlot, None] = {}  # first forward: parameters in order of use
+        self.copy_order: list[ParamSlot] | None = None  # learned from first_uses
         self.grads_ready: Any = None  # event on the copy stream after the old grads' copy
         self.grads_offloaded: Any = None  # event on the d2h stream after this backward's grads
         self.active_calls = 0  # forward calls of the module in progress (recompute included)

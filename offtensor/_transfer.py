@@ -17,6 +17,15 @@ Gradients read by a d2h copy are kept alive by holding a reference next to the c
 the end of backward so that `p.grad` is complete when `backward()` returns, and before the first
 write to a master while a copy from it may still be in flight.
 
+# Note [progressive loads]
+A scope's first forward records the order in which its parameters are first used. From then on
+its host-to-device copy goes parameter by parameter in that order, with an event every
+CHUNK_BYTES, and each op makes compute wait only for the chunk that holds its weights. The first
+matmul of a block starts when its own weights have landed, not the whole block: for the first
+scope of a pass, which nothing can hide, this turns a whole-block stall into a one-matrix stall.
+Backward needs the whole scope before its first op (autograd reads the saved device copies
+directly), so pre_backward waits for every chunk.
+
 # Note [prefetch order]
 The engine records the order in which scopes start their forward. From the second pass on, each
 scope's forward start prefetches the next `policy.prefetch` scopes; in backward, each scope's
@@ -42,6 +51,7 @@ from ._scope import ParamSlot, Scope, _tensors
 logger = logging.getLogger("offtensor")
 
 _hold_depth = 0  # > 0 inside offtensor.no_offload()
+CHUNK_BYTES = 32 * 2**20  # see Note [progressive loads]
 _engines: "weakref.WeakSet[TransferEngine]" = weakref.WeakSet()
 
 
@@ -112,14 +122,19 @@ class TransferEngine:
             self.wait(h2d, self.record(compute))  # alloc_done
             if scope.casts and scope.policy.cast == "host":
                 self._refresh_shadow(scope)
+            scope.chunks_waited = 0
             with self.on(h2d), torch.no_grad():
-                if not scope.casts:
-                    scope.device_flat.copy_(scope.host_flat, non_blocking=True)
-                elif scope.policy.cast == "host":
-                    scope.device_flat.copy_(scope.host_shadow, non_blocking=True)
+                if not scope.casts and scope.copy_order is not None:
+                    scope.chunk_ready = self._copy_in_use_order(scope, h2d)
                 else:
-                    self._copy_and_cast(scope)
-            scope.weights_ready = self.record(h2d)
+                    if not scope.casts:
+                        scope.device_flat.copy_(scope.host_flat, non_blocking=True)
+                    elif scope.policy.cast == "host":
+                        scope.device_flat.copy_(scope.host_shadow, non_blocking=True)
+                    else:
+                        self._copy_and_cast(scope)
+                    scope.chunk_ready = [self.record(h2d)]
+            scope.weights_ready = scope.chunk_ready[-1]  # the copy stream is in order
             if scope.host_shadow is not None:
                 scope.shadow_read = scope.weights_ready
             self._note_h2d(scope.weights_ready)
@@ -129,6 +144,24 @@ class TransferEngine:
                 logger.debug("load %s (%.1f MiB)%s", scope.name, scope.nbytes / 2**20, self._mem())
         if with_grads:
             self._load_old_grads(scope)
+
+    def _copy_in_use_order(self, scope: Scope, h2d: Any) -> list[Any]:
+        """Copy the parameters in the order the forward first used them, recording an event
+        every CHUNK_BYTES, so compute can start on the first weights while the rest arrive
+        (Note [progressive loads])."""
+        events: list[Any] = []
+        pending = 0
+        with torch._C.DisableTorchFunctionSubclass():
+            for slot in scope.copy_order:
+                slot.device_view.copy_(slot.param, non_blocking=True)
+                slot.chunk = len(events)
+                pending += slot.device_view.nbytes
+                if pending >= CHUNK_BYTES:
+                    events.append(self.record(h2d))
+                    pending = 0
+        if pending or not events:
+            events.append(self.record(h2d))
+        return events
 
     def _copy_and_cast(self, scope: Scope) -> None:
         """Policy(cast="device"): master bytes cross PCIe into a staging buffer, cast on the
@@ -157,15 +190,23 @@ class TransferEngine:
                 shadow[slot.device_offset : slot.device_offset + n].view(dt).view(p.shape).copy_(p)
         scope.shadow_stale = False
 
-    def make_resident(self, scope: Scope) -> None:
-        """-> RESIDENT: the compute stream waits (device side) for the weights' copy."""
+    def make_resident(self, scope: Scope, upto_chunk: int | None = None) -> None:
+        """-> RESIDENT: the compute stream waits (device side) for the weights' copy; with
+        `upto_chunk`, only for the chunks up to that one (Note [progressive loads])."""
         if scope.state is ScopeState.RESIDENT:
             return
         if scope.state is ScopeState.OFFLOADED:
             self.load(scope, with_grads=False)
-        self.wait(self.compute_stream(), scope.weights_ready)
-        scope.weights_ready = None
-        scope.state = ScopeState.RESIDENT
+        last = len(scope.chunk_ready) - 1
+        upto = last if upto_chunk is None else min(upto_chunk, last)
+        compute = self.compute_stream()
+        for i in range(scope.chunks_waited, upto + 1):
+            self.wait(compute, scope.chunk_ready[i])
+        scope.chunks_waited = max(scope.chunks_waited, upto + 1)
+        if scope.chunks_waited > last:
+            scope.weights_ready = None
+            scope.chunk_ready = []
+            scope.state = ScopeState.RESIDENT
 
     def release(self, scope: Scope) -> None:
         """-> OFFLOADED: free the device copy, ordered after every queued use of it."""
@@ -175,6 +216,7 @@ class TransferEngine:
         self.wait(compute, scope.weights_ready)  # a prefetch nobody used: the free must follow it
         self.wait(compute, scope.grads_ready)
         scope.weights_ready = scope.grads_ready = None
+        scope.chunk_ready = []
         for slot in scope.slots:
             slot.old_grad = None
         scope.device_storage.resize_(0)
@@ -219,7 +261,10 @@ class TransferEngine:
     def materialize(self, slot: ParamSlot, op_device: torch.device | None) -> torch.Tensor | None:
         scope = slot.scope
         if scope.active_calls > 0:
-            self.make_resident(scope)
+            if scope.state is not ScopeState.RESIDENT:
+                self.make_resident(scope, upto_chunk=slot.chunk)
+            if scope.copy_order is None and not in_backward():
+                scope.first_uses.setdefault(slot, None)
             return slot.use_device_copy()
         p = slot.param
         needs_grad = torch.is_grad_enabled() and p.requires_grad
@@ -237,7 +282,8 @@ class TransferEngine:
             copy = master.detach().to(dtype=dtype, copy=True)
         else:
             copy = torch.empty(master.shape, dtype=dtype, device=op_device)
-            copy.copy_(master, non_blocking=True)  # on the current stream: ordered with its use
+            with torch.no_grad():  # a leaf of its own, not a CopyBackwards of the master
+                copy.copy_(master, non_blocking=True)  # current stream: ordered with its use
             if op_device.type == "cuda":
                 self._note_h2d(self.record(torch.cuda.current_stream(op_device)))
         if needs_grad:
@@ -281,7 +327,7 @@ class TransferEngine:
             for nxt in self._order[self._pos : self._pos + self.policy.prefetch]:
                 if nxt is not scope:
                     self.load(nxt, with_grads=False)
-        self.make_resident(scope)
+        # No wait here: each op waits for the chunk holding its weights (materialize).
 
     def post_forward(self, scope: Scope, *, failed: bool, backward_expected: bool) -> None:
         scope.active_calls = max(0, scope.active_calls - 1)
@@ -290,6 +336,10 @@ class TransferEngine:
         if failed:
             self.abort()
             return
+        if scope.copy_order is None and scope.first_uses:
+            used = list(scope.first_uses)
+            scope.copy_order = used + [s for s in scope.slots if s not in scope.first_uses]
+            scope.first_uses.clear()
         if self.hold():
             return
         if backward_expected and (

@@ -1,0 +1,342 @@
+"""Shared pieces of the offtensor test suite.
+
+Every behavioural test compares an offloaded model against a plain copy of itself (the
+*reference*), made with :func:`unwrapped_reference` *before* ``offtensor.wrap`` runs. The two
+models are always run one after the other, never interleaved, so that work done by one can not
+hide a missing synchronisation in the other.
+
+Test modules import the helpers below with ``from conftest import ...``.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch import nn
+import torch.utils.checkpoint
+
+# Test modules say ``from conftest import ...``. Under pytest's default ("prepend") import mode
+# this module already is ``conftest``; under ``--import-mode=importlib`` it gets a package-style
+# name, so make the plain name resolve to this same module object in both cases.
+sys.modules.setdefault("conftest", sys.modules[__name__])
+
+
+# --------------------------------------------------------------------------------------------
+# Markers and devices
+# --------------------------------------------------------------------------------------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Registered here rather than (only) in pyproject.toml so that `-m "not cuda"` and
+    # `--strict-markers` work whatever configuration file the suite is run with.
+    config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped when none is present")
+
+
+HAS_CUDA = torch.cuda.is_available()
+
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+#: Parametrize a test over every compute device: ``@pytest.mark.parametrize("device", devices)``.
+#: ``device="cpu"`` runs the full offload mechanism on the CPU, which is how CI (no GPU) covers it.
+devices = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, requires_cuda]),
+]
+
+#: Floating point types the parity tests run in.
+dtypes = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.bfloat16, id="bf16"),
+]
+
+
+def tolerances(device: str, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """``assert_close`` tolerances for comparing an offloaded model against its reference.
+
+    On the CPU both models run the very same kernels on bit-identical weights in the same order
+    (the offloaded one on a copy of them), so results must be bit-identical: rtol=atol=0.
+
+    On CUDA the forward/backward kernels are again the same, but the optimizer steps the
+    offloaded masters on the CPU while the reference steps on the GPU (foreach kernels, FMA
+    contraction), so weights may differ in the last bits after a step and that difference
+    propagates. The tolerances are a few ulps of the dtype.
+    """
+    if device == "cpu":
+        return {"rtol": 0.0, "atol": 0.0}
+    if dtype == torch.bfloat16:
+        # atol is about one AdamW/Adagrad step (lr=1e-2): for an element whose gradient is
+        # near zero, a last-bit difference can flip its sign, and adaptive optimizers turn that
+        # into a full-size step in the other direction.
+        return {"rtol": 2e-2, "atol": 1e-2}
+    if dtype == torch.float16:
+        return {"rtol": 2e-3, "atol": 1e-4}
+    return {"rtol": 1e-4, "atol": 1e-5}
+
+
+# --------------------------------------------------------------------------------------------
+# Seeding
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def seed() -> int:
+    """Seed every RNG before each test so model initialisation and inputs are reproducible."""
+    value = 0
+    random.seed(value)
+    torch.manual_seed(value)  # also seeds every CUDA device
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Small models
+# --------------------------------------------------------------------------------------------
+
+
+class ResidualBlock(nn.Module):
+    """Pre-norm residual MLP block: ``x + fc2(gelu(fc1(norm(x))))``."""
+
+    def __init__(self, hidden: int, expansion: int = 2) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, expansion * hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(expansion * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class BatchNormBlock(nn.Module):
+    """``x + relu(bn(fc(x)))``: has running-statistics buffers that change in training."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        # No bias before a BatchNorm: its gradient would be pure rounding noise, which Adam
+        # turns into full-size steps that differ between CPU and CUDA kernels.
+        self.fc = nn.Linear(hidden, hidden, bias=False)
+        self.bn = nn.BatchNorm1d(hidden)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.bn(self.fc(x)))
+
+
+class BlockStack(nn.Module):
+    """``input`` Linear -> ``blocks`` (an ``nn.ModuleList``) -> ``head`` Linear.
+
+    With the default predicate the elements of ``blocks`` are the scopes; ``input`` and
+    ``head`` stay plain parameters that the user places on the compute device.
+
+    ``checkpoint`` selects activation checkpointing per block: ``None`` (off), ``"reentrant"``
+    or ``"non_reentrant"`` (``torch.utils.checkpoint.checkpoint`` with ``use_reentrant`` set
+    accordingly). It only applies while the module is in training mode, like transformers.
+    """
+
+    def __init__(
+        self,
+        blocks: list[nn.Module],
+        in_features: int,
+        hidden: int,
+        out_features: int,
+    ) -> None:
+        super().__init__()
+        self.input = nn.Linear(in_features, hidden)
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(hidden, out_features)
+        self.checkpoint: str | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.input(x)
+        for block in self.blocks:
+            if self.checkpoint is not None and self.training:
+                h = torch.utils.checkpoint.checkpoint(
+                    block, h, use_reentrant=self.checkpoint == "reentrant"
+                )
+            else:
+                h = block(h)
+        return self.head(h)
+
+
+def mlp_of_blocks(
+    n_blocks: int = 3,
+    hidden: int = 16,
+    in_features: int = 8,
+    out_features: int = 4,
+    dtype: torch.dtype = torch.float32,
+) -> BlockStack:
+    """An input Linear, ``n_blocks`` Linear/LayerNorm/GELU residual blocks, a Linear head."""
+    blocks = [ResidualBlock(hidden) for _ in range(n_blocks)]
+    return BlockStack(blocks, in_features, hidden, out_features).to(dtype)
+
+
+def batchnorm_model(n_blocks: int = 3, hidden: int = 16, in_features: int = 8) -> BlockStack:
+    """Like :func:`mlp_of_blocks` but each block holds a ``BatchNorm1d``."""
+    blocks = [BatchNormBlock(hidden) for _ in range(n_blocks)]
+    return BlockStack(blocks, in_features, hidden, out_features=4)
+
+
+class HeadBlock(nn.Module):
+    """Final norm and the output projection, as the last element of ``blocks``."""
+
+    def __init__(self, hidden: int, vocab: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.proj = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+
+class TiedLM(nn.Module):
+    """A tiny language model whose input embedding and output projection share one Parameter.
+
+    ``tied_side`` says where the two users of the shared weight live relative to the scopes:
+
+    - ``"head_in_block"``: the output projection is inside the last element of ``blocks`` (so
+      inside a scope under the default predicate) while ``embed`` is an ordinary module.
+    - ``"embedding_selected"``: the output projection ``head`` is an ordinary module and
+      ``embed`` is made a scope by :data:`TIED_EMBEDDING_PREDICATE`.
+
+    Either way the shared Parameter is offloaded and also used outside its scope.
+    """
+
+    def __init__(
+        self, tied_side: str, vocab: int = 32, hidden: int = 16, n_blocks: int = 2
+    ) -> None:
+        super().__init__()
+        if tied_side not in ("head_in_block", "embedding_selected"):
+            raise ValueError(tied_side)
+        self.tied_side = tied_side
+        self.embed = nn.Embedding(vocab, hidden)
+        blocks: list[nn.Module] = [ResidualBlock(hidden) for _ in range(n_blocks)]
+        if tied_side == "head_in_block":
+            head_block = HeadBlock(hidden, vocab)
+            head_block.proj.weight = self.embed.weight
+            blocks.append(head_block)
+            self.head = None
+        else:
+            self.head = nn.Linear(hidden, vocab, bias=False)
+            self.head.weight = self.embed.weight
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return h if self.head is None else self.head(h)
+
+
+def tied_lm(tied_side: str) -> TiedLM:
+    return TiedLM(tied_side)
+
+
+def tied_lm_predicate(tied_side: str) -> Callable[[str, nn.Module], bool] | None:
+    """The predicate to wrap a :class:`TiedLM` with (``None`` means the default predicate)."""
+    if tied_side == "head_in_block":
+        return None
+    return lambda name, module: name == "embed" or re.fullmatch(r"blocks\.\d+", name) is not None
+
+
+def only_blocks(*indices: int) -> Callable[[str, nn.Module], bool]:
+    """A predicate that selects ``blocks.<i>`` for the given indices and nothing else."""
+    names = {f"blocks.{i}" for i in indices}
+    return lambda name, module: name in names
+
+
+# --------------------------------------------------------------------------------------------
+# Reference copies and wrapping
+# --------------------------------------------------------------------------------------------
+
+
+def unwrapped_reference(model: nn.Module, device: str) -> nn.Module:
+    """A deep copy of ``model`` entirely on ``device``: the plain PyTorch behaviour to match.
+
+    Must be called BEFORE ``offtensor.wrap(model)``; it never sees an OffloadedParameter.
+    """
+    import offtensor
+
+    assert not offtensor.is_wrapped(model), "make the reference before wrapping"
+    return copy.deepcopy(model).to(device)
+
+
+def offload(model: nn.Module, device: str, predicate=None, **kwargs) -> nn.Module:
+    """``offtensor.wrap`` on ``device``, then place buffers and unselected parameters there.
+
+    This is the documented way to use the library: wrap first, then ``model.to(device)``,
+    which moves everything except the offloaded masters.
+    """
+    import offtensor
+
+    offtensor.wrap(model, predicate, device=device, **kwargs)
+    model.to(device)
+    return model
+
+
+def offloaded_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    import offtensor
+
+    for name, p in model.named_parameters():
+        if isinstance(p, offtensor.OffloadedParameter):
+            yield name, p
+
+
+def host(t: torch.Tensor) -> torch.Tensor:
+    """A plain CPU tensor with the values of ``t`` (parameter, master or device tensor)."""
+    return t.detach().to("cpu").as_subclass(torch.Tensor)
+
+
+def assert_params_match(model: nn.Module, reference: nn.Module, **tol) -> None:
+    """Every parameter and buffer of ``model`` equals the reference's, by qualified name."""
+    params = dict(model.named_parameters())
+    ref_params = dict(reference.named_parameters())
+    assert params.keys() == ref_params.keys()
+    for name, p in params.items():
+        torch.testing.assert_close(
+            host(p), host(ref_params[name]), msg=lambda m, name=name: f"{name}: {m}", **tol
+        )
+    buffers = dict(model.named_buffers())
+    ref_buffers = dict(reference.named_buffers())
+    assert buffers.keys() == ref_buffers.keys()
+    for name, b in buffers.items():
+        torch.testing.assert_close(
+            host(b), host(ref_buffers[name]), msg=lambda m, name=name: f"{name}: {m}", **tol
+        )
+
+
+def assert_grads_match(model: nn.Module, reference: nn.Module, **tol) -> None:
+    """``p.grad`` of every parameter equals the reference's (``None`` where it is ``None``)."""
+    params = dict(model.named_parameters())
+    ref_params = dict(reference.named_parameters())
+    assert params.keys() == ref_params.keys()
+    for name, p in params.items():
+        ref_grad = ref_params[name].grad
+        if ref_grad is None:
+            assert p.grad is None, f"{name}: has a grad, the reference has none"
+            continue
+        assert p.grad is not None, f"{name}: has no grad, the reference has one"
+        torch.testing.assert_close(
+            host(p.grad), host(ref_grad), msg=lambda m, name=name: f"{name}: {m}", **tol
+        )
+
+
+def scope_states(model: nn.Module) -> dict[str, object]:
+    import offtensor
+
+    return {s.name: s.state for s in offtensor.summary(model).scopes}
+
+
+def assert_all_scopes_offloaded(model: nn.Module) -> None:
+    """No scope holds a device copy: every state is OFFLOADED and device_bytes is 0."""
+    import offtensor
+
+    scopes = offtensor.summary(model).scopes
+    assert scopes, "summary() lists no scope"
+    for s in scopes:
+        assert s.state == offtensor.ScopeState.OFFLOADED, f"{s.name} is {s.state} after the step"
+        assert s.device_bytes == 0, f"{s.name} still holds {s.device_bytes} device bytes"

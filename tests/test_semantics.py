@@ -1,0 +1,649 @@
+"""What an OffloadedParameter is and how a wrapped model behaves to the code around it.
+
+Outside a scope a parameter behaves like its CPU master: plain tensors come out of it,
+in-place writes change the master, optimizers and state dicts see plain CPU tensors. Module-level
+operations (``to``, ``load_state_dict``, freezing, ``unwrap``) keep working; features such as
+BatchNorm statistics, tied weights and partially wrapped models keep their meaning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+import offtensor
+from conftest import (
+    assert_all_scopes_offloaded,
+    assert_grads_match,
+    assert_params_match,
+    batchnorm_model,
+    devices,
+    host,
+    mlp_of_blocks,
+    offload,
+    offloaded_parameters,
+    only_blocks,
+    scope_states,
+    tied_lm,
+    tied_lm_predicate,
+    tolerances,
+    unwrapped_reference,
+)
+
+CPU = torch.device("cpu")
+
+
+def batch(device: str, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 8).to(device), torch.randn(n, 4).to(device)
+
+
+def param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def train(model: nn.Module, batches, make_optimizer=None) -> torch.Tensor:
+    make_optimizer = make_optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(host(loss))
+    return torch.stack(losses)
+
+
+# --------------------------------------------------------------------------------------------
+# The parameter object
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", devices)
+def test_offloaded_parameter_is_an_nn_parameter_on_cpu(device):
+    model = offload(mlp_of_blocks(), device)
+
+    params = dict(offloaded_parameters(model))
+
+    assert set(params) == {name for name, _ in model.blocks.named_parameters(prefix="blocks")}
+    for name, p in params.items():
+        assert isinstance(p, nn.Parameter), name
+        assert isinstance(p, offtensor.OffloadedParameter), name
+        assert p.device == CPU, name
+        assert p.is_leaf and p.requires_grad, name
+        if device == "cuda":
+            assert host(p).is_pinned(), f"{name}: master must be pinned when computing on CUDA"
+    # Unselected modules keep plain parameters.
+    for name, p in [*model.input.named_parameters("input"), *model.head.named_parameters("head")]:
+        assert type(p) is nn.Parameter, name
+
+
+@pytest.mark.parametrize("device", devices)
+def test_is_wrapped_reports_wrap_and_unwrap(device):
+    model = mlp_of_blocks()
+    assert not offtensor.is_wrapped(model)
+
+    offload(model, device)
+    assert offtensor.is_wrapped(model)
+
+    offtensor.unwrap(model)
+    assert not offtensor.is_wrapped(model)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_repr_of_parameter_says_offloaded_and_compute_device(device):
+    model = offload(mlp_of_blocks(), device)
+
+    text = repr(model.blocks[0].fc1.weight)
+
+    assert "offloaded" in text.lower()
+    assert device in text
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        pytest.param(torch.zeros_like, id="zeros_like"),
+        pytest.param(torch.ones_like, id="ones_like"),
+        pytest.param(lambda p: p.detach().clone(), id="detach_clone"),
+        pytest.param(lambda p: p.detach() * 2, id="mul"),
+    ],
+)
+@pytest.mark.parametrize("device", devices)
+def test_ops_on_parameter_outside_scope_give_plain_cpu_tensors(device, op):
+    model = mlp_of_blocks()
+    expected = op(model.blocks[0].fc1.weight.detach().clone())
+    offload(model, device)
+
+    out = op(model.blocks[0].fc1.weight)
+
+    assert type(out) is torch.Tensor
+    assert out.device == CPU
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_grads_of_offloaded_parameters_are_plain_cpu_tensors(device):
+    model = offload(mlp_of_blocks(), device)
+    x, y = batch(device)
+
+    F.mse_loss(model(x), y).backward()
+
+    for name, p in offloaded_parameters(model):
+        assert type(p.grad) is torch.Tensor, name
+        assert p.grad.device == CPU, name
+        assert p.grad.shape == p.shape and p.grad.dtype == p.dtype, name
+        if device == "cuda":
+            assert p.grad.is_pinned(), f"{name}: grad must be pinned when computing on CUDA"
+    for name, p in model.head.named_parameters("head"):
+        assert p.grad.device.type == device, name
+
+
+@pytest.mark.parametrize("device", devices)
+def test_grad_tensor_held_by_user_is_not_overwritten_after_zero_grad_set_to_none(device):
+    # With plain parameters, zero_grad(set_to_none=True) drops p.grad and the next backward
+    # makes a new tensor: a grad the user kept (for logging, or to compare micro-batches)
+    # keeps its values. Reusing the host grad buffer would silently change it.
+    model = offload(mlp_of_blocks(), device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    (x1, y1), (x2, y2) = batch(device), batch(device)
+    F.mse_loss(model(x1), y1).backward()
+    kept = {name: p.grad for name, p in offloaded_parameters(model)}
+    values = {name: g.clone() for name, g in kept.items()}
+
+    optimizer.zero_grad(set_to_none=True)
+    F.mse_loss(model(x2), y2).backward()
+
+    for name, p in offloaded_parameters(model):
+        torch.testing.assert_close(kept[name], values[name], rtol=0, atol=0)
+        assert not torch.equal(p.grad, values[name]), name
+
+
+# --------------------------------------------------------------------------------------------
+# Writing to masters
+# --------------------------------------------------------------------------------------------
+
+
+def _fan_in_init(p: torch.Tensor) -> None:
+    if p.dim() >= 2:
+        nn.init.xavier_uniform_(p)
+    else:
+        nn.init.uniform_(p, -0.5, 0.5)
+
+
+def _no_grad_mul(p: torch.Tensor) -> None:
+    with torch.no_grad():
+        p.mul_(1.5)
+
+
+MUTATIONS = {
+    "p.data.normal_": lambda p: p.data.normal_(),
+    "p.data.copy_": lambda p: p.data.copy_(torch.randn(p.shape)),
+    "no_grad_p.mul_": _no_grad_mul,
+    "init.normal_": lambda p: nn.init.normal_(p, std=0.5),
+    "init.trunc_normal_": lambda p: nn.init.trunc_normal_(p, std=0.5),
+    "init.constant_": lambda p: nn.init.constant_(p, 0.1),
+    "init.xavier_uniform_": _fan_in_init,
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+@pytest.mark.parametrize("device", devices)
+def test_in_place_writes_to_parameter_change_master_and_next_forward(device, mutation):
+    mutate = MUTATIONS[mutation]
+    model = mlp_of_blocks()
+    # Mutate the reference on the CPU with the same RNG state so both get the same values.
+    reference = unwrapped_reference(model, "cpu")
+    offload(model, device)
+    x, _ = batch(device)
+    with torch.no_grad():
+        before = model(x)  # a first forward: no stale device copy may survive the write
+
+    torch.manual_seed(1)
+    for p in reference.blocks.parameters():
+        mutate(p)
+    reference.to(device)
+    torch.manual_seed(1)
+    for p in model.blocks.parameters():
+        mutate(p)
+
+    with torch.no_grad():
+        expected = reference(x)
+        out = model(x)
+    for name, p in model.blocks.named_parameters():
+        assert isinstance(p, offtensor.OffloadedParameter), name
+        assert p.device == CPU, name
+    assert_params_match(model, reference, rtol=0, atol=0)
+    assert not torch.equal(out, before)
+    torch.testing.assert_close(out, expected, **tolerances(device))
+
+
+@pytest.mark.parametrize("device", devices)
+def test_load_state_dict_into_wrapped_model_updates_masters(device):
+    model = mlp_of_blocks()
+    torch.manual_seed(123)
+    source = mlp_of_blocks()
+    offload(model, device)
+    ids = {name: id(p) for name, p in model.named_parameters()}
+    x, _ = batch(device)
+
+    result = model.load_state_dict(source.state_dict())
+    source.to(device)
+
+    assert not result.missing_keys and not result.unexpected_keys
+    assert {name: id(p) for name, p in model.named_parameters()} == ids
+    for name, p in model.blocks.named_parameters():
+        assert isinstance(p, offtensor.OffloadedParameter) and p.device == CPU, name
+    assert_params_match(model, source, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), source(x), **tolerances(device))
+
+
+@pytest.mark.parametrize("device", devices)
+def test_state_dict_values_are_plain_tensors(device):
+    model = mlp_of_blocks()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    offload(model, device)
+
+    state = model.state_dict()
+
+    assert state.keys() == expected.keys()
+    for key, value in state.items():
+        assert type(value) is torch.Tensor, key
+        if key.startswith("blocks."):
+            assert value.device == CPU, key
+        torch.testing.assert_close(host(value), expected[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_optimizer_state_of_offloaded_parameters_is_plain_cpu_tensors(device):
+    model = offload(mlp_of_blocks(), device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = batch(device)
+
+    F.mse_loss(model(x), y).backward()
+    optimizer.step()
+
+    for name, p in offloaded_parameters(model):
+        state = optimizer.state[p]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert type(state[key]) is torch.Tensor, f"{name}.{key}"
+            assert state[key].device == CPU, f"{name}.{key}"
+            assert state[key].shape == p.shape, f"{name}.{key}"
+
+
+# --------------------------------------------------------------------------------------------
+# unwrap
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", devices)
+def test_unwrap_restores_plain_parameters_with_same_data_and_grads(device):
+    model = mlp_of_blocks()
+    reference = unwrapped_reference(model, device)
+    offload(model, device)
+    batches = [batch(device) for _ in range(2)]
+    train(reference, batches)
+    train(model, batches)
+    ids = {name: id(p) for name, p in model.named_parameters()}
+    data = {name: host(p).clone() for name, p in model.named_parameters()}
+    grads = {name: host(p.grad).clone() for name, p in model.named_parameters()}
+
+    offtensor.unwrap(model)
+
+    assert not offtensor.is_wrapped(model)
+    for name, p in model.blocks.named_parameters(prefix="blocks"):
+        assert type(p) is nn.Parameter, name
+        assert id(p) == ids[name], name
+        assert p.device == CPU, name
+        assert type(p.grad) is torch.Tensor and p.grad.device == CPU, name
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(host(p), data[name], rtol=0, atol=0)
+        torch.testing.assert_close(host(p.grad), grads[name], rtol=0, atol=0)
+
+    # A plain model again: `.to(device)` moves everything, and it still computes the same.
+    model.to(device)
+    assert all(p.device.type == device for p in model.parameters())
+    x, _ = batch(device)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+
+
+@pytest.mark.parametrize("device", devices)
+def test_wrap_again_after_unwrap_matches_unwrapped_model(device):
+    model = mlp_of_blocks()
+    reference = unwrapped_reference(model, device)
+    offload(model, device)
+    offtensor.unwrap(model)
+    offload(model, device)
+    batches = [batch(device) for _ in range(3)]
+
+    expected = train(reference, batches)
+    losses = train(model, batches)
+
+    torch.testing.assert_close(losses, expected, **tolerances(device))
+    assert_params_match(model, reference, **tolerances(device))
+
+
+# --------------------------------------------------------------------------------------------
+# Frozen parameters, buffers, sharing, partial wrapping
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("when", ["before_wrap", "after_wrap"])
+@pytest.mark.parametrize("device", devices)
+def test_frozen_parameters_get_no_grad(device, when):
+    def freeze(m: nn.Module) -> None:
+        m.blocks[0].requires_grad_(False)  # a whole scope
+        m.blocks[1].fc1.weight.requires_grad_(False)  # one parameter of a scope
+
+    model = mlp_of_blocks()
+    if when == "before_wrap":
+        freeze(model)
+    reference = unwrapped_reference(model, device)
+    offload(model, device)
+    if when == "after_wrap":
+        freeze(model)
+        freeze(reference)
+    batches = [batch(device) for _ in range(3)]
+
+    expected = train(reference, batches)
+    losses = train(model, batches)
+
+    assert model.blocks[0].fc1.weight.grad is None
+    assert model.blocks[1].fc1.weight.grad is None
+    assert not model.blocks[1].fc1.weight.requires_grad
+    assert model.input.weight.grad is not None, "grads must still flow through a frozen scope"
+    torch.testing.assert_close(losses, expected, **tolerances(device))
+    assert_grads_match(model, reference, **tolerances(device))
+    assert_params_match(model, reference, **tolerances(device))
+
+
+@pytest.mark.parametrize("device", devices)
+def test_batchnorm_running_stats_update_in_training_like_unwrapped_model(device):
+    model = batchnorm_model()
+    reference = unwrapped_reference(model, device)
+    offload(model, device)
+    batches = [batch(device, n=8) for _ in range(3)]
+    x, _ = batch(device, n=8)
+
+    expected_losses = train(reference, batches)
+    reference.eval()
+    with torch.no_grad():
+        expected = reference(x)
+    losses = train(model, batches)
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+
+    assert int(model.blocks[0].bn.num_batches_tracked) == 3
+    assert model.blocks[0].bn.running_mean.device.type == device
+    torch.testing.assert_close(losses, expected_losses, **tolerances(device))
+    assert_params_match(model, reference, **tolerances(device))  # includes the running stats
+    torch.testing.assert_close(out, expected, **tolerances(device))
+
+
+@pytest.mark.parametrize("tied_side", ["head_in_block", "embedding_selected"])
+@pytest.mark.parametrize("device", devices)
+def test_tied_embedding_and_head_train_like_unwrapped_model(device, tied_side):
+    model = tied_lm(tied_side)
+    reference = unwrapped_reference(model, device)
+    offload(model, device, tied_lm_predicate(tied_side))
+    tokens = [torch.randint(0, 32, (2, 6)).to(device) for _ in range(3)]
+
+    def run(m: nn.Module) -> torch.Tensor:
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        losses = []
+        for t in tokens:
+            optimizer.zero_grad()
+            logits = m(t)
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), t[:, 1:].flatten())
+            loss.backward()
+            optimizer.step()
+            losses.append(host(loss))
+        return torch.stack(losses)
+
+    expected = run(reference)
+    losses = run(model)
+
+    shared = model.embed.weight
+    other = model.blocks[-1].proj.weight if tied_side == "head_in_block" else model.head.weight
+    assert other is shared, "wrap must keep the two modules sharing one Parameter"
+    assert isinstance(shared, offtensor.OffloadedParameter)
+    assert len(list(model.parameters())) == len(list(reference.parameters()))
+    torch.testing.assert_close(losses, expected, **tolerances(device))
+    assert_grads_match(model, reference, **tolerances(device))
+    assert_params_match(model, reference, **tolerances(device))
+
+
+@pytest.mark.parametrize("device", devices)
+def test_parameter_shared_by_two_scopes_trains_like_unwrapped_model(device):
+    model = mlp_of_blocks()
+    model.blocks[2].fc1.weight = model.blocks[0].fc1.weight
+    reference = unwrapped_reference(model, device)
+    offload(model, device)
+    batches = [batch(device) for _ in range(3)]
+
+    expected = train(reference, batches)
+    losses = train(model, batches)
+
+    assert model.blocks[2].fc1.weight is model.blocks[0].fc1.weight
+    torch.testing.assert_close(losses, expected, **tolerances(device))
+    assert_grads_match(model, reference, **tolerances(device))
+    assert_params_match(model, reference, **tolerances(device))
+
+
+@pytest.mark.parametrize("device", devices)
+def test_partially_wrapped_model_with_resident_blocks_trains_like_unwrapped_model(device):
+    model = mlp_of_blocks(n_blocks=4)
+    reference = unwrapped_reference(model, device)
+    offload(model, device, only_blocks(0, 2))
+    batches = [batch(device) for _ in range(3)]
+
+    expected = train(reference, batches)
+    losses = train(model, batches)
+
+    assert list(scope_states(model)) == ["blocks.0", "blocks.2"]
+    for name, p in model.named_parameters():
+        if name.startswith(("blocks.0.", "blocks.2.")):
+            assert isinstance(p, offtensor.OffloadedParameter), name
+        else:
+            assert type(p) is nn.Parameter and p.device.type == device, name
+            assert p.grad.device.type == device, name
+    torch.testing.assert_close(losses, expected, **tolerances(device))
+    assert_grads_match(model, reference, **tolerances(device))
+    assert_params_match(model, reference, **tolerances(device))
+
+
+# --------------------------------------------------------------------------------------------
+# Module-level conversions
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", devices)
+def test_model_to_device_after_wrap_moves_buffers_and_unselected_params_only(device):
+    model = batchnorm_model()
+    reference = unwrapped_reference(model, device)
+    offtensor.wrap(model, device=device)
+    ids = {name: id(p) for name, p in model.named_parameters()}
+
+    assert model.to(device) is model
+    model.to("cpu")  # a round trip must not disturb the masters either
+    model.to(device)
+
+    assert {name: id(p) for name, p in model.named_parameters()} == ids
+    for name, p in model.named_parameters():
+        if name.startswith("blocks."):
+            assert isinstance(p, offtensor.OffloadedParameter), name
+            assert p.device == CPU, name
+        else:
+            assert p.device.type == device, name
+    for name, b in model.named_buffers():
+        assert b.device.type == device, name  # buffers inside scopes move too
+    x, _ = batch(device, n=8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [
+        pytest.param(lambda m: m.half(), id="half"),
+        pytest.param(lambda m: m.bfloat16(), id="bfloat16"),
+        pytest.param(lambda m: m.double(), id="double"),
+        pytest.param(lambda m: m.to(torch.float16), id="to_dtype"),
+        pytest.param(lambda m: m.to("cpu", torch.float16), id="to_device_and_dtype"),
+    ],
+)
+@pytest.mark.parametrize("device", devices)
+def test_dtype_conversion_after_wrap_raises_type_error_naming_the_parameter(device, convert):
+    model = offload(mlp_of_blocks(), device, only_blocks(1))
+
+    with pytest.raises(TypeError, match=r"blocks\.1\.(norm|fc1|fc2)\.(weight|bias)"):
+        convert(model)
+
+
+# --------------------------------------------------------------------------------------------
+# Scope lifetime, no_offload, summary
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", devices)
+def test_scopes_are_offloaded_between_steps(device):
+    model = offload(mlp_of_blocks(), device)
+    x, y = batch(device)
+
+    assert_all_scopes_offloaded(model)
+    with torch.no_grad():
+        model(x)
+    assert_all_scopes_offloaded(model)
+    F.mse_loss(model(x), y).backward()
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_no_offload_keeps_scopes_resident_inside_and_releases_on_exit(device):
+    model = mlp_of_blocks()
+    reference = unwrapped_reference(model, device)
+    offload(model, device)
+    x, y = batch(device)
+
+    F.mse_loss(reference(x), y).backward()
+    with offtensor.no_offload():
+        out = model(x)
+        F.mse_loss(out, y).backward()
+        inside = offtensor.summary(model).scopes
+    after = offtensor.summary(model).scopes
+
+    for s in inside:
+        assert s.state == offtensor.ScopeState.RESIDENT, s.name
+        assert s.device_bytes >= param_bytes(model.get_submodule(s.name)), s.name
+    for s in after:
+        assert s.state == offtensor.ScopeState.OFFLOADED, s.name
+        assert s.device_bytes == 0, s.name
+    torch.testing.assert_close(out, reference(x), **tolerances(device))
+    assert_grads_match(model, reference, **tolerances(device))
+
+
+@pytest.mark.parametrize("device", devices)
+def test_summary_has_one_row_per_scope(device):
+    model = offload(mlp_of_blocks(n_blocks=3), device)
+
+    summary = offtensor.summary(model)
+
+    assert torch.device(summary.device).type == device
+    assert [s.name for s in summary.scopes] == ["blocks.0", "blocks.1", "blocks.2"]
+    for s, block in zip(summary.scopes, model.blocks):
+        params = list(block.parameters())
+        assert s.state == offtensor.ScopeState.OFFLOADED
+        assert s.num_params == sum(p.numel() for p in params)  # elements, not tensors
+        # The host buffer may pad each parameter for alignment.
+        assert s.host_bytes >= param_bytes(block)
+        assert s.device_bytes == 0
+    text = str(summary)
+    for s in summary.scopes:
+        assert s.name in text
+
+
+POLICIES = [
+    pytest.param({}, id="default"),
+    pytest.param({"prefetch": 0}, id="prefetch0"),
+    pytest.param({"prefetch": 2}, id="prefetch2"),
+    pytest.param({"keep_for_backward": True}, id="keep_for_backward"),
+    pytest.param({"pin_memory": False}, id="no_pin"),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("device", devices)
+def test_every_policy_trains_like_unwrapped_model(device, policy):
+    model = mlp_of_blocks()
+    reference = unwrapped_reference(model, device)
+    offload(model, device, policy=offtensor.Policy(**policy))
+    batches = [batch(device) for _ in range(3)]
+
+    expected = train(reference, batches)
+    losses = train(model, batches)
+
+    torch.testing.assert_close(losses, expected, **tolerances(device))
+    assert_params_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_predicate_may_return_a_policy_per_scope(device):
+    def predicate(name: str, module: nn.Module):
+        if name == "blocks.0":
+            return offtensor.Policy(prefetch=0)
+        return name in ("blocks.1", "blocks.2")
+
+    model = mlp_of_blocks()
+    reference = unwrapped_reference(model, device)
+    offload(model, device, predicate)
+    batches = [batch(device) for _ in range(2)]
+
+    expected = train(reference, batches)
+    losses = train(model, batches)
+
+    assert list(scope_states(model)) == ["blocks.0", "blocks.1", "blocks.2"]
+    torch.testing.assert_close(losses, expected, **tolerances(device))
+
+
+def test_policy_is_a_frozen_dataclass_with_documented_defaults():
+    policy = offtensor.Policy()
+
+    assert (policy.prefetch, policy.keep_for_backward, policy.pin_memory) == (1, False, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.prefetch = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("grad_enabled", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("device", devices)
+def test_exception_inside_scope_leaves_scopes_offloaded_and_model_usable(device, grad_enabled):
+    model = mlp_of_blocks()
+    reference = unwrapped_reference(model, device)
+    offload(model, device)
+    x, y = batch(device)
+
+    def fail(module, inputs, output):
+        raise RuntimeError("injected failure")
+
+    handle = model.blocks[1].fc2.register_forward_hook(fail)
+    with (
+        torch.set_grad_enabled(grad_enabled),
+        pytest.raises(RuntimeError, match="injected failure"),
+    ):
+        model(x)
+    handle.remove()
+
+    assert_all_scopes_offloaded(model)
+    F.mse_loss(reference(x), y).backward()
+    out = model(x)
+    F.mse_loss(out, y).backward()
+    torch.testing.assert_close(out, reference(x), **tolerances(device))
+    assert_grads_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(model)
