@@ -150,12 +150,7 @@ class GradOffload:
         self._written = []
         self._inflight.clear()
         self._last_d2h = None
-        with torch._C.DisableTorchFunctionSubclass():
-            for slot in written:
-                slot.param.grad = slot.host_grad
-            for slot in written:
-                for hook in slot.post_hooks.values():
-                    hook(slot.param)
+        publish(written)
         self._engine.end_backward()
 
     def reset_if_stale(self) -> None:
@@ -169,6 +164,17 @@ class GradOffload:
             self._written.clear()
             self._inflight.clear()
             self._last_d2h = None
+
+
+def publish(slots: list[ParamSlot]) -> None:
+    """Point each parameter's `.grad` at its completed host gradient, then run the user's
+    post-accumulate-grad hooks (all grads first, as autograd would have them)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        for slot in slots:
+            slot.param.grad = slot.host_grad
+    for slot in slots:
+        for hook in slot.post_hooks.values():
+            hook(slot.param)
 
 
 def _holders(t: torch.Tensor) -> tuple[int, int]:

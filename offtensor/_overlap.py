@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._grads import publish
 from ._param import OffloadedParameter
 
 if TYPE_CHECKING:
@@ -141,14 +142,8 @@ class _OverlappedStep:
                     slots, event = job
                     if event is not None:
                         event.synchronize()
-                    ids = set()
-                    with torch._C.DisableTorchFunctionSubclass():
-                        for slot in slots:
-                            slot.param.grad = slot.host_grad
-                    for slot in slots:
-                        for hook in slot.post_hooks.values():
-                            hook(slot.param)
-                        ids.add(id(slot.param))
+                    publish(slots)
+                    ids = {id(slot.param) for slot in slots}
                     _step_subset(self.optimizer, ids)
                     self._stepped.update(ids)
             except BaseException as e:  # reported on the calling thread

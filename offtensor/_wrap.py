@@ -299,7 +299,7 @@ def _guard_apply(model: nn.Module) -> None:
 def _apply_keeping_masters(module: nn.Module, fn, recurse: bool = True):
     """Module._apply that leaves offloaded masters alone; see Note [moving a wrapped model]."""
     masters = {k: p for k, p in module._parameters.items() if isinstance(p, OffloadedParameter)}
-    for key, p in masters.items():
+    for p in masters.values():
         try:
             probe = fn(torch.empty(0, dtype=p.dtype))
         except Exception:  # fn does not apply to a CPU probe (e.g. a device that is absent)
