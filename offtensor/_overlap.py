@@ -133,10 +133,16 @@ class _OverlappedStep:
 
     def _run(self) -> None:
         worker_state.active = True
+        # The thread that launches backward's kernels must keep a core: a CPU optimizer on every
+        # core starves it and the GPU idles. OpenMP thread counts are per calling thread here;
+        # the global default is restored on exit.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, threads - 2))
         while True:
             job = self._jobs.get()
             try:
                 if job is None:
+                    torch.set_num_threads(threads)
                     return
                 if self._error is None:
                     slots, event = job

@@ -97,7 +97,9 @@ class TransferEngine:
     def record(self, stream: Any) -> Any:
         if stream is None:
             return None
-        event = torch.cuda.Event()
+        # blocking: a host that does wait on it (end of backward, the optimizer worker) sleeps
+        # instead of spinning on a core the CPU optimizer could use.
+        event = torch.cuda.Event(blocking=True)
         event.record(stream)
         return event
 
