@@ -1,16 +1,20 @@
 """Benchmark offtensor against the whole model on the GPU and against other offloading libraries.
 
-Runs a randomly initialised Hugging Face Llama (no download) through four scenarios and, for each
+Runs a randomly initialised Hugging Face Llama (no download) through six scenarios and, for each
 *peer* (a way of placing the model), reports the median wall time, the roofline, peak device
 memory and host memory growth. docs/benchmarks.md defines every column; in short:
 
     roofline = max(time of the same scenario with the whole model resident on the device,
                    bytes that must cross PCIe / measured pinned bandwidth)
 
+plus, for the full training steps (step-4x2048, step32-4x2048), the CPU optimizer step: added
+for `loss.backward(); optimizer.step()`, overlapped (max) for `offtensor.backward_and_step`.
+
 Usage:
 
     python -m offtensor.bench                          # 8 layers, every scenario and peer
     python -m offtensor.bench --layers 16 --peers resident offtensor --json out.json
+    python -m offtensor.bench --scenarios step-4x2048 --peers resident offtensor offtensor-overlap
     python -m offtensor.bench --quick --device cpu     # smoke test: tiny model, no GPU needed
 
 Peers other than offtensor are optional: one that is not installed, or that fails, is reported
@@ -61,8 +65,10 @@ QUICK_SHAPE = ModelShape(hidden=256, intermediate=688, heads=4, kv_heads=2, voca
 
 @dataclass(frozen=True)
 class Scenario:
-    """One workload. kind: 'infer' (no_grad forward), 'train' (all params trainable) or
-    'frozen' (decoder layers frozen, a small trainable part)."""
+    """One workload. kind: 'infer' (no_grad forward), 'train' (all params trainable),
+    'frozen' (decoder layers frozen, a small trainable part), 'step' (a full training step:
+    forward, backward, fused AdamW step, zero_grad) or 'step32' (the same with fp32 masters and
+    bf16 compute)."""
 
     name: str
     kind: str
@@ -73,7 +79,11 @@ class Scenario:
     @property
     def variant(self) -> str:
         # Scenarios of the same variant share one freshly built model per peer.
-        return "lora" if self.kind == "frozen" else "base"
+        return {"frozen": "lora", "step32": "fp32"}.get(self.kind, "base")
+
+    @property
+    def has_optimizer(self) -> bool:
+        return self.kind in ("step", "step32")
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -82,7 +92,10 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("infer-1x512", "infer", 1, 512),  # transfer-bound
         Scenario("infer-8x2048", "infer", 8, 2048),  # compute-bound
         Scenario("train-4x2048", "train", 4, 2048, micro_batches=2),
+        # Right after train-4x2048: same variant, so each peer reuses the model it built.
+        Scenario("step-4x2048", "step", 4, 2048),
         Scenario("lora-4x2048", "frozen", 4, 2048, micro_batches=2),
+        Scenario("step32-4x2048", "step32", 4, 2048),
     )
 }
 
@@ -91,7 +104,25 @@ def _quick(s: Scenario) -> Scenario:
     return Scenario(s.name, s.kind, min(s.batch, 2), max(16, s.seq // 32), s.micro_batches)
 
 
-PEER_NAMES = ("resident", "offtensor", "accelerate", "diffusers")
+PEER_NAMES = ("resident", "offtensor", "offtensor-overlap", "offtensor-castdev", "offtensor-casthost",
+              "accelerate", "diffusers")
+
+ADAMW_LR = 1e-5
+FP32_BUILD_LIMIT_S = 60.0  # step32-4x2048 is skipped when building the fp32 model takes longer
+
+
+def peer_plan(peer: str, scenario: Scenario) -> str | None:
+    """'run'; or the note of a 'skipped' row; or None: the peer has no row for this scenario
+    (the offtensor variants are only different from `offtensor` where they have a row)."""
+    if peer == "offtensor-overlap":
+        return "run" if scenario.kind == "step" else None
+    if peer in ("offtensor-castdev", "offtensor-casthost"):
+        return "run" if scenario.kind == "step32" else None
+    if peer == "offtensor":
+        return None if scenario.kind == "step32" else "run"  # fp32 masters: the -cast* peers
+    if peer in ("accelerate", "diffusers") and scenario.has_optimizer:
+        return "no optimizer integration"
+    return "run"
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,10 +308,13 @@ class BuiltModel:
     total_bytes: int  # all parameters
     wrapped_bytes: int  # decoder-layer parameters: what an offloader moves
     wrapped_trainable_bytes: int  # decoder-layer parameters that get a grad
+    dtype: torch.dtype = torch.bfloat16  # of the parameters
 
 
 def build_model(shape: ModelShape, variant: str, device: torch.device, seed: int) -> BuiltModel:
     """A random-weight bf16 LlamaForCausalLM with SDPA attention, parameters on the CPU.
+
+    variant 'fp32': the same in fp32 (masters for step32-4x2048, which computes in bf16).
 
     variant 'lora': every base parameter frozen; LoRA adapters (r=16 on q/k/v/o) trainable when
     peft is installed, otherwise the input embeddings (so that backward still runs through every
@@ -301,7 +335,8 @@ def build_model(shape: ModelShape, variant: str, device: torch.device, seed: int
         use_cache=False,
         attn_implementation="sdpa",
     )
-    with _no_init_weights(), _default_dtype(torch.bfloat16), torch.device("cpu"):
+    dtype = torch.float32 if variant == "fp32" else torch.bfloat16
+    with _no_init_weights(), _default_dtype(dtype), torch.device("cpu"):
         model = LlamaForCausalLM(config)
     _fill_random(model, device, seed)
 
@@ -340,6 +375,7 @@ def build_model(shape: ModelShape, variant: str, device: torch.device, seed: int
         total_bytes=nbytes(model.parameters()),
         wrapped_bytes=nbytes(layers.parameters()),
         wrapped_trainable_bytes=nbytes(p for p in layers.parameters() if p.requires_grad),
+        dtype=dtype,
     )
 
 
@@ -387,12 +423,17 @@ def _setup_resident(built: BuiltModel, device: torch.device, opts: PeerOptions) 
     return "whole model on the device"
 
 
-def _setup_offtensor(built: BuiltModel, device: torch.device, opts: PeerOptions) -> str:
+def _setup_offtensor(built: BuiltModel, device: torch.device, opts: PeerOptions,
+                     cast: str | None = None) -> str:
     import offtensor
 
     options: dict[str, Any] = {}
     if opts.offtensor_prefetch is not None:
         options["prefetch"] = opts.offtensor_prefetch
+    if cast is not None:
+        # fp32 masters (and their grads and AdamW state) on the host, bf16 copies on the device.
+        options["compute_dtype"] = torch.bfloat16
+        options["cast"] = cast
     frozen_only = getattr(offtensor, "frozen_only", None)
     if built.variant == "lora" and frozen_only is not None:
         # Offload the frozen base; the small trainable adapters stay on the device, so nothing
@@ -402,7 +443,8 @@ def _setup_offtensor(built: BuiltModel, device: torch.device, opts: PeerOptions)
     # Default predicate (every element of every nn.ModuleList): the decoder layers.
     offtensor.wrap(built.model, device=device, policy=policy)
     built.model.to(device)  # embeddings, final norm, head, rotary buffers; masters stay on the host
-    shown = ", ".join(f"{k}={getattr(v, '__name__', v)}" for k, v in options.items())
+    shown = ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={getattr(v, '__name__', v)}"
+                      for k, v in options.items())
     return f"offtensor.wrap(model, device={str(device)!r}, policy=Policy({shown}))"
 
 
@@ -432,10 +474,15 @@ def _setup_diffusers(built: BuiltModel, device: torch.device, opts: PeerOptions)
 PEER_SETUP: dict[str, Callable[[BuiltModel, torch.device, PeerOptions], str]] = {
     "resident": _setup_resident,
     "offtensor": _setup_offtensor,
+    "offtensor-overlap": _setup_offtensor,  # same placement; the step uses backward_and_step
+    "offtensor-castdev": lambda b, d, o: _setup_offtensor(b, d, o, cast="device"),
+    "offtensor-casthost": lambda b, d, o: _setup_offtensor(b, d, o, cast="host"),
     "accelerate": _setup_accelerate,
     "diffusers": _setup_diffusers,
 }
-PEER_MODULE = {"resident": None, "offtensor": "offtensor", "accelerate": "accelerate", "diffusers": "diffusers"}
+PEER_MODULE = {"resident": None, "offtensor": "offtensor", "offtensor-overlap": "offtensor",
+               "offtensor-castdev": "offtensor", "offtensor-casthost": "offtensor",
+               "accelerate": "accelerate", "diffusers": "diffusers"}
 
 
 def peer_unavailable(peer: str) -> str | None:
@@ -470,6 +517,8 @@ class Row:
     host_growth_bytes: int | None = None  # RSS now minus RSS before this peer's model was built
     grads_kept: float | None = None  # fraction of trainable layer params with a .grad after backward
     grad_devices: list[str] | None = None
+    optimizer: str | None = None  # step scenarios: the optimizer(s) and how they were stepped
+    fwd_bwd_ms: float | None = None  # resident, step scenarios: forward+backward alone, no step
     roofline_ms: float | None = None
     ratio: float | None = None
 
@@ -483,16 +532,183 @@ def _grad_state(layers: nn.ModuleList) -> tuple[float | None, list[str]]:
     return len(grads) / len(trainable), devices
 
 
+def make_adamw(params: list[torch.Tensor]) -> tuple[list[torch.optim.Optimizer], str]:
+    """`torch.optim.AdamW(params, lr=1e-5, fused=True)`: one optimizer when torch accepts
+    parameters on several devices in it (its fused step groups tensors by device and dtype),
+    else one per device type, the CPU one first."""
+    devices = sorted({p.device.type for p in params}, key=lambda d: d != "cpu")
+    try:
+        return [torch.optim.AdamW(params, lr=ADAMW_LR, fused=True)], \
+            f"one fused AdamW over {'+'.join(devices)} parameters"
+    except (RuntimeError, ValueError) as exc:
+        if len(devices) < 2:
+            raise
+        why = _short_error(exc)
+    opts = [torch.optim.AdamW([p for p in params if p.device.type == d], lr=ADAMW_LR, fused=True)
+            for d in devices]
+    return opts, f"one fused AdamW per device ({', '.join(devices)}); one over all refused: {why}"
+
+
+# --------------------------------------------------------------------------------------------
+# The CPU optimizer step on its own
+# --------------------------------------------------------------------------------------------
+
+
+def _fill_from_pool(t: torch.Tensor, pool: torch.Tensor, offset: int) -> None:
+    """Fill `t` with values from `pool` (random normals), cyclically: random data at memcpy
+    speed. The AdamW kernel's speed does not depend on the values (none are denormal)."""
+    flat, n, k = t.view(-1), t.numel(), pool.numel()
+    pos = 0
+    while pos < n:
+        start = (offset + pos) % k
+        m = min(n - pos, k - start)
+        flat[pos:pos + m].copy_(pool[start:start + m])
+        pos += m
+
+
+def _random_pool(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.empty(1 << 22, dtype=torch.float32).normal_(0.0, 0.02, generator=gen).to(dtype)
+
+
+def _timed_steps(optimizers: list[torch.optim.Optimizer], reps: int) -> list[list[float]]:
+    """One warm-up step of each optimizer (allocates its state), then `reps` rounds stepping
+    each in turn (interleaved, so that both see the same machine). Seconds per step."""
+    for opt in optimizers:
+        opt.step()
+    out: list[list[float]] = [[] for _ in optimizers]
+    for _ in range(reps):
+        for i, opt in enumerate(optimizers):
+            t0 = time.perf_counter()
+            opt.step()
+            out[i].append(time.perf_counter() - t0)
+    return out
+
+
+def _plain_like(params: list[torch.Tensor], pool: torch.Tensor) -> list[torch.Tensor]:
+    """Plain CPU tensors of the same shapes and dtype as `params`, random values and grads."""
+    plain, offset = [], 0
+    for p in params:
+        t = torch.empty(p.shape, dtype=p.dtype)
+        _fill_from_pool(t, pool, offset)
+        t.grad = torch.empty_like(t)
+        _fill_from_pool(t.grad, pool, offset + 7919)
+        offset += p.numel()
+        plain.append(t)
+    return plain
+
+
+def _gparams(numel: int, seconds: float) -> float:
+    return numel / seconds / 1e9
+
+
+def measure_plain_adamw(params: list[torch.Tensor], seed: int, reps: int = 3) -> dict[str, Any]:
+    """The optimizer term of the step rooflines: fused `torch.optim.AdamW` on plain CPU tensors
+    of the shapes and dtype of `params` (the wrapped parameters), with random grads; one
+    warm-up step, median of `reps`."""
+    dtype = params[0].dtype
+    plain = _plain_like(params, _random_pool(dtype, seed))
+    numel = sum(p.numel() for p in plain)
+    (times,) = _timed_steps([torch.optim.AdamW(plain, lr=ADAMW_LR, fused=True)], reps)
+    median = statistics.median(times)
+    return {"dtype": str(dtype).removeprefix("torch."), "params": numel, "tensors": len(plain),
+            "warmup": 1, "reps": reps, "times_ms": [t * 1e3 for t in times],
+            "median_ms": median * 1e3, "gparams_per_s": _gparams(numel, median),
+            "threads": torch.get_num_threads()}
+
+
+def measure_optimizer_speed(layers: nn.ModuleList, seed: int, reps: int = 3) -> dict[str, Any]:
+    """Fused AdamW on the wrapped model's offloaded parameters (random host .grad set on each)
+    against the same step on plain CPU tensors of identical shapes and dtypes: what the
+    parameter subclass costs the optimizer. One warm-up step each, then `reps` interleaved
+    steps of each, median. The wrapped weights change by a few lr-sized steps; the grads are
+    set back to None afterwards."""
+    params = [p for p in layers.parameters() if p.requires_grad and p.device.type == "cpu"]
+    if not params:
+        raise RuntimeError("no trainable CPU parameters in the decoder layers")
+    dtype = params[0].dtype
+    pool = _random_pool(dtype, seed)
+    offset = 0
+    for p in params:
+        g = torch.empty(p.shape, dtype=p.dtype)
+        _fill_from_pool(g, pool, offset + 7919)
+        offset += p.numel()
+        p.grad = g
+    plain = _plain_like(params, pool)
+    numel = sum(p.numel() for p in params)
+    try:
+        wrapped_t, plain_t = _timed_steps([torch.optim.AdamW(params, lr=ADAMW_LR, fused=True),
+                                           torch.optim.AdamW(plain, lr=ADAMW_LR, fused=True)], reps)
+    finally:
+        for p in params:
+            p.grad = None
+    wrapped_s, plain_s = statistics.median(wrapped_t), statistics.median(plain_t)
+    ratio = plain_s / wrapped_s  # = wrapped G params/s over plain G params/s
+    return {"dtype": str(dtype).removeprefix("torch."), "params": numel, "tensors": len(params),
+            "warmup": 1, "reps": reps, "threads": torch.get_num_threads(),
+            "wrapped_times_ms": [t * 1e3 for t in wrapped_t], "plain_times_ms": [t * 1e3 for t in plain_t],
+            "wrapped_ms": wrapped_s * 1e3, "plain_ms": plain_s * 1e3,
+            "wrapped_gparams_per_s": _gparams(numel, wrapped_s),
+            "plain_gparams_per_s": _gparams(numel, plain_s),
+            "ratio": ratio, "target": 0.95, "meets_target": ratio >= 0.95}
+
+
 def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *, warmup: int,
-                 iters: int, max_seconds: float, seed: int, row: Row) -> None:
+                 iters: int, max_seconds: float, seed: int, row: Row, peer: str = "") -> None:
     """Fill `row` with the timings and memory of `scenario` on the placed model `built`."""
     model, layers = built.model, built.layers
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     ids = torch.randint(0, built.vocab, (scenario.batch, scenario.seq), device=device,
                         generator=gen)
+    optimizers: list[torch.optim.Optimizer] = []
 
-    if scenario.kind == "infer":
+    if scenario.has_optimizer:
+        model.train()
+        if not getattr(model, "is_gradient_checkpointing", False):
+            enable_checkpointing(model)
+        optimizers, row.optimizer = make_adamw([p for p in model.parameters() if p.requires_grad])
+        overlap = peer == "offtensor-overlap"
+        if overlap:
+            import offtensor
+
+            row.optimizer += "; offtensor.backward_and_step(loss, " + (
+                "optimizer)" if len(optimizers) == 1 else "CPU optimizer), then the other stepped")
+        else:
+            row.optimizer += "; loss.backward(), then optimizer.step()"
+        # fp32 weights, bf16 compute: autocast on the forward (the recompute in backward
+        # restores it). Wrapped layers already hold bf16 device copies; resident casts per op.
+        autocast = scenario.kind == "step32"
+        if autocast:
+            row.optimizer += "; forward under torch.autocast(bfloat16)"
+
+        def forward_loss() -> torch.Tensor:
+            with (torch.autocast(device.type, dtype=torch.bfloat16) if autocast
+                  else contextlib.nullcontext()):
+                return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+        def train_step(check: bool = False) -> None:
+            loss = forward_loss()
+            if overlap:
+                offtensor.backward_and_step(loss, optimizers[0])
+                for opt in optimizers[1:]:
+                    opt.step()
+            else:
+                loss.backward()
+                for opt in optimizers:
+                    opt.step()
+            del loss
+            if check:  # the first warm-up step also tells whether the grads landed in p.grad
+                row.grads_kept, row.grad_devices = _grad_state(layers)
+                if row.grads_kept is not None and row.grads_kept < 1.0:
+                    row.note = (f"only {row.grads_kept:.0%} of the trainable layer parameters had "
+                                "a .grad at the optimizer step: not a valid training step")
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+
+        step: Callable[[], None] = train_step
+        per_step = 1
+    elif scenario.kind == "infer":
         model.eval()
 
         def step() -> None:
@@ -528,6 +744,9 @@ def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *,
 
     def first_step() -> None:
         # The first warm-up iteration also tells whether the grads landed in p.grad.
+        if scenario.has_optimizer:
+            train_step(check=True)
+            return
         if scenario.kind == "infer":
             step()
             return
@@ -555,6 +774,15 @@ def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *,
     row.median_ms = statistics.median(row.times_ms)
     if device.type == "cuda":
         row.peak_vram_bytes = torch.cuda.max_memory_allocated(device)
+    if scenario.has_optimizer and peer == "resident":
+        # The compute term of the step rooflines when train-4x2048 has no resident time (and of
+        # step32-4x2048, whose forward runs under autocast): forward+backward, no optimizer.
+        def fwd_bwd() -> None:
+            forward_loss().backward()
+            model.zero_grad(set_to_none=True)
+
+        row.fwd_bwd_ms = statistics.median(timed(fwd_bwd) * 1e3 for _ in range(max(iters, 1)))
+    optimizers.clear()  # frees the optimizer state
     if scenario.kind != "infer":
         model.zero_grad(set_to_none=True)
 
@@ -570,21 +798,70 @@ class VariantBytes:
     wrapped_bytes: int
     wrapped_trainable_bytes: int
     trainable: str
+    dtype: str = "bfloat16"
 
 
 def _iterations(args: argparse.Namespace, scenario: Scenario) -> tuple[int, int]:
     """(warm-up, timed) iterations: a few per scenario keeps the full 8-layer run to minutes."""
+    if scenario.has_optimizer:  # a full step (with the CPU optimizer) takes seconds: fewer
+        return args.warmup or 1, args.iters or (2 if args.quick else 3)
     warmup = args.warmup or (1 if args.quick else 2)
     iters = args.iters or (2 if args.quick else 5 if scenario.kind == "infer" else 3)
     return warmup, iters
 
 
+@dataclass
+class Extras:
+    """Measurements beside the rows, shared by the peers of one run."""
+
+    plain_adamw: dict[str, dict[str, Any]] = field(default_factory=dict)  # dtype -> measure_plain_adamw
+    optimizer_speed: dict[str, Any] | None = None  # bf16, measured in the offtensor peer
+    optimizer_speed_fp32: dict[str, Any] | None = None  # fp32 masters, in offtensor-castdev
+    skipped_variants: dict[str, str] = field(default_factory=dict)  # variant -> why (too slow to build)
+
+
+class _SkipVariant(Exception):
+    pass
+
+
+def _measure_extras(peer: str, scenario: Scenario, built: BuiltModel, seed: int, extras: Extras) -> None:
+    """Before a step scenario: the plain-CPU AdamW time for its roofline (once per dtype), and
+    in the offtensor peers the wrapped-vs-plain optimizer microbenchmark."""
+    dtype = str(built.dtype).removeprefix("torch.")
+    if dtype not in extras.plain_adamw:
+        params = [p for p in built.layers.parameters() if p.requires_grad]
+        try:
+            extras.plain_adamw[dtype] = measure_plain_adamw(params, seed)
+            m = extras.plain_adamw[dtype]
+            print(f"  plain CPU fused AdamW ({dtype}, {m['params'] / 1e6:,.1f} M params): "
+                  f"{m['median_ms']:.1f} ms, {m['gparams_per_s']:.3g} G params/s", flush=True)
+        except Exception as exc:  # noqa: BLE001 - reported, the rooflines go without it
+            extras.plain_adamw[dtype] = {"dtype": dtype, "error": _short_error(exc)}
+            print(f"  plain CPU fused AdamW ({dtype}): {_short_error(exc)}", flush=True)
+    attr = {("offtensor", "step"): "optimizer_speed",
+            ("offtensor-castdev", "step32"): "optimizer_speed_fp32"}.get((peer, scenario.kind))
+    if attr is None or getattr(extras, attr) is not None:
+        return
+    try:
+        result = measure_optimizer_speed(built.layers, seed)
+    except Exception as exc:  # noqa: BLE001 - reported in the JSON and the log
+        result = {"dtype": dtype, "error": _short_error(exc)}
+        print(f"  {attr}: {result['error']}", flush=True)
+    else:
+        print(f"  {attr} (fused AdamW, {dtype}, {result['params'] / 1e6:,.1f} M params): offloaded "
+              f"{result['wrapped_gparams_per_s']:.3g} G params/s, plain CPU "
+              f"{result['plain_gparams_per_s']:.3g} G params/s, ratio {result['ratio']:.3f} "
+              f"(target >= {result['target']})", flush=True)
+    setattr(extras, attr, result)
+
+
 def run_peer(peer: str, scenarios: list[Scenario], shape: ModelShape, device: torch.device,
              args: argparse.Namespace, rows: list[Row], variant_bytes: dict[str, VariantBytes],
-             setups: dict[str, Any]) -> None:
+             setups: dict[str, Any], extras: Extras | None = None) -> None:
     """Every scenario for one peer, appended to `rows`: one fresh model per variant, and a
     fresh one again after a failed scenario (the peer's state may be half-updated)."""
     opts = PeerOptions(offtensor_prefetch=args.offtensor_prefetch)
+    extras = extras if extras is not None else Extras()
     built: BuiltModel | None = None
     rss0: int | None = None
     setup_failed: dict[str, str] = {}  # variant -> note
@@ -595,6 +872,10 @@ def run_peer(peer: str, scenarios: list[Scenario], shape: ModelShape, device: to
         if built is not None and built.variant != scenario.variant:
             built = None
             _free_memory(device)
+        if scenario.variant in extras.skipped_variants:
+            row.status, row.note = "skipped", extras.skipped_variants[scenario.variant]
+            print(f"  {peer}/{scenario.name}: skipped, {row.note}", flush=True)
+            continue
         if scenario.variant in setup_failed:
             row.status, row.note = "error", setup_failed[scenario.variant]
             continue
@@ -606,6 +887,12 @@ def run_peer(peer: str, scenarios: list[Scenario], shape: ModelShape, device: to
             try:
                 built = _build_and_place(peer, scenario.variant, shape, device, args.seed, opts,
                                          variant_bytes, setups)
+            except _SkipVariant as exc:
+                extras.skipped_variants[scenario.variant] = str(exc)
+                row.status, row.note = "skipped", str(exc)
+                print(f"  {peer}/{scenario.name}: skipped, {exc}", flush=True)
+                _free_memory(device)
+                continue
             except Exception as exc:  # noqa: BLE001 - any failure of a peer is a result
                 error = f"setup failed: {_short_error(exc)}"
             if error is not None:  # outside the except block, so the traceback no longer holds the model
@@ -617,10 +904,12 @@ def run_peer(peer: str, scenarios: list[Scenario], shape: ModelShape, device: to
                 continue
         assert built is not None
 
+        if scenario.has_optimizer:
+            _measure_extras(peer, scenario, built, args.seed, extras)
         try:
             warmup, iters = _iterations(args, scenario)
             run_scenario(built, scenario, device, warmup=warmup, iters=iters,
-                         max_seconds=args.max_scenario_s, seed=args.seed, row=row)
+                         max_seconds=args.max_scenario_s, seed=args.seed, row=row, peer=peer)
         except Exception as exc:  # noqa: BLE001 - any failure of a peer is a result
             error = _short_error(exc)
         if error is not None:
@@ -649,14 +938,17 @@ def _build_and_place(peer: str, variant: str, shape: ModelShape, device: torch.d
                      setups: dict[str, Any]) -> BuiltModel:
     t0 = time.perf_counter()
     built = build_model(shape, variant, device, seed)
-    variant_bytes.setdefault(variant, VariantBytes(
-        built.total_bytes, built.wrapped_bytes, built.wrapped_trainable_bytes, built.trainable))
     t1 = time.perf_counter()
+    if variant == "fp32" and t1 - t0 > FP32_BUILD_LIMIT_S:
+        raise _SkipVariant(f"building the fp32 model took {t1 - t0:.0f} s (limit {FP32_BUILD_LIMIT_S:.0f} s)")
+    variant_bytes.setdefault(variant, VariantBytes(
+        built.total_bytes, built.wrapped_bytes, built.wrapped_trainable_bytes, built.trainable,
+        str(built.dtype).removeprefix("torch.")))
     how = PEER_SETUP[peer](built, device, opts)
     _sync(device)
     info: dict[str, Any] = {"how": how, "build_s": t1 - t0, "setup_s": time.perf_counter() - t1,
                             "trainable": built.trainable}
-    if peer == "offtensor":
+    if peer.startswith("offtensor"):
         with contextlib.suppress(Exception):
             import offtensor
 
@@ -665,12 +957,108 @@ def _build_and_place(peer: str, variant: str, shape: ModelShape, device: torch.d
     return built
 
 
+STEP_PEERS = {  # step kind -> {peer: (H2D bytes per wrapped byte and pass, optimizer overlapped)}
+    "step": {"offtensor": (1.0, False), "offtensor-overlap": (1.0, True)},
+    # fp32 masters: cast="device" moves the fp32 bytes, cast="host" the bf16 copy (half).
+    "step32": {"offtensor-castdev": (1.0, False), "offtensor-casthost": (0.5, False)},
+}
+
+
+def _ok_row(rows: list[Row], scenario: str, peer: str) -> Row | None:
+    return next((r for r in rows if r.scenario == scenario and r.peer == peer and r.status == "ok"), None)
+
+
+def step_roofline(s: Scenario, rows: list[Row], bw: dict[str, Any], vb: VariantBytes | None,
+                  extras: Extras) -> dict[str, Any]:
+    """The roofline of a full training step, per offtensor peer (they move different bytes and
+    overlap the optimizer or not):
+
+        fwd+bwd  = max(compute, h2d_ms, d2h_ms)     as train-4x2048, 1 micro-batch
+        standard = fwd+bwd + optimizer_ms           loss.backward(); optimizer.step()
+        overlap  = max(fwd+bwd, optimizer_ms)       offtensor.backward_and_step
+    """
+    resident_train = _ok_row(rows, "train-4x2048", "resident")
+    resident_own = _ok_row(rows, s.name, "resident")
+    own = resident_own.fwd_bwd_ms if resident_own else None
+    # step32 runs its forward under autocast: its own resident fwd+bwd is the closer compute.
+    if s.kind == "step32" and own is not None:
+        compute, source = own, f"resident {s.name} forward+backward (autocast), measured alone"
+    elif resident_train is not None:
+        compute, source = resident_train.median_ms, "resident train-4x2048 (per micro-batch)"
+    elif own is not None:
+        compute, source = own, f"resident {s.name} forward+backward, measured alone"
+    else:
+        compute, source = None, None
+    dtype = vb.dtype if vb else ("float32" if s.kind == "step32" else "bfloat16")
+    opt = extras.plain_adamw.get(dtype, {})
+    entry: dict[str, Any] = {"compute_ms": compute, "compute_source": source,
+                             "optimizer_ms": opt.get("median_ms"),
+                             "optimizer_source": f"fused torch.optim.AdamW on plain CPU {dtype} tensors "
+                                                 "shaped as the wrapped parameters (median of 3)",
+                             "peers": {}}
+    notes = []
+    if compute is None:
+        notes.append("no resident time: the fwd+bwd term is the transfer term only")
+    if entry["optimizer_ms"] is None:
+        notes.append("no optimizer time: " + opt.get("error", "not measured"))
+    for peer, (h2d_per_byte, overlapped) in STEP_PEERS[s.kind].items():
+        p: dict[str, Any] = {}
+        if vb is not None:
+            h2d, d2h = int(2 * vb.wrapped_bytes * h2d_per_byte), vb.wrapped_trainable_bytes
+            p.update(h2d_bytes=h2d, d2h_bytes=d2h, h2d_ms=h2d / bw["h2d"] * 1e3, d2h_ms=d2h / bw["d2h"] * 1e3)
+        terms = [t for t in (compute, p.get("h2d_ms"), p.get("d2h_ms")) if t is not None]
+        fb = max(terms) if terms else None
+        p["fwd_bwd_roofline_ms"] = fb
+        o = entry["optimizer_ms"]
+        if fb is None:
+            p["roofline_ms"] = None
+        elif o is None:
+            p["roofline_ms"] = fb
+        else:
+            p["roofline_ms"] = max(fb, o) if overlapped else fb + o
+        p["formula"] = "max(fwd+bwd, optimizer)" if overlapped else "fwd+bwd + optimizer"
+        entry["peers"][peer] = p
+    first = next(iter(entry["peers"].values()))
+    for k in ("h2d_bytes", "d2h_bytes", "h2d_ms", "d2h_ms", "roofline_ms"):
+        entry[k] = first.get(k)  # the scenario's headline: the first (standard) peer's
+    entry["roofline_peer"] = next(iter(entry["peers"]))
+    if notes:
+        entry["note"] = "; ".join(notes)
+    return entry
+
+
+def format_step_breakdown(name: str, e: dict[str, Any]) -> str:
+    """One line: the terms of a step scenario's roofline and each peer's roofline."""
+    peers = e["peers"]
+    parts = [f"compute {_fmt(e['compute_ms'], '.1f')} ms"]
+    h2ds = {p: v.get("h2d_ms") for p, v in peers.items()}
+    if len(set(h2ds.values())) == 1:
+        parts.append(f"h2d {_fmt(next(iter(h2ds.values())), '.1f')} ms")
+    else:
+        parts += [f"h2d {_fmt(v, '.1f')} ms ({p})" for p, v in h2ds.items()]
+    parts.append(f"d2h {_fmt(e.get('d2h_ms'), '.1f')} ms")
+    parts.append(f"optimizer {_fmt(e['optimizer_ms'], '.1f')} ms")
+    rl = ", ".join(f"{p} {_fmt(v['roofline_ms'], '.1f')} ms ({v['formula']})" for p, v in peers.items())
+    return f"  {name}: {', '.join(parts)} -> roofline {rl}"
+
+
 def compute_rooflines(rows: list[Row], scenarios: list[Scenario], bw: dict[str, Any],
-                      variant_bytes: dict[str, VariantBytes]) -> dict[str, dict[str, Any]]:
-    """Per scenario: the compute term (resident time), the transfer terms, and their max."""
+                      variant_bytes: dict[str, VariantBytes],
+                      extras: Extras | None = None) -> dict[str, dict[str, Any]]:
+    """Per scenario: the compute term (resident time), the transfer terms, and their max; for
+    the step scenarios also the optimizer term, and a roofline per offtensor peer."""
+    extras = extras if extras is not None else Extras()
     out: dict[str, dict[str, Any]] = {}
     for s in scenarios:
         vb = variant_bytes.get(s.variant)
+        if s.has_optimizer:
+            entry = out[s.name] = step_roofline(s, rows, bw, vb, extras)
+            for r in rows:
+                if r.scenario == s.name:
+                    # resident steps on the device and moves nothing: no roofline of its own.
+                    r.roofline_ms = entry["peers"].get(r.peer, {}).get("roofline_ms")
+                    r.ratio = r.median_ms / r.roofline_ms if r.median_ms is not None and r.roofline_ms else None
+            continue
         resident = next((r for r in rows if r.scenario == s.name and r.peer == "resident"
                          and r.status == "ok"), None)
         entry: dict[str, Any] = {"compute_ms": resident.median_ms if resident else None}
@@ -817,6 +1205,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     variant_bytes: dict[str, VariantBytes] = {}
     setups: dict[str, Any] = {}
+    extras = Extras()
     scenario_order = [s.name for s in scenarios]
     peer_order = {n: i for i, n in enumerate(peers)}
 
@@ -824,7 +1213,7 @@ def main(argv: list[str] | None = None) -> int:
         """Sorted rows with rooflines filled in; also (re)writes --json, so a run killed
         part-way still leaves every peer finished so far on disk."""
         table = sorted(rows, key=lambda r: (scenario_order.index(r.scenario), peer_order[r.peer]))
-        rooflines = compute_rooflines(table, scenarios, bw, variant_bytes)
+        rooflines = compute_rooflines(table, scenarios, bw, variant_bytes, extras)
         if args.json:
             result = {
                 "environment": env,
@@ -833,6 +1222,9 @@ def main(argv: list[str] | None = None) -> int:
                 "model": {**asdict(shape), "dtype": "bfloat16", "attn_implementation": "sdpa",
                           "variants": {k: asdict(v) for k, v in variant_bytes.items()}},
                 "bandwidth": bw,
+                "optimizer_speed": extras.optimizer_speed,
+                "optimizer_speed_fp32": extras.optimizer_speed_fp32,
+                "plain_optimizer": extras.plain_adamw,
                 "scenarios": {s.name: {**asdict(s), **rooflines[s.name]} for s in scenarios},
                 "setups": setups,
                 "results": [asdict(r) for r in table],
@@ -845,13 +1237,21 @@ def main(argv: list[str] | None = None) -> int:
     interrupted = False
     try:
         for peer in peers:
+            plan = [(s, peer_plan(peer, s)) for s in scenarios]
+            plan = [(s, p) for s, p in plan if p is not None]
+            if not plan:
+                continue  # an offtensor variant whose scenarios were not selected
             why = peer_unavailable(peer)
             if why is not None:
                 print(f"bench: {peer}: skipped, {why}", flush=True)
-                rows += [Row(s.name, peer, "skipped", why, batch=s.batch, seq=s.seq) for s in scenarios]
+                rows += [Row(s.name, peer, "skipped", why, batch=s.batch, seq=s.seq) for s, _ in plan]
+                continue
+            rows += [Row(s.name, peer, "skipped", p, batch=s.batch, seq=s.seq) for s, p in plan if p != "run"]
+            to_run = [s for s, p in plan if p == "run"]
+            if not to_run:
                 continue
             print(f"bench: {peer}", flush=True)
-            run_peer(peer, scenarios, shape, device, args, rows, variant_bytes, setups)
+            run_peer(peer, to_run, shape, device, args, rows, variant_bytes, setups, extras)
             report(interrupted=False)
     except KeyboardInterrupt:
         # `timeout --signal=INT` in scripts/gpu_check.sh lands here: report what was measured.
@@ -867,6 +1267,17 @@ def main(argv: list[str] | None = None) -> int:
     notes += [f"  {s}: {e['note']}" for s, e in rooflines.items() if e.get("note")]
     if notes:
         print("notes:\n" + "\n".join(notes))
+    steps = [format_step_breakdown(s, e) for s, e in rooflines.items() if "peers" in e]
+    if steps:
+        print("step rooflines:\n" + "\n".join(steps))
+    for name, speed in (("optimizer_speed", extras.optimizer_speed),
+                        ("optimizer_speed_fp32", extras.optimizer_speed_fp32)):
+        if speed is not None:
+            print(f"{name}: " + (speed["error"] if "error" in speed else
+                                 f"fused AdamW {speed['dtype']}, offloaded params "
+                                 f"{speed['wrapped_gparams_per_s']:.3g} G params/s vs plain CPU tensors "
+                                 f"{speed['plain_gparams_per_s']:.3g} G params/s: ratio {speed['ratio']:.3f} "
+                                 f"(target >= {speed['target']})"))
     print()
     print(format_table(table, bw, env, shape, args.quick), flush=True)
     return 0
