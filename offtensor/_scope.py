@@ -42,6 +42,22 @@ if TYPE_CHECKING:
 ALIGN = 256
 
 
+class DeviceCopy(torch.Tensor):
+    """The device copy of an offloaded parameter: a plain tensor to every op, but printing it
+    while its scope is offloaded (storage resized to 0 bytes) says so instead of reading freed
+    memory. Tracebacks that show argument values (pytest, rich, debuggers) print these after an
+    exception in a forward, when the scopes have already been released."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        needed = (self.storage_offset() + self.numel()) * self.element_size()
+        if self.untyped_storage().nbytes() < needed:
+            return (f"<offtensor device copy {tuple(self.shape)} {self.dtype} on {self.device}: "
+                    "released, its scope is offloaded>")
+        return super().__repr__(*args, **kwargs)
+
+
 @dataclass(eq=False)
 class ParamSlot:
     """Per-parameter bookkeeping, stored on the parameter as `p._ot`."""

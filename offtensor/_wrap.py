@@ -22,7 +22,7 @@ from torch import nn
 from ._api import Policy, ScopeState, ScopeSummary, Summary
 from ._host_memory import PinProgress, host_empty
 from ._param import OffloadedParameter
-from ._scope import ALIGN, ParamSlot, Scope
+from ._scope import ALIGN, DeviceCopy, ParamSlot, Scope
 from ._transfer import TransferEngine
 
 logger = logging.getLogger("offtensor")
@@ -267,6 +267,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
             p.grad = None
             leaf = torch.empty(0, dtype=dt, device=device)
             leaf.set_(storage, dev_offset // dt.itemsize, p.shape, host.stride())
+            leaf.__class__ = DeviceCopy
             view = scope.device_flat[dev_offset : dev_offset + p.numel() * dt.itemsize].view(dt).view(p.shape)
             p.data = host
             p.__class__ = OffloadedParameter

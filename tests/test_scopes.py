@@ -1,0 +1,103 @@
+"""Scope mechanics: one device copy per scope, recovery after a failed backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import offtensor
+from offtensor._transfer import TransferEngine
+from conftest import (
+    BlockStack,
+    assert_all_scopes_offloaded,
+    assert_grads_match,
+    devices,
+    mlp_of_blocks,
+    offload,
+    tolerances,
+    unwrapped_reference,
+)
+
+
+class ReusesItsWeight(nn.Module):
+    """Uses the same weight in three ops of one forward."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, self.fc.weight)
+        h = F.linear(torch.tanh(h), self.fc.weight, self.fc.bias)
+        return h + self.fc.weight.mean()
+
+
+@pytest.mark.parametrize("device", devices)
+def test_every_op_in_a_scope_sees_the_same_single_device_copy(device, monkeypatch):
+    model = BlockStack([ReusesItsWeight(16) for _ in range(3)], 8, 16, 4)
+    reference = unwrapped_reference(model, device)
+    offload(model, device)
+    loads, temporaries = [], []
+    real_load, real_temp = TransferEngine.load, TransferEngine._temporary_copy
+    monkeypatch.setattr(TransferEngine, "load", lambda self, scope, **kw: (
+        loads.append(scope.name) if scope.state is offtensor.ScopeState.OFFLOADED else None,
+        real_load(self, scope, **kw))[1])
+    monkeypatch.setattr(TransferEngine, "_temporary_copy",
+                        lambda self, *a: (temporaries.append(a[0].name), real_temp(self, *a))[1])
+    seen: dict[str, set[int]] = {}
+    from offtensor._scope import ParamSlot
+    real_use = ParamSlot.use_device_copy
+
+    def spy(slot):
+        t = real_use(slot)
+        seen.setdefault(slot.name, set()).add(id(t))
+        return t
+
+    monkeypatch.setattr(ParamSlot, "use_device_copy", spy)
+    x = torch.randn(4, 8, device=device)
+    for _ in range(2):
+        torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+    assert temporaries == [], "ops inside a scope must not make per-op copies"
+    assert sorted(loads) == sorted([f"blocks.{i}" for i in range(3)] * 2), loads
+    assert all(len(ids) == 1 for ids in seen.values()), seen
+    assert seen, "no op saw a device copy"
+
+
+@pytest.mark.parametrize("device", devices)
+def test_model_trains_correctly_after_a_backward_that_raised(device):
+    model = mlp_of_blocks()
+    reference = unwrapped_reference(model, device)
+    offload(model, device)
+    x, y = torch.randn(6, 8, device=device), torch.randn(6, 4, device=device)
+
+    def explode(grad):
+        raise RuntimeError("boom in backward")
+
+    handle = model.blocks[1].register_forward_hook(lambda m, a, out: (out.register_hook(explode), None)[1])
+    with pytest.raises(RuntimeError, match="boom in backward"):
+        F.mse_loss(model(x), y).backward()
+    handle.remove()
+    for p in model.parameters():
+        p.grad = None
+
+    F.mse_loss(model(x), y).backward()
+    F.mse_loss(reference(x), y).backward()
+    assert_grads_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_printing_a_released_device_copy_is_safe(device):
+    # Regression: after an exception in a forward, pytest printed the arguments of
+    # F.layer_norm's frame, among them the device copy of the norm's weight, whose storage had
+    # been released: the repr read freed memory and the process died (SIGSEGV on the CPU).
+    model = offload(mlp_of_blocks(), device)
+    leaf = model.blocks[0].norm.weight._ot.device_leaf
+    assert "released" in repr(leaf) and "released" in f"{leaf}"
+    seen = []
+    hook = model.blocks[0].norm.register_forward_hook(lambda m, a, out: seen.append(repr(m.weight._ot.device_leaf)))
+    model(torch.randn(2, 8, device=device))
+    hook.remove()
+    assert "released" not in seen[0], "while the scope is resident the values print"
