@@ -76,6 +76,10 @@ class TransferEngine:
         self._learned = False
         self._index: dict[Scope, int] = {}
         self._live: dict[Scope, None] = {}  # scopes not OFFLOADED, in load order
+        # The scope whose backward runs now (pre_backward to post_backward). A checkpoint
+        # recompute that does not pass through the module's hooks (transformers >= 5.2x
+        # checkpoints `forward`, keeping hooks outside) still uses this scope's device copy.
+        self._backward_scope: Scope | None = None
         self._unsynced_h2d: list[Any] = []  # events of copies that may still read host masters
         _engines.add(self)
 
@@ -262,7 +266,7 @@ class TransferEngine:
 
     def materialize(self, slot: ParamSlot, op_device: torch.device | None) -> torch.Tensor | None:
         scope = slot.scope
-        if scope.active_calls > 0:
+        if scope.active_calls > 0 or scope is self._backward_scope:
             if scope.state is not ScopeState.RESIDENT:
                 self.make_resident(scope, upto_chunk=slot.chunk)
             if scope.copy_order is None and not in_backward():
@@ -353,6 +357,7 @@ class TransferEngine:
 
     def pre_backward(self, scope: Scope) -> None:
         self.grads.enter_backward()
+        self._backward_scope = scope
         self.load(scope, with_grads=True)
         i = self._index.get(scope)
         if i is not None:
@@ -362,6 +367,8 @@ class TransferEngine:
         self.make_resident(scope)
 
     def post_backward(self, scope: Scope) -> None:
+        if self._backward_scope is scope:
+            self._backward_scope = None
         self.grads.scope_done(scope)
         if self.hold() or scope.calls_in_pass > 1:
             return  # a module called several times: later calls' backward still needs it
@@ -370,6 +377,7 @@ class TransferEngine:
 
     def end_backward(self) -> None:
         """End of the outermost backward: nothing stays resident (unless no_offload holds)."""
+        self._backward_scope = None
         for scope in self.scopes:
             scope.active_calls = 0
         if not self.hold():
@@ -377,6 +385,7 @@ class TransferEngine:
 
     def abort(self) -> None:
         """An exception in a scope's forward: drop every device copy and in-flight prefetch."""
+        self._backward_scope = None
         for scope in self.scopes:
             scope.active_calls = 0
         self._pos = 0
@@ -401,6 +410,7 @@ class TransferEngine:
 
     def _start_pass(self, first: Scope) -> None:
         self.grads.reset_if_stale()
+        self._backward_scope = None
         for scope in self.scopes:
             scope.calls_in_pass = 0
             if scope is not first:

@@ -101,3 +101,47 @@ def test_printing_a_released_device_copy_is_safe(device):
     model(torch.randn(2, 8, device=device))
     hook.remove()
     assert "released" not in seen[0], "while the scope is resident the values print"
+
+
+class ChecksItsOwnForward(nn.Module):
+    """Checkpoints its forward from inside `__call__`, so the module's hooks stay outside the
+    checkpointed region and the recompute does not run them (transformers >= 5.2x does this)."""
+
+    def __init__(self, hidden: int, reentrant: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.fc = nn.Linear(hidden, hidden)
+        self.reentrant = reentrant
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(torch.tanh(self.norm(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("device", devices)
+def test_recompute_outside_the_module_hooks_uses_the_scope_copy_not_per_op_copies(device, reentrant, monkeypatch):
+    # Regression: with transformers 5.24 every op of the recompute made its own temporary
+    # host-to-device copy (correct, but unprefetched and marking every parameter as used
+    # outside its scope, which disabled optimizer overlap).
+    model = BlockStack([ChecksItsOwnForward(16, reentrant) for _ in range(3)], 8, 16, 4)
+    reference = unwrapped_reference(model, device)
+    offload(model, device)
+    temporaries = []
+    real_temp = TransferEngine._temporary_copy
+    monkeypatch.setattr(TransferEngine, "_temporary_copy",
+                        lambda self, *a: (temporaries.append(a[0].name), real_temp(self, *a))[1])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for _ in range(3):
+        x, y = torch.randn(6, 8, device=device), torch.randn(6, 4, device=device)
+        offtensor.backward_and_step(F.mse_loss(model(x), y), opt)
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert temporaries == []
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), **tolerances(device))
+    assert_all_scopes_offloaded(model)
