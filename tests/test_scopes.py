@@ -145,3 +145,52 @@ def test_recompute_outside_the_module_hooks_uses_the_scope_copy_not_per_op_copie
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), **tolerances(device))
     assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_two_forwards_then_one_backward_matches_unwrapped_model(device):
+    # The second forward starts a new pass while the first one's graph still needs every
+    # scope in backward: each scope is loaded again for each graph's backward.
+    model = mlp_of_blocks()
+    reference = unwrapped_reference(model, device)
+    offload(model, device)
+    x1, x2, y = torch.randn(6, 8, device=device), torch.randn(6, 8, device=device), torch.randn(6, 4, device=device)
+    (F.mse_loss(model(x1), y) + F.mse_loss(model(x2), y)).backward()
+    (F.mse_loss(reference(x1), y) + F.mse_loss(reference(x2), y)).backward()
+    assert_grads_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant", "reentrant"])
+@pytest.mark.parametrize("device", devices)
+def test_a_block_called_twice_per_forward_matches_unwrapped_model(device, checkpoint):
+    shared = mlp_of_blocks(n_blocks=2)
+    model = BlockStack([shared.blocks[0], shared.blocks[1], shared.blocks[0]], 8, 16, 4)
+    model.checkpoint = checkpoint
+    reference = unwrapped_reference(model, device)
+    offload(model, device)
+    assert len(offtensor.summary(model).scopes) == 2
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for _ in range(3):
+        x, y = torch.randn(6, 8, device=device), torch.randn(6, 4, device=device)
+        F.mse_loss(model(x), y).backward()
+        F.mse_loss(reference(x), y).backward()
+        assert_grads_match(model, reference, **tolerances(device))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert_all_scopes_offloaded(model)
+
+
+def test_two_wrapped_models_in_one_process_keep_separate_scopes():
+    a, b = mlp_of_blocks(), mlp_of_blocks()
+    ref_a, ref_b = unwrapped_reference(a, "cpu"), unwrapped_reference(b, "cpu")
+    offload(a, "cpu")
+    offload(b, "cpu")
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    (F.mse_loss(a(x), y) + F.mse_loss(b(a(x)[:, :4].repeat(1, 2)), y)).backward()
+    (F.mse_loss(ref_a(x), y) + F.mse_loss(ref_b(ref_a(x)[:, :4].repeat(1, 2)), y)).backward()
+    assert_grads_match(a, ref_a, rtol=0, atol=0)
+    assert_grads_match(b, ref_b, rtol=0, atol=0)
+    assert_all_scopes_offloaded(a)
+    assert_all_scopes_offloaded(b)
