@@ -65,11 +65,14 @@ class GradOffload:
             out = hook(grad)
             if out is not None:
                 grad = out
+        # Add to what the host gradient holds: this backward's earlier contributions, or the
+        # `p.grad` of earlier backward calls (accumulation).
+        accumulate = slot.grad_written
         if not slot.grad_written:
-            slot.host_grad = self._destination(slot)
+            slot.host_grad, accumulate = self._destination(slot)
         grad = grad.to(slot.host_grad.dtype)  # Policy.compute_dtype: cast up on the device
         old = None if slot.grad_written else engine.take_old_grad(slot)
-        if old is None and (slot.grad_written or slot.accumulate):
+        if old is None and accumulate:
             if slot.grad_written and grad.device.type == "cuda":
                 engine.wait(engine.compute_stream(), slot.last_d2h)
             old = slot.host_grad.to(grad.device, non_blocking=True)
@@ -90,24 +93,23 @@ class GradOffload:
             slot.grad_written = True
             self._written.append(slot)
 
-    def _destination(self, slot: ParamSlot) -> torch.Tensor:
-        """Where this backward's gradient for the slot goes: into `p.grad` when it exists
-        (accumulation, in place, as PyTorch does), else the slot's pinned buffer from earlier
-        steps, unless the user still holds that tensor (after `zero_grad(set_to_none=True)` a
-        kept gradient must keep its values): then a new buffer."""
+    def _destination(self, slot: ParamSlot) -> tuple[torch.Tensor, bool]:
+        """Where this backward's gradient for the slot goes, and whether it adds to what is
+        there: into `p.grad` when it exists (accumulation, in place, as PyTorch does), else the
+        slot's pinned buffer from earlier steps, unless the user still holds that tensor (after
+        `zero_grad(set_to_none=True)` a kept gradient must keep its values): then a new one."""
         p = slot.param
         current = _TensorBase.grad.__get__(p)
-        slot.accumulate = current is not None
         if current is not None:
-            return current
+            return current, True
         buf = slot.host_grad
         if buf is not None and _holders(buf) == slot.host_grad_holders:
-            return buf
+            return buf, False
         nbytes = p.numel() * p.element_size()
         buf = host_empty(nbytes, pin=slot.scope.pinned).view(p.dtype).view(p.shape)
         refs, users = _holders(buf)
         slot.host_grad_holders = (refs + 1, users)  # + the slot's own reference, set by the caller
-        return buf
+        return buf, False
 
     def scope_done(self, scope: Scope) -> None:
         """A scope's backward is over: its gradients are final once its copies land."""

@@ -74,7 +74,6 @@ class ParamSlot:
     grad_written: bool = False  # host_grad received a contribution in the current backward
     host_grad_holders: tuple[int, int] = (0, 0)  # _grads._holders(host_grad) when only we hold it
     used_outside: bool = False  # ever materialized for an op outside its scope
-    accumulate: bool = False  # `p.grad` existed when this backward's first contribution came
     last_d2h: Any = None  # event after the latest device-to-host copy into host_grad
     old_grad: torch.Tensor | None = None  # device copy of `p.grad`, fetched for accumulation
     chunk: int = 0  # which of the scope's chunk_ready events covers this parameter's copy
@@ -110,8 +109,8 @@ class Scope:
         self.shadow_stale = True  # masters changed since host_shadow was cast
         self.shadow_read: Any = None  # event after the latest copy from host_shadow
         self.state = ScopeState.OFFLOADED
-        self.weights_ready: Any = None  # event on the copy stream after the weights' copy
-        self.chunk_ready: list[Any] = []  # events after each chunk of the copy; last = weights_ready
+        self.chunk_ready: list[Any] = []  # events on the copy stream after each chunk of the
+        # weights' copy, while LOADING (Note [progressive loads])
         self.chunks_waited = 0  # chunks the compute stream has waited for (Note [progressive loads])
         self.first_uses: dict[ParamSlot, None] = {}  # first forward: parameters in order of use
         self.copy_order: list[ParamSlot] | None = None  # learned from first_uses
@@ -120,6 +119,12 @@ class Scope:
         self.active_calls = 0  # forward calls of the module in progress (recompute included)
         self.calls_in_pass = 0  # forward calls in the current forward pass (shared modules)
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    @property
+    def weights_ready(self) -> Any:
+        """The event after the whole weights' copy (the copy stream runs in order), or None once
+        compute has waited for it."""
+        return self.chunk_ready[-1] if self.chunk_ready else None
 
     @property
     def device_storage(self) -> torch.UntypedStorage:

@@ -140,7 +140,6 @@ class TransferEngine:
                     else:
                         self._copy_and_cast(scope)
                     scope.chunk_ready = [self.record(h2d)]
-            scope.weights_ready = scope.chunk_ready[-1]  # the copy stream is in order
             if scope.host_shadow is not None:
                 scope.shadow_read = scope.weights_ready
             self._note_h2d(scope.weights_ready)
@@ -210,7 +209,6 @@ class TransferEngine:
             self.wait(compute, scope.chunk_ready[i])
         scope.chunks_waited = max(scope.chunks_waited, upto + 1)
         if scope.chunks_waited > last:
-            scope.weights_ready = None
             scope.chunk_ready = []
             scope.state = ScopeState.RESIDENT
 
@@ -221,7 +219,7 @@ class TransferEngine:
         compute = self.compute_stream()
         self.wait(compute, scope.weights_ready)  # a prefetch nobody used: the free must follow it
         self.wait(compute, scope.grads_ready)
-        scope.weights_ready = scope.grads_ready = None
+        scope.grads_ready = None
         scope.chunk_ready = []
         for slot in scope.slots:
             slot.old_grad = None
