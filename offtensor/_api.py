@@ -23,10 +23,17 @@ class Policy:
     """Options for `offtensor.wrap`, passed through whole.
 
     Attributes:
-        prefetch: how many scopes, beyond the one computing, are kept in flight on the copy
-            stream (forward order in forward, reverse order in backward). 1 is double
-            buffering; 0 loads each scope when its forward starts. Model-wide: taken from the
-            policy given to `wrap`, not from per-scope policies.
+        prefetch: how much is kept in flight on the copy stream beyond the scope computing
+            (forward order in forward, reverse order in backward), in units of the largest
+            scope: the next scopes are loaded until their bytes reach `prefetch` times the
+            largest scope's. With equal scopes (the blocks of a transformer) that is `prefetch`
+            scopes; 1 is double buffering, 0 loads each scope when its forward starts.
+            Model-wide: taken from the policy given to `wrap`.
+        max_scope_bytes: split a selected module whose parameters take more than this many
+            bytes into one scope per child module (recursively; the module's own direct
+            parameters form a scope of their own). Smaller scopes lower peak device memory
+            (current scope + prefetch) at the cost of more, smaller copies. `None`: a selected
+            module is one scope whatever its size.
         keep_for_backward: keep this scope resident from its forward until its backward has
             run (no release and reload in between). Costs device memory for the scope during
             the whole forward, saves one host-to-device copy per step. Useful for the last
@@ -52,6 +59,7 @@ class Policy:
     """
 
     prefetch: int = 1
+    max_scope_bytes: int | None = None
     keep_for_backward: bool = False
     pin_memory: bool | None = None
     param_filter: Callable[[str, nn.Parameter], bool] | None = None
@@ -61,6 +69,12 @@ class Policy:
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"offtensor.Policy: prefetch must be an int >= 0, got {self.prefetch!r}")
+        if self.max_scope_bytes is not None and (
+            not isinstance(self.max_scope_bytes, int) or self.max_scope_bytes <= 0
+        ):
+            raise ValueError(
+                f"offtensor.Policy: max_scope_bytes must be a positive int or None, got {self.max_scope_bytes!r}"
+            )
         if self.compute_dtype is not None and not (
             isinstance(self.compute_dtype, torch.dtype) and self.compute_dtype.is_floating_point
         ):

@@ -28,8 +28,12 @@ directly), so pre_backward waits for every chunk.
 
 # Note [prefetch order]
 The engine records the order in which scopes start their forward. From the second pass on, each
-scope's forward start prefetches the next `policy.prefetch` scopes; in backward, each scope's
-pre-backward prefetches the `prefetch` scopes before it. A scope arriving out of order re-learns
+scope's forward start prefetches the next scopes, and in backward each scope's pre-backward the
+scopes before it, until the bytes in flight reach `policy.prefetch` times the largest scope's:
+with equal scopes that is `prefetch` scopes; with uneven ones (Policy.max_scope_bytes splits a
+block into its attention, norms and MLP matrices) it keeps as many bytes ahead as one large
+scope takes, so a tiny scope (a norm) never stands between the copy of the next large one and
+the compute it should overlap. A scope arriving out of order re-learns
 the order from that point; the first scope of the order arriving again starts a new pass and
 releases whatever a previous, abandoned pass left resident.
 """
@@ -81,7 +85,24 @@ class TransferEngine:
         # checkpoints `forward`, keeping hooks outside) still uses this scope's device copy.
         self._backward_scope: Scope | None = None
         self._unsynced_h2d: list[Any] = []  # events of copies that may still read host masters
+        self._prefetch_bytes = 0  # set by scopes_ready: Policy.prefetch x the largest scope
         _engines.add(self)
+
+    def scopes_ready(self) -> None:
+        """Called by wrap once every scope is built."""
+        largest = max((s.device_nbytes for s in self.scopes), default=0)
+        self._prefetch_bytes = self.policy.prefetch * largest
+
+    def _prefetch(self, candidates: Any, current: Scope, *, with_grads: bool) -> None:
+        """Load the candidates in order until the bytes in flight reach the prefetch budget
+        (Note [prefetch order])."""
+        in_flight = 0
+        for scope in candidates:
+            if in_flight >= self._prefetch_bytes:
+                return
+            if scope is not current:
+                self.load(scope, with_grads=with_grads)
+                in_flight += scope.device_nbytes
 
     # ---- streams and events (no-ops on the CPU) -------------------------------------------
 
@@ -328,9 +349,7 @@ class TransferEngine:
         scope.calls_in_pass += 1
         self.load(scope, with_grads=False)
         if self._learned:
-            for nxt in self._order[self._pos : self._pos + self.policy.prefetch]:
-                if nxt is not scope:
-                    self.load(nxt, with_grads=False)
+            self._prefetch(self._order[self._pos :], scope, with_grads=False)
         # No wait here: each op waits for the chunk holding its weights (materialize).
 
     def post_forward(self, scope: Scope, *, failed: bool, backward_expected: bool) -> None:
@@ -359,9 +378,7 @@ class TransferEngine:
         self.load(scope, with_grads=True)
         i = self._index.get(scope)
         if i is not None:
-            for prev in reversed(self._order[max(0, i - self.policy.prefetch) : i]):
-                if prev is not scope:
-                    self.load(prev, with_grads=True)
+            self._prefetch(reversed(self._order[:i]), scope, with_grads=True)
         self.make_resident(scope)
 
     def post_backward(self, scope: Scope) -> None:

@@ -95,9 +95,9 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
     engine = TransferEngine(device, policy)
     owned: set[int] = set()
     plans = []
-    for name, module, scope_policy in selected:
+    for name, module, scope_policy, recurse in _split_large(selected):
         params = []
-        for pname, p in module.named_parameters():
+        for pname, p in module.named_parameters(recurse=recurse):
             qual = f"{name}.{pname}" if name else pname
             keep = scope_policy.param_filter is None or scope_policy.param_filter(qual, p)
             if keep and id(p) not in owned:
@@ -122,6 +122,7 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
             engine.scopes.append(scope)
     finally:
         progress.close()
+    engine.scopes_ready()
     _guard_apply(model)
     setattr(model, _ENGINE_ATTR, engine)
     logger.debug("wrapped %d scopes (%.1f MiB) computing on %s", len(engine.scopes),
@@ -203,6 +204,27 @@ def _select(model: nn.Module, predicate: Predicate | None, policy: Policy) -> li
         elif choice:
             selected.append((name, module, policy))
     return selected
+
+
+def _split_large(selected: list[tuple[str, nn.Module, Policy]]) -> list[tuple[str, nn.Module, Policy, bool]]:
+    """Apply Policy.max_scope_bytes: (name, module, policy, recurse) per scope to build, where
+    recurse=False means the module's direct parameters only (its children are scopes too)."""
+    out: list[tuple[str, nn.Module, Policy, bool]] = []
+
+    def visit(name: str, module: nn.Module, policy: Policy) -> None:
+        limit = policy.max_scope_bytes
+        children = list(module.named_children())
+        nbytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        if limit is None or nbytes <= limit or not children:
+            out.append((name, module, policy, True))
+            return
+        out.append((name, module, policy, False))
+        for child_name, child in children:
+            visit(f"{name}.{child_name}" if name else child_name, child, policy)
+
+    for name, module, policy in selected:
+        visit(name, module, policy)
+    return out
 
 
 def _check_selection(model: nn.Module, selected: list[tuple[str, nn.Module, Policy]]) -> None:

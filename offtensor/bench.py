@@ -416,6 +416,7 @@ def enable_checkpointing(model: nn.Module) -> None:
 @dataclass(frozen=True)
 class PeerOptions:
     offtensor_prefetch: int | None = None
+    offtensor_max_scope_mib: float | None = None
 
 
 def _setup_resident(built: BuiltModel, device: torch.device, opts: PeerOptions) -> str:
@@ -430,6 +431,8 @@ def _setup_offtensor(built: BuiltModel, device: torch.device, opts: PeerOptions,
     options: dict[str, Any] = {}
     if opts.offtensor_prefetch is not None:
         options["prefetch"] = opts.offtensor_prefetch
+    if opts.offtensor_max_scope_mib is not None:
+        options["max_scope_bytes"] = int(opts.offtensor_max_scope_mib * 2**20)
     if cast is not None:
         # fp32 masters (and their grads and AdamW state) on the host, bf16 copies on the device.
         options["compute_dtype"] = torch.bfloat16
@@ -860,7 +863,8 @@ def run_peer(peer: str, scenarios: list[Scenario], shape: ModelShape, device: to
              setups: dict[str, Any], extras: Extras | None = None) -> None:
     """Every scenario for one peer, appended to `rows`: one fresh model per variant, and a
     fresh one again after a failed scenario (the peer's state may be half-updated)."""
-    opts = PeerOptions(offtensor_prefetch=args.offtensor_prefetch)
+    opts = PeerOptions(offtensor_prefetch=args.offtensor_prefetch,
+                       offtensor_max_scope_mib=args.offtensor_max_scope_mib)
     extras = extras if extras is not None else Extras()
     built: BuiltModel | None = None
     rss0: int | None = None
@@ -1167,6 +1171,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cut iterations when one peer/scenario would take longer than this")
     p.add_argument("--offtensor-prefetch", type=int, default=None,
                    help="pass offtensor.Policy(prefetch=N) to wrap (default: the library's default)")
+    p.add_argument("--offtensor-max-scope-mib", type=float, default=None,
+                   help="pass offtensor.Policy(max_scope_bytes=N MiB) to wrap: split decoder layers "
+                        "larger than that into per-child scopes (default: one scope per layer)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.scenarios = _names(args.scenarios, list(SCENARIOS), "scenario")

@@ -194,3 +194,112 @@ def test_two_wrapped_models_in_one_process_keep_separate_scopes():
     assert_grads_match(b, ref_b, rtol=0, atol=0)
     assert_all_scopes_offloaded(a)
     assert_all_scopes_offloaded(b)
+
+
+# --------------------------------------------------------------------------------------------
+# Policy(max_scope_bytes=...): large blocks split into one scope per child
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant", "reentrant"])
+@pytest.mark.parametrize("device", devices)
+def test_split_scopes_train_like_unwrapped_model(device, checkpoint):
+    model = mlp_of_blocks(n_blocks=3)
+    model.checkpoint = checkpoint
+    reference = unwrapped_reference(model, device)
+    block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    offload(model, device, policy=offtensor.Policy(max_scope_bytes=block_bytes // 2))
+    names = [s.name for s in offtensor.summary(model).scopes]
+    assert names == [f"blocks.{i}.{c}" for i in range(3) for c in ("norm", "fc1", "fc2")], names
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for _ in range(4):
+        x, y = torch.randn(6, 8, device=device), torch.randn(6, 4, device=device)
+        out, ref_out = model(x), reference(x)
+        torch.testing.assert_close(out, ref_out, **tolerances(device))
+        F.mse_loss(out, y).backward()
+        F.mse_loss(ref_out, y).backward()
+        assert_grads_match(model, reference, **tolerances(device))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert_all_scopes_offloaded(model)
+
+
+class OwnParamAndChildren(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(hidden))
+        self.fc1 = nn.Linear(hidden, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x * self.scale)))
+
+
+@pytest.mark.parametrize("device", devices)
+def test_split_keeps_a_modules_own_parameters_in_a_scope_of_their_own(device):
+    model = BlockStack([OwnParamAndChildren(16) for _ in range(2)], 8, 16, 4)
+    reference = unwrapped_reference(model, device)
+    offload(model, device, policy=offtensor.Policy(max_scope_bytes=1))
+    rows = {s.name: s.num_params for s in offtensor.summary(model).scopes}
+    assert rows == {"blocks.0": 16, "blocks.0.fc1": 272, "blocks.0.fc2": 272,
+                    "blocks.1": 16, "blocks.1.fc1": 272, "blocks.1.fc2": 272}, rows
+    x, y = torch.randn(6, 8, device=device), torch.randn(6, 4, device=device)
+    F.mse_loss(model(x), y).backward()
+    F.mse_loss(reference(x), y).backward()
+    assert_grads_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_hf_llama_split_into_attention_norm_and_mlp_scopes_trains_like_unwrapped(device):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    model = transformers.LlamaForCausalLM(config)
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    model.train()
+    reference = unwrapped_reference(model, device)
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    offload(model, device, policy=offtensor.Policy(max_scope_bytes=layer_bytes // 2))
+    names = [s.name for s in offtensor.summary(model).scopes]
+    assert "model.layers.0.self_attn" in names and "model.layers.0.input_layernorm" in names, names
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ids = torch.randint(0, 64, (2, 12), device=device)
+    for _ in range(3):
+        out = model(input_ids=ids, labels=ids)
+        ref_out = reference(input_ids=ids, labels=ids)
+        torch.testing.assert_close(out.logits, ref_out.logits, **tolerances(device))
+        out.loss.backward()
+        ref_out.loss.backward()
+        assert_grads_match(model, reference, **tolerances(device))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_split_scopes_lower_the_inference_peak():
+    def peak(policy):
+        torch.cuda.empty_cache()
+        model = BlockStack([nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024))
+                            for _ in range(6)], 1024, 1024, 8)
+        offload(model, "cuda", policy=policy)
+        x = torch.randn(4, 1024, device="cuda")
+        with torch.no_grad():
+            for _ in range(2):  # the second pass prefetches
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                model(x)
+                torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    block = (1024 * 4096 * 2 + 4096 + 1024) * 4
+    whole = peak(offtensor.Policy())
+    split = peak(offtensor.Policy(max_scope_bytes=block // 2))
+    assert whole >= 2 * block, whole  # the block computing + the next one in flight
+    assert split <= 1.25 * block, (split, block)  # one Linear computing + about one in flight
