@@ -26,6 +26,7 @@ import torch
 from torch.autograd import Variable
 
 from ._host_memory import host_empty
+from ._param import master_grad
 
 if TYPE_CHECKING:
     from ._scope import ParamSlot, Scope
@@ -70,15 +71,16 @@ class GradOffload:
         accumulate = slot.grad_written
         if not slot.grad_written:
             slot.host_grad, accumulate = self._destination(slot)
-        grad = grad.to(slot.host_grad.dtype)  # Policy.compute_dtype: cast up on the device
+        buf = slot.host_grad
+        assert buf is not None
+        grad = grad.to(buf.dtype)  # Policy.compute_dtype: cast up on the device
         old = None if slot.grad_written else engine.take_old_grad(slot)
         if old is None and accumulate:
             if slot.grad_written and grad.device.type == "cuda":
                 engine.wait(engine.compute_stream(), slot.last_d2h)
-            old = slot.host_grad.to(grad.device, non_blocking=True)
+            old = buf.to(grad.device, non_blocking=True)
         if old is not None:
             grad = grad + old
-        buf = slot.host_grad
         if grad.device.type == "cuda":
             d2h = engine.d2h_stream()
             engine.wait(d2h, engine.record(torch.cuda.current_stream(grad.device)))
@@ -99,7 +101,7 @@ class GradOffload:
         slot's pinned buffer from earlier steps, unless the user still holds that tensor (after
         `zero_grad(set_to_none=True)` a kept gradient must keep its values): then a new one."""
         p = slot.param
-        current = _TensorBase.grad.__get__(p)
+        current = master_grad(p)
         if current is not None:
             return current, True
         buf = slot.host_grad

@@ -81,6 +81,11 @@ class OffloadedParameter(nn.Parameter):
             return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, {}))
 
 
+def master_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """`p.grad` of the master itself, without going through `__torch_function__`."""
+    return _TensorBase.grad.__get__(p)  # type: ignore[union-attr]
+
+
 def _dispatch(func, args: tuple, kwargs: dict) -> Any:
     params = _find_params(args, kwargs)
     if not params:
@@ -154,7 +159,7 @@ def _set_data(p: OffloadedParameter, value: torch.Tensor) -> None:
     the scope's pinned buffer). `model.cuda()` never gets here: see Note [moving a wrapped model]."""
     slot = getattr(p, "_ot", None)
     if slot is None:
-        _TensorBase.data.__set__(p, value)
+        _TensorBase.data.__set__(p, value)  # type: ignore[attr-defined]
         return
     if value is p or (value.device.type == "cpu" and value.data_ptr() == p.data_ptr()):
         return
@@ -173,7 +178,7 @@ def _set_data(p: OffloadedParameter, value: torch.Tensor) -> None:
 def _register_post_accumulate_grad_hook(p: OffloadedParameter, hook) -> RemovableHandle:
     slot = getattr(p, "_ot", None)
     if slot is None:
-        return _TensorBase.register_post_accumulate_grad_hook(p, hook)
+        return torch.Tensor.register_post_accumulate_grad_hook(p, hook)
     handle = RemovableHandle(slot.post_hooks)
     slot.post_hooks[handle.id] = hook
     return handle

@@ -101,8 +101,9 @@ class Scope:
         self.slots: list[ParamSlot] = []
         self.nbytes = 0  # host buffer, master dtypes
         self.device_nbytes = 0  # device buffer, compute dtypes
-        self.host_flat: torch.Tensor | None = None  # uint8, pinned when `pinned`; the masters
-        self.device_flat: torch.Tensor | None = None  # uint8 on the compute device
+        # Both replaced by wrap's _offload_params right after construction.
+        self.host_flat = torch.empty(0, dtype=torch.uint8)  # pinned when `pinned`; the masters
+        self.device_flat = torch.empty(0, dtype=torch.uint8)  # on the compute device
         # Policy.compute_dtype differs from a master's dtype: the load casts (Policy.cast).
         self.casts = False
         self.host_shadow: torch.Tensor | None = None  # uint8, device layout (cast="host")
@@ -128,14 +129,13 @@ class Scope:
 
     @property
     def device_storage(self) -> torch.UntypedStorage:
-        assert self.device_flat is not None
         return self.device_flat.untyped_storage()
 
     def host_bytes(self) -> int:
         return self.nbytes + (self.device_nbytes if self.host_shadow is not None else 0)
 
     def device_bytes(self) -> int:
-        n = self.device_storage.nbytes() if self.device_flat is not None else 0
+        n = self.device_storage.nbytes()
         return n + sum(s.old_grad.nbytes for s in self.slots if s.old_grad is not None)
 
     def num_params(self) -> int:

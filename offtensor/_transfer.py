@@ -50,6 +50,7 @@ import torch
 from ._api import Policy, ScopeState
 from ._grads import GradOffload
 from ._overlap import worker_state
+from ._param import master_grad
 from ._scope import ParamSlot, Scope, _tensors
 
 logger = logging.getLogger("offtensor")
@@ -156,7 +157,7 @@ class TransferEngine:
                 else:
                     if not scope.casts:
                         scope.device_flat.copy_(scope.host_flat, non_blocking=True)
-                    elif scope.policy.cast == "host":
+                    elif scope.host_shadow is not None:  # Policy(cast="host")
                         scope.device_flat.copy_(scope.host_shadow, non_blocking=True)
                     else:
                         self._copy_and_cast(scope)
@@ -177,8 +178,10 @@ class TransferEngine:
         (Note [progressive loads])."""
         events: list[Any] = []
         pending = 0
+        order = scope.copy_order
+        assert order is not None
         with torch._C.DisableTorchFunctionSubclass():
-            for slot in scope.copy_order:
+            for slot in order:
                 slot.device_view.copy_(slot.param, non_blocking=True)
                 slot.chunk = len(events)
                 pending += slot.device_view.nbytes
@@ -209,6 +212,7 @@ class TransferEngine:
             scope.shadow_read.synchronize()
             scope.shadow_read = None
         shadow = scope.host_shadow
+        assert shadow is not None
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             for slot in scope.slots:
                 dt, p = slot.device_view.dtype, slot.param
@@ -259,18 +263,18 @@ class TransferEngine:
         todo = []
         for slot in scope.slots:
             if slot.old_grad is None and not slot.grad_written:
-                g = torch._C.TensorBase.grad.__get__(slot.param)
+                g = master_grad(slot.param)
                 if g is not None:
                     todo.append((slot, g))
         if not todo:
             return
         compute, h2d = self.compute_stream(), self.h2d_stream()
-        for slot, g in todo:
-            slot.old_grad = torch.empty(g.shape, dtype=g.dtype, device=self.device)
+        fetched = [(slot, g, torch.empty(g.shape, dtype=g.dtype, device=self.device)) for slot, g in todo]
         self.wait(h2d, self.record(compute))
         with self.on(h2d):
-            for slot, g in todo:
-                slot.old_grad.copy_(g, non_blocking=True)
+            for slot, g, old in fetched:
+                old.copy_(g, non_blocking=True)
+                slot.old_grad = old
         scope.grads_ready = self.record(h2d)
         self._note_h2d(scope.grads_ready)
 

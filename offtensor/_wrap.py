@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 from torch import nn
@@ -144,7 +144,7 @@ def unwrap(model: nn.Module) -> nn.Module:
                 data = p.detach().clone()
                 p.grad = None
                 del p._ot
-                p.__class__ = nn.Parameter
+                p.__class__ = nn.Parameter  # type: ignore[assignment]
                 p.data = data
                 if grad is not None:
                     p.grad = grad.clone()
@@ -237,7 +237,7 @@ def _check_selection(model: nn.Module, selected: list[tuple[str, nn.Module, Poli
         )
     by_module = {id(m): n for n, m, _ in selected}
     for name, module, _ in selected:
-        for sub_name, sub in module.named_modules():
+        for sub in module.modules():
             if sub is not module and id(sub) in by_module:
                 raise ValueError(
                     f"offtensor.wrap: the predicate selected both {name or '<root>'!r} and its "
@@ -293,9 +293,10 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
             view = scope.device_flat[dev_offset : dev_offset + p.numel() * dt.itemsize].view(dt).view(p.shape)
             p.data = host
             p.__class__ = OffloadedParameter
-            slot = ParamSlot(param=p, name=qual, scope=scope, offset=offset, device_offset=dev_offset,
-                             device_leaf=leaf, device_view=view)
-            p._ot = slot
+            offloaded = cast(OffloadedParameter, p)
+            slot = ParamSlot(param=offloaded, name=qual, scope=scope, offset=offset,
+                             device_offset=dev_offset, device_leaf=leaf, device_view=view)
+            offloaded._ot = slot
             # The hook stays if the parameter is frozen now and unfrozen later.
             leaf.requires_grad_(True)
             leaf.register_post_accumulate_grad_hook(functools.partial(_leaf_grad_hook, slot))
