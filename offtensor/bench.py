@@ -33,7 +33,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
@@ -390,7 +390,7 @@ def _place_outside(model: nn.Module, layers: nn.ModuleList, device: torch.device
         for module in model.modules():
             if id(module) in inside:
                 continue
-            for name, p in module._parameters.items():
+            for _name, p in module._parameters.items():
                 if p is not None:
                     p.data = p.data.to(device)
             for name, b in module._buffers.items():
@@ -547,8 +547,9 @@ def make_adamw(params: list[torch.Tensor]) -> tuple[list[torch.optim.Optimizer],
         if len(devices) < 2:
             raise
         why = _short_error(exc)
-    opts = [torch.optim.AdamW([p for p in params if p.device.type == d], lr=ADAMW_LR, fused=True)
-            for d in devices]
+    opts: list[torch.optim.Optimizer] = [
+        torch.optim.AdamW([p for p in params if p.device.type == d], lr=ADAMW_LR, fused=True)
+        for d in devices]
     return opts, f"one fused AdamW per device ({', '.join(devices)}); one over all refused: {why}"
 
 
@@ -588,7 +589,7 @@ def _timed_steps(optimizers: list[torch.optim.Optimizer], reps: int) -> list[lis
     return out
 
 
-def _plain_like(params: list[torch.Tensor], pool: torch.Tensor) -> list[torch.Tensor]:
+def _plain_like(params: Sequence[torch.Tensor], pool: torch.Tensor) -> list[torch.Tensor]:
     """Plain CPU tensors of the same shapes and dtype as `params`, random values and grads."""
     plain, offset = [], 0
     for p in params:
@@ -605,7 +606,7 @@ def _gparams(numel: int, seconds: float) -> float:
     return numel / seconds / 1e9
 
 
-def measure_plain_adamw(params: list[torch.Tensor], seed: int, reps: int = 3) -> dict[str, Any]:
+def measure_plain_adamw(params: Sequence[torch.Tensor], seed: int, reps: int = 3) -> dict[str, Any]:
     """The optimizer term of the step rooflines: fused `torch.optim.AdamW` on plain CPU tensors
     of the shapes and dtype of `params` (the wrapped parameters), with random grads; one
     warm-up step, median of `reps`."""
@@ -984,6 +985,8 @@ def step_roofline(s: Scenario, rows: list[Row], bw: dict[str, Any], vb: VariantB
     resident_train = _ok_row(rows, "train-4x2048", "resident")
     resident_own = _ok_row(rows, s.name, "resident")
     own = resident_own.fwd_bwd_ms if resident_own else None
+    compute: float | None
+    source: str | None
     # step32 runs its forward under autocast: its own resident fwd+bwd is the closer compute.
     if s.kind == "step32" and own is not None:
         compute, source = own, f"resident {s.name} forward+backward (autocast), measured alone"
@@ -1056,11 +1059,11 @@ def compute_rooflines(rows: list[Row], scenarios: list[Scenario], bw: dict[str, 
     for s in scenarios:
         vb = variant_bytes.get(s.variant)
         if s.has_optimizer:
-            entry = out[s.name] = step_roofline(s, rows, bw, vb, extras)
+            step_entry = out[s.name] = step_roofline(s, rows, bw, vb, extras)
             for r in rows:
                 if r.scenario == s.name:
                     # resident steps on the device and moves nothing: no roofline of its own.
-                    r.roofline_ms = entry["peers"].get(r.peer, {}).get("roofline_ms")
+                    r.roofline_ms = step_entry["peers"].get(r.peer, {}).get("roofline_ms")
                     r.ratio = r.median_ms / r.roofline_ms if r.median_ms is not None and r.roofline_ms else None
             continue
         resident = next((r for r in rows if r.scenario == s.name and r.peer == "resident"
@@ -1244,8 +1247,8 @@ def main(argv: list[str] | None = None) -> int:
     interrupted = False
     try:
         for peer in peers:
-            plan = [(s, peer_plan(peer, s)) for s in scenarios]
-            plan = [(s, p) for s, p in plan if p is not None]
+            plans = [(s, peer_plan(peer, s)) for s in scenarios]
+            plan = [(s, p) for s, p in plans if p is not None]
             if not plan:
                 continue  # an offtensor variant whose scenarios were not selected
             why = peer_unavailable(peer)
