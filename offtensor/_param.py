@@ -175,22 +175,20 @@ def _set_data(p: OffloadedParameter, value: torch.Tensor) -> None:
         p.copy_(value)
 
 
-def _register_post_accumulate_grad_hook(p: OffloadedParameter, hook) -> RemovableHandle:
-    slot = getattr(p, "_ot", None)
-    if slot is None:
-        return torch.Tensor.register_post_accumulate_grad_hook(p, hook)
-    handle = RemovableHandle(slot.post_hooks)
-    slot.post_hooks[handle.id] = hook
-    return handle
+def _hook_registrar(table: str, plain):
+    """`Tensor.register_*hook` for an offloaded parameter: keeps the hook in the slot's
+    `table` (see Note [user gradient hooks]); `plain` for a parameter outside offtensor."""
 
+    def register(p: OffloadedParameter, hook) -> RemovableHandle:
+        slot = getattr(p, "_ot", None)
+        if slot is None:
+            return plain(p, hook)
+        hooks = getattr(slot, table)
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle
 
-def _register_hook(p: OffloadedParameter, hook) -> RemovableHandle:
-    slot = getattr(p, "_ot", None)
-    if slot is None:
-        return torch.Tensor.register_hook(p, hook)
-    handle = RemovableHandle(slot.grad_hooks)
-    slot.grad_hooks[handle.id] = hook
-    return handle
+    return register
 
 
 # Queries about the master itself, and methods that change the parameter object: never
@@ -212,6 +210,8 @@ _MASTER_ONLY = {
 # the device, before accumulation), post-accumulate-grad hooks see the parameter once its host
 # `.grad` is complete, at the end of backward.
 _HANDLERS = {
-    torch.Tensor.register_post_accumulate_grad_hook: _register_post_accumulate_grad_hook,
-    torch.Tensor.register_hook: _register_hook,
+    torch.Tensor.register_post_accumulate_grad_hook: _hook_registrar(
+        "post_hooks", torch.Tensor.register_post_accumulate_grad_hook
+    ),
+    torch.Tensor.register_hook: _hook_registrar("grad_hooks", torch.Tensor.register_hook),
 }

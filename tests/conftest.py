@@ -340,3 +340,17 @@ def assert_all_scopes_offloaded(model: nn.Module) -> None:
     for s in scopes:
         assert s.state == offtensor.ScopeState.OFFLOADED, f"{s.name} is {s.state} after the step"
         assert s.device_bytes == 0, f"{s.name} still holds {s.device_bytes} device bytes"
+
+
+def small_llama(checkpointing: bool) -> nn.Module:
+    """A 2-layer ``LlamaForCausalLM`` (hidden 32, vocab 64, random weights) in training mode,
+    with transformers' activation checkpointing on or off. Skips when transformers is absent."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    model = transformers.LlamaForCausalLM(config)
+    if checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+    model.train()
+    return model

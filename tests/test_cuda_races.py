@@ -61,8 +61,8 @@ def test_training_matches_unwrapped_model_when_one_stream_lags(slow, checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     tol = tolerances("cuda")
-    for step in range(3):
-        for micro in range(2):  # accumulation: old grads travel host->device too
+    for _ in range(3):
+        for _micro in range(2):  # accumulation: old grads travel host->device too
             x, y = torch.randn(16, 8, device="cuda"), torch.randn(16, 4, device="cuda")
             out = model(x)
             ref_out = reference(x)

@@ -16,6 +16,7 @@ from conftest import (
     devices,
     mlp_of_blocks,
     offload,
+    small_llama,
     tolerances,
     unwrapped_reference,
 )
@@ -253,13 +254,7 @@ def test_split_keeps_a_modules_own_parameters_in_a_scope_of_their_own(device):
 
 @pytest.mark.parametrize("device", devices)
 def test_hf_llama_split_into_attention_norm_and_mlp_scopes_trains_like_unwrapped(device):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
-    model = transformers.LlamaForCausalLM(config)
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable()
-    model.train()
+    model = small_llama(checkpointing=True)
     reference = unwrapped_reference(model, device)
     layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     offload(model, device, policy=offtensor.Policy(max_scope_bytes=layer_bytes // 2))

@@ -21,6 +21,7 @@ from conftest import (
     mlp_of_blocks,
     offload,
     offloaded_parameters,
+    small_llama,
     tolerances,
     unwrapped_reference,
 )
@@ -48,7 +49,9 @@ def _hand_cast_forward(reference: nn.Module, x: torch.Tensor, dtype: torch.dtype
 def test_compute_dtype_matches_a_reference_that_casts_by_hand(device, cast):
     model = mlp_of_blocks()
     reference = unwrapped_reference(model, device)
-    everything = lambda name, module: name in ("input", "head") or re.fullmatch(r"blocks\.\d+", name)
+    def everything(name: str, module: nn.Module) -> bool:
+        return name in ("input", "head") or re.fullmatch(r"blocks\.\d+", name) is not None
+
     offload(model, device, everything, policy=offtensor.Policy(compute_dtype=torch.bfloat16, cast=cast))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -86,7 +89,9 @@ def test_compute_dtype_device_copy_has_the_compute_dtype_size(device):
     with torch.no_grad():
         model.input.to(torch.bfloat16), model.head.to(torch.bfloat16)
         model(torch.randn(2, 8, device=device, dtype=torch.bfloat16))
-    padded = lambda nbytes: -(-nbytes // 256) * 256  # each parameter starts 256-byte aligned
+    def padded(nbytes: int) -> int:  # each parameter starts 256-byte aligned
+        return -(-nbytes // 256) * 256
+
     params = list(model.blocks[1].parameters())
     assert seen["device"] == sum(padded(p.numel() * 2) for p in params), seen
     assert seen["host"] == sum(padded(p.numel() * 4) for p in params), seen
@@ -125,7 +130,7 @@ def test_backward_and_step_equals_backward_then_step_with_grad_accumulation(devi
     tol = tolerances(device)
     hook_grads = []
     model.blocks[1].fc1.weight.register_post_accumulate_grad_hook(lambda p: hook_grads.append(p.grad.clone()))
-    for step in range(3):
+    for _ in range(3):
         micro = _batches(device, 3)
         for i, (x, y) in enumerate(micro):
             loss = F.mse_loss(model(x), y) / len(micro)
@@ -202,10 +207,7 @@ def test_param_filter_that_keeps_nothing_is_an_error():
 @pytest.mark.parametrize("device", devices)
 def test_peft_lora_model_with_offloaded_frozen_base_matches_unwrapped(device):
     peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
-    base = transformers.LlamaForCausalLM(config)
+    base = small_llama(checkpointing=False)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
                            lora_dropout=0.0, init_lora_weights=False)
     model = peft.get_peft_model(base, lora)
@@ -268,13 +270,7 @@ def test_fused_adamw_steps_wrapped_parameters_like_plain_cpu_parameters(device):
 
 @pytest.mark.parametrize("device", devices)
 def test_hf_llama_with_fp32_masters_bf16_compute_and_checkpointing_trains_like_autocast(device):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
-    model = transformers.LlamaForCausalLM(config)
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable()
-    model.train()
+    model = small_llama(checkpointing=True)
     reference = unwrapped_reference(model, device)
     offload(model, device, policy=offtensor.Policy(compute_dtype=torch.bfloat16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
