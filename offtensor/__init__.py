@@ -9,13 +9,14 @@ See README.md and docs/design.md.
 """
 
 from ._api import Policy, ScopeState, ScopeSummary, Summary, frozen_only
-from ._overlap import backward_and_step
+from ._overlap import OverlapReport, backward_and_step
 from ._param import OffloadedParameter
 from ._transfer import no_offload
 from ._wrap import is_wrapped, summary, unwrap, wrap
 
 __all__ = [
     "OffloadedParameter",
+    "OverlapReport",
     "Policy",
     "ScopeState",
     "ScopeSummary",

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +37,19 @@ if TYPE_CHECKING:
 worker_state = threading.local()
 
 
-def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, **backward_kwargs: Any) -> None:
+@dataclass
+class OverlapReport:
+    """What `backward_and_step` did when, in seconds since it was called: for tuning and for
+    the benchmark's timeline."""
+
+    backward_s: float = 0.0  # loss.backward() returned (all gradients on the host)
+    total_s: float = 0.0  # the rest stepped too
+    # (scope, handed to the worker, its gradients on the host, its step done)
+    scopes: list[tuple[str, float, float, float]] = field(default_factory=list)
+    rest_params: int = 0  # parameters stepped after backward, on the calling thread
+
+
+def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, **backward_kwargs: Any) -> OverlapReport:
     """`loss.backward(); optimizer.step()`, with the optimizer overlapped with backward.
 
     Each offloaded scope's parameters are stepped on a host thread as soon as their gradients
@@ -54,6 +68,9 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, **ba
         optimizer: a `torch.optim.Optimizer` over the model's parameters (offloaded or not).
         **backward_kwargs: passed to `loss.backward` (e.g. `retain_graph`).
 
+    Returns:
+        An `OverlapReport`: when each scope was stepped, relative to backward's end.
+
     Example::
 
         for i, batch in enumerate(micro_batches):
@@ -65,6 +82,7 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, **ba
         optimizer.zero_grad()
     """
     stepper = _OverlappedStep(optimizer)
+    report = stepper.report
     engines = stepper.engines()
     for engine in engines:
         if engine.grads.stepper is not None:
@@ -76,7 +94,10 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, **ba
         for engine in engines:
             engine.grads.stepper = None
         stepper.close()
+    report.backward_s = stepper.elapsed()
     stepper.step_rest()
+    report.total_s = stepper.elapsed()
+    return report
 
 
 class _OverlappedStep:
@@ -89,6 +110,8 @@ class _OverlappedStep:
         self._queued: set[int] = set()  # scopes handed to the worker (post_backward can repeat)
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        self._start = time.perf_counter()
+        self.report = OverlapReport()
         self._thread = threading.Thread(target=self._run, name="offtensor-optimizer", daemon=True)
         self._thread.start()
 
@@ -108,7 +131,7 @@ class _OverlappedStep:
         self._queued.add(id(scope))
         slots = [s for s in scope.slots if s.grad_written and id(s.param) in self._ids and not s.used_outside]
         if slots:
-            self._jobs.put((slots, grads_offloaded))
+            self._jobs.put((scope.name, self.elapsed(), slots, grads_offloaded))
 
     def drain(self) -> None:
         """Wait until every queued scope is stepped (called by finalize, before it publishes
@@ -116,6 +139,9 @@ class _OverlappedStep:
         self._jobs.join()
         if self._error is not None:
             raise self._error
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start
 
     def published(self, slot: ParamSlot) -> bool:
         return id(slot.param) in self._stepped
@@ -128,6 +154,7 @@ class _OverlappedStep:
 
     def step_rest(self) -> None:
         rest = {i for i in self._ids if i not in self._stepped}
+        self.report.rest_params = len(rest)
         if rest:
             _step_subset(self.optimizer, rest)
 
@@ -145,13 +172,15 @@ class _OverlappedStep:
                     torch.set_num_threads(threads)
                     return
                 if self._error is None:
-                    slots, event = job
+                    name, queued, slots, event = job
                     if event is not None:
                         event.synchronize()
+                    landed = self.elapsed()
                     publish(slots)
                     ids = {id(slot.param) for slot in slots}
                     _step_subset(self.optimizer, ids)
                     self._stepped.update(ids)
+                    self.report.scopes.append((name, queued, landed, self.elapsed()))
             except BaseException as e:  # reported on the calling thread
                 self._error = e
             finally:

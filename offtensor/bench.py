@@ -522,6 +522,7 @@ class Row:
     grad_devices: list[str] | None = None
     optimizer: str | None = None  # step scenarios: the optimizer(s) and how they were stepped
     fwd_bwd_ms: float | None = None  # resident, step scenarios: forward+backward alone, no step
+    overlap: dict | None = None  # offtensor-overlap: the last step's OverlapReport, in ms
     roofline_ms: float | None = None
     ratio: float | None = None
 
@@ -694,7 +695,13 @@ def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *,
         def train_step(check: bool = False) -> None:
             loss = forward_loss()
             if overlap:
-                offtensor.backward_and_step(loss, optimizers[0])
+                report = offtensor.backward_and_step(loss, optimizers[0])
+                row.overlap = {
+                    "backward_ms": report.backward_s * 1e3, "total_ms": report.total_s * 1e3,
+                    "rest_params": report.rest_params,
+                    "scopes": [{"scope": n, "queued_ms": q * 1e3, "grads_on_host_ms": g * 1e3,
+                                "stepped_ms": d * 1e3} for n, q, g, d in report.scopes],
+                }
                 for opt in optimizers[1:]:
                     opt.step()
             else:
@@ -1280,6 +1287,15 @@ def main(argv: list[str] | None = None) -> int:
     steps = [format_step_breakdown(s, e) for s, e in rooflines.items() if "peers" in e]
     if steps:
         print("step rooflines:\n" + "\n".join(steps))
+    for r in table:
+        if r.overlap:
+            # When each scope's step ran, from backward_and_step's start: the overlap's timeline.
+            o = r.overlap
+            spans = ", ".join(f"{s['scope'].rsplit('.', 1)[-1]} q{s['queued_ms']:.0f}/h{s['grads_on_host_ms']:.0f}"
+                              f"/s{s['stepped_ms']:.0f}" for s in o["scopes"])
+            print(f"overlap timeline {r.scenario} (ms: queued/grads on host/stepped): backward done "
+                  f"{o['backward_ms']:.0f}, all done {o['total_ms']:.0f}, {o['rest_params']} params "
+                  f"after backward; {spans or 'no scope stepped during backward'}")
     for name, speed in (("optimizer_speed", extras.optimizer_speed),
                         ("optimizer_speed_fp32", extras.optimizer_speed_fp32)):
         if speed is not None:

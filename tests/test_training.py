@@ -295,3 +295,16 @@ def test_hf_llama_with_fp32_masters_bf16_compute_and_checkpointing_trains_like_a
     for _, p in offloaded_parameters(model):
         assert p.dtype == torch.float32
     assert_all_scopes_offloaded(model)
+
+
+def test_backward_and_step_reports_each_scope_stepped_before_backward_returned():
+    model = offload(mlp_of_blocks(n_blocks=3), "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = _batches("cpu", 1)[0]
+    report = offtensor.backward_and_step(F.mse_loss(model(x), y), opt)
+    assert isinstance(report, offtensor.OverlapReport)
+    assert [s[0] for s in report.scopes] == ["blocks.2", "blocks.1", "blocks.0"]
+    for _, queued, on_host, stepped in report.scopes:
+        assert queued <= on_host <= stepped <= report.backward_s
+    assert report.rest_params == 4  # input and head: stepped after backward
+    assert report.backward_s <= report.total_s
