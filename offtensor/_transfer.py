@@ -41,6 +41,7 @@ releases whatever a previous, abandoned pass left resident.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import weakref
 from typing import Any
@@ -148,7 +149,7 @@ class TransferEngine:
             compute, h2d = self.compute_stream(), self.h2d_stream()
             scope.device_storage.resize_(scope.device_nbytes)
             self.wait(h2d, self.record(compute))  # alloc_done
-            if scope.casts and scope.policy.cast == "host":
+            if scope.host_shadow is not None:  # Policy(cast="host")
                 self._refresh_shadow(scope)
             scope.chunks_waited = 0
             with self.on(h2d), torch.no_grad():
@@ -318,7 +319,7 @@ class TransferEngine:
         if needs_grad:
             slot.used_outside = True  # its grad may come after its scope's backward
             copy.requires_grad_(True)
-            copy.register_post_accumulate_grad_hook(lambda t, slot=slot: self.grads.on_leaf_grad(slot, t))
+            copy.register_post_accumulate_grad_hook(functools.partial(self.grads.on_leaf_grad, slot))
         return copy
 
     def _note_h2d(self, event: Any) -> None:

@@ -299,7 +299,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
             offloaded._ot = slot
             # The hook stays if the parameter is frozen now and unfrozen later.
             leaf.requires_grad_(True)
-            leaf.register_post_accumulate_grad_hook(functools.partial(_leaf_grad_hook, slot))
+            leaf.register_post_accumulate_grad_hook(functools.partial(scope.engine.grads.on_leaf_grad, slot))
             leaf.requires_grad_(p.requires_grad)
             if grad is not None:
                 slot.host_grad = host_empty(nbytes, pin=scope.pinned).view(p.dtype).view(p.shape)
@@ -308,10 +308,6 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
             scope.slots.append(slot)
     storage.resize_(0)
     scope.state = ScopeState.OFFLOADED
-
-
-def _leaf_grad_hook(slot: ParamSlot, leaf: torch.Tensor) -> None:
-    slot.scope.engine.grads.on_leaf_grad(slot, leaf)
 
 
 def _guard_apply(model: nn.Module) -> None:
