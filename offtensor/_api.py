@@ -98,6 +98,8 @@ class ScopeSummary:
     num_params: int  # number of elements
     host_bytes: int  # bytes of the host masters
     device_bytes: int  # bytes the scope holds on the compute device right now
+    loads: int = 0  # host-to-device loads since wrap
+    loads_on_demand: int = 0  # of which not prefetched in time: the compute waited for the copy
 
 
 @dataclass(frozen=True)
@@ -117,15 +119,17 @@ class Summary:
         return sum(s.device_bytes for s in self.scopes)
 
     def __str__(self) -> str:
-        rows = [("scope", "state", "params", "host MiB", "device MiB")]
+        rows = [("scope", "state", "params", "host MiB", "device MiB", "loads", "on demand")]
         for s in self.scopes:
             rows.append(
                 (s.name, s.state.value, f"{s.num_params:,}", f"{s.host_bytes / 2**20:.1f}",
-                 f"{s.device_bytes / 2**20:.1f}")
+                 f"{s.device_bytes / 2**20:.1f}", str(s.loads), str(s.loads_on_demand))
             )
         rows.append(("total", "", f"{sum(s.num_params for s in self.scopes):,}",
-                     f"{self.host_bytes / 2**20:.1f}", f"{self.device_bytes / 2**20:.1f}"))
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+                     f"{self.host_bytes / 2**20:.1f}", f"{self.device_bytes / 2**20:.1f}",
+                     str(sum(s.loads for s in self.scopes)),
+                     str(sum(s.loads_on_demand for s in self.scopes))))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                  for r in rows]
         head = f"offtensor: {len(self.scopes)} scopes computing on {self.device}"

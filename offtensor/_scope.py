@@ -119,6 +119,8 @@ class Scope:
         self.grads_offloaded: Any = None  # event on the d2h stream after this backward's grads
         self.active_calls = 0  # forward calls of the module in progress (recompute included)
         self.calls_in_pass = 0  # forward calls in the current forward pass (shared modules)
+        self.loads = 0  # host-to-device loads of the weights, since wrap
+        self.loads_on_demand = 0  # of which not prefetched: offloaded when the scope needed them
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
 
     @property

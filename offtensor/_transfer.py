@@ -27,15 +27,19 @@ Backward needs the whole scope before its first op (autograd reads the saved dev
 directly), so pre_backward waits for every chunk.
 
 # Note [prefetch order]
-The engine records the order in which scopes start their forward. From the second pass on, each
-scope's forward start prefetches the next scopes, and in backward each scope's pre-backward the
-scopes before it, until the bytes in flight reach `policy.prefetch` times the largest scope's:
-with equal scopes that is `prefetch` scopes; with uneven ones (Policy.max_scope_bytes splits a
-block into its attention, norms and MLP matrices) it keeps as many bytes ahead as one large
-scope takes, so a tiny scope (a norm) never stands between the copy of the next large one and
-the compute it should overlap. A scope arriving out of order re-learns
-the order from that point; the first scope of the order arriving again starts a new pass and
-releases whatever a previous, abandoned pass left resident.
+The engine records the order in which scopes start their forward, and separately the order in
+which backward first needs them. The two are not mirror images: under checkpointing, a block
+split into several scopes (Policy.max_scope_bytes) is recomputed in forward order before its
+backward runs in reverse, so a reverse-forward prefetch would fetch the block's last matrix first
+and stall on every other one. From the second pass on, each scope's forward start prefetches the
+next scopes of the forward order, and each scope's first need in backward the next ones of the
+backward order (the reverse forward order until a backward has been seen). Scopes are prefetched
+while their bytes fit in `policy.prefetch` times the largest scope's: with equal scopes that is
+`prefetch` scopes, so device memory holds at most the scope computing plus the budget. Scopes
+under 1/TINY of the largest (norms, biases) are not counted, so a tiny scope never stands
+between the copy of the next large one and the compute it should overlap. A scope arriving out
+of order re-learns the order from that point; the first scope of the forward order arriving
+again starts a new pass and releases whatever a previous, abandoned pass left resident.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ logger = logging.getLogger("offtensor")
 
 _hold_depth = 0  # > 0 inside offtensor.no_offload()
 CHUNK_BYTES = 32 * 2**20  # see Note [progressive loads]
+TINY = 8  # see Note [prefetch order]
 _engines: "weakref.WeakSet[TransferEngine]" = weakref.WeakSet()
 
 
@@ -86,25 +91,37 @@ class TransferEngine:
         # recompute that does not pass through the module's hooks (transformers >= 5.2x
         # checkpoints `forward`, keeping hooks outside) still uses this scope's device copy.
         self._backward_scope: Scope | None = None
+        self._bwd_order: list[Scope] = []  # scopes in order of first need in backward
+        self._bwd_pos = 0
+        self._bwd_seen: set[Scope] = set()  # needed already in the current backward
+        self._saw_backward = False  # a backward ran since the current forward pass began
+        self._expect_backward = False  # one ran after the previous pass
         self._unsynced_h2d: list[Any] = []  # events of copies that may still read host masters
+        self._largest = 0  # set by scopes_ready: the largest scope's device bytes
         self._prefetch_bytes = 0  # set by scopes_ready: Policy.prefetch x the largest scope
         _engines.add(self)
 
     def scopes_ready(self) -> None:
         """Called by wrap once every scope is built."""
-        largest = max((s.device_nbytes for s in self.scopes), default=0)
-        self._prefetch_bytes = self.policy.prefetch * largest
+        self._largest = max((s.device_nbytes for s in self.scopes), default=0)
+        self._prefetch_bytes = self.policy.prefetch * self._largest
 
     def _prefetch(self, candidates: Any, current: Scope, *, with_grads: bool) -> None:
-        """Load the candidates in order until the bytes in flight reach the prefetch budget
-        (Note [prefetch order])."""
+        """Load the candidates in order while their bytes fit the prefetch budget; scopes under
+        1/TINY of the largest do not count (Note [prefetch order])."""
+        budget = self._prefetch_bytes
+        if budget == 0:
+            return
         in_flight = 0
         for scope in candidates:
-            if in_flight >= self._prefetch_bytes:
+            if scope is current:
+                continue
+            size = scope.device_nbytes
+            counted = size if size * TINY >= self._largest else 0
+            if in_flight + counted > budget:
                 return
-            if scope is not current:
-                self.load(scope, with_grads=with_grads)
-                in_flight += scope.device_nbytes
+            self.load(scope, with_grads=with_grads)
+            in_flight += counted
 
     # ---- streams and events (no-ops on the CPU) -------------------------------------------
 
@@ -167,6 +184,7 @@ class TransferEngine:
                 scope.shadow_read = scope.weights_ready
             self._note_h2d(scope.weights_ready)
             scope.state = ScopeState.LOADING
+            scope.loads += 1
             self._live[scope] = None
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("load %s (%.1f MiB)%s", scope.name, scope.nbytes / 2**20, self._mem())
@@ -352,6 +370,8 @@ class TransferEngine:
         self._check_inputs(scope, args, kwargs)
         self._advance_order(scope)
         scope.calls_in_pass += 1
+        if scope.state is ScopeState.OFFLOADED:
+            scope.loads_on_demand += 1
         self.load(scope, with_grads=False)
         if self._learned:
             self._prefetch(self._order[self._pos :], scope, with_grads=False)
@@ -370,21 +390,49 @@ class TransferEngine:
             scope.first_uses.clear()
         if self.hold():
             return
-        if backward_expected and (
-            scope.policy.keep_for_backward
-            or (self._learned and self._pos == len(self._order) and self._order[-1] is scope)
-        ):
-            return  # needed again first thing in backward: skip the release and reload
+        last = self._learned and self._pos == len(self._order) and self._order[-1] is scope
+        # Under reentrant checkpointing the forward runs without grad, so nothing says a backward
+        # follows except that one followed the previous pass (in training mode).
+        if last and (backward_expected or (self._expect_backward and scope.module.training)):
+            # The end of the forward: backward starts with this scope or, under checkpointing,
+            # with the recompute of its block; prefetch that while the loss is computed.
+            self._prefetch(self._bwd_order, scope, with_grads=True)
+            return  # needed first thing in backward: no release and reload
+        if backward_expected and scope.policy.keep_for_backward:
+            return
         self.release(scope)
 
     def pre_backward(self, scope: Scope) -> None:
         self.grads.enter_backward()
         self._backward_scope = scope
+        self._saw_backward = True
+        if scope.state is ScopeState.OFFLOADED:
+            scope.loads_on_demand += 1
         self.load(scope, with_grads=True)
-        i = self._index.get(scope)
-        if i is not None:
-            self._prefetch(reversed(self._order[:i]), scope, with_grads=True)
+        if scope not in self._bwd_seen:
+            self._bwd_seen.add(scope)
+            self._advance_bwd_order(scope)
+        ahead: Any = self._bwd_order[self._bwd_pos :]
+        if not ahead:  # no backward seen yet, or this one departs from it
+            i = self._index.get(scope)
+            ahead = reversed(self._order[:i]) if i is not None else ()
+        self._prefetch(ahead, scope, with_grads=True)
         self.make_resident(scope)
+
+    def _forget_backward(self) -> None:
+        """No backward in progress: the next one starts at the head of the backward order."""
+        self._backward_scope = None
+        self._bwd_pos = 0
+        self._bwd_seen.clear()
+
+    def _advance_bwd_order(self, scope: Scope) -> None:
+        order = self._bwd_order
+        if self._bwd_pos < len(order) and order[self._bwd_pos] is scope:
+            self._bwd_pos += 1
+            return
+        del order[self._bwd_pos :]
+        order.append(scope)
+        self._bwd_pos = len(order)
 
     def post_backward(self, scope: Scope) -> None:
         if self._backward_scope is scope:
@@ -397,7 +445,7 @@ class TransferEngine:
 
     def end_backward(self) -> None:
         """End of the outermost backward: nothing stays resident (unless no_offload holds)."""
-        self._backward_scope = None
+        self._forget_backward()
         for scope in self.scopes:
             scope.active_calls = 0
         if not self.hold():
@@ -405,7 +453,7 @@ class TransferEngine:
 
     def abort(self) -> None:
         """An exception in a scope's forward: drop every device copy and in-flight prefetch."""
-        self._backward_scope = None
+        self._forget_backward()
         for scope in self.scopes:
             scope.active_calls = 0
         self._pos = 0
@@ -430,7 +478,8 @@ class TransferEngine:
 
     def _start_pass(self, first: Scope) -> None:
         self.grads.reset_if_stale()
-        self._backward_scope = None
+        self._forget_backward()
+        self._expect_backward, self._saw_backward = self._saw_backward, False
         for scope in self.scopes:
             scope.calls_in_pass = 0
             if scope is not first:

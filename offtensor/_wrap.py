@@ -162,7 +162,9 @@ def summary(model: nn.Module) -> Summary:
     """What each scope holds on the host and on the device right now."""
     engine = _engine_of(model)
     rows = [
-        ScopeSummary(s.name, s.state, s.num_params(), s.host_bytes(), s.device_bytes()) for s in engine.scopes
+        ScopeSummary(s.name, s.state, s.num_params(), s.host_bytes(), s.device_bytes(), s.loads,
+                     s.loads_on_demand)
+        for s in engine.scopes
     ]
     allocated = torch.cuda.memory_allocated(engine.device) if engine.is_cuda else None
     return Summary(str(engine.device), rows, allocated)

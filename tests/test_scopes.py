@@ -275,6 +275,46 @@ def test_hf_llama_split_into_attention_norm_and_mlp_scopes_trains_like_unwrapped
     assert_all_scopes_offloaded(model)
 
 
+def _loads_on_demand(model: nn.Module) -> int:
+    return sum(s.loads_on_demand for s in offtensor.summary(model).scopes)
+
+
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant", "reentrant"])
+@pytest.mark.parametrize("split", [False, True], ids=["blocks", "split"])
+@pytest.mark.parametrize("device", devices)
+def test_after_the_first_step_only_the_first_scope_loads_on_demand(device, split, checkpoint):
+    """Prefetch follows the forward order in forward and the learned backward order in backward
+    (under checkpointing a split block is recomputed in forward order before its backward), so
+    every load but the first of a step was issued ahead of its use."""
+    model = mlp_of_blocks(n_blocks=4)
+    model.checkpoint = checkpoint
+    block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    offload(model, device, policy=offtensor.Policy(max_scope_bytes=block_bytes // 2 if split else None))
+    x = torch.randn(6, 8, device=device)
+    per_step = []
+    for _ in range(3):
+        before = _loads_on_demand(model)
+        model(x).sum().backward()
+        per_step.append(_loads_on_demand(model) - before)
+    scopes = len(offtensor.summary(model).scopes)
+    assert per_step[0] > 1  # the first step learns the orders
+    assert per_step[1:] == [1, 1], (per_step, scopes)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_hf_llama_split_scopes_are_prefetched_through_the_recompute(device):
+    model = small_llama(checkpointing=True)
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    offload(model, device, policy=offtensor.Policy(max_scope_bytes=layer_bytes // 2))
+    ids = torch.randint(0, 64, (2, 12), device=device)
+    per_step = []
+    for _ in range(3):
+        before = _loads_on_demand(model)
+        model(input_ids=ids, labels=ids).loss.backward()
+        per_step.append(_loads_on_demand(model) - before)
+    assert per_step[1:] == [1, 1], per_step
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_split_scopes_lower_the_inference_peak():
