@@ -154,14 +154,16 @@ def main() -> None:
             step_loss += loss.detach()  # .item() here would sync every micro-batch
             if args.overlap and micro == args.accum - 1:
                 # Each scope's AdamW update runs on a host thread as soon as its last grad
-                # lands, while backward goes on through the earlier layers.
-                offtensor.backward_and_step(loss, optimizer)
+                # lands, while backward goes on through the earlier layers; the first layers'
+                # updates finish during the next forward, each before its weights are loaded.
+                # zero_grad=True zeroes each grad right after its update (no waiting here).
+                offtensor.backward_and_step(loss, optimizer, zero_grad=True)
             else:
                 loss.backward()  # grads accumulate in the offloaded .grad across micro-batches
         if not args.overlap:
             optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+            optimizer.zero_grad()
+        scheduler.step()  # applies from the next step, also to updates still running
         losses.append(step_loss.item())
 
         elapsed = time.perf_counter() - step_start

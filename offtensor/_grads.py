@@ -101,6 +101,8 @@ class GradOffload:
         slot's pinned buffer from earlier steps, unless the user still holds that tensor (after
         `zero_grad(set_to_none=True)` a kept gradient must keep its values): then a new one."""
         p = slot.param
+        if slot.step_pending:  # a deferred step still reads p.grad (Note [deferred steps])
+            self._engine.wait_for_step(slot)
         current = master_grad(p)
         if current is not None:
             return current, True
@@ -143,9 +145,8 @@ class GradOffload:
         """End of the outermost backward: host grads complete, `p.grad` set, hooks fired."""
         if self._last_d2h is not None:
             self._last_d2h.synchronize()
-        if self.stepper is not None:
-            self.stepper.drain()  # those slots are published and stepped already
-            written = [s for s in self._written if not self.stepper.published(s)]
+        if self.stepper is not None:  # the worker publishes and steps the slots handed to it
+            written = [s for s in self._written if not self.stepper.handed(s)]
         else:
             written = self._written
         for slot in self._written:

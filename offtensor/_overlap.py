@@ -1,4 +1,4 @@
-"""Optimizer overlap: step each scope's parameters on a host thread during backward.
+"""Optimizer overlap: step each scope's parameters on a host thread, during backward and after.
 
 # Note [optimizer overlap]
 With offloading, the optimizer steps on the host after backward: a step costs forward+backward
@@ -6,70 +6,105 @@ plus the CPU optimizer. But a scope's gradients are final as soon as its backwar
 (post_backward) and their device-to-host copies have landed, while backward goes on for the
 scopes before it. `backward_and_step` hands each finished scope to one worker thread, which
 waits (host side, off the main thread) for the scope's `grads_offloaded` event, publishes its
-`.grad`s, runs user post-accumulate-grad hooks and calls the user's own `optimizer.step()` on a
-view of the optimizer restricted to those parameters. Per-parameter optimizers (SGD, Adam,
-AdamW, Adagrad, ... in any of their single-tensor, foreach or fused forms) give exactly the same
-update as one `optimizer.step()` after backward. The rest (parameters on the device, scopes
-used more than once per forward, parameters also used outside their scope) is stepped on the
-calling thread once backward has returned. The masters a worker writes are never read again in
-that backward: the scope was released, and the next forward starts after `backward_and_step`
-returns.
+`.grad`s, runs user post-accumulate-grad hooks and calls the user's own optimizer's `step` on a
+view of the optimizer restricted to those parameters (same state, same hooks, the param groups'
+hyperparameters as they were when `backward_and_step` was called). Per-parameter optimizers
+(SGD, Adam, AdamW, Adagrad, ... in any of their single-tensor, foreach or fused forms) give
+exactly the same update as one `optimizer.step()` after backward. The rest (parameters on the
+device, scopes used more than once per forward, parameters also used outside their scope) is
+stepped on the calling thread once backward has returned.
+
+# Note [deferred steps]
+Even so the step cannot end before backward plus the optimizer time of the scope whose
+gradients come last, and that is the model's first block, which the next forward needs first.
+So `backward_and_step` returns as soon as backward has, and the worker finishes in the
+background while the next forward begins. Every parameter handed to the worker is marked
+`ParamSlot.step_pending` until its step is done, and whatever needs its master waits for that,
+host side: the engine's copy to the device (parameter by parameter, so the next forward's first
+matrices go as soon as they are stepped, see `TransferEngine._copy_more`), any op or property
+access on the parameter (`p.grad`, `p.data`, `state_dict()`), and the optimizer's own `step`,
+`state_dict` and `load_state_dict` (hooks registered once per optimizer). The worker steps the
+parameters whose gradients have landed in the order the next forward needs them (earliest
+deadline first), in pieces of about STEP_PIECE_BYTES so that a piece needed soon never waits
+long behind one needed later.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._grads import publish
-from ._param import OffloadedParameter
+from ._param import OffloadedParameter, worker_state
 
 if TYPE_CHECKING:
     from ._scope import ParamSlot, Scope
     from ._transfer import TransferEngine
 
-# Set on the worker thread: master writes there need no engine bookkeeping (see the Note).
-worker_state = threading.local()
+STEP_PIECE_BYTES = 64 * 2**20  # see Note [deferred steps]
+
+_current: _OverlappedStep | None = None  # the latest backward_and_step; its steps may be pending
+_hooked_optimizers: weakref.WeakSet = weakref.WeakSet()
 
 
 @dataclass
 class OverlapReport:
     """What `backward_and_step` did when, in seconds since it was called: for tuning and for
-    the benchmark's timeline."""
+    the benchmark's timeline. `backward_and_step` returns it before the deferred steps are done
+    (Note [deferred steps]); `wait()` returns it complete."""
 
     backward_s: float = 0.0  # loss.backward() returned (all gradients on the host)
-    total_s: float = 0.0  # the rest stepped too
+    total_s: float = 0.0  # every parameter stepped (0.0 until then)
     # (scope, handed to the worker, its gradients on the host, its step done)
     scopes: list[tuple[str, float, float, float]] = field(default_factory=list)
     rest_params: int = 0  # parameters stepped after backward, on the calling thread
+    _stepper: Any = field(default=None, repr=False, compare=False)
+
+    def wait(self) -> OverlapReport:
+        """Block until every step of this call is done; raise the optimizer's error if it failed."""
+        if self._stepper is not None:
+            self._stepper.wait()
+        return self
 
 
-def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, **backward_kwargs: Any) -> OverlapReport:
-    """`loss.backward(); optimizer.step()`, with the optimizer overlapped with backward.
+def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, zero_grad: bool = False,
+                      **backward_kwargs: Any) -> OverlapReport:
+    """`loss.backward(); optimizer.step()`, with the optimizer overlapped with backward and with
+    the next forward.
 
     Each offloaded scope's parameters are stepped on a host thread as soon as their gradients
-    reach the host, while the device continues backward through the earlier scopes: a training
-    step costs about max(forward+backward, CPU optimizer step) instead of their sum. The update
-    is the same as `optimizer.step()` after backward for per-parameter optimizers (SGD, Adam,
-    AdamW, Adagrad and the like; not LBFGS). `backward_and_step` returns when backward and the
-    whole step are done. With gradient accumulation, call `loss.backward()` for the first
+    reach the host, while the device continues backward through the earlier scopes, and the
+    call returns as soon as backward has: the last scopes' steps finish in the background while
+    the next forward begins, each before its weights are loaded. A training step then costs
+    about max(forward+backward, CPU optimizer step) instead of their sum. Reading or changing a
+    parameter, its `.grad` or the optimizer (`step`, `zero_grad`, `state_dict`) waits for the
+    steps it depends on, so results are the same as with `optimizer.step()` after backward for
+    per-parameter optimizers (SGD, Adam, AdamW, Adagrad and the like; not LBFGS). Learning-rate
+    changes after the call apply from the next step, as they would.
+
+    `optimizer.zero_grad()` right after the call waits for the whole step; pass
+    `zero_grad=True` instead, and each parameter's `.grad` is set to None right after its step,
+    without waiting. With gradient accumulation, call `loss.backward()` for the first
     micro-batches and `backward_and_step` for the last one. Global-norm gradient clipping needs
     every gradient before the first update, so it cannot be combined with this; clip per
     parameter in a post-accumulate-grad hook, or use `loss.backward()`, `clip_grad_norm_`,
-    `optimizer.step()`.
+    `optimizer.step()`. If backward raises, the scopes already stepped stay stepped and the
+    others are not.
 
     Args:
         loss: the scalar to differentiate.
         optimizer: a `torch.optim.Optimizer` over the model's parameters (offloaded or not).
+        zero_grad: set each parameter's `.grad` to None once it is stepped (what
+            `optimizer.zero_grad()` does by default), so no wait is needed to zero them.
         **backward_kwargs: passed to `loss.backward` (e.g. `retain_graph`).
 
     Returns:
-        An `OverlapReport`: when each scope was stepped, relative to backward's end.
+        An `OverlapReport`, completed by the worker; `report.wait()` waits for the whole step.
 
     Example::
 
@@ -78,40 +113,96 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, **ba
             if i < len(micro_batches) - 1:
                 loss.backward()
             else:
-                offtensor.backward_and_step(loss, optimizer)
-        optimizer.zero_grad()
+                offtensor.backward_and_step(loss, optimizer, zero_grad=True)
     """
-    stepper = _OverlappedStep(optimizer)
-    report = stepper.report
+    global _current
+    wait_for_steps()
+    _install_optimizer_hooks(optimizer)
+    stepper = _OverlappedStep(optimizer, zero_grad)
     engines = stepper.engines()
     for engine in engines:
         if engine.grads.stepper is not None:
             raise RuntimeError("offtensor.backward_and_step: already inside a backward_and_step on this model")
+    for engine in engines:
         engine.grads.stepper = stepper
+    _current = stepper
     try:
         loss.backward(**backward_kwargs)
+    except BaseException:
+        stepper.cancel()
+        raise
     finally:
         for engine in engines:
             engine.grads.stepper = None
         stepper.close()
-    report.backward_s = stepper.elapsed()
-    stepper.step_rest()
-    report.total_s = stepper.elapsed()
-    return report
+    stepper.report.backward_s = stepper.elapsed()
+    try:
+        stepper.step_rest()
+    except BaseException:
+        stepper.cancel()
+        raise
+    return stepper.report
+
+
+def wait_for_steps() -> None:
+    """Block until the latest `backward_and_step` has stepped every parameter."""
+    if _current is not None:
+        _current.wait()
+
+
+def wait_for_step(slot: ParamSlot) -> None:
+    """Block until the deferred step of this parameter is done (Note [deferred steps])."""
+    stepper = _current
+    if stepper is not None and not getattr(worker_state, "active", False):
+        stepper.wait(slot)
+
+
+def _install_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's own entry points wait for the deferred steps (once per optimizer)."""
+    if optimizer in _hooked_optimizers:
+        return
+    _hooked_optimizers.add(optimizer)
+
+    def sync(*_: Any) -> None:
+        if not getattr(worker_state, "own_step", False):
+            wait_for_steps()
+
+    optimizer.register_step_pre_hook(sync)
+    optimizer.register_state_dict_pre_hook(sync)
+    optimizer.register_load_state_dict_pre_hook(sync)
+
+
+@dataclass(eq=False)
+class _Piece:
+    """Parameters of one scope stepped together, in the order the next forward uses them."""
+
+    scope: str
+    slots: list[ParamSlot]
+    landed: Any  # event after the scope's gradients' device-to-host copies (None on the CPU)
+    deadline: tuple[int, int]  # (scope's position in the forward order, first slot's position)
+    last: bool  # the scope's last piece
 
 
 class _OverlappedStep:
-    """One backward_and_step call: the worker thread and what it has stepped."""
+    """One backward_and_step call: the worker thread, its queue and what is still pending."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, zero_grad: bool) -> None:
         self.optimizer = optimizer
+        self.zero_grad = zero_grad
         self._ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        self._stepped: set[int] = set()
-        self._queued: set[int] = set()  # scopes handed to the worker (post_backward can repeat)
-        self._jobs: queue.Queue = queue.Queue()
+        # Hyperparameters as of this call: a scheduler may change them before the worker is done.
+        self._hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        self._cond = threading.Condition()
+        self._pieces: list[_Piece] = []  # handed over, not yet started
+        self._handed: set[int] = set()  # ids of the parameters handed to the worker
+        self._queued: set[int] = set()  # scopes handed over (post_backward can repeat)
+        self._closed = False  # no more pieces come
+        self._done = False  # the worker has stopped
         self._error: BaseException | None = None
+        self._times: dict[str, list[float]] = {}  # scope -> [queued, landed, stepped]
+        self._rest_done = 0.0
         self._start = time.perf_counter()
-        self.report = OverlapReport()
+        self.report = OverlapReport(_stepper=self)
         self._thread = threading.Thread(target=self._run, name="offtensor-optimizer", daemon=True)
         self._thread.start()
 
@@ -124,86 +215,190 @@ class _OverlappedStep:
                     found[id(engine)] = engine
         return list(found.values())
 
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start
+
+    # ---- the calling thread ------------------------------------------------------------------
+
     def scope_done(self, scope: Scope, grads_offloaded: Any) -> None:
         """Called at a scope's post_backward, after its d2h copies were enqueued."""
         if scope.calls_in_pass > 1 or id(scope) in self._queued:
             return  # a later call's backward may still add to these grads; or queued already
         self._queued.add(id(scope))
-        slots = [s for s in scope.slots if s.grad_written and id(s.param) in self._ids and not s.used_outside]
-        if slots:
-            self._jobs.put((scope.name, self.elapsed(), slots, grads_offloaded))
+        order = scope.copy_order or scope.slots
+        slots = [s for s in order if s.grad_written and id(s.param) in self._ids and not s.used_outside]
+        if not slots:
+            return
+        rank = scope.engine.forward_position(scope)
+        pieces, current, nbytes = [], [], 0
+        for i, slot in enumerate(slots):
+            current.append(slot)
+            nbytes += slot.param.numel() * slot.param.element_size()
+            if nbytes >= STEP_PIECE_BYTES or i == len(slots) - 1:
+                pieces.append(_Piece(scope.name, current, grads_offloaded, (rank, i - len(current) + 1),
+                                     last=i == len(slots) - 1))
+                current, nbytes = [], 0
+        with self._cond:
+            if self._done:
+                return  # the worker failed: the error is raised on the calling thread
+            self._times[scope.name] = [self.elapsed(), 0.0, 0.0]
+            for slot in slots:
+                slot.step_pending = True
+                self._handed.add(id(slot.param))
+            self._pieces.extend(pieces)
+            self._cond.notify_all()
 
-    def drain(self) -> None:
-        """Wait until every queued scope is stepped (called by finalize, before it publishes
-        the remaining grads)."""
-        self._jobs.join()
-        if self._error is not None:
-            raise self._error
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self._start
-
-    def published(self, slot: ParamSlot) -> bool:
-        return id(slot.param) in self._stepped
+    def handed(self, slot: ParamSlot) -> bool:
+        """True when the worker publishes and steps this slot (finalize leaves it alone)."""
+        return id(slot.param) in self._handed
 
     def close(self) -> None:
-        self._jobs.put(None)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def cancel(self) -> None:
+        """Backward or the rest's step raised: drop what has not started, wait for the rest.
+        The exception in flight is the one the caller sees; a worker error is dropped."""
+        with self._cond:
+            self._clear_pending(self._pieces)
+            self._pieces.clear()
+            self._closed = True
+            self._cond.notify_all()
         self._thread.join()
-        if self._error is not None:
-            raise self._error
+        self._error = None
 
     def step_rest(self) -> None:
-        rest = {i for i in self._ids if i not in self._stepped}
+        """Step what the worker does not, on the calling thread (no more pieces come)."""
+        with self._cond:
+            if self._error is not None:
+                raise self._error  # the worker failed during backward: stop here
+        rest = self._ids - self._handed
         self.report.rest_params = len(rest)
         if rest:
-            _step_subset(self.optimizer, rest)
+            step_subset(self.optimizer, rest, self._hyper)
+            if self.zero_grad:
+                for g in self.optimizer.param_groups:
+                    for p in g["params"]:
+                        if id(p) in rest:
+                            p.grad = None
+        with self._cond:
+            self._rest_done = self.elapsed()
+            self._finish_report()
+
+    def wait(self, slot: ParamSlot | None = None) -> None:
+        """Until `slot`'s step is done (every step, when None); raises a worker error once."""
+        with self._cond:
+            if slot is None:
+                while not self._done:
+                    self._cond.wait()
+            else:
+                while slot.step_pending:
+                    self._cond.wait()
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    # ---- the worker thread -------------------------------------------------------------------
 
     def _run(self) -> None:
         worker_state.active = True
-        # The thread that launches backward's kernels must keep a core: a CPU optimizer on every
-        # core starves it and the GPU idles. OpenMP thread counts are per calling thread here;
-        # the global default is restored on exit.
+        # The thread that launches kernels must keep a core: a CPU optimizer on every core
+        # starves it and the GPU idles. OpenMP thread counts are per calling thread here.
         threads = torch.get_num_threads()
         torch.set_num_threads(max(1, threads - 2))
-        while True:
-            job = self._jobs.get()
-            try:
-                if job is None:
-                    torch.set_num_threads(threads)
+        try:
+            while True:
+                piece = self._next_piece()
+                if piece is None:
                     return
-                if self._error is None:
-                    name, queued, slots, event = job
-                    if event is not None:
-                        event.synchronize()
-                    landed = self.elapsed()
-                    publish(slots)
-                    ids = {id(slot.param) for slot in slots}
-                    _step_subset(self.optimizer, ids)
-                    self._stepped.update(ids)
-                    self.report.scopes.append((name, queued, landed, self.elapsed()))
-            except BaseException as e:  # reported on the calling thread
+                try:
+                    self._step_piece(piece)
+                finally:
+                    with self._cond:
+                        self._clear_pending([piece])
+                        self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - raised on the calling thread by wait()
+            with self._cond:
                 self._error = e
-            finally:
-                self._jobs.task_done()
+                self._clear_pending(self._pieces)
+                self._pieces.clear()
+        finally:
+            torch.set_num_threads(threads)
+            worker_state.active = False
+            with self._cond:
+                self._done = True
+                self._finish_report()
+                self._cond.notify_all()
+
+    def _next_piece(self) -> _Piece | None:
+        """The landed piece that the next forward needs first; None once all are done."""
+        while True:
+            with self._cond:
+                while not self._pieces and not self._closed:
+                    self._cond.wait()
+                if not self._pieces:
+                    return None
+                ready = [p for p in self._pieces if p.landed is None or p.landed.query()]
+                if ready:
+                    piece = min(ready, key=lambda p: p.deadline)
+                    self._pieces.remove(piece)
+                    return piece
+                first = self._pieces[0]  # handed over first, so its copies land first
+            first.landed.synchronize()
+
+    def _step_piece(self, piece: _Piece) -> None:
+        times = self._times[piece.scope]
+        if not times[1]:
+            times[1] = self.elapsed()
+        publish(piece.slots)
+        step_subset(self.optimizer, {id(s.param) for s in piece.slots}, self._hyper)
+        if self.zero_grad:
+            with torch._C.DisableTorchFunctionSubclass():
+                for slot in piece.slots:
+                    slot.param.grad = None
+        if piece.last:
+            times[2] = self.elapsed()
+
+    @staticmethod
+    def _clear_pending(pieces: list[_Piece]) -> None:
+        for piece in pieces:
+            for slot in piece.slots:
+                slot.step_pending = False
+
+    def _finish_report(self) -> None:
+        """Called under the lock when the worker or the rest finishes; fills in the report."""
+        if not (self._done and self._rest_done):
+            return
+        self.report.scopes = [(name, *t) for name, t in self._times.items()]  # type: ignore[misc]
+        self.report.total_s = max(self._rest_done, max((t[2] for t in self._times.values()), default=0.0))
 
 
-def _step_subset(optimizer: torch.optim.Optimizer, ids: set[int]) -> None:
-    """`optimizer.step()` over only the parameters whose ids are in `ids` (state is keyed by
-    parameter, so it is the same update as the full step for those parameters)."""
-    groups = optimizer.param_groups
-    pairs = []
-    for g in groups:
+def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], hyper: list[dict] | None = None) -> None:
+    """`optimizer.step()` over only the parameters whose ids are in `ids`, through a view of the
+    optimizer (same state and hooks, its own param groups), so that the optimizer object itself
+    is never modified while another thread uses it. `hyper` gives each group's hyperparameters
+    (default: the current ones). Group entries that the step changes are written back."""
+    groups = []
+    for i, g in enumerate(optimizer.param_groups):
         params = [p for p in g["params"] if id(p) in ids]
         if params:
-            pairs.append((g, {**g, "params": params}))
-    if not pairs:
+            base = hyper[i] if hyper is not None else g
+            groups.append((g, {**base, "params": params}))
+    if not groups:
         return
-    optimizer.param_groups = [sub for _, sub in pairs]
+    view = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)
+    view.__dict__.pop("step", None)  # an instance-level wrapper (LR schedulers) calls the original
+    view.param_groups = [sub for _, sub in groups]
+    before = [dict(sub) for _, sub in groups]
+    worker_state.own_step = True
     try:
-        optimizer.step()
+        view.step()
     finally:
-        optimizer.param_groups = groups
-        for g, sub in pairs:
-            for k, v in sub.items():
-                if k != "params":
-                    g[k] = v
+        worker_state.own_step = False
+    optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers look for
+    for (g, sub), old in zip(groups, before):
+        for k, v in sub.items():
+            if k != "params" and (k not in old or v is not old[k]):
+                g[k] = v

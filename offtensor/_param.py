@@ -17,6 +17,7 @@ subclass: ops run under `DisableTorchFunctionSubclass`, so optimizer state, `zer
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +46,8 @@ class OffloadedParameter(nn.Parameter):
         if kwargs is None:
             kwargs = {}
         with _DisableSubclass():
+            if not getattr(worker_state, "active", False):
+                _await_steps(args, kwargs)
             name = getattr(func, "__name__", "")
             if name == "__set__" and getattr(func.__self__, "__name__", "") == "data":
                 return _set_data(args[0], args[1])
@@ -81,6 +84,21 @@ class OffloadedParameter(nn.Parameter):
             return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, {}))
 
 
+# Set on the thread that runs deferred optimizer steps (`active`; see Note [optimizer overlap] in
+# _overlap.py), and around offtensor's own optimizer steps (`own_step`). On that thread every op
+# acts on the masters: a scope computing on the main thread at the same time is not its scope.
+worker_state = threading.local()
+
+
+def _await_steps(args: tuple, kwargs: dict) -> None:
+    """Wait for the deferred optimizer steps of the parameters an op or property access uses
+    (Note [deferred steps] in _overlap.py); nothing to do unless one is pending."""
+    for p in _find_params(args, kwargs):
+        slot = getattr(p, "_ot", None)
+        if slot is not None and slot.step_pending:
+            slot.scope.engine.wait_for_step(slot)
+
+
 def master_grad(p: torch.Tensor) -> torch.Tensor | None:
     """`p.grad` of the master itself, without going through `__torch_function__`."""
     return _TensorBase.grad.__get__(p)  # type: ignore[union-attr]
@@ -89,6 +107,13 @@ def master_grad(p: torch.Tensor) -> torch.Tensor | None:
 def _dispatch(func, args: tuple, kwargs: dict) -> Any:
     params = _find_params(args, kwargs)
     if not params:
+        return func(*args, **kwargs)
+    if getattr(worker_state, "active", False):  # the optimizer thread: masters only
+        if _is_inplace(func):
+            for p in params:
+                slot = getattr(p, "_ot", None)
+                if slot is not None:
+                    slot.scope.shadow_stale = True  # Policy(cast="host") re-casts at the next load
         return func(*args, **kwargs)
     if func in _MASTER_ONLY:
         return func(*args, **kwargs)

@@ -77,6 +77,8 @@ class ParamSlot:
     last_d2h: Any = None  # event after the latest device-to-host copy into host_grad
     old_grad: torch.Tensor | None = None  # device copy of `p.grad`, fetched for accumulation
     chunk: int = 0  # which of the scope's chunk_ready events covers this parameter's copy
+    copy_index: int = 0  # position in the scope's copy_order
+    step_pending: bool = False  # a deferred optimizer step still has to write the master
     grad_hooks: OrderedDict = field(default_factory=OrderedDict)  # register_hook hooks, see Note [user gradient hooks]
     post_hooks: OrderedDict = field(default_factory=OrderedDict)  # post-accumulate-grad hooks
 
@@ -113,6 +115,9 @@ class Scope:
         self.chunk_ready: list[Any] = []  # events on the copy stream after each chunk of the
         # weights' copy, while LOADING (Note [progressive loads])
         self.chunks_waited = 0  # chunks the compute stream has waited for (Note [progressive loads])
+        self.copy_cursor = 0  # copy_order entries whose copy is enqueued, in the current load
+        self.copy_end = 0  # len(copy_order) during a progressive load, else 0
+        self.copy_unmarked = 0  # bytes enqueued since the last chunk_ready event
         self.first_uses: dict[ParamSlot, None] = {}  # first forward: parameters in order of use
         self.copy_order: list[ParamSlot] | None = None  # learned from first_uses
         self.grads_ready: Any = None  # event on the copy stream after the old grads' copy

@@ -54,8 +54,8 @@ import torch
 
 from ._api import Policy, ScopeState
 from ._grads import GradOffload
-from ._overlap import worker_state
-from ._param import master_grad
+from ._overlap import wait_for_step
+from ._param import master_grad, worker_state
 from ._scope import ParamSlot, Scope, _tensors
 
 logger = logging.getLogger("offtensor")
@@ -87,6 +87,7 @@ class TransferEngine:
         self._learned = False
         self._index: dict[Scope, int] = {}
         self._live: dict[Scope, None] = {}  # scopes not OFFLOADED, in load order
+        self._partial: dict[Scope, None] = {}  # LOADING with copies held back (_copy_more)
         # The scope whose backward runs now (pre_backward to post_backward). A checkpoint
         # recompute that does not pass through the module's hooks (transformers >= 5.2x
         # checkpoints `forward`, keeping hooks outside) still uses this scope's device copy.
@@ -166,13 +167,22 @@ class TransferEngine:
             compute, h2d = self.compute_stream(), self.h2d_stream()
             scope.device_storage.resize_(scope.device_nbytes)
             self.wait(h2d, self.record(compute))  # alloc_done
+            scope.chunks_waited = 0
+            scope.chunk_ready = []
+            progressive = not scope.casts and scope.copy_order is not None
+            if not progressive:
+                for slot in scope.slots:
+                    if slot.step_pending:
+                        wait_for_step(slot)
             if scope.host_shadow is not None:  # Policy(cast="host")
                 self._refresh_shadow(scope)
-            scope.chunks_waited = 0
             with self.on(h2d), torch.no_grad():
-                if not scope.casts and scope.copy_order is not None:
-                    scope.chunk_ready = self._copy_in_use_order(scope, h2d)
+                if progressive:
+                    assert scope.copy_order is not None
+                    scope.copy_cursor, scope.copy_end, scope.copy_unmarked = 0, len(scope.copy_order), 0
+                    self._copy_more(scope, need=-1)
                 else:
+                    scope.copy_cursor = scope.copy_end = 0
                     if not scope.casts:
                         scope.device_flat.copy_(scope.host_flat, non_blocking=True)
                     elif scope.host_shadow is not None:  # Policy(cast="host")
@@ -180,9 +190,9 @@ class TransferEngine:
                     else:
                         self._copy_and_cast(scope)
                     scope.chunk_ready = [self.record(h2d)]
+                    self._note_h2d(scope.weights_ready)
             if scope.host_shadow is not None:
                 scope.shadow_read = scope.weights_ready
-            self._note_h2d(scope.weights_ready)
             scope.state = ScopeState.LOADING
             scope.loads += 1
             self._live[scope] = None
@@ -191,25 +201,46 @@ class TransferEngine:
         if with_grads:
             self._load_old_grads(scope)
 
-    def _copy_in_use_order(self, scope: Scope, h2d: Any) -> list[Any]:
-        """Copy the parameters in the order the forward first used them, recording an event
-        every CHUNK_BYTES, so compute can start on the first weights while the rest arrive
-        (Note [progressive loads])."""
-        events: list[Any] = []
-        pending = 0
+    def _copy_more(self, scope: Scope, need: int) -> None:
+        """Enqueue the next copies of a progressive load, in the order the forward first uses
+        the parameters, with an event every CHUNK_BYTES (Note [progressive loads]). A parameter
+        whose deferred optimizer step is pending (Note [deferred steps]) stops the copies there,
+        unless its position is at most `need`: then the host waits for its step."""
         order = scope.copy_order
         assert order is not None
-        with torch._C.DisableTorchFunctionSubclass():
-            for slot in order:
+        h2d = self.h2d_stream()
+        i = scope.copy_cursor
+        with self.on(h2d), torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            while i < scope.copy_end:
+                slot = order[i]
+                if slot.step_pending:
+                    if i > need:
+                        break
+                    wait_for_step(slot)
                 slot.device_view.copy_(slot.param, non_blocking=True)
-                slot.chunk = len(events)
-                pending += slot.device_view.nbytes
-                if pending >= CHUNK_BYTES:
-                    events.append(self.record(h2d))
-                    pending = 0
-        if pending or not events:
-            events.append(self.record(h2d))
-        return events
+                slot.chunk = len(scope.chunk_ready)
+                scope.copy_unmarked += slot.device_view.nbytes
+                i += 1
+                if scope.copy_unmarked >= CHUNK_BYTES or i == scope.copy_end:
+                    self._mark_chunk(scope, h2d)
+            if scope.copy_unmarked:
+                self._mark_chunk(scope, h2d)
+        scope.copy_cursor = i
+        if i < scope.copy_end:
+            self._partial[scope] = None
+        else:
+            self._partial.pop(scope, None)
+
+    def _mark_chunk(self, scope: Scope, h2d: Any) -> None:
+        event = self.record(h2d)
+        scope.chunk_ready.append(event)
+        scope.copy_unmarked = 0
+        self._note_h2d(event)
+
+    def _pump(self) -> None:
+        """Enqueue the copies that waited for deferred steps now done (no host wait)."""
+        for scope in list(self._partial):
+            self._copy_more(scope, need=-1)
 
     def _copy_and_cast(self, scope: Scope) -> None:
         """Policy(cast="device"): master bytes cross PCIe into a staging buffer, cast on the
@@ -239,20 +270,28 @@ class TransferEngine:
                 shadow[slot.device_offset : slot.device_offset + n].view(dt).view(p.shape).copy_(p)
         scope.shadow_stale = False
 
-    def make_resident(self, scope: Scope, upto_chunk: int | None = None) -> None:
+    def make_resident(self, scope: Scope, upto: ParamSlot | None = None) -> None:
         """-> RESIDENT: the compute stream waits (device side) for the weights' copy; with
-        `upto_chunk`, only for the chunks up to that one (Note [progressive loads])."""
+        `upto`, only for the chunks up to the one holding that parameter (Note [progressive
+        loads]). Copies still held back by deferred optimizer steps are enqueued first, the host
+        waiting for the steps they need."""
         if scope.state is ScopeState.RESIDENT:
             return
         if scope.state is ScopeState.OFFLOADED:
             self.load(scope, with_grads=False)
+        if self._partial:
+            self._pump()
+        if scope.copy_cursor < scope.copy_end:
+            need = scope.copy_end - 1 if upto is None else upto.copy_index
+            if need >= scope.copy_cursor:
+                self._copy_more(scope, need)
         last = len(scope.chunk_ready) - 1
-        upto = last if upto_chunk is None else min(upto_chunk, last)
+        target = last if upto is None else min(upto.chunk, last)
         compute = self.compute_stream()
-        for i in range(scope.chunks_waited, upto + 1):
+        for i in range(scope.chunks_waited, target + 1):
             self.wait(compute, scope.chunk_ready[i])
-        scope.chunks_waited = max(scope.chunks_waited, upto + 1)
-        if scope.chunks_waited > last:
+        scope.chunks_waited = max(scope.chunks_waited, target + 1)
+        if scope.chunks_waited > last and scope.copy_cursor >= scope.copy_end:
             scope.chunk_ready = []
             scope.state = ScopeState.RESIDENT
 
@@ -265,6 +304,8 @@ class TransferEngine:
         self.wait(compute, scope.grads_ready)
         scope.grads_ready = None
         scope.chunk_ready = []
+        scope.copy_cursor = scope.copy_end = 0
+        self._partial.pop(scope, None)
         for slot in scope.slots:
             slot.old_grad = None
         scope.device_storage.resize_(0)
@@ -310,7 +351,7 @@ class TransferEngine:
         scope = slot.scope
         if scope.active_calls > 0 or scope is self._backward_scope:
             if scope.state is not ScopeState.RESIDENT:
-                self.make_resident(scope, upto_chunk=slot.chunk)
+                self.make_resident(scope, upto=slot)
             if scope.copy_order is None and not in_backward():
                 scope.first_uses.setdefault(slot, None)
             return slot.use_device_copy()
@@ -370,6 +411,8 @@ class TransferEngine:
         self._check_inputs(scope, args, kwargs)
         self._advance_order(scope)
         scope.calls_in_pass += 1
+        if self._partial:
+            self._pump()
         if scope.state is ScopeState.OFFLOADED:
             scope.loads_on_demand += 1
         self.load(scope, with_grads=False)
@@ -387,6 +430,8 @@ class TransferEngine:
         if scope.copy_order is None and scope.first_uses:
             used = list(scope.first_uses)
             scope.copy_order = used + [s for s in scope.slots if s not in scope.first_uses]
+            for i, slot in enumerate(scope.copy_order):
+                slot.copy_index = i
             scope.first_uses.clear()
         if self.hold():
             return
@@ -418,6 +463,16 @@ class TransferEngine:
             ahead = reversed(self._order[:i]) if i is not None else ()
         self._prefetch(ahead, scope, with_grads=True)
         self.make_resident(scope)
+
+    @staticmethod
+    def wait_for_step(slot: ParamSlot) -> None:
+        """Block until a deferred optimizer step has written this master (Note [deferred
+        steps]); called where `slot.step_pending` is seen."""
+        wait_for_step(slot)
+
+    def forward_position(self, scope: Scope) -> int:
+        """Where the scope comes in the learned forward order (after all others if unknown)."""
+        return self._index.get(scope, len(self._order))
 
     def _forget_backward(self) -> None:
         """No backward in progress: the next one starts at the head of the backward order."""

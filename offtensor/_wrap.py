@@ -21,6 +21,7 @@ from torch import nn
 
 from ._api import Policy, ScopeState, ScopeSummary, Summary
 from ._host_memory import PinProgress, host_empty
+from ._overlap import wait_for_steps
 from ._param import OffloadedParameter
 from ._scope import ALIGN, DeviceCopy, ParamSlot, Scope
 from ._transfer import TransferEngine
@@ -134,6 +135,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     """Undo `wrap`: plain `nn.Parameter`s on the CPU (same objects, data and `.grad` kept),
     hooks removed, device copies freed. The model can then be moved or wrapped again."""
     engine = _engine_of(model)
+    wait_for_steps()  # a deferred optimizer step may still write the masters
     engine.release_all()
     with torch._C.DisableTorchFunctionSubclass():
         for scope in engine.scopes:

@@ -297,14 +297,114 @@ def test_hf_llama_with_fp32_masters_bf16_compute_and_checkpointing_trains_like_a
     assert_all_scopes_offloaded(model)
 
 
-def test_backward_and_step_reports_each_scope_stepped_before_backward_returned():
+def test_backward_and_step_reports_each_scope_stepped_once_wait_returns():
     model = offload(mlp_of_blocks(n_blocks=3), "cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = _batches("cpu", 1)[0]
-    report = offtensor.backward_and_step(F.mse_loss(model(x), y), opt)
+    report = offtensor.backward_and_step(F.mse_loss(model(x), y), opt).wait()
     assert isinstance(report, offtensor.OverlapReport)
-    assert [s[0] for s in report.scopes] == ["blocks.2", "blocks.1", "blocks.0"]
+    assert sorted(s[0] for s in report.scopes) == ["blocks.0", "blocks.1", "blocks.2"]
     for _, queued, on_host, stepped in report.scopes:
-        assert queued <= on_host <= stepped <= report.backward_s
+        assert queued <= on_host <= stepped <= report.total_s
     assert report.rest_params == 4  # input and head: stepped after backward
-    assert report.backward_s <= report.total_s
+    assert 0 < report.backward_s <= report.total_s
+
+
+def _slow_steps(opt: torch.optim.Optimizer, seconds: float = 0.02) -> None:
+    """Each (partial) optimizer step sleeps first: the deferred steps are still pending when
+    backward_and_step returns and the next forward begins."""
+    import time
+
+    opt.register_step_pre_hook(lambda *_: time.sleep(seconds))
+
+
+def _pending(model: nn.Module) -> int:
+    return sum(p._ot.step_pending for _, p in offloaded_parameters(model))
+
+
+@pytest.mark.parametrize("checkpoint", [None, "reentrant", "non_reentrant"])
+@pytest.mark.parametrize("device", devices)
+def test_deferred_steps_finish_before_the_next_forward_uses_the_weights(device, checkpoint):
+    model = mlp_of_blocks(n_blocks=4)
+    model.checkpoint = checkpoint
+    reference = unwrapped_reference(model, device)
+    offload(model, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    _slow_steps(opt)
+    tol = tolerances(device)
+    pending_seen = 0
+    for x, y in _batches(device, 4):
+        out, ref_out = model(x), reference(x)
+        torch.testing.assert_close(out, ref_out, **tol)  # the forward used the stepped weights
+        offtensor.backward_and_step(F.mse_loss(out, y), opt, zero_grad=True)
+        pending_seen += _pending(model)
+        F.mse_loss(ref_out, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert pending_seen > 0, "no step was deferred: the test would not see a race"
+    assert_params_match(model, reference, **tol)  # waits for the last steps
+    assert all(p.grad is None for p in model.parameters())
+    assert_all_scopes_offloaded(model)
+
+
+def test_everything_that_reads_a_master_waits_for_its_deferred_step():
+    model = mlp_of_blocks(n_blocks=3)
+    reference = unwrapped_reference(model, "cpu")
+    offload(model, "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.1)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.1)
+    _slow_steps(opt, 0.05)
+    x, y = _batches("cpu", 1)[0]
+    for read in ("state_dict", "grad", "optimizer_state_dict", "data", "optimizer_step"):
+        offtensor.backward_and_step(F.mse_loss(model(x), y), opt)
+        assert _pending(model) > 0
+        sched.step()  # applies from the next step: the pending steps keep the old lr
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_sched.step()
+        if read == "state_dict":
+            got = {k: v.clone() for k, v in model.state_dict().items()}
+            for k, v in reference.state_dict().items():
+                torch.testing.assert_close(got[k], v, rtol=0, atol=0)
+        elif read == "grad":
+            for (_, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+        elif read == "optimizer_state_dict":
+            state = opt.state_dict()["state"]
+            for i, q in enumerate(reference.parameters()):
+                torch.testing.assert_close(state[i]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"],
+                                           rtol=0, atol=0)
+        elif read == "data":
+            for (_, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+                torch.testing.assert_close(p.data.clone(), q.data, rtol=0, atol=0)
+        else:  # a plain optimizer.step() by the user: after the deferred ones, so twice in all
+            opt.step()
+            ref_opt.step()
+        assert _pending(model) == 0
+        assert_params_match(model, reference, rtol=0, atol=0)
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert_all_scopes_offloaded(model)
+
+
+def test_an_error_in_a_deferred_step_is_raised_on_the_calling_thread_and_the_model_stays_usable():
+    model = offload(mlp_of_blocks(n_blocks=3), "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    import threading
+
+    def broken_on_worker(optimizer, args, kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("optimizer exploded")
+
+    handle = opt.register_step_pre_hook(broken_on_worker)
+    x, y = _batches("cpu", 1)[0]
+    with pytest.raises(ValueError, match="optimizer exploded"):  # by the call or by wait()
+        offtensor.backward_and_step(F.mse_loss(model(x), y), opt).wait()
+    assert _pending(model) == 0
+    handle.remove()
+    opt.zero_grad()
+    offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True).wait()
+    assert all(p.grad is None for p in model.parameters())
+    assert_all_scopes_offloaded(model)
