@@ -24,16 +24,16 @@ class Policy:
 
     Attributes:
         prefetch: how much is kept in flight on the copy stream beyond the scope computing
-            (forward order in forward, reverse order in backward), in units of the largest
-            scope: the next scopes are loaded until their bytes reach `prefetch` times the
-            largest scope's. With equal scopes (the blocks of a transformer) that is `prefetch`
-            scopes; 1 is double buffering, 0 loads each scope when its forward starts.
+            (forward order in forward, the learned backward order in backward), in blocks: the
+            next scopes are loaded while their bytes fit in `prefetch` times the largest
+            selected module's. 1 is double buffering, 0 loads each scope when it is needed.
             Model-wide: taken from the policy given to `wrap`.
         max_scope_bytes: split a selected module whose parameters take more than this many
             bytes into one scope per child module (recursively; the module's own direct
             parameters form a scope of their own). Smaller scopes lower peak device memory
-            (current scope + prefetch) at the cost of more, smaller copies. `None`: a selected
-            module is one scope whatever its size.
+            (the scope computing is smaller; the prefetch budget stays `prefetch` whole
+            modules) at the cost of more, smaller copies and hooks. `None`: a selected module is
+            one scope whatever its size.
         keep_for_backward: keep this scope resident from its forward until its backward has
             run (no release and reload in between). Costs device memory for the scope during
             the whole forward, saves one host-to-device copy per step. Useful for the last

@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     from ._transfer import TransferEngine
 
 STEP_PIECE_BYTES = 64 * 2**20  # see Note [deferred steps]
+# Cores left to the thread that launches the device's kernels (see _OverlappedStep._run).
+SPARE_THREADS = 2
 
 _current: _OverlappedStep | None = None  # the latest backward_and_step; its steps may be pending
 _hooked_optimizers: weakref.WeakSet = weakref.WeakSet()
@@ -60,9 +62,12 @@ class OverlapReport:
 
     backward_s: float = 0.0  # loss.backward() returned (all gradients on the host)
     total_s: float = 0.0  # every parameter stepped (0.0 until then)
-    # (scope, handed to the worker, its gradients on the host, its step done)
+    # (scope, handed to the worker, its first piece started (its gradients had landed), its
+    # last piece stepped)
     scopes: list[tuple[str, float, float, float]] = field(default_factory=list)
     rest_params: int = 0  # parameters stepped after backward, on the calling thread
+    pieces: int = 0  # optimizer steps the worker ran (each on part of a scope)
+    worker_busy_s: float = 0.0  # time the worker spent stepping (compare: the plain CPU step)
     _stepper: Any = field(default=None, repr=False, compare=False)
 
     def wait(self) -> OverlapReport:
@@ -306,15 +311,18 @@ class _OverlappedStep:
         # The thread that launches kernels must keep a core: a CPU optimizer on every core
         # starves it and the GPU idles. OpenMP thread counts are per calling thread here.
         threads = torch.get_num_threads()
-        torch.set_num_threads(max(1, threads - 2))
+        torch.set_num_threads(max(1, threads - SPARE_THREADS))
         try:
             while True:
                 piece = self._next_piece()
                 if piece is None:
                     return
+                began = time.perf_counter()
                 try:
                     self._step_piece(piece)
                 finally:
+                    self.report.pieces += 1
+                    self.report.worker_busy_s += time.perf_counter() - began
                     with self._cond:
                         self._clear_pending([piece])
                         self._cond.notify_all()
@@ -367,11 +375,17 @@ class _OverlappedStep:
                 slot.step_pending = False
 
     def _finish_report(self) -> None:
-        """Called under the lock when the worker or the rest finishes; fills in the report."""
+        """Called under the lock when the worker or the rest finishes; fills in the report and,
+        when all went well, lets go of the optimizer (a kept report must not keep its state)."""
+        global _current
         if not (self._done and self._rest_done):
             return
         self.report.scopes = [(name, *t) for name, t in self._times.items()]  # type: ignore[misc]
         self.report.total_s = max(self._rest_done, max((t[2] for t in self._times.values()), default=0.0))
+        if self._error is None:
+            self.report._stepper = None
+            if _current is self:
+                _current = None
 
 
 def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], hyper: list[dict] | None = None) -> None:

@@ -94,8 +94,9 @@ class Scope:
     """One selected module: its parameters' flat buffers, state and module hooks."""
 
     def __init__(self, name: str, module: nn.Module, policy: Policy, engine: TransferEngine,
-                 pinned: bool) -> None:
+                 pinned: bool, block: str | None = None) -> None:
         self.name = name
+        self.block = name if block is None else block  # the selected module (Policy.max_scope_bytes)
         self.module = module
         self.policy = policy
         self.engine = engine

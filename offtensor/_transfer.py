@@ -34,10 +34,13 @@ backward runs in reverse, so a reverse-forward prefetch would fetch the block's 
 and stall on every other one. From the second pass on, each scope's forward start prefetches the
 next scopes of the forward order, and each scope's first need in backward the next ones of the
 backward order (the reverse forward order until a backward has been seen). Scopes are prefetched
-while their bytes fit in `policy.prefetch` times the largest scope's: with equal scopes that is
-`prefetch` scopes, so device memory holds at most the scope computing plus the budget. Scopes
-under 1/TINY of the largest (norms, biases) are not counted, so a tiny scope never stands
-between the copy of the next large one and the compute it should overlap. A scope arriving out
+while their bytes fit in `policy.prefetch` times the largest block's (a block is a module the
+predicate selected; Policy.max_scope_bytes may split it into several scopes): with equal blocks
+that is `prefetch` blocks ahead, whatever their split, so splitting lowers the peak (the scope
+computing is smaller) without shortening the time a copy has to hide behind compute. Device
+memory holds at most the scope computing plus the budget. Scopes under 1/TINY of the largest
+scope (norms, biases) are not counted, so a tiny scope never stands between the copy of the
+next large one and the compute it should overlap. A scope arriving out
 of order re-learns the order from that point; the first scope of the forward order arriving
 again starts a new pass and releases whatever a previous, abandoned pass left resident.
 """
@@ -99,13 +102,16 @@ class TransferEngine:
         self._expect_backward = False  # one ran after the previous pass
         self._unsynced_h2d: list[Any] = []  # events of copies that may still read host masters
         self._largest = 0  # set by scopes_ready: the largest scope's device bytes
-        self._prefetch_bytes = 0  # set by scopes_ready: Policy.prefetch x the largest scope
+        self._prefetch_bytes = 0  # set by scopes_ready: Policy.prefetch x the largest block
         _engines.add(self)
 
     def scopes_ready(self) -> None:
         """Called by wrap once every scope is built."""
         self._largest = max((s.device_nbytes for s in self.scopes), default=0)
-        self._prefetch_bytes = self.policy.prefetch * self._largest
+        blocks: dict[str, int] = {}
+        for s in self.scopes:
+            blocks[s.block] = blocks.get(s.block, 0) + s.device_nbytes
+        self._prefetch_bytes = self.policy.prefetch * max(blocks.values(), default=0)
 
     def _prefetch(self, candidates: Any, current: Scope, *, with_grads: bool) -> None:
         """Load the candidates in order while their bytes fit the prefetch budget; scopes under

@@ -96,7 +96,7 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
     engine = TransferEngine(device, policy)
     owned: set[int] = set()
     plans = []
-    for name, module, scope_policy, recurse in _split_large(selected):
+    for name, module, scope_policy, recurse, block in _split_large(selected):
         params = []
         for pname, p in module.named_parameters(recurse=recurse):
             qual = f"{name}.{pname}" if name else pname
@@ -105,7 +105,7 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
                 owned.add(id(p))
                 params.append((qual, p))
         if params:
-            plans.append((name, module, scope_policy, params))
+            plans.append((name, module, scope_policy, params, block))
     if not plans:
         raise ValueError(
             f"offtensor.wrap: the predicate selected {len(selected)} modules (e.g. "
@@ -113,10 +113,10 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
             "offtensor.frozen_only, freeze the base weights (requires_grad_(False), or "
             "peft.get_peft_model) before wrapping"
         )
-    progress = PinProgress(sum(p.numel() * p.element_size() for *_, ps in plans for _, p in ps))
+    progress = PinProgress(sum(p.numel() * p.element_size() for plan in plans for _, p in plan[3]))
     try:
-        for name, module, scope_policy, params in plans:
-            scope = Scope(name, module, scope_policy, engine, pinned=pin)
+        for name, module, scope_policy, params, block in plans:
+            scope = Scope(name, module, scope_policy, engine, pinned=pin, block=block)
             _offload_params(scope, params, device)
             progress.advance(scope.nbytes)
             scope.install_hooks()
@@ -210,24 +210,25 @@ def _select(model: nn.Module, predicate: Predicate | None, policy: Policy) -> li
     return selected
 
 
-def _split_large(selected: list[tuple[str, nn.Module, Policy]]) -> list[tuple[str, nn.Module, Policy, bool]]:
-    """Apply Policy.max_scope_bytes: (name, module, policy, recurse) per scope to build, where
-    recurse=False means the module's direct parameters only (its children are scopes too)."""
-    out: list[tuple[str, nn.Module, Policy, bool]] = []
+def _split_large(selected: list[tuple[str, nn.Module, Policy]]) -> list[tuple[str, nn.Module, Policy, bool, str]]:
+    """Apply Policy.max_scope_bytes: (name, module, policy, recurse, block) per scope to build,
+    where recurse=False means the module's direct parameters only (its children are scopes too)
+    and `block` names the selected module the scope comes from."""
+    out: list[tuple[str, nn.Module, Policy, bool, str]] = []
 
-    def visit(name: str, module: nn.Module, policy: Policy) -> None:
+    def visit(name: str, module: nn.Module, policy: Policy, block: str) -> None:
         limit = policy.max_scope_bytes
         children = list(module.named_children())
         nbytes = sum(p.numel() * p.element_size() for p in module.parameters())
         if limit is None or nbytes <= limit or not children:
-            out.append((name, module, policy, True))
+            out.append((name, module, policy, True, block))
             return
-        out.append((name, module, policy, False))
+        out.append((name, module, policy, False, block))
         for child_name, child in children:
-            visit(f"{name}.{child_name}" if name else child_name, child, policy)
+            visit(f"{name}.{child_name}" if name else child_name, child, policy, block)
 
     for name, module, policy in selected:
-        visit(name, module, policy)
+        visit(name, module, policy, name)
     return out
 
 

@@ -40,6 +40,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from offtensor import _overlap as offtensor_overlap
+
 GiB = 2**30
 
 # --------------------------------------------------------------------------------------------
@@ -791,8 +793,11 @@ def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *,
         report = overlap_reports[-1]
         row.overlap = {
             "backward_ms": report.backward_s * 1e3, "total_ms": report.total_s * 1e3,
-            "rest_params": report.rest_params,
-            "scopes": [{"scope": n, "queued_ms": q * 1e3, "grads_on_host_ms": g * 1e3,
+            "rest_params": report.rest_params, "pieces": report.pieces,
+            "worker_busy_ms": report.worker_busy_s * 1e3,
+            "spare_threads": offtensor_overlap.SPARE_THREADS,
+            "piece_bytes": offtensor_overlap.STEP_PIECE_BYTES,
+            "scopes": [{"scope": n, "queued_ms": q * 1e3, "started_ms": g * 1e3,
                         "stepped_ms": d * 1e3} for n, q, g, d in report.scopes],
         }
 
@@ -1199,6 +1204,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offtensor-max-scope-mib", type=float, default=None,
                    help="pass offtensor.Policy(max_scope_bytes=N MiB) to wrap: split decoder layers "
                         "larger than that into per-child scopes (default: one scope per layer)")
+    p.add_argument("--overlap-piece-mib", type=float, default=None,
+                   help="offtensor-overlap: bytes per optimizer piece (tuning; default "
+                        "offtensor._overlap.STEP_PIECE_BYTES)")
+    p.add_argument("--overlap-spare-threads", type=int, default=None,
+                   help="offtensor-overlap: CPU threads the optimizer worker leaves free (tuning)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.scenarios = _names(args.scenarios, list(SCENARIOS), "scenario")
@@ -1225,6 +1235,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         scenarios = [_quick(s) for s in scenarios]
     peers = sorted(args.peers, key=lambda n: n != "resident")  # resident first: it is the roofline
+    if args.overlap_piece_mib is not None:
+        offtensor_overlap.STEP_PIECE_BYTES = int(args.overlap_piece_mib * 2**20)
+    if args.overlap_spare_threads is not None:
+        offtensor_overlap.SPARE_THREADS = args.overlap_spare_threads
 
     env = environment(device)
     print(f"bench: {shape} on {env.get('gpu', device)}; torch {env['torch']}", flush=True)
@@ -1306,12 +1320,14 @@ def main(argv: list[str] | None = None) -> int:
         if r.overlap:
             # When each scope's step ran, from backward_and_step's start: the overlap's timeline.
             o = r.overlap
-            spans = ", ".join(f"{s['scope'].rsplit('.', 1)[-1]} q{s['queued_ms']:.0f}/h{s['grads_on_host_ms']:.0f}"
+            spans = ", ".join(f"{s['scope'].rsplit('.', 1)[-1]} q{s['queued_ms']:.0f}/b{s['started_ms']:.0f}"
                               f"/s{s['stepped_ms']:.0f}" for s in o["scopes"])
             print(f"overlap timeline {r.scenario} (ms since backward_and_step was called: handed to "
-                  "the worker/grads on host/stepped; the last scopes step during the next forward): backward done "
-                  f"{o['backward_ms']:.0f}, all done {o['total_ms']:.0f}, {o['rest_params']} params "
-                  f"after backward; {spans or 'no scope stepped during backward'}")
+                  "the worker/first piece began/last piece stepped): backward done "
+                  f"{o['backward_ms']:.0f}, all done {o['total_ms']:.0f}; worker busy "
+                  f"{o['worker_busy_ms']:.0f} ms in {o['pieces']} pieces of <= "
+                  f"{o['piece_bytes'] / 2**20:.0f} MiB with {o['spare_threads']} spare threads; "
+                  f"{o['rest_params']} params after backward; {spans or 'no scope stepped during backward'}")
     for name, speed in (("optimizer_speed", extras.optimizer_speed),
                         ("optimizer_speed_fp32", extras.optimizer_speed_fp32)):
         if speed is not None:

@@ -337,4 +337,5 @@ def test_split_scopes_lower_the_inference_peak():
     whole = peak(offtensor.Policy())
     split = peak(offtensor.Policy(max_scope_bytes=block // 2))
     assert whole >= 2 * block, whole  # the block computing + the next one in flight
-    assert split <= 1.25 * block, (split, block)  # one Linear computing + about one in flight
+    # One Linear computing + one block's bytes in flight (Policy.prefetch counts blocks).
+    assert split <= 1.55 * block, (split, block)
