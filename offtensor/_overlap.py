@@ -47,8 +47,10 @@ if TYPE_CHECKING:
     from ._transfer import TransferEngine
 
 STEP_PIECE_BYTES = 64 * 2**20  # see Note [deferred steps]
-# Cores left to the thread that launches the device's kernels (see _OverlappedStep._run).
-SPARE_THREADS = 2
+# Cores the worker leaves to the thread that launches the device's kernels (_OverlappedStep._run).
+# Measured on the benchmark's 16-core host (docs/benchmarks.md): 2 spare -> 355-379 ms per step,
+# 1 -> 338 ms, 0 -> 327 ms; 1 keeps a core for the main thread on smaller hosts.
+SPARE_THREADS = 1
 
 _current: _OverlappedStep | None = None  # the latest backward_and_step; its steps may be pending
 _hooked_optimizers: weakref.WeakSet = weakref.WeakSet()
