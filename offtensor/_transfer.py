@@ -445,10 +445,13 @@ class TransferEngine:
         # Under reentrant checkpointing the forward runs without grad, so nothing says a backward
         # follows except that one followed the previous pass (in training mode).
         if last and (backward_expected or (self._expect_backward and scope.module.training)):
-            # The end of the forward: backward starts with this scope or, under checkpointing,
-            # with the recompute of its block; prefetch that while the loss is computed.
-            self._prefetch(self._bwd_order, scope, with_grads=True)
-            return  # needed first thing in backward: no release and reload
+            # The end of the forward: backward starts with this scope, kept resident (its
+            # pre_backward prefetches the next ones), or, when checkpointing recomputes a split
+            # block, with another scope of that block: prefetch that while the loss is computed.
+            # (Not the former: the loss's peak memory plus a prefetch would raise the peak.)
+            if self._bwd_order and self._bwd_order[0] is not scope:
+                self._prefetch(self._bwd_order, scope, with_grads=True)
+            return  # needed early in backward: no release and reload
         if backward_expected and scope.policy.keep_for_backward:
             return
         self.release(scope)
