@@ -124,12 +124,12 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
     """
     global _current
     wait_for_steps()
-    _install_optimizer_hooks(optimizer)
-    stepper = _OverlappedStep(optimizer, zero_grad)
-    engines = stepper.engines()
+    engines = _engines_of(optimizer)
     for engine in engines:
         if engine.grads.stepper is not None:
             raise RuntimeError("offtensor.backward_and_step: already inside a backward_and_step on this model")
+    _install_optimizer_hooks(optimizer)
+    stepper = _OverlappedStep(optimizer, zero_grad)
     for engine in engines:
         engine.grads.stepper = stepper
     _current = stepper
@@ -162,6 +162,17 @@ def wait_for_step(slot: ParamSlot) -> None:
     stepper = _current
     if stepper is not None and not getattr(worker_state, "active", False):
         stepper.wait(slot)
+
+
+def _engines_of(optimizer: torch.optim.Optimizer) -> list[TransferEngine]:
+    """The engines of the wrapped models whose offloaded parameters the optimizer holds."""
+    found: dict[int, TransferEngine] = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if isinstance(p, OffloadedParameter) and hasattr(p, "_ot"):
+                engine = p._ot.scope.engine
+                found[id(engine)] = engine
+    return list(found.values())
 
 
 def _install_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
@@ -212,15 +223,6 @@ class _OverlappedStep:
         self.report = OverlapReport(_stepper=self)
         self._thread = threading.Thread(target=self._run, name="offtensor-optimizer", daemon=True)
         self._thread.start()
-
-    def engines(self) -> list[TransferEngine]:
-        found: dict[int, TransferEngine] = {}
-        for g in self.optimizer.param_groups:
-            for p in g["params"]:
-                if isinstance(p, OffloadedParameter) and hasattr(p, "_ot"):
-                    engine = p._ot.scope.engine
-                    found[id(engine)] = engine
-        return list(found.values())
 
     def elapsed(self) -> float:
         return time.perf_counter() - self._start
