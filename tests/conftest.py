@@ -278,6 +278,14 @@ def offload(model: nn.Module, device: str, predicate=None, **kwargs) -> nn.Modul
     return model
 
 
+def reference_then_offload(model: nn.Module, device: str, predicate=None, **kwargs) -> nn.Module:
+    """The unwrapped reference of ``model`` on ``device`` (made first), then ``offload(model,
+    ...)``: the usual start of a parity test. Returns the reference."""
+    reference = unwrapped_reference(model, device)
+    offload(model, device, predicate, **kwargs)
+    return reference
+
+
 def offloaded_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     import offtensor
 
@@ -293,19 +301,15 @@ def host(t: torch.Tensor) -> torch.Tensor:
 
 def assert_params_match(model: nn.Module, reference: nn.Module, **tol) -> None:
     """Every parameter and buffer of ``model`` equals the reference's, by qualified name."""
-    params = dict(model.named_parameters())
-    ref_params = dict(reference.named_parameters())
-    assert params.keys() == ref_params.keys()
-    for name, p in params.items():
+    _assert_same_tensors(dict(model.named_parameters()), dict(reference.named_parameters()), **tol)
+    _assert_same_tensors(dict(model.named_buffers()), dict(reference.named_buffers()), **tol)
+
+
+def _assert_same_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], **tol) -> None:
+    assert got.keys() == expected.keys()
+    for name, t in got.items():
         torch.testing.assert_close(
-            host(p), host(ref_params[name]), msg=lambda m, name=name: f"{name}: {m}", **tol
-        )
-    buffers = dict(model.named_buffers())
-    ref_buffers = dict(reference.named_buffers())
-    assert buffers.keys() == ref_buffers.keys()
-    for name, b in buffers.items():
-        torch.testing.assert_close(
-            host(b), host(ref_buffers[name]), msg=lambda m, name=name: f"{name}: {m}", **tol
+            host(t), host(expected[name]), msg=lambda m, name=name: f"{name}: {m}", **tol
         )
 
 

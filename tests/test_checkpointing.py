@@ -20,9 +20,8 @@ from conftest import (
     devices,
     host,
     mlp_of_blocks,
-    offload,
+    reference_then_offload,
     tolerances,
-    unwrapped_reference,
 )
 
 CHECKPOINTING = [
@@ -35,8 +34,7 @@ CHECKPOINTING = [
 def checkpointed_model_and_reference(device: str, checkpoint: str | None):
     model = mlp_of_blocks(n_blocks=3)
     model.checkpoint = checkpoint
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     return model, reference
 
 

@@ -14,10 +14,9 @@ from conftest import (
     assert_grads_match,
     assert_params_match,
     mlp_of_blocks,
-    offload,
+    reference_then_offload,
     requires_cuda,
     tolerances,
-    unwrapped_reference,
 )
 
 # About 10 ms of GPU time per call at H100/H200 clocks: far longer than a block's kernels.
@@ -55,8 +54,7 @@ def _slow_down(model, which: str) -> None:
 def test_training_matches_unwrapped_model_when_one_stream_lags(slow, checkpoint):
     model = mlp_of_blocks(n_blocks=5, hidden=256)
     model.checkpoint = checkpoint
-    reference = unwrapped_reference(model, "cuda")
-    offload(model, "cuda")
+    reference = reference_then_offload(model, "cuda")
     _slow_down(model, slow)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
@@ -83,8 +81,7 @@ def test_training_matches_unwrapped_model_when_one_stream_lags(slow, checkpoint)
 @pytest.mark.parametrize("slow", ["compute", "h2d"])
 def test_inference_matches_unwrapped_model_when_one_stream_lags(slow):
     model = mlp_of_blocks(n_blocks=5, hidden=256)
-    reference = unwrapped_reference(model, "cuda")
-    offload(model, "cuda")
+    reference = reference_then_offload(model, "cuda")
     _slow_down(model, slow)
     with torch.no_grad():
         for _ in range(3):

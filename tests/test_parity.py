@@ -24,6 +24,7 @@ from conftest import (
     mlp_of_blocks,
     offload,
     offloaded_parameters,
+    reference_then_offload,
     tolerances,
     unwrapped_reference,
 )
@@ -75,8 +76,7 @@ def train(model, optimizer, batches, scheduler=None) -> torch.Tensor:
 @pytest.mark.parametrize("device", devices)
 def test_outputs_match_unwrapped_model_under_no_grad(device, dtype):
     model = mlp_of_blocks(dtype=dtype)
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     x = torch.randn(4, 8).to(device, dtype)
 
     with torch.no_grad():
@@ -92,8 +92,7 @@ def test_outputs_match_unwrapped_model_under_no_grad(device, dtype):
 @pytest.mark.parametrize("device", devices)
 def test_outputs_match_unwrapped_model_with_grad_enabled(device, dtype):
     model = mlp_of_blocks(dtype=dtype)
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     x = torch.randn(4, 8).to(device, dtype)
 
     expected = reference(x)
@@ -107,8 +106,7 @@ def test_outputs_match_unwrapped_model_with_grad_enabled(device, dtype):
 @pytest.mark.parametrize("device", devices)
 def test_grads_match_unwrapped_model(device, dtype):
     model = mlp_of_blocks(dtype=dtype)
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     ((x, y),) = make_batches(1, device, dtype)
 
     loss_fn(reference, x, y).backward()
@@ -120,8 +118,7 @@ def test_grads_match_unwrapped_model(device, dtype):
 @pytest.mark.parametrize("device", devices)
 def test_eval_mode_outputs_match_unwrapped_model(device):
     model = mlp_of_blocks().eval()
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     x = torch.randn(4, 8).to(device)
 
     with torch.inference_mode():
@@ -143,8 +140,7 @@ def test_eval_mode_outputs_match_unwrapped_model(device):
 def test_five_training_steps_match_unwrapped_model(device, dtype, optimizer):
     make_optimizer = OPTIMIZERS[optimizer]
     model = mlp_of_blocks(dtype=dtype)
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     batches = make_batches(5, device, dtype)
     tol = tolerances(device, dtype)
 
@@ -164,8 +160,7 @@ def test_training_with_lr_scheduler_matches_unwrapped_model(device):
         return train(m, optimizer, batches, scheduler)
 
     model = mlp_of_blocks()
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     batches = make_batches(5, device)
 
     expected_losses = run(reference)
@@ -209,8 +204,7 @@ def test_grad_accumulation_over_three_micro_batches_matches_unwrapped_model(devi
         return accumulated
 
     model = mlp_of_blocks(dtype=dtype)
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     batches = make_batches(6, device, dtype)
     tol = tolerances(device, dtype)
 
@@ -243,8 +237,7 @@ def test_zero_grad_resets_offloaded_grads(device, set_to_none):
         loss_fn(m, *batches[1]).backward()
 
     model = mlp_of_blocks()
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     batches = make_batches(2, device)
 
     run(reference)
@@ -259,8 +252,7 @@ def test_zero_grad_resets_offloaded_grads(device, set_to_none):
 @pytest.mark.parametrize("device", devices)
 def test_grads_accumulate_across_backward_calls_like_unwrapped_model(device):
     model = mlp_of_blocks()
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     batches = make_batches(3, device)
 
     for x, y in batches:
@@ -276,8 +268,7 @@ def test_clip_grad_norm_over_resident_and_offloaded_grads_matches_unwrapped_mode
     # The unwrapped input/head live on `device`, the blocks' grads on the CPU: clip_grad_norm_
     # sees grads on two devices (on CUDA) and must compute the same total norm and scaling.
     model = mlp_of_blocks()
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     batches = make_batches(3, device)
 
     def run(m: nn.Module) -> torch.Tensor:
@@ -314,8 +305,7 @@ def test_user_post_accumulate_grad_hook_fires_once_per_backward_with_the_cpu_gra
         return seen
 
     model = mlp_of_blocks()
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     names = [name for name, _ in offloaded_parameters(model)]
     batches = make_batches(2, device)
 
@@ -338,8 +328,7 @@ def test_user_post_accumulate_grad_hook_fires_once_per_backward_with_the_cpu_gra
 @pytest.mark.parametrize("device", devices)
 def test_forward_after_optimizer_step_uses_updated_weights(device):
     model = mlp_of_blocks()
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     ((x, y),) = make_batches(1, device)
 
     def step_then_forward(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

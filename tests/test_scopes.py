@@ -16,6 +16,7 @@ from conftest import (
     devices,
     mlp_of_blocks,
     offload,
+    reference_then_offload,
     small_llama,
     tolerances,
     unwrapped_reference,
@@ -38,8 +39,7 @@ class ReusesItsWeight(nn.Module):
 @pytest.mark.parametrize("device", devices)
 def test_every_op_in_a_scope_sees_the_same_single_device_copy(device, monkeypatch):
     model = BlockStack([ReusesItsWeight(16) for _ in range(3)], 8, 16, 4)
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     loads, temporaries = [], []
     real_load, real_temp = TransferEngine.load, TransferEngine._temporary_copy
     monkeypatch.setattr(TransferEngine, "load", lambda self, scope, **kw: (
@@ -69,8 +69,7 @@ def test_every_op_in_a_scope_sees_the_same_single_device_copy(device, monkeypatc
 @pytest.mark.parametrize("device", devices)
 def test_model_trains_correctly_after_a_backward_that_raised(device):
     model = mlp_of_blocks()
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     x, y = torch.randn(6, 8, device=device), torch.randn(6, 4, device=device)
 
     def explode(grad):
@@ -128,8 +127,7 @@ def test_recompute_outside_the_module_hooks_uses_the_scope_copy_not_per_op_copie
     # host-to-device copy (correct, but unprefetched and marking every parameter as used
     # outside its scope, which disabled optimizer overlap).
     model = BlockStack([ChecksItsOwnForward(16, reentrant) for _ in range(3)], 8, 16, 4)
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     temporaries = []
     real_temp = TransferEngine._temporary_copy
     monkeypatch.setattr(TransferEngine, "_temporary_copy",
@@ -153,8 +151,7 @@ def test_two_forwards_then_one_backward_matches_unwrapped_model(device):
     # The second forward starts a new pass while the first one's graph still needs every
     # scope in backward: each scope is loaded again for each graph's backward.
     model = mlp_of_blocks()
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     x1, x2, y = torch.randn(6, 8, device=device), torch.randn(6, 8, device=device), torch.randn(6, 4, device=device)
     (F.mse_loss(model(x1), y) + F.mse_loss(model(x2), y)).backward()
     (F.mse_loss(reference(x1), y) + F.mse_loss(reference(x2), y)).backward()
@@ -168,8 +165,7 @@ def test_a_block_called_twice_per_forward_matches_unwrapped_model(device, checkp
     shared = mlp_of_blocks(n_blocks=2)
     model = BlockStack([shared.blocks[0], shared.blocks[1], shared.blocks[0]], 8, 16, 4)
     model.checkpoint = checkpoint
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     assert len(offtensor.summary(model).scopes) == 2
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -240,8 +236,7 @@ class OwnParamAndChildren(nn.Module):
 @pytest.mark.parametrize("device", devices)
 def test_split_keeps_a_modules_own_parameters_in_a_scope_of_their_own(device):
     model = BlockStack([OwnParamAndChildren(16) for _ in range(2)], 8, 16, 4)
-    reference = unwrapped_reference(model, device)
-    offload(model, device, policy=offtensor.Policy(max_scope_bytes=1))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(max_scope_bytes=1))
     rows = {s.name: s.num_params for s in offtensor.summary(model).scopes}
     assert rows == {"blocks.0": 16, "blocks.0.fc1": 272, "blocks.0.fc2": 272,
                     "blocks.1": 16, "blocks.1.fc1": 272, "blocks.1.fc2": 272}, rows

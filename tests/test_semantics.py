@@ -27,6 +27,7 @@ from conftest import (
     offload,
     offloaded_parameters,
     only_blocks,
+    reference_then_offload,
     scope_states,
     tied_lm,
     tied_lm_predicate,
@@ -284,8 +285,7 @@ def test_optimizer_state_of_offloaded_parameters_is_plain_cpu_tensors(device):
 @pytest.mark.parametrize("device", devices)
 def test_unwrap_restores_plain_parameters_with_same_data_and_grads(device):
     model = mlp_of_blocks()
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     batches = [batch(device) for _ in range(2)]
     train(reference, batches)
     train(model, batches)
@@ -316,8 +316,7 @@ def test_unwrap_restores_plain_parameters_with_same_data_and_grads(device):
 @pytest.mark.parametrize("device", devices)
 def test_wrap_again_after_unwrap_matches_unwrapped_model(device):
     model = mlp_of_blocks()
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     offtensor.unwrap(model)
     offload(model, device)
     batches = [batch(device) for _ in range(3)]
@@ -344,8 +343,7 @@ def test_frozen_parameters_get_no_grad(device, when):
     model = mlp_of_blocks()
     if when == "before_wrap":
         freeze(model)
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     if when == "after_wrap":
         freeze(model)
         freeze(reference)
@@ -366,8 +364,7 @@ def test_frozen_parameters_get_no_grad(device, when):
 @pytest.mark.parametrize("device", devices)
 def test_batchnorm_running_stats_update_in_training_like_unwrapped_model(device):
     model = batchnorm_model()
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     batches = [batch(device, n=8) for _ in range(3)]
     x, _ = batch(device, n=8)
 
@@ -391,8 +388,7 @@ def test_batchnorm_running_stats_update_in_training_like_unwrapped_model(device)
 @pytest.mark.parametrize("device", devices)
 def test_tied_embedding_and_head_train_like_unwrapped_model(device, tied_side):
     model = tied_lm(tied_side)
-    reference = unwrapped_reference(model, device)
-    offload(model, device, tied_lm_predicate(tied_side))
+    reference = reference_then_offload(model, device, tied_lm_predicate(tied_side))
     tokens = [torch.randint(0, 32, (2, 6)).to(device) for _ in range(3)]
 
     def run(m: nn.Module) -> torch.Tensor:
@@ -424,8 +420,7 @@ def test_tied_embedding_and_head_train_like_unwrapped_model(device, tied_side):
 def test_parameter_shared_by_two_scopes_trains_like_unwrapped_model(device):
     model = mlp_of_blocks()
     model.blocks[2].fc1.weight = model.blocks[0].fc1.weight
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     batches = [batch(device) for _ in range(3)]
 
     expected = train(reference, batches)
@@ -440,8 +435,7 @@ def test_parameter_shared_by_two_scopes_trains_like_unwrapped_model(device):
 @pytest.mark.parametrize("device", devices)
 def test_partially_wrapped_model_with_resident_blocks_trains_like_unwrapped_model(device):
     model = mlp_of_blocks(n_blocks=4)
-    reference = unwrapped_reference(model, device)
-    offload(model, device, only_blocks(0, 2))
+    reference = reference_then_offload(model, device, only_blocks(0, 2))
     batches = [batch(device) for _ in range(3)]
 
     expected = train(reference, batches)
@@ -528,8 +522,7 @@ def test_scopes_are_offloaded_between_steps(device):
 @pytest.mark.parametrize("device", devices)
 def test_no_offload_keeps_scopes_resident_inside_and_releases_on_exit(device):
     model = mlp_of_blocks()
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     x, y = batch(device)
 
     F.mse_loss(reference(x), y).backward()
@@ -582,8 +575,7 @@ POLICIES = [
 @pytest.mark.parametrize("device", devices)
 def test_every_policy_trains_like_unwrapped_model(device, policy):
     model = mlp_of_blocks()
-    reference = unwrapped_reference(model, device)
-    offload(model, device, policy=offtensor.Policy(**policy))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(**policy))
     batches = [batch(device) for _ in range(3)]
 
     expected = train(reference, batches)
@@ -602,8 +594,7 @@ def test_predicate_may_return_a_policy_per_scope(device):
         return name in ("blocks.1", "blocks.2")
 
     model = mlp_of_blocks()
-    reference = unwrapped_reference(model, device)
-    offload(model, device, predicate)
+    reference = reference_then_offload(model, device, predicate)
     batches = [batch(device) for _ in range(2)]
 
     expected = train(reference, batches)
@@ -625,8 +616,7 @@ def test_policy_is_a_frozen_dataclass_with_documented_defaults():
 @pytest.mark.parametrize("device", devices)
 def test_exception_inside_scope_leaves_scopes_offloaded_and_model_usable(device, grad_enabled):
     model = mlp_of_blocks()
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     x, y = batch(device)
 
     def fail(module, inputs, output):

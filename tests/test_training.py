@@ -21,6 +21,7 @@ from conftest import (
     mlp_of_blocks,
     offload,
     offloaded_parameters,
+    reference_then_offload,
     small_llama,
     tolerances,
     unwrapped_reference,
@@ -120,8 +121,7 @@ def test_host_cast_refreshes_after_optimizer_step_and_misses_nothing_written_thr
 def test_backward_and_step_equals_backward_then_step_with_grad_accumulation(device, checkpoint, fused):
     model = mlp_of_blocks(n_blocks=4)
     model.checkpoint = checkpoint
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     fused_ok = fused and device == "cpu"  # CUDA reference: fused kernels differ from CPU ones
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused_ok or None)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=fused_ok or None)
@@ -178,8 +178,7 @@ def test_frozen_only_offloads_frozen_weights_and_leaves_trainable_ones_as_plain_
     for block in model.blocks:
         block.fc1.weight.requires_grad_(False)
         block.fc2.weight.requires_grad_(False)
-    reference = unwrapped_reference(model, device)
-    offload(model, device, policy=offtensor.Policy(param_filter=offtensor.frozen_only))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(param_filter=offtensor.frozen_only))
     offloaded = dict(offloaded_parameters(model))
     assert set(offloaded) == {f"blocks.{i}.{n}.weight" for i in range(3) for n in ("fc1", "fc2")}
     assert model.blocks[0].fc1.bias.device.type == device and not isinstance(
@@ -211,8 +210,7 @@ def test_peft_lora_model_with_offloaded_frozen_base_matches_unwrapped(device):
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
                            lora_dropout=0.0, init_lora_weights=False)
     model = peft.get_peft_model(base, lora)
-    reference = unwrapped_reference(model, device)
-    offload(model, device, policy=offtensor.Policy(param_filter=offtensor.frozen_only))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(param_filter=offtensor.frozen_only))
     offloaded = dict(offloaded_parameters(model))
     assert offloaded and all(not p.requires_grad for p in offloaded.values())
     assert all("lora_" not in name for name in offloaded)
@@ -271,8 +269,7 @@ def test_fused_adamw_steps_wrapped_parameters_like_plain_cpu_parameters(device):
 @pytest.mark.parametrize("device", devices)
 def test_hf_llama_with_fp32_masters_bf16_compute_and_checkpointing_trains_like_autocast(device):
     model = small_llama(checkpointing=True)
-    reference = unwrapped_reference(model, device)
-    offload(model, device, policy=offtensor.Policy(compute_dtype=torch.bfloat16))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(compute_dtype=torch.bfloat16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     ids = torch.randint(0, 64, (2, 12), device=device)
@@ -327,8 +324,7 @@ def _pending(model: nn.Module) -> int:
 def test_deferred_steps_finish_before_the_next_forward_uses_the_weights(device, checkpoint):
     model = mlp_of_blocks(n_blocks=4)
     model.checkpoint = checkpoint
-    reference = unwrapped_reference(model, device)
-    offload(model, device)
+    reference = reference_then_offload(model, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     _slow_steps(opt)
@@ -350,8 +346,7 @@ def test_deferred_steps_finish_before_the_next_forward_uses_the_weights(device, 
 
 def test_everything_that_reads_a_master_waits_for_its_deferred_step():
     model = mlp_of_blocks(n_blocks=3)
-    reference = unwrapped_reference(model, "cpu")
-    offload(model, "cpu")
+    reference = reference_then_offload(model, "cpu")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.1)
