@@ -46,8 +46,9 @@ class OffloadedParameter(nn.Parameter):
         if kwargs is None:
             kwargs = {}
         with _DisableSubclass():
+            params = _find_params(args, kwargs)
             if not getattr(worker_state, "active", False):
-                _await_steps(args, kwargs)
+                _await_steps(params)
             name = getattr(func, "__name__", "")
             if name == "__set__" and getattr(func.__self__, "__name__", "") == "data":
                 return _set_data(args[0], args[1])
@@ -56,7 +57,7 @@ class OffloadedParameter(nn.Parameter):
             handler = _HANDLERS.get(func)
             if handler is not None:
                 return handler(*args, **kwargs)
-            return _dispatch(func, args, kwargs)
+            return _dispatch(func, args, kwargs, params)
 
     def __repr__(self) -> str:  # type: ignore[override]
         with _DisableSubclass():
@@ -90,10 +91,10 @@ class OffloadedParameter(nn.Parameter):
 worker_state = threading.local()
 
 
-def _await_steps(args: tuple, kwargs: dict) -> None:
+def _await_steps(params: list[OffloadedParameter]) -> None:
     """Wait for the deferred optimizer steps of the parameters an op or property access uses
     (Note [deferred steps] in _overlap.py); nothing to do unless one is pending."""
-    for p in _find_params(args, kwargs):
+    for p in params:
         slot = getattr(p, "_ot", None)
         if slot is not None and slot.step_pending:
             slot.scope.engine.wait_for_step(slot)
@@ -104,18 +105,8 @@ def master_grad(p: torch.Tensor) -> torch.Tensor | None:
     return _TensorBase.grad.__get__(p)  # type: ignore[union-attr]
 
 
-def _dispatch(func, args: tuple, kwargs: dict) -> Any:
-    params = _find_params(args, kwargs)
-    if not params:
-        return func(*args, **kwargs)
-    if getattr(worker_state, "active", False):  # the optimizer thread: masters only
-        if _is_inplace(func):
-            for p in params:
-                slot = getattr(p, "_ot", None)
-                if slot is not None:
-                    slot.scope.shadow_stale = True  # Policy(cast="host") re-casts at the next load
-        return func(*args, **kwargs)
-    if func in _MASTER_ONLY:
+def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter]) -> Any:
+    if not params or func in _MASTER_ONLY:
         return func(*args, **kwargs)
     if _is_inplace(func):
         # Writes always go to the master (under grad mode PyTorch then raises its usual
@@ -124,6 +115,8 @@ def _dispatch(func, args: tuple, kwargs: dict) -> Any:
             slot = getattr(p, "_ot", None)
             if slot is not None:
                 slot.scope.engine.before_master_write(slot)
+        return func(*args, **kwargs)
+    if getattr(worker_state, "active", False):  # the optimizer thread: masters only
         return func(*args, **kwargs)
     op_device = _op_device(args, kwargs)
     subs: dict[int, torch.Tensor] = {}

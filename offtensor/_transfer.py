@@ -231,6 +231,8 @@ class TransferEngine:
                     self._mark_chunk(scope, h2d)
             if scope.copy_unmarked:
                 self._mark_chunk(scope, h2d)
+        if i > scope.copy_cursor:  # the copy stream runs in order: its last event covers the rest
+            self._note_h2d(scope.chunk_ready[-1])
         scope.copy_cursor = i
         if i < scope.copy_end:
             self._partial[scope] = None
@@ -238,10 +240,8 @@ class TransferEngine:
             self._partial.pop(scope, None)
 
     def _mark_chunk(self, scope: Scope, h2d: Any) -> None:
-        event = self.record(h2d)
-        scope.chunk_ready.append(event)
+        scope.chunk_ready.append(self.record(h2d))
         scope.copy_unmarked = 0
-        self._note_h2d(event)
 
     def _pump(self) -> None:
         """Enqueue the copies that waited for deferred steps now done (no host wait)."""
@@ -399,7 +399,7 @@ class TransferEngine:
         scope = slot.scope
         scope.shadow_stale = True
         if getattr(worker_state, "active", False):
-            return  # optimizer overlap: see Note [optimizer overlap]
+            return  # the optimizer worker: no copy reads this master (docs/design.md, Threads)
         if self._unsynced_h2d:
             for event in self._unsynced_h2d:
                 event.synchronize()

@@ -113,7 +113,7 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
             "offtensor.frozen_only, freeze the base weights (requires_grad_(False), or "
             "peft.get_peft_model) before wrapping"
         )
-    progress = PinProgress(sum(p.numel() * p.element_size() for plan in plans for _, p in plan[3]))
+    progress = PinProgress(sum(p.numel() * p.element_size() for *_, params, _ in plans for _, p in params))
     try:
         for name, module, scope_policy, params, block in plans:
             scope = Scope(name, module, scope_policy, engine, pinned=pin, block=block)
