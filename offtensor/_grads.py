@@ -62,6 +62,15 @@ class GradOffload:
     def accumulate(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         self.enter_backward()
         engine = self._engine
+        if self.stepper is not None and self.stepper.handed(slot):
+            raise RuntimeError(
+                f"offtensor.backward_and_step: parameter {slot.name!r} received a second gradient "
+                "in this backward after its optimizer step had begun. Its gradient arrives in "
+                "pieces that the last backward did not show (a module whose use changes between "
+                "steps, or reentrant checkpointing of parts of one scope). Use loss.backward() "
+                "then optimizer.step() for this model."
+            )
+        slot.grads_in_backward += 1
         for hook in slot.grad_hooks.values():
             out = hook(grad)
             if out is not None:
@@ -94,6 +103,8 @@ class GradOffload:
         if not slot.grad_written:
             slot.grad_written = True
             self._written.append(slot)
+        if self.stepper is not None and slot.single_grad:
+            self.stepper.grad_final(slot, slot.last_d2h if grad.device.type == "cuda" else None)
 
     def _destination(self, slot: ParamSlot) -> tuple[torch.Tensor, bool]:
         """Where this backward's gradient for the slot goes, and whether it adds to what is
@@ -151,6 +162,8 @@ class GradOffload:
             written = self._written
         for slot in self._written:
             slot.grad_written = False
+            slot.single_grad = slot.grads_in_backward == 1
+            slot.grads_in_backward = 0
             slot.scope.grads_offloaded = None
         self._written = []
         self._inflight.clear()
@@ -166,6 +179,7 @@ class GradOffload:
             self._tasks.clear()
             for slot in self._written:
                 slot.grad_written = False
+                slot.grads_in_backward = 0
             self._written.clear()
             self._inflight.clear()
             self._last_d2h = None

@@ -27,6 +27,19 @@ access on the parameter (`p.grad`, `p.data`, `state_dict()`), and the optimizer'
 parameters whose gradients have landed in the order the next forward needs them (earliest
 deadline first), in pieces of about STEP_PIECE_BYTES so that a piece needed soon never waits
 long behind one needed later.
+
+# Note [early handover]
+The step of the last block, which the next forward needs last, is the worker's last piece of
+work; after it the worker idles until the next backward's first gradients land: the rest of the
+forward, the loss, and the last block's recompute and backward. Handing parameters over as
+their own gradients land, not when their scope's backward ends, shortens that idle time by the
+block's backward (its last matrix, the first to get its gradient, is the last the forward
+needs). A gradient is final when it is the parameter's only contribution to this backward, which
+is known from the last backward (`ParamSlot.single_grad`): autograd accumulates all uses of a
+device copy in one graph task before its post-accumulate-grad hook fires, so only a parameter
+used outside its scope, a scope called several times per forward, or reentrant checkpointing of
+parts of one scope gives several, and none of them changes between steps. Should one arrive
+anyway after the step began, backward raises instead of stepping on a partial gradient.
 """
 
 from __future__ import annotations
@@ -69,6 +82,7 @@ class OverlapReport:
     scopes: list[tuple[str, float, float, float]] = field(default_factory=list)
     rest_params: int = 0  # parameters stepped after backward, on the calling thread
     pieces: int = 0  # optimizer steps the worker ran (each on part of a scope)
+    early_pieces: int = 0  # pieces handed over before their scope's backward ended (Note [early handover])
     worker_busy_s: float = 0.0  # time the worker spent stepping (compare: the plain CPU step)
     _stepper: Any = field(default=None, repr=False, compare=False)
 
@@ -137,6 +151,8 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
         loss.backward(**backward_kwargs)
     except BaseException:
         stepper.cancel()
+        for engine in engines:
+            engine.backward_failed()
         raise
     finally:
         for engine in engines:
@@ -198,7 +214,6 @@ class _Piece:
     slots: list[ParamSlot]
     landed: Any  # event after the scope's gradients' device-to-host copies (None on the CPU)
     deadline: tuple[int, int]  # (scope's position in the forward order, first slot's position)
-    last: bool  # the scope's last piece
 
 
 class _OverlappedStep:
@@ -213,7 +228,8 @@ class _OverlappedStep:
         self._cond = threading.Condition()
         self._pieces: list[_Piece] = []  # handed over, not yet started
         self._handed: set[int] = set()  # ids of the parameters handed to the worker
-        self._queued: set[int] = set()  # scopes handed over (post_backward can repeat)
+        self._queued: set[int] = set()  # scopes whose backward ended (post_backward can repeat)
+        self._early: dict[Scope, list[ParamSlot]] = {}  # final gradients not yet a whole piece
         self._closed = False  # no more pieces come
         self._done = False  # the worker has stopped
         self._error: BaseException | None = None
@@ -229,32 +245,54 @@ class _OverlappedStep:
 
     # ---- the calling thread ------------------------------------------------------------------
 
+    def grad_final(self, slot: ParamSlot, landed: Any) -> None:
+        """Called right after a parameter's gradient copy was enqueued, when that gradient is
+        its only one in this backward (Note [early handover]); `landed`: the copy's event."""
+        scope = slot.scope
+        if scope.calls_in_pass > 1 or slot.used_outside or id(slot.param) not in self._ids:
+            return
+        batch = self._early.setdefault(scope, [])
+        batch.append(slot)
+        if sum(_nbytes(s) for s in batch) >= STEP_PIECE_BYTES:
+            del self._early[scope]
+            self._hand(scope, [batch], landed, early=True)
+
     def scope_done(self, scope: Scope, grads_offloaded: Any) -> None:
-        """Called at a scope's post_backward, after its d2h copies were enqueued."""
+        """Called at a scope's post_backward, after its d2h copies were enqueued: hand over its
+        parameters not handed yet."""
+        self._early.pop(scope, None)
         if scope.calls_in_pass > 1 or id(scope) in self._queued:
             return  # a later call's backward may still add to these grads; or queued already
         self._queued.add(id(scope))
         order = scope.copy_order or scope.slots
-        slots = [s for s in order if s.grad_written and id(s.param) in self._ids and not s.used_outside]
-        if not slots:
-            return
-        rank = scope.engine.forward_position(scope)
+        slots = [s for s in order if s.grad_written and id(s.param) in self._ids and not s.used_outside
+                 and id(s.param) not in self._handed]
         pieces, current, nbytes = [], [], 0
         for i, slot in enumerate(slots):
             current.append(slot)
-            nbytes += slot.param.numel() * slot.param.element_size()
+            nbytes += _nbytes(slot)
             if nbytes >= STEP_PIECE_BYTES or i == len(slots) - 1:
-                pieces.append(_Piece(scope.name, current, grads_offloaded, (rank, i - len(current) + 1),
-                                     last=i == len(slots) - 1))
+                pieces.append(current)
                 current, nbytes = [], 0
+        self._hand(scope, pieces, grads_offloaded, early=False)
+
+    def _hand(self, scope: Scope, pieces: list[list[ParamSlot]], landed: Any, *, early: bool) -> None:
+        """Queue pieces of one scope for the worker, each stepped once `landed` has passed."""
+        if not pieces:
+            return
+        rank = scope.engine.forward_position(scope)
         with self._cond:
             if self._done:
                 return  # the worker failed: the error is raised on the calling thread
-            self._times[scope.name] = [self.elapsed(), 0.0, 0.0]
-            for slot in slots:
-                slot.step_pending = True
-                self._handed.add(id(slot.param))
-            self._pieces.extend(pieces)
+            self._times.setdefault(scope.name, [self.elapsed(), 0.0, 0.0])
+            for slots in pieces:
+                for slot in slots:
+                    slot.step_pending = True
+                    self._handed.add(id(slot.param))
+                first = min(slot.copy_index for slot in slots)
+                self._pieces.append(_Piece(scope.name, slots, landed, (rank, first)))
+            if early:
+                self.report.early_pieces += len(pieces)
             self._cond.notify_all()
 
     def handed(self, slot: ParamSlot) -> bool:
@@ -369,8 +407,7 @@ class _OverlappedStep:
             with torch._C.DisableTorchFunctionSubclass():
                 for slot in piece.slots:
                     slot.param.grad = None
-        if piece.last:
-            times[2] = self.elapsed()
+        times[2] = self.elapsed()
 
     @staticmethod
     def _clear_pending(pieces: list[_Piece]) -> None:
@@ -420,3 +457,7 @@ def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], hyper: list[dic
         for k, v in sub.items():
             if k != "params" and (k not in old or v is not old[k]):
                 g[k] = v
+
+
+def _nbytes(slot: ParamSlot) -> int:
+    return slot.param.numel() * slot.param.element_size()

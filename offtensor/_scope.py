@@ -72,6 +72,8 @@ class ParamSlot:
     # writes (writing through device_leaf would bump the version counter autograd checks)
     host_grad: torch.Tensor | None = None  # pinned; `p.grad` points here after backward
     grad_written: bool = False  # host_grad received a contribution in the current backward
+    grads_in_backward: int = 0  # contributions in the current backward
+    single_grad: bool = False  # exactly one contribution in the last whole backward (Note [early handover])
     host_grad_holders: tuple[int, int] = (0, 0)  # _grads._holders(host_grad) when only we hold it
     used_outside: bool = False  # ever materialized for an op outside its scope
     last_d2h: Any = None  # event after the latest device-to-host copy into host_grad

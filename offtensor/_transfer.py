@@ -43,6 +43,10 @@ scope (norms, biases) are not counted, so a tiny scope never stands between the 
 next large one and the compute it should overlap. A scope arriving out
 of order re-learns the order from that point; the first scope of the forward order arriving
 again starts a new pass and releases whatever a previous, abandoned pass left resident.
+The first scope of a pass is loaded when the forward of the model given to `wrap` starts
+(`begin_forward`), not when the forward reaches it: what a model computes before its first block
+(embeddings, masks, rotary tables; about 2 ms of host time for a Hugging Face Llama) then hides
+the first copy instead of delaying it, which matters most when the forward is transfer-bound.
 """
 
 from __future__ import annotations
@@ -103,6 +107,7 @@ class TransferEngine:
         self._unsynced_h2d: list[Any] = []  # events of copies that may still read host masters
         self._largest = 0  # set by scopes_ready: the largest scope's device bytes
         self._prefetch_bytes = 0  # set by scopes_ready: Policy.prefetch x the largest block
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []  # hooks on the wrapped model
         _engines.add(self)
 
     def scopes_ready(self) -> None:
@@ -426,6 +431,23 @@ class TransferEngine:
             self._prefetch(self._order[self._pos :], scope, with_grads=False)
         # No wait here: each op waits for the chunk holding its weights (materialize).
 
+    def begin_forward(self) -> None:
+        """The wrapped model's forward starts: load the first scope of the forward order now
+        (Note [prefetch order]), after releasing what an earlier pass left resident."""
+        if not self._order or in_backward() or self.hold():
+            return
+        first = self._order[0]
+        for scope in list(self._live):
+            if scope is not first and scope.active_calls == 0:
+                self.release(scope)
+        self.load(first, with_grads=False)
+
+    def end_forward(self, *, failed: bool) -> None:
+        """The wrapped model's forward ends. After an exception (also one raised outside every
+        scope, e.g. in the loss), nothing it loaded stays on the device."""
+        if failed and not in_backward():
+            self.abort()
+
     def post_forward(self, scope: Scope, *, failed: bool, backward_expected: bool) -> None:
         scope.active_calls = max(0, scope.active_calls - 1)
         if in_backward():
@@ -514,6 +536,13 @@ class TransferEngine:
             scope.active_calls = 0
         if not self.hold():
             self.release_all()
+
+    def backward_failed(self) -> None:
+        """A backward raised where offtensor sees it (backward_and_step): its end-of-backward
+        callback will not run, so forget it and release the scopes now. (After a plain
+        `loss.backward()` that raised, the next forward does this.)"""
+        self.grads.reset_if_stale()
+        self.end_backward()
 
     def abort(self) -> None:
         """An exception in a scope's forward: drop every device copy and in-flight prefetch."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from typing import Callable, cast
 
 import torch
@@ -124,6 +125,7 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
     finally:
         progress.close()
     engine.scopes_ready()
+    _hook_model_forward(model, engine)
     _guard_apply(model)
     setattr(model, _ENGINE_ATTR, engine)
     logger.debug("wrapped %d scopes (%.1f MiB) computing on %s", len(engine.scopes),
@@ -138,6 +140,8 @@ def unwrap(model: nn.Module) -> nn.Module:
     wait_for_steps()  # a deferred optimizer step may still write the masters
     engine.release_all()
     with torch._C.DisableTorchFunctionSubclass():
+        for handle in engine.handles:
+            handle.remove()
         for scope in engine.scopes:
             scope.remove_hooks()
             for slot in scope.slots:
@@ -313,6 +317,23 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
             scope.slots.append(slot)
     storage.resize_(0)
     scope.state = ScopeState.OFFLOADED
+
+
+def _hook_model_forward(model: nn.Module, engine: TransferEngine) -> None:
+    """The model's forward starts the first scope's load (TransferEngine.begin_forward) and,
+    if it raises, releases every scope. Not when the model is itself a scope, nor called (a
+    ModuleList): then the first scope loads when its own forward starts."""
+    if any(scope.module is model for scope in engine.scopes):
+        return
+
+    def pre(module: nn.Module, args: tuple) -> None:
+        engine.begin_forward()
+
+    def post(module: nn.Module, args: tuple, output: object) -> None:
+        engine.end_forward(failed=sys.exc_info()[0] is not None)  # always_call: runs in `except`
+
+    engine.handles.append(model.register_forward_pre_hook(pre))
+    engine.handles.append(model.register_forward_hook(post, always_call=True))
 
 
 def _guard_apply(model: nn.Module) -> None:

@@ -159,6 +159,11 @@ def _free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        # cuBLAS keeps a workspace per handle and stream in allocated memory; it outlives the
+        # peer that made it and would count in the next peer's peak memory.
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
         torch.cuda.empty_cache()
         # Pinned blocks freed by tensors stay cached by PyTorch's host allocator; give them back
         # so the next peer's host-memory baseline is clean. The name moved between releases.
@@ -609,19 +614,61 @@ def _gparams(numel: int, seconds: float) -> float:
     return numel / seconds / 1e9
 
 
-def measure_plain_adamw(params: Sequence[torch.Tensor], seed: int, reps: int = 3) -> dict[str, Any]:
+def measure_plain_adamw(params: Sequence[torch.Tensor], seed: int, reps: int = 3, *,
+                        device: torch.device | None = None,
+                        pcie_bytes: tuple[int, int] | None = None) -> dict[str, Any]:
     """The optimizer term of the step rooflines: fused `torch.optim.AdamW` on plain CPU tensors
     of the shapes and dtype of `params` (the wrapped parameters), with random grads; one
-    warm-up step, median of `reps`."""
+    warm-up step, median of `reps`. On CUDA with `pcie_bytes` (a step's host-to-device and
+    device-to-host bytes), also the same step beside those copies: see `_adamw_beside_copies`."""
     dtype = params[0].dtype
     plain = _plain_like(params, _random_pool(dtype, seed))
     numel = sum(p.numel() for p in plain)
-    (times,) = _timed_steps([torch.optim.AdamW(plain, lr=ADAMW_LR, fused=True)], reps)
+    opt = torch.optim.AdamW(plain, lr=ADAMW_LR, fused=True)
+    (times,) = _timed_steps([opt], reps)
     median = statistics.median(times)
-    return {"dtype": str(dtype).removeprefix("torch."), "params": numel, "tensors": len(plain),
-            "warmup": 1, "reps": reps, "times_ms": [t * 1e3 for t in times],
-            "median_ms": median * 1e3, "gparams_per_s": _gparams(numel, median),
-            "threads": torch.get_num_threads()}
+    out = {"dtype": str(dtype).removeprefix("torch."), "params": numel, "tensors": len(plain),
+           "warmup": 1, "reps": reps, "times_ms": [t * 1e3 for t in times],
+           "median_ms": median * 1e3, "gparams_per_s": _gparams(numel, median),
+           "threads": torch.get_num_threads()}
+    if device is not None and device.type == "cuda" and pcie_bytes is not None:
+        out["beside_copies"] = _adamw_beside_copies(opt, device, *pcie_bytes, reps=reps)
+    return out
+
+
+def _adamw_beside_copies(opt: torch.optim.Optimizer, device: torch.device, h2d_bytes: int,
+                         d2h_bytes: int, reps: int, piece: int = 256 * 2**20) -> dict[str, Any]:
+    """The optimizer step while pinned copies of one training step's PCIe traffic run, both
+    directions on their own streams, enqueued just before the step, with the thread count of
+    `backward_and_step`'s worker. The copy engines read and write host memory, and a CPU
+    AdamW is bound by host memory bandwidth: this is the optimizer term of an overlapped step
+    on this host, which no scheduling can beat (scripts/host_contention.py measures more)."""
+    host_in = torch.empty(piece, dtype=torch.uint8, pin_memory=True)
+    host_out = torch.empty(piece, dtype=torch.uint8, pin_memory=True)
+    dev_in = torch.empty(piece, dtype=torch.uint8, device=device)
+    dev_out = torch.empty(piece, dtype=torch.uint8, device=device)
+    s_in, s_out = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    threads = max(1, torch.get_num_threads() - offtensor_overlap.SPARE_THREADS)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    times = []
+    try:
+        for _ in range(reps):
+            torch.cuda.synchronize(device)
+            with torch.cuda.stream(s_in):
+                for _ in range(-(-h2d_bytes // piece)):
+                    dev_in.copy_(host_in, non_blocking=True)
+            with torch.cuda.stream(s_out):
+                for _ in range(-(-d2h_bytes // piece)):
+                    host_out.copy_(dev_out, non_blocking=True)
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+            torch.cuda.synchronize(device)
+    finally:
+        torch.set_num_threads(old_threads)
+    return {"threads": threads, "h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes,
+            "times_ms": [t * 1e3 for t in times], "median_ms": statistics.median(times) * 1e3}
 
 
 def measure_optimizer_speed(layers: nn.ModuleList, seed: int, reps: int = 3) -> dict[str, Any]:
@@ -793,7 +840,7 @@ def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *,
         report = overlap_reports[-1]
         row.overlap = {
             "backward_ms": report.backward_s * 1e3, "total_ms": report.total_s * 1e3,
-            "rest_params": report.rest_params, "pieces": report.pieces,
+            "rest_params": report.rest_params, "pieces": report.pieces, "early_pieces": report.early_pieces,
             "worker_busy_ms": report.worker_busy_s * 1e3,
             "spare_threads": offtensor_overlap.SPARE_THREADS,
             "piece_bytes": offtensor_overlap.STEP_PIECE_BYTES,
@@ -855,17 +902,25 @@ class _SkipVariant(Exception):
     pass
 
 
-def _measure_extras(peer: str, scenario: Scenario, built: BuiltModel, seed: int, extras: Extras) -> None:
+def _measure_extras(peer: str, scenario: Scenario, built: BuiltModel, device: torch.device, seed: int,
+                    extras: Extras) -> None:
     """Before a step scenario: the plain-CPU AdamW time for its roofline (once per dtype), and
     in the offtensor peers the wrapped-vs-plain optimizer microbenchmark."""
     dtype = str(built.dtype).removeprefix("torch.")
     if dtype not in extras.plain_adamw:
         params = [p for p in built.layers.parameters() if p.requires_grad]
+        # The standard peer's PCIe bytes (step_roofline): weights in twice (forward, recompute),
+        # gradients out once.
+        h2d_per_byte = next(iter(STEP_PEERS[scenario.kind].values()))[0]
+        pcie = (int(2 * built.wrapped_bytes * h2d_per_byte), built.wrapped_trainable_bytes)
         try:
-            extras.plain_adamw[dtype] = measure_plain_adamw(params, seed)
+            extras.plain_adamw[dtype] = measure_plain_adamw(params, seed, device=device, pcie_bytes=pcie)
             m = extras.plain_adamw[dtype]
+            beside = m.get("beside_copies")
             print(f"  plain CPU fused AdamW ({dtype}, {m['params'] / 1e6:,.1f} M params): "
-                  f"{m['median_ms']:.1f} ms, {m['gparams_per_s']:.3g} G params/s", flush=True)
+                  f"{m['median_ms']:.1f} ms, {m['gparams_per_s']:.3g} G params/s"
+                  + (f"; {beside['median_ms']:.1f} ms with {beside['threads']} threads beside a step's "
+                     f"PCIe copies" if beside else ""), flush=True)
         except Exception as exc:  # noqa: BLE001 - reported, the rooflines go without it
             extras.plain_adamw[dtype] = {"dtype": dtype, "error": _short_error(exc)}
             print(f"  plain CPU fused AdamW ({dtype}): {_short_error(exc)}", flush=True)
@@ -937,7 +992,7 @@ def run_peer(peer: str, scenarios: list[Scenario], shape: ModelShape, device: to
         assert built is not None
 
         if scenario.has_optimizer:
-            _measure_extras(peer, scenario, built, args.seed, extras)
+            _measure_extras(peer, scenario, built, device, args.seed, extras)
         try:
             warmup, iters = _iterations(args, scenario)
             run_scenario(built, scenario, device, warmup=warmup, iters=iters,
@@ -1029,6 +1084,7 @@ def step_roofline(s: Scenario, rows: list[Row], bw: dict[str, Any], vb: VariantB
                              "optimizer_ms": opt.get("median_ms"),
                              "optimizer_source": f"fused torch.optim.AdamW on plain CPU {dtype} tensors "
                                                  "shaped as the wrapped parameters (median of 3)",
+                             "optimizer_beside_copies_ms": opt.get("beside_copies", {}).get("median_ms"),
                              "peers": {}}
     notes = []
     if compute is None:
@@ -1050,6 +1106,10 @@ def step_roofline(s: Scenario, rows: list[Row], bw: dict[str, Any], vb: VariantB
             p["roofline_ms"] = fb
         else:
             p["roofline_ms"] = max(fb, o) if overlapped else fb + o
+        beside = entry["optimizer_beside_copies_ms"]
+        if overlapped and fb is not None and beside is not None:
+            # The same with the optimizer as fast as it runs beside the step's own copies.
+            p["host_roofline_ms"] = max(fb, beside)
         p["formula"] = "max(fwd+bwd, optimizer)" if overlapped else "fwd+bwd + optimizer"
         entry["peers"][peer] = p
     first = next(iter(entry["peers"].values()))
@@ -1072,6 +1132,8 @@ def format_step_breakdown(name: str, e: dict[str, Any]) -> str:
         parts += [f"h2d {_fmt(v, '.1f')} ms ({p})" for p, v in h2ds.items()]
     parts.append(f"d2h {_fmt(e.get('d2h_ms'), '.1f')} ms")
     parts.append(f"optimizer {_fmt(e['optimizer_ms'], '.1f')} ms")
+    if e.get("optimizer_beside_copies_ms") is not None:
+        parts.append(f"optimizer beside the step's copies {e['optimizer_beside_copies_ms']:.1f} ms")
     rl = ", ".join(f"{p} {_fmt(v['roofline_ms'], '.1f')} ms ({v['formula']})" for p, v in peers.items())
     return f"  {name}: {', '.join(parts)} -> roofline {rl}"
 
@@ -1327,7 +1389,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{o['backward_ms']:.0f}, all done {o['total_ms']:.0f}; worker busy "
                   f"{o['worker_busy_ms']:.0f} ms in {o['pieces']} pieces of <= "
                   f"{o['piece_bytes'] / 2**20:.0f} MiB with {o['spare_threads']} spare threads; "
-                  f"{o['rest_params']} params after backward; {spans or 'no scope stepped during backward'}")
+                  f"{o['rest_params']} params after backward; {o['early_pieces']} pieces handed over "
+                  f"before their scope's backward ended; {spans or 'no scope stepped during backward'}")
+            host = rooflines.get(r.scenario, {}).get("peers", {}).get(r.peer, {}).get("host_roofline_ms")
+            if host and r.median_ms is not None:
+                print(f"  {r.peer}/{r.scenario}: {r.median_ms:.1f} ms = {r.median_ms / host:.2f}x "
+                      f"max(fwd+bwd, optimizer beside the step's copies) = {host:.1f} ms")
     for name, speed in (("optimizer_speed", extras.optimizer_speed),
                         ("optimizer_speed_fp32", extras.optimizer_speed_fp32)):
         if speed is not None:

@@ -612,17 +612,23 @@ def test_policy_is_a_frozen_dataclass_with_documented_defaults():
         policy.prefetch = 2  # type: ignore[misc]
 
 
+@pytest.mark.parametrize("where", ["in_a_scope", "after_the_scopes"])
 @pytest.mark.parametrize("grad_enabled", [True, False], ids=["grad", "no_grad"])
 @pytest.mark.parametrize("device", devices)
-def test_exception_inside_scope_leaves_scopes_offloaded_and_model_usable(device, grad_enabled):
+def test_exception_in_forward_leaves_scopes_offloaded_and_model_usable(device, grad_enabled, where):
+    """After the first step the last scope stays loaded for backward and the first is loaded
+    when the model's forward starts: an exception anywhere in the forward must release both."""
     model = mlp_of_blocks()
     reference = reference_then_offload(model, device)
     x, y = batch(device)
+    F.mse_loss(reference(x), y).backward()
+    F.mse_loss(model(x), y).backward()
 
     def fail(module, inputs, output):
         raise RuntimeError("injected failure")
 
-    handle = model.blocks[1].fc2.register_forward_hook(fail)
+    failing = model.blocks[1].fc2 if where == "in_a_scope" else model.head
+    handle = failing.register_forward_hook(fail)
     with (
         torch.set_grad_enabled(grad_enabled),
         pytest.raises(RuntimeError, match="injected failure"),

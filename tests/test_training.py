@@ -14,6 +14,7 @@ from torch.func import functional_call
 
 import offtensor
 from conftest import (
+    BlockStack,
     assert_all_scopes_offloaded,
     assert_grads_match,
     assert_params_match,
@@ -115,10 +116,16 @@ def test_host_cast_refreshes_after_optimizer_step_and_misses_nothing_written_thr
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("pieces", ["per_scope", "per_param"])
 @pytest.mark.parametrize("fused", [False, True], ids=["single_tensor", "fused"])
 @pytest.mark.parametrize("checkpoint", [None, "reentrant", "non_reentrant"])
 @pytest.mark.parametrize("device", devices)
-def test_backward_and_step_equals_backward_then_step_with_grad_accumulation(device, checkpoint, fused):
+def test_backward_and_step_equals_backward_then_step_with_grad_accumulation(device, checkpoint, fused, pieces,
+                                                                            monkeypatch):
+    """per_param: every parameter is a piece of its own, handed to the worker as soon as its
+    gradient lands, before its scope's backward ends (Note [early handover])."""
+    if pieces == "per_param":
+        monkeypatch.setattr(offtensor._overlap, "STEP_PIECE_BYTES", 1)
     model = mlp_of_blocks(n_blocks=4)
     model.checkpoint = checkpoint
     reference = reference_then_offload(model, device)
@@ -137,8 +144,10 @@ def test_backward_and_step_equals_backward_then_step_with_grad_accumulation(devi
             if i < len(micro) - 1:
                 loss.backward()
             else:
-                offtensor.backward_and_step(loss, opt)
+                report = offtensor.backward_and_step(loss, opt).wait()
             (F.mse_loss(reference(x), y) / len(micro)).backward()
+        if pieces == "per_param":  # from the second backward on, single gradients are known
+            assert report.early_pieces > 0, report
         ref_opt.step()
         assert_grads_match(model, reference, **tol)
         assert_params_match(model, reference, **tol)
@@ -146,6 +155,55 @@ def test_backward_and_step_equals_backward_then_step_with_grad_accumulation(devi
         opt.zero_grad()
         ref_opt.zero_grad()
     assert len(hook_grads) == 9, "the user's post-accumulate-grad hook fires once per backward"
+    assert_all_scopes_offloaded(model)
+
+
+class UsedInTwoSegments(nn.Module):
+    """Uses its weight once, or (split=True) in two reentrant checkpoint segments: then its
+    gradient arrives in two parts, each in its own graph task."""
+
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+        self.split = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.split:
+            return self.fc(x)
+        h = torch.utils.checkpoint.checkpoint(self.fc, x, use_reentrant=True)
+        return torch.utils.checkpoint.checkpoint(self.fc, torch.tanh(h), use_reentrant=True)
+
+
+def test_a_gradient_in_two_parts_after_early_handover_raises_and_the_model_stays_usable(monkeypatch):
+    monkeypatch.setattr(offtensor._overlap, "STEP_PIECE_BYTES", 1)
+    model = BlockStack([UsedInTwoSegments(), UsedInTwoSegments()], 8, 8, 4)
+    offload(model, "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _batches("cpu", 1)[0]
+    offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True).wait()
+    model.blocks[1].split = True
+    with pytest.raises(RuntimeError, match=r"'blocks\.1\.fc\.(weight|bias)' received a second gradient"):
+        offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True)
+    offtensor.wait_for_steps()
+    assert_all_scopes_offloaded(model)
+    # With loss.backward() and optimizer.step() the model trains on; and backward_and_step too,
+    # now that the last backward showed the parameter's gradient coming in two parts.
+    reference = BlockStack([UsedInTwoSegments(), UsedInTwoSegments()], 8, 8, 4)
+    reference.blocks[1].split = True
+    reference.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for use_overlap in (False, True):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        if use_overlap:
+            offtensor.backward_and_step(loss, opt).wait()
+        else:
+            loss.backward()
+            opt.step()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_params_match(model, reference)
     assert_all_scopes_offloaded(model)
 
 
