@@ -63,12 +63,16 @@ class GradOffload:
         self.enter_backward()
         engine = self._engine
         if self.stepper is not None and self.stepper.handed(slot):
+            for other in slot.scope.slots:  # the next backward_and_step waits for the whole scope
+                other.single_grad = False
             raise RuntimeError(
-                f"offtensor.backward_and_step: parameter {slot.name!r} received a second gradient "
-                "in this backward after its optimizer step had begun. Its gradient arrives in "
-                "pieces that the last backward did not show (a module whose use changes between "
-                "steps, or reentrant checkpointing of parts of one scope). Use loss.backward() "
-                "then optimizer.step() for this model."
+                f"offtensor.backward_and_step: parameter {slot.name!r} received another gradient "
+                "contribution after it was handed to the optimizer, which may already have "
+                "stepped it on the partial gradient: this step's update of it is wrong. Its "
+                "gradient came in one piece in the last backward and in several now (a module "
+                "whose use changed, or reentrant checkpointing of parts of one scope). The next "
+                "backward_and_step waits for its whole scope; or use loss.backward() then "
+                "optimizer.step()."
             )
         slot.grads_in_backward += 1
         for hook in slot.grad_hooks.values():
@@ -179,6 +183,8 @@ class GradOffload:
             self._tasks.clear()
             for slot in self._written:
                 slot.grad_written = False
+                if slot.grads_in_backward > 1:
+                    slot.single_grad = False
                 slot.grads_in_backward = 0
             self._written.clear()
             self._inflight.clear()

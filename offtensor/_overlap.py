@@ -37,9 +37,12 @@ block's backward (its last matrix, the first to get its gradient, is the last th
 needs). A gradient is final when it is the parameter's only contribution to this backward, which
 is known from the last backward (`ParamSlot.single_grad`): autograd accumulates all uses of a
 device copy in one graph task before its post-accumulate-grad hook fires, so only a parameter
-used outside its scope, a scope called several times per forward, or reentrant checkpointing of
-parts of one scope gives several, and none of them changes between steps. Should one arrive
-anyway after the step began, backward raises instead of stepping on a partial gradient.
+used outside its scope, a scope called more than once since the last backward (checked:
+`Scope.calls_since_backward`, which also covers several forwards before one backward), or
+reentrant checkpointing of parts of one scope gives several, and these do not change between
+steps of a training loop. Should a second contribution arrive anyway, the worker may already
+have stepped the parameter on the first: backward raises, saying so, rather than let the late
+part go missing silently, and the parameter is no longer handed over early.
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ class OverlapReport:
     scopes: list[tuple[str, float, float, float]] = field(default_factory=list)
     rest_params: int = 0  # parameters stepped after backward, on the calling thread
     pieces: int = 0  # optimizer steps the worker ran (each on part of a scope)
-    early_pieces: int = 0  # pieces handed over before their scope's backward ended (Note [early handover])
+    early_pieces: int = 0  # pieces handed over as their gradients were copied, not at their scope's
+    # end of backward (Note [early handover])
     worker_busy_s: float = 0.0  # time the worker spent stepping (compare: the plain CPU step)
     _stepper: Any = field(default=None, repr=False, compare=False)
 
@@ -249,7 +253,7 @@ class _OverlappedStep:
         """Called right after a parameter's gradient copy was enqueued, when that gradient is
         its only one in this backward (Note [early handover]); `landed`: the copy's event."""
         scope = slot.scope
-        if scope.calls_in_pass > 1 or slot.used_outside or id(slot.param) not in self._ids:
+        if scope.calls_since_backward > 1 or slot.used_outside or id(slot.param) not in self._ids:
             return
         batch = self._early.setdefault(scope, [])
         batch.append(slot)
@@ -261,8 +265,8 @@ class _OverlappedStep:
         """Called at a scope's post_backward, after its d2h copies were enqueued: hand over its
         parameters not handed yet."""
         self._early.pop(scope, None)
-        if scope.calls_in_pass > 1 or id(scope) in self._queued:
-            return  # a later call's backward may still add to these grads; or queued already
+        if scope.calls_since_backward > 1 or id(scope) in self._queued:
+            return  # another call's backward may still add to these grads; or queued already
         self._queued.add(id(scope))
         order = scope.copy_order or scope.slots
         slots = [s for s in order if s.grad_written and id(s.param) in self._ids and not s.used_outside

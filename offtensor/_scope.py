@@ -58,7 +58,7 @@ class DeviceCopy(torch.Tensor):
         return super().__repr__(*args, **kwargs)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class ParamSlot:
     """Per-parameter bookkeeping, stored on the parameter as `p._ot`."""
 
@@ -83,6 +83,11 @@ class ParamSlot:
     step_pending: bool = False  # a deferred optimizer step still has to write the master
     grad_hooks: OrderedDict = field(default_factory=OrderedDict)  # register_hook hooks, see Note [user gradient hooks]
     post_hooks: OrderedDict = field(default_factory=OrderedDict)  # post-accumulate-grad hooks
+
+    def __repr__(self) -> str:
+        # Not the fields: device_view is a plain view of the scope's device buffer, which is
+        # 0 bytes while the scope is offloaded, and printing it would read freed memory.
+        return f"ParamSlot({self.name!r}, {tuple(self.param.shape)}, scope {self.scope.name!r})"
 
     def use_device_copy(self) -> torch.Tensor:
         leaf = self.device_leaf
@@ -127,9 +132,13 @@ class Scope:
         self.grads_offloaded: Any = None  # event on the d2h stream after this backward's grads
         self.active_calls = 0  # forward calls of the module in progress (recompute included)
         self.calls_in_pass = 0  # forward calls in the current forward pass (shared modules)
+        # Forward calls since the last backward ended: above 1, a backward may see several
+        # contributions per parameter (shared modules; several forwards before one backward).
+        self.calls_since_backward = 0
         self.loads = 0  # host-to-device loads of the weights, since wrap
         self.loads_on_demand = 0  # of which not prefetched: offloaded when the scope needed them
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.calls = FailureCheck()  # did the module's forward raise (in _post_forward)
 
     @property
     def weights_ready(self) -> Any:
@@ -152,9 +161,9 @@ class Scope:
         return sum(s.param.numel() for s in self.slots)
 
     def install_hooks(self) -> None:
-        self.handles.append(self.module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+        self.handles.append(self.module.register_forward_pre_hook(Hook(self._pre_forward), with_kwargs=True))
         self.handles.append(
-            self.module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
+            self.module.register_forward_hook(Hook(self._post_forward), with_kwargs=True, always_call=True)
         )
 
     def remove_hooks(self) -> None:
@@ -174,6 +183,7 @@ class Scope:
     # the engine recognises it by the autograd graph task id and neither reloads nor releases.
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.calls.enter()
         self.engine.pre_forward(self, args, kwargs)
         if torch.is_grad_enabled():
             inputs = [t for t in _tensors(args, kwargs) if t.requires_grad]
@@ -183,7 +193,7 @@ class Scope:
                     t.register_hook(done)
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        failed = sys.exc_info()[0] is not None  # always_call hooks run inside `except`
+        failed = self.calls.failed()
         outputs = [] if failed or not torch.is_grad_enabled() else [
             t for t in _tensors(output) if t.requires_grad
         ]
@@ -193,6 +203,58 @@ class Scope:
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         self.engine.pre_backward(self)
+
+
+# Note [copies of a wrapped model]
+# `copy.deepcopy` and pickling (`torch.save(model)`) of a wrapped model, or of part of one, give
+# a plain model: each offloaded parameter copies as an `nn.Parameter` holding (a copy of) its
+# master, on the CPU (OffloadedParameter.__deepcopy__, __reduce_ex__), and the engine attribute
+# as None, so the copy is not wrapped (an EMA copy of a large model stays in host memory). Module
+# hooks cannot be left out of a copy, so offtensor registers them as `Hook` objects, which copy
+# as inert hooks: without that, a copy would share the original's scopes, streams and buffers.
+
+
+class Hook:
+    """A module hook calling `fn`; its copies do nothing (Note [copies of a wrapped model])."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo: dict) -> _InertHook:
+        return _InertHook()
+
+    def __reduce__(self) -> tuple:
+        return (_InertHook, ())
+
+
+class _InertHook:
+    """What a copy of a wrapped model has where the original has offtensor's hooks."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+class FailureCheck:
+    """Tells a forward hook registered with `always_call=True` whether the forward raised.
+    PyTorch runs such a hook inside its `except` block when the forward raises, but
+    `sys.exc_info()` alone cannot tell: a module called while its caller handles an exception
+    (a retry after an out-of-memory error, inside `except`) sees that exception there too. So
+    the forward pre-hook records the exception being handled when the call starts (`enter`),
+    and the call failed if another one is being handled when it ends (`failed`)."""
+
+    def __init__(self) -> None:
+        self._at_entry: list[BaseException | None] = []  # one per call in progress (nesting)
+
+    def enter(self) -> None:
+        self._at_entry.append(sys.exc_info()[1])
+
+    def failed(self) -> bool:
+        at_entry = self._at_entry.pop() if self._at_entry else None
+        current = sys.exc_info()[1]
+        return current is not None and current is not at_entry
 
 
 class _AllInputGrads:

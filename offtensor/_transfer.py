@@ -70,7 +70,12 @@ logger = logging.getLogger("offtensor")
 _hold_depth = 0  # > 0 inside offtensor.no_offload()
 CHUNK_BYTES = 32 * 2**20  # see Note [progressive loads]
 TINY = 8  # see Note [prefetch order]
+ORDER_LIMIT = 16  # the learned forward order is relearned beyond this many entries per scope
 _engines: "weakref.WeakSet[TransferEngine]" = weakref.WeakSet()
+
+
+def _no_engine() -> None:
+    """What a pickled wrapped model's engine attribute loads as (Note [copies of a wrapped model])."""
 
 
 def in_backward() -> bool:
@@ -108,7 +113,15 @@ class TransferEngine:
         self._largest = 0  # set by scopes_ready: the largest scope's device bytes
         self._prefetch_bytes = 0  # set by scopes_ready: Policy.prefetch x the largest block
         self.handles: list[torch.utils.hooks.RemovableHandle] = []  # hooks on the wrapped model
+        self._early_first: Scope | None = None  # loaded by begin_forward, its forward not started
+        self._pass_begins = False  # begin_forward ran; the next scope's forward starts a pass
         _engines.add(self)
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None  # a copy of the model is not wrapped (Note [copies of a wrapped model])
+
+    def __reduce__(self) -> tuple:
+        return (_no_engine, ())
 
     def scopes_ready(self) -> None:
         """Called by wrap once every scope is built."""
@@ -422,6 +435,9 @@ class TransferEngine:
         self._check_inputs(scope, args, kwargs)
         self._advance_order(scope)
         scope.calls_in_pass += 1
+        scope.calls_since_backward += 1
+        if scope is self._early_first:
+            self._early_first = None
         if self._partial:
             self._pump()
         if scope.state is ScopeState.OFFLOADED:
@@ -434,19 +450,32 @@ class TransferEngine:
     def begin_forward(self) -> None:
         """The wrapped model's forward starts: load the first scope of the forward order now
         (Note [prefetch order]), after releasing what an earlier pass left resident."""
-        if not self._order or in_backward() or self.hold():
+        if in_backward():
+            return
+        self._pass_begins = True
+        if not self._order or self._prefetch_bytes == 0 or self.hold():
             return
         first = self._order[0]
         for scope in list(self._live):
             if scope is not first and scope.active_calls == 0:
                 self.release(scope)
-        self.load(first, with_grads=False)
+        if first.state is ScopeState.OFFLOADED:
+            self.load(first, with_grads=False)
+            self._early_first = first  # until its forward starts (pre_forward)
 
     def end_forward(self, *, failed: bool) -> None:
         """The wrapped model's forward ends. After an exception (also one raised outside every
-        scope, e.g. in the loss), nothing it loaded stays on the device."""
-        if failed and not in_backward():
+        scope, e.g. in the loss), nothing it loaded stays on the device; a first scope that
+        begin_forward loaded and this forward did not use (an encoder-decoder decoding from
+        cached encoder outputs) is released."""
+        if in_backward():
+            return
+        if failed:
             self.abort()
+            return
+        first, self._early_first = self._early_first, None
+        if first is not None and first.active_calls == 0 and not self.hold():
+            self.release(first)
 
     def post_forward(self, scope: Scope, *, failed: bool, backward_expected: bool) -> None:
         scope.active_calls = max(0, scope.active_calls - 1)
@@ -534,6 +563,7 @@ class TransferEngine:
         self._forget_backward()
         for scope in self.scopes:
             scope.active_calls = 0
+            scope.calls_since_backward = 0
         if not self.hold():
             self.release_all()
 
@@ -545,17 +575,31 @@ class TransferEngine:
         self.end_backward()
 
     def abort(self) -> None:
-        """An exception in a scope's forward: drop every device copy and in-flight prefetch."""
+        """An exception in the forward: drop every device copy and in-flight prefetch. The next
+        arrival of the first scope starts a new pass (resetting the per-pass counts)."""
         self._forget_backward()
         for scope in self.scopes:
             scope.active_calls = 0
-        self._pos = 0
+            scope.calls_in_pass = 0
+        self._pos = len(self._order)
+        self._early_first = None
         if not self.hold():
             self.release_all()
 
     def _advance_order(self, scope: Scope) -> None:
         order = self._order
-        if self._pos < len(order) and order[self._pos] is scope:
+        begins, self._pass_begins = self._pass_begins, False
+        if (begins and order and order[0] is not scope) or len(order) > ORDER_LIMIT * len(self.scopes):
+            # The model's forward starts elsewhere than the learned order (an encoder-decoder
+            # decoding from cached encoder outputs; a first block skipped), or the order grew
+            # without bound (passes that never start at its head): learn it anew from here.
+            logger.debug("forward pass starts at %s, not %s; relearning the order", scope.name, order[0].name)
+            order.clear()
+            self._index.clear()
+            self._learned = False
+            self._start_pass(scope)
+            self._pos = 0
+        if not begins and self._pos < len(order) and order[self._pos] is scope:
             self._pos += 1
         elif order and order[0] is scope:
             self._learned = True

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
 from typing import Callable, cast
 
 import torch
@@ -24,7 +23,7 @@ from ._api import Policy, ScopeState, ScopeSummary, Summary
 from ._host_memory import PinProgress, host_empty
 from ._overlap import wait_for_steps
 from ._param import OffloadedParameter
-from ._scope import ALIGN, DeviceCopy, ParamSlot, Scope
+from ._scope import ALIGN, DeviceCopy, FailureCheck, Hook, ParamSlot, Scope
 from ._transfer import TransferEngine
 
 logger = logging.getLogger("offtensor")
@@ -325,15 +324,17 @@ def _hook_model_forward(model: nn.Module, engine: TransferEngine) -> None:
     ModuleList): then the first scope loads when its own forward starts."""
     if any(scope.module is model for scope in engine.scopes):
         return
+    calls = FailureCheck()
 
     def pre(module: nn.Module, args: tuple) -> None:
+        calls.enter()
         engine.begin_forward()
 
     def post(module: nn.Module, args: tuple, output: object) -> None:
-        engine.end_forward(failed=sys.exc_info()[0] is not None)  # always_call: runs in `except`
+        engine.end_forward(failed=calls.failed())
 
-    engine.handles.append(model.register_forward_pre_hook(pre))
-    engine.handles.append(model.register_forward_hook(post, always_call=True))
+    engine.handles.append(model.register_forward_pre_hook(Hook(pre)))
+    engine.handles.append(model.register_forward_hook(Hook(post), always_call=True))
 
 
 def _guard_apply(model: nn.Module) -> None:

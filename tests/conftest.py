@@ -329,6 +329,20 @@ def assert_grads_match(model: nn.Module, reference: nn.Module, **tol) -> None:
         )
 
 
+def assert_backward_matches(model: nn.Module, out: torch.Tensor, reference: nn.Module, x: torch.Tensor,
+                            y: torch.Tensor, device: str) -> None:
+    """MSE backward from the offloaded model's output ``out`` and from the reference's output
+    for ``x``: outputs and grads match, and no scope is left on the device."""
+    import torch.nn.functional as F
+
+    F.mse_loss(out, y).backward()
+    ref_out = reference(x)
+    F.mse_loss(ref_out, y).backward()
+    torch.testing.assert_close(out, ref_out, **tolerances(device))
+    assert_grads_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(model)
+
+
 def scope_states(model: nn.Module) -> dict[str, object]:
     import offtensor
 

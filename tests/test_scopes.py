@@ -12,7 +12,9 @@ from offtensor import ScopeState
 from offtensor._transfer import TransferEngine
 from conftest import (
     BlockStack,
+    ResidualBlock,
     assert_all_scopes_offloaded,
+    assert_backward_matches,
     assert_grads_match,
     devices,
     mlp_of_blocks,
@@ -365,3 +367,74 @@ def test_split_scopes_lower_the_inference_peak():
     assert whole >= 2 * block, whole  # the block computing + the next one in flight
     # One Linear computing + one block's bytes in flight (Policy.prefetch counts blocks).
     assert split <= 1.55 * block, (split, block)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_a_model_called_while_an_exception_is_handled_trains_correctly(device):
+    """The usual retry after an out-of-memory error calls the model inside `except`: the
+    exception being handled there is not a failure of this forward."""
+    model = mlp_of_blocks()
+    reference = reference_then_offload(model, device)
+    x, y = torch.randn(6, 8, device=device), torch.randn(6, 4, device=device)
+    for _ in range(2):  # learn the orders: the last scope is then kept for backward
+        F.mse_loss(model(x), y).backward()
+        F.mse_loss(reference(x), y).backward()
+    try:
+        raise RuntimeError("out of memory (pretend)")
+    except RuntimeError:
+        out = model(x)
+        assert_backward_matches(model, out, reference, x, y, device)
+
+
+class EncoderDecoder(nn.Module):
+    """Runs its encoder blocks, or skips them when given cached encoder outputs (how
+    encoder-decoder generation calls the model after the first step)."""
+
+    def __init__(self, hidden: int = 16, n: int = 2) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList(ResidualBlock(hidden) for _ in range(n))
+        self.decoder = nn.ModuleList(ResidualBlock(hidden) for _ in range(n))
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.encoder:
+            x = block(x)
+        return x
+
+    def forward(self, x: torch.Tensor, encoded: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + (self.encode(x) if encoded is None else encoded)
+        for block in self.decoder:
+            h = block(h)
+        return h
+
+
+@pytest.mark.parametrize("device", devices)
+def test_decoding_from_cached_encoder_outputs_relearns_the_order_and_leaves_nothing_loaded(device):
+    model = EncoderDecoder()
+    reference = reference_then_offload(model, device)
+    engine = model._offtensor_engine
+    x = torch.randn(3, 16, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+        encoded = model.encode(x)
+        on_demand = []
+        for _ in range(6):  # decoding steps: the encoder does not run
+            before = _loads_on_demand(model)
+            out = model(x, encoded)
+            on_demand.append(_loads_on_demand(model) - before)
+            torch.testing.assert_close(out, reference(x, reference.encode(x)), **tolerances(device))
+            assert all(state is ScopeState.OFFLOADED for state in scope_states(model).values())
+    assert [s.name for s in engine._order] == ["decoder.0", "decoder.1"]
+    assert on_demand[2:] == [0, 0, 0, 0], on_demand  # relearned: decoder.0 loads at the model's start
+
+
+@pytest.mark.parametrize("device", devices)
+def test_prefetch_zero_loads_nothing_before_a_scope_needs_it(device):
+    model = mlp_of_blocks()
+    offload(model, device, policy=offtensor.Policy(prefetch=0))
+    seen = []
+    model.input.register_forward_pre_hook(lambda m, a: seen.append(scope_states(model)))
+    x = torch.randn(6, 8, device=device)
+    for _ in range(3):
+        model(x).sum().backward()
+    for states in seen:
+        assert all(state is ScopeState.OFFLOADED for state in states.values()), states

@@ -8,7 +8,9 @@ BatchNorm statistics, tied weights and partially wrapped models keep their meani
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import io
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 import offtensor
 from conftest import (
     assert_all_scopes_offloaded,
+    assert_backward_matches,
     assert_grads_match,
     assert_params_match,
     batchnorm_model,
@@ -643,3 +646,41 @@ def test_exception_in_forward_leaves_scopes_offloaded_and_model_usable(device, g
     torch.testing.assert_close(out, reference(x), **tolerances(device))
     assert_grads_match(model, reference, **tolerances(device))
     assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch_save"])
+@pytest.mark.parametrize("device", devices)
+def test_a_copy_of_a_wrapped_model_is_a_plain_cpu_model_and_the_original_stays_wrapped(device, how):
+    """EMA copies and checkpoints of whole models: the copy holds plain parameters with the
+    masters' values, on the CPU, and no offtensor state (Note [copies of a wrapped model])."""
+    model = mlp_of_blocks()
+    reference = reference_then_offload(model, device)
+    x, y = batch(device)
+    F.mse_loss(model(x), y).backward()  # device copies released, grads on the host
+    if how == "deepcopy":
+        copied = copy.deepcopy(model)
+        block = copy.deepcopy(model.blocks[1])  # part of a wrapped model, a scope
+        assert not any(isinstance(p, offtensor.OffloadedParameter) for p in block.parameters())
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    assert not offtensor.is_wrapped(copied)
+    for (name, p), (_, q) in zip(copied.named_parameters(), model.named_parameters()):
+        assert type(p) is nn.Parameter, name
+        torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=0, atol=0)
+        assert p.untyped_storage().data_ptr() != q.untyped_storage().data_ptr(), name
+        if name.startswith("blocks."):
+            assert p.device.type == "cpu" and not p.is_pinned(), name
+    # The copy computes as a plain model on the CPU, and trains on its own.
+    copied.to("cpu")
+    out = copied(x.cpu())
+    torch.testing.assert_close(out, reference(x).cpu(), **tolerances(device))
+    F.mse_loss(out, y.cpu()).backward()
+    torch.optim.SGD(copied.parameters(), lr=0.5).step()
+    assert not torch.equal(copied.blocks[0].fc1.weight.detach(), model.blocks[0].fc1.weight.detach().cpu())
+    # The original is untouched and still offloads.
+    F.mse_loss(reference(x), y).backward()
+    model.zero_grad(), reference.zero_grad()
+    assert_backward_matches(model, model(x), reference, x, y, device)

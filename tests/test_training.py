@@ -182,17 +182,17 @@ def test_a_gradient_in_two_parts_after_early_handover_raises_and_the_model_stays
     x, y = _batches("cpu", 1)[0]
     offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True).wait()
     model.blocks[1].split = True
-    with pytest.raises(RuntimeError, match=r"'blocks\.1\.fc\.(weight|bias)' received a second gradient"):
+    with pytest.raises(RuntimeError, match=r"'blocks\.1\.fc\.(weight|bias)' received another gradient"):
         offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True)
     offtensor.wait_for_steps()
     assert_all_scopes_offloaded(model)
-    # With loss.backward() and optimizer.step() the model trains on; and backward_and_step too,
-    # now that the last backward showed the parameter's gradient coming in two parts.
+    # backward_and_step no longer hands that parameter over before its scope's backward ends,
+    # so it trains on, as loss.backward() and optimizer.step() do.
     reference = BlockStack([UsedInTwoSegments(), UsedInTwoSegments()], 8, 8, 4)
     reference.blocks[1].split = True
     reference.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for use_overlap in (False, True):
+    for use_overlap in (True, False, True):
         opt.zero_grad()
         loss = F.mse_loss(model(x), y)
         if use_overlap:
@@ -461,3 +461,76 @@ def test_an_error_in_a_deferred_step_is_raised_on_the_calling_thread_and_the_mod
     offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True).wait()
     assert all(p.grad is None for p in model.parameters())
     assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("pieces", ["per_scope", "per_param"])
+@pytest.mark.parametrize("checkpoint", [None, "reentrant", "non_reentrant"])
+def test_two_forwards_before_one_backward_and_step_give_the_full_gradient_step(checkpoint, pieces, monkeypatch):
+    """A sum of two losses (contrastive, two inputs in one backward): under reentrant
+    checkpointing each forward's backward is a graph task of its own, so a parameter gets two
+    contributions; nothing may be stepped before both."""
+    if pieces == "per_param":
+        monkeypatch.setattr(offtensor._overlap, "STEP_PIECE_BYTES", 1)
+    model = mlp_of_blocks()
+    model.checkpoint = checkpoint
+    reference = reference_then_offload(model, "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for x, y in _batches("cpu", 3):
+        def loss(m: nn.Module) -> torch.Tensor:
+            return F.mse_loss(m(x), y) + F.mse_loss(m(2 * x), y)  # noqa: B023
+
+        offtensor.backward_and_step(loss(model), opt, zero_grad=True)
+        loss(reference).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_params_match(model, reference, rtol=0, atol=0)
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("wrapped", ["model", "blocks"])
+def test_a_training_step_after_an_exception_in_the_forward_releases_scopes_in_backward(wrapped, monkeypatch):
+    """An exception late in the forward (the loss of a Hugging Face model, where out-of-memory
+    errors happen; in the last scope when only the blocks are wrapped) must not leave the engine
+    thinking every scope was called twice: the retried step still releases each scope after its
+    backward, so at most a few are loaded at once."""
+    model = mlp_of_blocks(n_blocks=6)
+    reference = unwrapped_reference(model, "cpu")
+    target = model if wrapped == "model" else model.blocks
+    engine = offtensor.wrap(target, device="cpu")._offtensor_engine
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = _batches("cpu", 1)[0]
+    most_live = [0]
+    load = engine.load
+
+    def counting_load(scope, **kwargs):
+        load(scope, **kwargs)
+        most_live[0] = max(most_live[0], len(engine._live))
+
+    monkeypatch.setattr(engine, "load", counting_load)
+
+    def step(m: nn.Module, o: torch.optim.Optimizer):
+        loss = F.mse_loss(m(x), y)
+        if m is model:
+            return offtensor.backward_and_step(loss, o).wait()
+        loss.backward()
+        o.step()
+        return None
+
+    step(model, opt), step(reference, ref_opt)
+    fails = model.head if wrapped == "model" else model.blocks[-1].fc2
+    failing = fails.register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("OOM in the loss")))
+    with pytest.raises(RuntimeError, match="OOM in the loss"):
+        model(x)
+    failing.remove()
+    assert_all_scopes_offloaded(target)
+    for _ in range(2):
+        most_live[0] = 0
+        opt.zero_grad(), ref_opt.zero_grad()
+        report = step(model, opt)
+        step(reference, ref_opt)
+        assert most_live[0] <= 3, most_live  # computing, prefetched, kept for backward
+        assert_params_match(model, reference)
+    assert report.rest_params == 4, report  # input and head only: every scope went to the worker
+    assert_all_scopes_offloaded(target)
