@@ -74,6 +74,7 @@ class OffloadedParameter(nn.Parameter):
 
     def __deepcopy__(self, memo: dict) -> nn.Parameter:
         # A copy is a plain Parameter holding a copy of the master: it belongs to no scope.
+        _await_steps([self])  # a deferred optimizer step may still write the master
         with _DisableSubclass():
             result = nn.Parameter(self.detach().clone(), self.requires_grad)
         memo[id(self)] = result
@@ -81,8 +82,15 @@ class OffloadedParameter(nn.Parameter):
 
     def __reduce_ex__(self, proto):  # type: ignore[override]
         # Pickle (torch.save) as a plain Parameter: the offloading is a runtime arrangement.
+        # Masters of a dtype other than the scope's main one are copies: Note [copies of a
+        # wrapped model] in _scope.py.
+        _await_steps([self])
         with _DisableSubclass():
-            return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, {}))
+            data = self.detach()
+            slot = getattr(self, "_ot", None)
+            if slot is not None and self.dtype != slot.scope.main_dtype:
+                data = data.clone()
+            return (torch._utils._rebuild_parameter, (data, self.requires_grad, {}))
 
 
 # Set on the thread that runs deferred optimizer steps (`active`; see Note [optimizer overlap] in

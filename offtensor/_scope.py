@@ -116,6 +116,9 @@ class Scope:
         self.device_flat = torch.empty(0, dtype=torch.uint8)  # on the compute device
         # Policy.compute_dtype differs from a master's dtype: the load casts (Policy.cast).
         self.casts = False
+        # The dtype holding most of the masters' bytes; the others are saved as copies (Note
+        # [copies of a wrapped model]).
+        self.main_dtype: torch.dtype | None = None
         self.host_shadow: torch.Tensor | None = None  # uint8, device layout (cast="host")
         self.shadow_stale = True  # masters changed since host_shadow was cast
         self.shadow_read: Any = None  # event after the latest copy from host_shadow
@@ -135,6 +138,7 @@ class Scope:
         # Forward calls since the last backward ended: above 1, a backward may see several
         # contributions per parameter (shared modules; several forwards before one backward).
         self.calls_since_backward = 0
+        self.counted_in_pass = 0  # of calls_in_pass, those counted in calls_since_backward
         self.loads = 0  # host-to-device loads of the weights, since wrap
         self.loads_on_demand = 0  # of which not prefetched: offloaded when the scope needed them
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -162,6 +166,8 @@ class Scope:
 
     def install_hooks(self) -> None:
         self.handles.append(self.module.register_forward_pre_hook(Hook(self._pre_forward), with_kwargs=True))
+        if any(s.param.dtype != self.main_dtype for s in self.slots):
+            self.handles.append(self.module.register_state_dict_post_hook(Hook(self._copy_other_dtypes)))
         self.handles.append(
             self.module.register_forward_hook(Hook(self._post_forward), with_kwargs=True, always_call=True)
         )
@@ -201,6 +207,17 @@ class Scope:
             t.register_hook(self._on_output_grad)
         self.engine.post_forward(self, failed=failed, backward_expected=bool(outputs))
 
+    def _copy_other_dtypes(self, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+        """state_dict() post-hook of a scope whose masters have several dtypes: its entries of
+        other dtypes than `main_dtype` become copies, so that no storage is seen with two dtypes
+        by torch.save (Note [copies of a wrapped model])."""
+        start = len(self.name) + 1 if self.name else 0
+        for slot in self.slots:
+            key = prefix + slot.name[start:]
+            value = state_dict.get(key)
+            if value is not None and value.dtype != self.main_dtype:
+                state_dict[key] = value.clone()
+
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         self.engine.pre_backward(self)
 
@@ -208,10 +225,16 @@ class Scope:
 # Note [copies of a wrapped model]
 # `copy.deepcopy` and pickling (`torch.save(model)`) of a wrapped model, or of part of one, give
 # a plain model: each offloaded parameter copies as an `nn.Parameter` holding (a copy of) its
-# master, on the CPU (OffloadedParameter.__deepcopy__, __reduce_ex__), and the engine attribute
-# as None, so the copy is not wrapped (an EMA copy of a large model stays in host memory). Module
-# hooks cannot be left out of a copy, so offtensor registers them as `Hook` objects, which copy
-# as inert hooks: without that, a copy would share the original's scopes, streams and buffers.
+# master, on the CPU, once its deferred optimizer step is done (OffloadedParameter.__deepcopy__,
+# __reduce_ex__), and the engine attribute as None, so the copy is not wrapped (an EMA copy of a
+# large model stays in host memory). Parameters and buffers that were not offloaded keep their
+# device, as any deepcopy does. Module hooks cannot be left out of a copy, so offtensor registers
+# them as `Hook` objects, which copy as inert hooks: without that, a copy would share the
+# original's scopes, streams and buffers. A scope's masters share one host buffer; torch.save
+# refuses one storage seen with several dtypes, so where a scope mixes dtypes (an fp32 norm among
+# bf16 matrices) its masters of other dtypes than the main one are saved as copies, in pickling
+# and in `state_dict()` (a post-hook), while the main dtype's stay views: no second copy of the
+# bulk of the weights.
 
 
 class Hook:

@@ -47,6 +47,11 @@ The first scope of a pass is loaded when the forward of the model given to `wrap
 (`begin_forward`), not when the forward reaches it: what a model computes before its first block
 (embeddings, masks, rotary tables; about 2 ms of host time for a Hugging Face Llama) then hides
 the first copy instead of delaying it, which matters most when the forward is transfer-bound.
+Those hooks also delimit passes: inside the model's forward the first scope arriving again (a
+looped block) continues the pass; a pass starting at another scope of the order follows the
+order from there (decoding from cached encoder outputs), at an unknown scope relearns it; at the
+end of the model's forward the order is cut where the pass ended and scopes the pass loaded but
+did not use are released. Without the hooks, ORDER_LIMIT bounds the order's length.
 """
 
 from __future__ import annotations
@@ -70,7 +75,9 @@ logger = logging.getLogger("offtensor")
 _hold_depth = 0  # > 0 inside offtensor.no_offload()
 CHUNK_BYTES = 32 * 2**20  # see Note [progressive loads]
 TINY = 8  # see Note [prefetch order]
-ORDER_LIMIT = 16  # the learned forward order is relearned beyond this many entries per scope
+# Without the model's forward hook to tell where passes start, the learned forward order is
+# relearned beyond this many entries per scope (Note [prefetch order]).
+ORDER_LIMIT = 16
 _engines: "weakref.WeakSet[TransferEngine]" = weakref.WeakSet()
 
 
@@ -113,8 +120,9 @@ class TransferEngine:
         self._largest = 0  # set by scopes_ready: the largest scope's device bytes
         self._prefetch_bytes = 0  # set by scopes_ready: Policy.prefetch x the largest block
         self.handles: list[torch.utils.hooks.RemovableHandle] = []  # hooks on the wrapped model
-        self._early_first: Scope | None = None  # loaded by begin_forward, its forward not started
         self._pass_begins = False  # begin_forward ran; the next scope's forward starts a pass
+        self._model_pass = False  # the current pass was started by the model's forward
+        self._last_begin: Scope | None = None  # where the last pass of the model's forward started
         _engines.add(self)
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -435,9 +443,11 @@ class TransferEngine:
         self._check_inputs(scope, args, kwargs)
         self._advance_order(scope)
         scope.calls_in_pass += 1
-        scope.calls_since_backward += 1
-        if scope is self._early_first:
-            self._early_first = None
+        # Only a call that can add to a gradient counts: grad enabled or, for the forward that
+        # reentrant checkpointing runs without grad, an input that requires grad.
+        if torch.is_grad_enabled() or any(t.requires_grad for t in _tensors(args, kwargs)):
+            scope.calls_since_backward += 1
+            scope.counted_in_pass += 1
         if self._partial:
             self._pump()
         if scope.state is ScopeState.OFFLOADED:
@@ -455,13 +465,12 @@ class TransferEngine:
         self._pass_begins = True
         if not self._order or self._prefetch_bytes == 0 or self.hold():
             return
-        first = self._order[0]
+        first = self._last_begin if self._last_begin is not None else self._order[0]
         for scope in list(self._live):
             if scope is not first and scope.active_calls == 0:
                 self.release(scope)
         if first.state is ScopeState.OFFLOADED:
             self.load(first, with_grads=False)
-            self._early_first = first  # until its forward starts (pre_forward)
 
     def end_forward(self, *, failed: bool) -> None:
         """The wrapped model's forward ends. After an exception (also one raised outside every
@@ -473,9 +482,16 @@ class TransferEngine:
         if failed:
             self.abort()
             return
-        first, self._early_first = self._early_first, None
-        if first is not None and first.active_calls == 0 and not self.hold():
-            self.release(first)
+        if self._model_pass:
+            # What came after this pass in the order is not part of the model's passes (an
+            # encoder run outside the model's forward): drop it, and anything this pass loaded
+            # without using it (begin_forward's load, a prefetch along that tail).
+            self._model_pass = False
+            del self._order[self._pos :]
+        if not self.hold():
+            for scope in list(self._live):
+                if scope.calls_in_pass == 0 and scope.active_calls == 0:
+                    self.release(scope)
 
     def post_forward(self, scope: Scope, *, failed: bool, backward_expected: bool) -> None:
         scope.active_calls = max(0, scope.active_calls - 1)
@@ -564,6 +580,7 @@ class TransferEngine:
         for scope in self.scopes:
             scope.active_calls = 0
             scope.calls_since_backward = 0
+            scope.counted_in_pass = 0
         if not self.hold():
             self.release_all()
 
@@ -581,27 +598,46 @@ class TransferEngine:
         for scope in self.scopes:
             scope.active_calls = 0
             scope.calls_in_pass = 0
+            scope.calls_since_backward -= scope.counted_in_pass  # the failed pass's graph is gone
+            scope.counted_in_pass = 0
         self._pos = len(self._order)
-        self._early_first = None
+        self._model_pass = False
         if not self.hold():
             self.release_all()
 
     def _advance_order(self, scope: Scope) -> None:
         order = self._order
         begins, self._pass_begins = self._pass_begins, False
-        if (begins and order and order[0] is not scope) or len(order) > ORDER_LIMIT * len(self.scopes):
-            # The model's forward starts elsewhere than the learned order (an encoder-decoder
-            # decoding from cached encoder outputs; a first block skipped), or the order grew
-            # without bound (passes that never start at its head): learn it anew from here.
-            logger.debug("forward pass starts at %s, not %s; relearning the order", scope.name, order[0].name)
+        if begins:
+            self._model_pass = True
+            self._last_begin = scope
+            i = self._index.get(scope)
+            if order and order[0] is not scope and i is not None and i < len(order) and order[i] is scope:
+                # The model's forward starts at a known scope other than the head of the order
+                # (decoding from cached encoder outputs, a text-only sample of a vision-language
+                # model, a dropped first layer): follow the order from there.
+                self._learned = True
+                self._start_pass(scope)
+                self._pos = i + 1
+                return
+            if order and order[0] is not scope:  # starts at a scope never seen: learn anew
+                logger.debug("forward pass starts at %s, not %s; relearning the order", scope.name, order[0].name)
+                order.clear()
+                self._index.clear()
+                self._learned = False
+                self._start_pass(scope)
+                self._pos = 0
+        elif not self.handles and len(order) > ORDER_LIMIT * len(self.scopes):
+            # No model hook delimits passes and they never start at the order's head: bound it.
             order.clear()
             self._index.clear()
             self._learned = False
-            self._start_pass(scope)
             self._pos = 0
         if not begins and self._pos < len(order) and order[self._pos] is scope:
             self._pos += 1
-        elif order and order[0] is scope:
+        elif order and order[0] is scope and (begins or not self._model_pass):
+            # A new pass. Inside the model's forward only begin_forward starts one: a first
+            # scope called again there (a looped block) continues the pass.
             self._learned = True
             self._start_pass(scope)
             self._pos = 1
@@ -619,6 +655,7 @@ class TransferEngine:
         self._expect_backward, self._saw_backward = self._saw_backward, False
         for scope in self.scopes:
             scope.calls_in_pass = 0
+            scope.counted_in_pass = 0
             if scope is not first:
                 scope.active_calls = 0
         if not self.hold():

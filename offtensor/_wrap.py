@@ -282,6 +282,10 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
         [p.numel() * dt.itemsize for (_, p), dt in zip(params, dtypes)]
     )
     scope.casts = any(dt != p.dtype for (_, p), dt in zip(params, dtypes))
+    by_dtype: dict[torch.dtype, int] = {}
+    for _, p in params:
+        by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel() * p.element_size()
+    scope.main_dtype = max(by_dtype, key=by_dtype.__getitem__)
     scope.host_flat = host_empty(scope.nbytes, pin=scope.pinned)
     if scope.casts and scope.policy.cast == "host":
         scope.host_shadow = host_empty(scope.device_nbytes, pin=scope.pinned)

@@ -671,9 +671,11 @@ def _adamw_beside_copies(opt: torch.optim.Optimizer, device: torch.device, h2d_b
             torch.cuda.synchronize(device)
     finally:
         torch.set_num_threads(old_threads)
-        torch.cuda.synchronize(device)  # no copy may still use the buffers freed below
-        del host_in, host_out, dev_in, dev_out
-        _free_memory(device)  # pinned blocks back to the OS: not counted in this peer's host memory
+        try:
+            torch.cuda.synchronize(device)  # no copy may still use the buffers freed below
+        finally:
+            del host_in, host_out, dev_in, dev_out
+    _free_memory(device)  # pinned blocks back to the OS: not counted in this peer's host memory
     return {"threads": threads, "h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes,
             "times_ms": [t * 1e3 for t in times], "median_ms": statistics.median(times) * 1e3}
 

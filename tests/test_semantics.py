@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import offtensor
 from conftest import (
+    BlockStack,
     assert_all_scopes_offloaded,
     assert_backward_matches,
     assert_grads_match,
@@ -684,3 +685,40 @@ def test_a_copy_of_a_wrapped_model_is_a_plain_cpu_model_and_the_original_stays_w
     F.mse_loss(reference(x), y).backward()
     model.zero_grad(), reference.zero_grad()
     assert_backward_matches(model, model(x), reference, x, y, device)
+
+
+class MixedDtypeBlock(nn.Module):
+    """An fp32 norm before a bf16 matrix in one block (transformers' _keep_in_fp32_modules)."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.fc = nn.Linear(hidden, hidden).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x).to(torch.bfloat16)).float()
+
+
+def test_a_wrapped_model_whose_scopes_mix_dtypes_saves_and_loads():
+    """A scope's masters share one host buffer; torch.save refuses one storage seen with two
+    dtypes unless the minority dtype's masters are saved as copies."""
+    model = BlockStack([MixedDtypeBlock(), MixedDtypeBlock()], 8, 16, 4)
+    reference = reference_then_offload(model, "cpu")
+    x = torch.randn(3, 8)
+    expected = {k: v.clone() for k, v in reference.state_dict().items()}
+    for what in ("state_dict", "model"):
+        buffer = io.BytesIO()
+        torch.save(model.state_dict() if what == "state_dict" else model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=what == "state_dict")
+        state = loaded if what == "state_dict" else loaded.state_dict()
+        assert state.keys() == expected.keys()
+        for k, v in expected.items():
+            assert state[k].dtype == v.dtype, k
+            torch.testing.assert_close(state[k], v, rtol=0, atol=0)
+    # Loading into the wrapped model writes the masters.
+    changed = {k: v + 1 if v.is_floating_point() else v for k, v in expected.items()}
+    model.load_state_dict(changed)
+    reference.load_state_dict(changed)
+    torch.testing.assert_close(model(x), reference(x))
+    assert model.blocks[0].fc.weight.dtype == torch.bfloat16 and model.blocks[0].norm.weight.dtype == torch.float32

@@ -15,6 +15,7 @@ from torch.func import functional_call
 import offtensor
 from conftest import (
     BlockStack,
+    ResidualBlock,
     assert_all_scopes_offloaded,
     assert_grads_match,
     assert_params_match,
@@ -366,11 +367,18 @@ def test_backward_and_step_reports_each_scope_stepped_once_wait_returns():
 
 
 def _slow_steps(opt: torch.optim.Optimizer, seconds: float = 0.02) -> None:
-    """Each (partial) optimizer step sleeps first: the deferred steps are still pending when
-    backward_and_step returns and the next forward begins."""
+    """Each partial optimizer step on the worker thread sleeps first: the deferred steps are
+    still pending when backward_and_step returns (the calling thread's own steps do not sleep,
+    so it does not wait as long as the worker, however slow the machine) and the next forward
+    begins."""
+    import threading
     import time
 
-    opt.register_step_pre_hook(lambda *_: time.sleep(seconds))
+    def pause(*_):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(seconds)
+
+    opt.register_step_pre_hook(pause)
 
 
 def _pending(model: nn.Module) -> int:
@@ -534,3 +542,74 @@ def test_a_training_step_after_an_exception_in_the_forward_releases_scopes_in_ba
         assert_params_match(model, reference)
     assert report.rest_params == 4, report  # input and head only: every scope went to the worker
     assert_all_scopes_offloaded(target)
+
+
+def test_forwards_without_grad_between_steps_keep_the_optimizer_overlap():
+    """Evaluation or generation between training steps (a reinforcement-learning loop) adds
+    no gradient, so it must not make the next backward_and_step wait for the whole backward."""
+    model = mlp_of_blocks()
+    reference = reference_then_offload(model, "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for x, y in _batches("cpu", 3):
+        with torch.no_grad():
+            model(x), model(2 * x)
+        report = offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True).wait()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert report.rest_params == 4, report  # input and head: every scope went to the worker
+    assert_params_match(model, reference, rtol=0, atol=0)
+    assert_all_scopes_offloaded(model)
+
+
+def test_a_copy_taken_right_after_backward_and_step_has_the_stepped_weights():
+    model = mlp_of_blocks()
+    reference = reference_then_offload(model, "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    _slow_steps(opt, 0.05)
+    x, y = _batches("cpu", 1)[0]
+    offtensor.backward_and_step(F.mse_loss(model(x), y), opt)
+    assert _pending(model) > 0
+    copied = copy.deepcopy(model)  # an EMA copy
+    F.mse_loss(reference(x), y).backward()
+    ref_opt.step()
+    assert_params_match(copied, reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant"])
+def test_a_block_looped_more_often_than_the_order_limit_is_still_prefetched(checkpoint):
+    """Recurrent-depth models call the same blocks dozens of times per forward: with the
+    model's forward hooks delimiting passes, the learned order may be that long."""
+    from offtensor._transfer import ORDER_LIMIT
+
+    class Looped(nn.Module):
+        def __init__(self, loops: int) -> None:
+            super().__init__()
+            self.core = nn.ModuleList(ResidualBlock(16) for _ in range(2))
+            self.loops = loops
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(self.loops):
+                for block in self.core:
+                    x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if checkpoint else block(x)
+            return x
+
+    model = Looped(loops=ORDER_LIMIT + 4)
+    reference = reference_then_offload(model, "cpu")
+    engine = model._offtensor_engine
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(3, 16), torch.randn(3, 16)
+    on_demand = []
+    for _ in range(3):
+        before = sum(s.loads_on_demand for s in engine.scopes)
+        offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True).wait()
+        on_demand.append(sum(s.loads_on_demand for s in engine.scopes) - before)
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert on_demand[1:] == [0, 0], on_demand
+    assert_params_match(model, reference, rtol=0, atol=0)
+    assert_all_scopes_offloaded(model)
