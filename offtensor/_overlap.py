@@ -216,7 +216,7 @@ class _Piece:
 
     scope: str
     slots: list[ParamSlot]
-    landed: Any  # event after the scope's gradients' device-to-host copies (None on the CPU)
+    landed: Any  # event after the device-to-host copies of its gradients (None on the CPU)
     deadline: tuple[int, int]  # (scope's position in the forward order, first slot's position)
 
 

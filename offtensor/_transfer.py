@@ -123,6 +123,7 @@ class TransferEngine:
         self._pass_begins = False  # begin_forward ran; the next scope's forward starts a pass
         self._model_pass = False  # the current pass was started by the model's forward
         self._last_begin: Scope | None = None  # where the last pass of the model's forward started
+        self._preloaded: Scope | None = None  # loaded by begin_forward in the current model forward
         _engines.add(self)
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -458,8 +459,9 @@ class TransferEngine:
         # No wait here: each op waits for the chunk holding its weights (materialize).
 
     def begin_forward(self) -> None:
-        """The wrapped model's forward starts: load the first scope of the forward order now
-        (Note [prefetch order]), after releasing what an earlier pass left resident."""
+        """The wrapped model's forward starts a pass: load the scope where the last one started
+        (the head of the order before that) now, after releasing what an earlier pass left
+        resident (Note [prefetch order])."""
         if in_backward():
             return
         self._pass_begins = True
@@ -471,26 +473,30 @@ class TransferEngine:
                 self.release(scope)
         if first.state is ScopeState.OFFLOADED:
             self.load(first, with_grads=False)
+            self._preloaded = first
 
     def end_forward(self, *, failed: bool) -> None:
         """The wrapped model's forward ends. After an exception (also one raised outside every
-        scope, e.g. in the loss), nothing it loaded stays on the device; a first scope that
-        begin_forward loaded and this forward did not use (an encoder-decoder decoding from
-        cached encoder outputs) is released."""
+        scope, e.g. in the loss), nothing it loaded stays on the device. Otherwise the order is
+        cut where this pass ended, and what the pass loaded without using is released: the
+        scope begin_forward loaded (an encoder-decoder decoding from cached encoder outputs), a
+        prefetch along the cut tail."""
         if in_backward():
             return
+        self._pass_begins = False
+        preloaded, self._preloaded = self._preloaded, None
         if failed:
             self.abort()
             return
         if self._model_pass:
-            # What came after this pass in the order is not part of the model's passes (an
-            # encoder run outside the model's forward): drop it, and anything this pass loaded
-            # without using it (begin_forward's load, a prefetch along that tail).
             self._model_pass = False
-            del self._order[self._pos :]
+            del self._order[self._pos :]  # what followed ran outside the model's forward
+            unused = [s for s in self._live if s.calls_in_pass == 0]
+        else:  # no scope ran in this forward
+            unused = [preloaded] if preloaded is not None else []
         if not self.hold():
-            for scope in list(self._live):
-                if scope.calls_in_pass == 0 and scope.active_calls == 0:
+            for scope in unused:
+                if scope.active_calls == 0:
                     self.release(scope)
 
     def post_forward(self, scope: Scope, *, failed: bool, backward_expected: bool) -> None:
@@ -622,17 +628,10 @@ class TransferEngine:
                 return
             if order and order[0] is not scope:  # starts at a scope never seen: learn anew
                 logger.debug("forward pass starts at %s, not %s; relearning the order", scope.name, order[0].name)
-                order.clear()
-                self._index.clear()
-                self._learned = False
+                self._forget_order()
                 self._start_pass(scope)
-                self._pos = 0
         elif not self.handles and len(order) > ORDER_LIMIT * len(self.scopes):
-            # No model hook delimits passes and they never start at the order's head: bound it.
-            order.clear()
-            self._index.clear()
-            self._learned = False
-            self._pos = 0
+            self._forget_order()  # no model hook delimits passes, and they never start at its head
         if not begins and self._pos < len(order) and order[self._pos] is scope:
             self._pos += 1
         elif order and order[0] is scope and (begins or not self._model_pass):
@@ -648,6 +647,12 @@ class TransferEngine:
             order.append(scope)
             self._pos = len(order)
         self._index[scope] = self._pos - 1
+
+    def _forget_order(self) -> None:
+        self._order.clear()
+        self._index.clear()
+        self._learned = False
+        self._pos = 0
 
     def _start_pass(self, first: Scope) -> None:
         self.grads.reset_if_stale()

@@ -445,3 +445,18 @@ def test_prefetch_zero_loads_nothing_before_a_scope_needs_it(device):
         model(x).sum().backward()
     for states in seen:
         assert all(state is ScopeState.OFFLOADED for state in states.values()), states
+
+
+@pytest.mark.parametrize("device", devices)
+def test_a_forward_that_uses_no_scope_leaves_nothing_loaded(device):
+    """The model's forward start loads a scope ahead of use; a forward that takes another path
+    (cached outputs, an early exit) must not leave it on the device."""
+    model = EncoderDecoder()
+    offload(model, device)
+    x = torch.randn(3, 16, device=device)
+    with torch.no_grad():
+        for _ in range(2):
+            model(x)
+        model.decoder = nn.ModuleList()  # the same model, now with a path that runs no scope
+        model(x, torch.zeros_like(x))
+    assert all(state is ScopeState.OFFLOADED for state in scope_states(model).values())
