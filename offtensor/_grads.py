@@ -74,7 +74,6 @@ class GradOffload:
                 "backward_and_step waits for its whole scope; or use loss.backward() then "
                 "optimizer.step()."
             )
-        slot.grads_in_backward += 1
         for hook in slot.grad_hooks.values():
             out = hook(grad)
             if out is not None:
@@ -105,8 +104,8 @@ class GradOffload:
         else:
             buf.copy_(grad)
         if not slot.grad_written:
-            slot.grad_written = True
             self._written.append(slot)
+        slot.grads_in_backward += 1
         if self.stepper is not None and slot.single_grad:
             self.stepper.grad_final(slot, slot.last_d2h if grad.device.type == "cuda" else None)
 
@@ -165,7 +164,6 @@ class GradOffload:
         else:
             written = self._written
         for slot in self._written:
-            slot.grad_written = False
             slot.single_grad = slot.grads_in_backward == 1
             slot.grads_in_backward = 0
             slot.scope.grads_offloaded = None
@@ -182,7 +180,6 @@ class GradOffload:
                 self._last_d2h.synchronize()
             self._tasks.clear()
             for slot in self._written:
-                slot.grad_written = False
                 if slot.grads_in_backward > 1:
                     slot.single_grad = False
                 slot.grads_in_backward = 0

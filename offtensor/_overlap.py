@@ -233,7 +233,8 @@ class _OverlappedStep:
         self._pieces: list[_Piece] = []  # handed over, not yet started
         self._handed: set[int] = set()  # ids of the parameters handed to the worker
         self._queued: set[int] = set()  # scopes whose backward ended (post_backward can repeat)
-        self._early: dict[Scope, list[ParamSlot]] = {}  # final gradients not yet a whole piece
+        # Per scope: final gradients not yet a whole piece, and their bytes.
+        self._early: dict[Scope, tuple[list[ParamSlot], int]] = {}
         self._closed = False  # no more pieces come
         self._done = False  # the worker has stopped
         self._error: BaseException | None = None
@@ -255,11 +256,14 @@ class _OverlappedStep:
         scope = slot.scope
         if scope.calls_since_backward > 1 or slot.used_outside or id(slot.param) not in self._ids:
             return
-        batch = self._early.setdefault(scope, [])
+        batch, nbytes = self._early.get(scope, ([], 0))
         batch.append(slot)
-        if sum(_nbytes(s) for s in batch) >= STEP_PIECE_BYTES:
-            del self._early[scope]
+        nbytes += _nbytes(slot)
+        if nbytes >= STEP_PIECE_BYTES:
+            self._early.pop(scope, None)
             self._hand(scope, [batch], landed, early=True)
+        else:
+            self._early[scope] = (batch, nbytes)
 
     def scope_done(self, scope: Scope, grads_offloaded: Any) -> None:
         """Called at a scope's post_backward, after its d2h copies were enqueued: hand over its

@@ -88,7 +88,7 @@ class OffloadedParameter(nn.Parameter):
         with _DisableSubclass():
             data = self.detach()
             slot = getattr(self, "_ot", None)
-            if slot is not None and self.dtype != slot.scope.main_dtype:
+            if slot is not None and slot.saved_as_copy:
                 data = data.clone()
             return (torch._utils._rebuild_parameter, (data, self.requires_grad, {}))
 

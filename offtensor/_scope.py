@@ -71,8 +71,7 @@ class ParamSlot:
     device_view: torch.Tensor  # the same bytes as a view of device_flat, for the loader's
     # writes (writing through device_leaf would bump the version counter autograd checks)
     host_grad: torch.Tensor | None = None  # pinned; `p.grad` points here after backward
-    grad_written: bool = False  # host_grad received a contribution in the current backward
-    grads_in_backward: int = 0  # contributions in the current backward
+    grads_in_backward: int = 0  # contributions written to host_grad in the current backward
     single_grad: bool = False  # exactly one contribution in the last whole backward (Note [early handover])
     host_grad_holders: tuple[int, int] = (0, 0)  # _grads._holders(host_grad) when only we hold it
     used_outside: bool = False  # ever materialized for an op outside its scope
@@ -83,6 +82,17 @@ class ParamSlot:
     step_pending: bool = False  # a deferred optimizer step still has to write the master
     grad_hooks: OrderedDict = field(default_factory=OrderedDict)  # register_hook hooks, see Note [user gradient hooks]
     post_hooks: OrderedDict = field(default_factory=OrderedDict)  # post-accumulate-grad hooks
+
+    @property
+    def grad_written(self) -> bool:
+        """host_grad received a contribution in the current backward."""
+        return self.grads_in_backward > 0
+
+    @property
+    def saved_as_copy(self) -> bool:
+        """Pickling and state_dict() save a copy of this master, not a view of the scope's
+        host buffer (Note [copies of a wrapped model])."""
+        return self.param.dtype != self.scope.main_dtype
 
     def __repr__(self) -> str:
         # Not the fields: device_view is a plain view of the scope's device buffer, which is
@@ -166,7 +176,7 @@ class Scope:
 
     def install_hooks(self) -> None:
         self.handles.append(self.module.register_forward_pre_hook(Hook(self._pre_forward), with_kwargs=True))
-        if any(s.param.dtype != self.main_dtype for s in self.slots):
+        if any(s.saved_as_copy for s in self.slots):
             self.handles.append(self.module.register_state_dict_post_hook(Hook(self._copy_other_dtypes)))
         self.handles.append(
             self.module.register_forward_hook(Hook(self._post_forward), with_kwargs=True, always_call=True)
@@ -190,9 +200,10 @@ class Scope:
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.calls.enter()
-        self.engine.pre_forward(self, args, kwargs)
+        tensors = _tensors(args, kwargs)
+        self.engine.pre_forward(self, tensors)
         if torch.is_grad_enabled():
-            inputs = [t for t in _tensors(args, kwargs) if t.requires_grad]
+            inputs = [t for t in tensors if t.requires_grad]
             if inputs:
                 done = _AllInputGrads(self, len(inputs))
                 for t in inputs:
@@ -214,9 +225,8 @@ class Scope:
         start = len(self.name) + 1 if self.name else 0
         for slot in self.slots:
             key = prefix + slot.name[start:]
-            value = state_dict.get(key)
-            if value is not None and value.dtype != self.main_dtype:
-                state_dict[key] = value.clone()
+            if slot.saved_as_copy and key in state_dict:
+                state_dict[key] = state_dict[key].clone()
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         self.engine.pre_backward(self)

@@ -57,6 +57,7 @@ did not use are released. Without the hooks, ORDER_LIMIT bounds the order's leng
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import logging
 import weakref
@@ -68,7 +69,7 @@ from ._api import Policy, ScopeState
 from ._grads import GradOffload
 from ._overlap import wait_for_step
 from ._param import master_grad, worker_state
-from ._scope import ParamSlot, Scope, _tensors
+from ._scope import ParamSlot, Scope
 
 logger = logging.getLogger("offtensor")
 
@@ -79,6 +80,14 @@ TINY = 8  # see Note [prefetch order]
 # relearned beyond this many entries per scope (Note [prefetch order]).
 ORDER_LIMIT = 16
 _engines: "weakref.WeakSet[TransferEngine]" = weakref.WeakSet()
+
+
+class ModelForward(enum.Enum):
+    """Where the wrapped model's own forward is; its hooks delimit passes (Note [prefetch order])."""
+
+    OUTSIDE = "outside"  # not in the model's forward (or no hook: a ModuleList was wrapped)
+    STARTING = "starting"  # in it, before any scope: the next scope's forward starts a pass
+    IN_PASS = "in pass"  # in it, the pass started
 
 
 def _no_engine() -> None:
@@ -120,8 +129,7 @@ class TransferEngine:
         self._largest = 0  # set by scopes_ready: the largest scope's device bytes
         self._prefetch_bytes = 0  # set by scopes_ready: Policy.prefetch x the largest block
         self.handles: list[torch.utils.hooks.RemovableHandle] = []  # hooks on the wrapped model
-        self._pass_begins = False  # begin_forward ran; the next scope's forward starts a pass
-        self._model_pass = False  # the current pass was started by the model's forward
+        self._model_forward = ModelForward.OUTSIDE
         self._last_begin: Scope | None = None  # where the last pass of the model's forward started
         self._preloaded: Scope | None = None  # loaded by begin_forward in the current model forward
         _engines.add(self)
@@ -436,17 +444,18 @@ class TransferEngine:
 
     # ---- forward / backward progress (called by Scope hooks and GradOffload) ---------------
 
-    def pre_forward(self, scope: Scope, args: tuple, kwargs: dict) -> None:
+    def pre_forward(self, scope: Scope, inputs: list[torch.Tensor]) -> None:
+        """`inputs`: the tensors among the forward's arguments."""
         scope.active_calls += 1
         if in_backward():
             self.pre_backward(scope)
             return
-        self._check_inputs(scope, args, kwargs)
+        self._check_inputs(scope, inputs)
         self._advance_order(scope)
         scope.calls_in_pass += 1
         # Only a call that can add to a gradient counts: grad enabled or, for the forward that
         # reentrant checkpointing runs without grad, an input that requires grad.
-        if torch.is_grad_enabled() or any(t.requires_grad for t in _tensors(args, kwargs)):
+        if torch.is_grad_enabled() or any(t.requires_grad for t in inputs):
             scope.calls_since_backward += 1
             scope.counted_in_pass += 1
         if self._partial:
@@ -464,7 +473,7 @@ class TransferEngine:
         resident (Note [prefetch order])."""
         if in_backward():
             return
-        self._pass_begins = True
+        self._model_forward = ModelForward.STARTING
         if not self._order or self._prefetch_bytes == 0 or self.hold():
             return
         first = self._last_begin if self._last_begin is not None else self._order[0]
@@ -483,13 +492,13 @@ class TransferEngine:
         prefetch along the cut tail."""
         if in_backward():
             return
-        self._pass_begins = False
+        in_pass = self._model_forward is ModelForward.IN_PASS
+        self._model_forward = ModelForward.OUTSIDE
         preloaded, self._preloaded = self._preloaded, None
         if failed:
             self.abort()
             return
-        if self._model_pass:
-            self._model_pass = False
+        if in_pass:
             del self._order[self._pos :]  # what followed ran outside the model's forward
             unused = [s for s in self._live if s.calls_in_pass == 0]
         else:  # no scope ran in this forward
@@ -607,15 +616,15 @@ class TransferEngine:
             scope.calls_since_backward -= scope.counted_in_pass  # the failed pass's graph is gone
             scope.counted_in_pass = 0
         self._pos = len(self._order)
-        self._model_pass = False
+        self._model_forward = ModelForward.OUTSIDE
         if not self.hold():
             self.release_all()
 
     def _advance_order(self, scope: Scope) -> None:
         order = self._order
-        begins, self._pass_begins = self._pass_begins, False
+        begins = self._model_forward is ModelForward.STARTING
         if begins:
-            self._model_pass = True
+            self._model_forward = ModelForward.IN_PASS
             self._last_begin = scope
             i = self._index.get(scope)
             if order and order[0] is not scope and i is not None and i < len(order) and order[i] is scope:
@@ -634,7 +643,7 @@ class TransferEngine:
             self._forget_order()  # no model hook delimits passes, and they never start at its head
         if not begins and self._pos < len(order) and order[self._pos] is scope:
             self._pos += 1
-        elif order and order[0] is scope and (begins or not self._model_pass):
+        elif order and order[0] is scope and (begins or self._model_forward is ModelForward.OUTSIDE):
             # A new pass. Inside the model's forward only begin_forward starts one: a first
             # scope called again there (a looped block) continues the pass.
             self._learned = True
@@ -668,10 +677,10 @@ class TransferEngine:
                 if scope is not first:
                     self.release(scope)
 
-    def _check_inputs(self, scope: Scope, args: tuple, kwargs: dict) -> None:
+    def _check_inputs(self, scope: Scope, inputs: list[torch.Tensor]) -> None:
         if not self.is_cuda:
             return
-        for i, t in enumerate(_tensors(args, kwargs)):
+        for i, t in enumerate(inputs):
             if t.device.type == "cpu" and t.dim() > 0:
                 raise RuntimeError(
                     f"offtensor: input tensor {i} of scope {scope.name!r} "
