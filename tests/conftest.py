@@ -294,6 +294,11 @@ def offloaded_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]
             yield name, p
 
 
+def param_bytes(module: nn.Module) -> int:
+    """Bytes of the module's parameters (a block's size, for Policy(max_scope_bytes=...))."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
 def host(t: torch.Tensor) -> torch.Tensor:
     """A plain CPU tensor with the values of ``t`` (parameter, master or device tensor)."""
     return t.detach().to("cpu").as_subclass(torch.Tensor)

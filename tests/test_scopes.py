@@ -19,6 +19,7 @@ from conftest import (
     devices,
     mlp_of_blocks,
     offload,
+    param_bytes,
     reference_then_offload,
     scope_states,
     small_llama,
@@ -208,7 +209,7 @@ def test_split_scopes_train_like_unwrapped_model(device, checkpoint):
     model = mlp_of_blocks(n_blocks=3)
     model.checkpoint = checkpoint
     reference = unwrapped_reference(model, device)
-    block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    block_bytes = param_bytes(model.blocks[0])
     offload(model, device, policy=offtensor.Policy(max_scope_bytes=block_bytes // 2))
     names = [s.name for s in offtensor.summary(model).scopes]
     assert names == [f"blocks.{i}.{c}" for i in range(3) for c in ("norm", "fc1", "fc2")], names
@@ -255,7 +256,7 @@ def test_split_keeps_a_modules_own_parameters_in_a_scope_of_their_own(device):
 def test_hf_llama_split_into_attention_norm_and_mlp_scopes_trains_like_unwrapped(device):
     model = small_llama(checkpointing=True)
     reference = unwrapped_reference(model, device)
-    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    layer_bytes = param_bytes(model.model.layers[0])
     offload(model, device, policy=offtensor.Policy(max_scope_bytes=layer_bytes // 2))
     names = [s.name for s in offtensor.summary(model).scopes]
     assert "model.layers.0.self_attn" in names and "model.layers.0.input_layernorm" in names, names
@@ -289,7 +290,7 @@ def test_after_the_first_step_every_load_is_issued_ahead_of_its_use(device, wrap
     not called itself (a ModuleList), the first scope loads when its own forward starts."""
     model = mlp_of_blocks(n_blocks=4)
     model.checkpoint = checkpoint
-    block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    block_bytes = param_bytes(model.blocks[0])
     policy = offtensor.Policy(max_scope_bytes=block_bytes // 2 if split else None)
     if wrapped == "model":
         offload(model, device, policy=policy)
@@ -332,7 +333,7 @@ def test_the_first_scope_loads_when_the_model_forward_starts(device):
 @pytest.mark.parametrize("device", devices)
 def test_hf_llama_split_scopes_are_prefetched_through_the_recompute(device):
     model = small_llama(checkpointing=True)
-    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    layer_bytes = param_bytes(model.model.layers[0])
     offload(model, device, policy=offtensor.Policy(max_scope_bytes=layer_bytes // 2))
     ids = torch.randint(0, 64, (2, 12), device=device)
     per_step = []

@@ -30,6 +30,7 @@ from conftest import (
     mlp_of_blocks,
     offload,
     offloaded_parameters,
+    param_bytes,
     only_blocks,
     reference_then_offload,
     scope_states,
@@ -44,10 +45,6 @@ CPU = torch.device("cpu")
 
 def batch(device: str, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 8).to(device), torch.randn(n, 4).to(device)
-
-
-def param_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def train(model: nn.Module, batches, make_optimizer=None) -> torch.Tensor:
