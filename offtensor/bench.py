@@ -405,6 +405,14 @@ def _place_outside(model: nn.Module, layers: nn.ModuleList, device: torch.device
                     module._buffers[name] = b.to(device)
 
 
+def _checkpointing_on(model: nn.Module) -> bool:
+    # transformers 5.x renamed the property (the old name warns); older ones only have the old.
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
 def enable_checkpointing(model: nn.Module) -> None:
     # transformers 5.2x renamed gradient_checkpointing_enable to activation_checkpointing_enable.
     kwargs = {"use_reentrant": False}
@@ -531,6 +539,7 @@ class Row:
     fwd_bwd_ms: float | None = None  # resident, step scenarios: forward+backward alone, no step
     fwd_ms: float | None = None  # resident, step scenarios: the forward (and loss) alone
     overlap: dict | None = None  # offtensor-overlap: the last step's OverlapReport, in ms
+    same_time: dict | None = None  # offtensor-overlap: measure_same_time
     roofline_ms: float | None = None
     ratio: float | None = None
 
@@ -641,7 +650,7 @@ def measure_plain_adamw(params: Sequence[torch.Tensor], seed: int, reps: int = 3
 
 
 def _adamw_beside_copies(opt: torch.optim.Optimizer, device: torch.device, h2d_bytes: int,
-                         d2h_bytes: int, reps: int, piece: int = 256 * 2**20) -> dict[str, Any]:
+                         d2h_bytes: int, reps: int, piece: int = 256 * 2**20, free: bool = True) -> dict[str, Any]:
     """The optimizer step while pinned copies of one training step's PCIe traffic run, both
     directions on their own streams, enqueued just before the step, with the thread count of
     `backward_and_step`'s worker. The copy engines read and write host memory, and a CPU
@@ -675,9 +684,58 @@ def _adamw_beside_copies(opt: torch.optim.Optimizer, device: torch.device, h2d_b
             torch.cuda.synchronize(device)  # no copy may still use the buffers freed below
         finally:
             del host_in, host_out, dev_in, dev_out
-    _free_memory(device)  # pinned blocks back to the OS: not counted in this peer's host memory
+    if free:
+        _free_memory(device)  # pinned blocks back to the OS: not counted in this peer's host memory
     return {"threads": threads, "h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes,
             "times_ms": [t * 1e3 for t in times], "median_ms": statistics.median(times) * 1e3}
+
+
+def measure_same_time(step: Callable[[], None], drain: Callable[[], None], params: Sequence[torch.Tensor],
+                      seed: int, device: torch.device, pcie_bytes: tuple[int, int],
+                      variants: Sequence[tuple[int, int]], rounds: int = 3, steps: int = 3) -> dict[str, Any]:
+    """The overlapped step and the plain optimizer step measured in turn, minutes not apart.
+
+    The CPU AdamW step on the benchmark's host drifts by 20-30 % between minutes (other
+    tenants' memory traffic), so a ratio of two measurements taken in different peers swings
+    with it. Each of `rounds` rounds runs, for each worker setting in `variants` ((spare
+    threads, piece bytes)), `steps` overlapped training steps (the last one's deferred steps
+    drained and counted, as in the main timing), then the plain fused AdamW on plain CPU
+    tensors shaped as `params`, alone (every thread) and, on CUDA, beside one step's PCIe copies
+    (the default setting's worker threads). Medians over the rounds."""
+    plain = _plain_like(params, _random_pool(params[0].dtype, seed))
+    opt = torch.optim.AdamW(plain, lr=ADAMW_LR, fused=True)
+    opt.step()  # allocates the state
+    default = (offtensor_overlap.SPARE_THREADS, offtensor_overlap.STEP_PIECE_BYTES)
+    per_variant: list[list[float]] = [[] for _ in variants]
+    alone: list[float] = []
+    beside: list[float] = []
+
+    def timed(fn: Callable[[], None]) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - t0
+
+    try:
+        for _ in range(rounds):
+            for i, (spare, piece) in enumerate(variants):
+                offtensor_overlap.SPARE_THREADS, offtensor_overlap.STEP_PIECE_BYTES = spare, piece
+                total = sum(timed(step) for _ in range(steps)) + timed(drain)
+                per_variant[i].append(total / steps * 1e3)
+            offtensor_overlap.SPARE_THREADS, offtensor_overlap.STEP_PIECE_BYTES = default
+            alone.append(timed(opt.step) * 1e3)
+            if device.type == "cuda":
+                beside += _adamw_beside_copies(opt, device, *pcie_bytes, reps=1, free=False)["times_ms"]
+    finally:
+        offtensor_overlap.SPARE_THREADS, offtensor_overlap.STEP_PIECE_BYTES = default
+    return {"rounds": rounds, "steps": steps,
+            "variants": [{"spare_threads": spare, "piece_mib": piece / 2**20, "times_ms": times,
+                          "median_ms": statistics.median(times)}
+                         for (spare, piece), times in zip(variants, per_variant)],
+            "alone_ms": alone, "alone_median_ms": statistics.median(alone),
+            "beside_ms": beside, "beside_median_ms": statistics.median(beside) if beside else None,
+            "beside_threads": max(1, torch.get_num_threads() - default[0])}
 
 
 def measure_optimizer_speed(layers: nn.ModuleList, seed: int, reps: int = 3) -> dict[str, Any]:
@@ -717,8 +775,11 @@ def measure_optimizer_speed(layers: nn.ModuleList, seed: int, reps: int = 3) -> 
 
 
 def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *, warmup: int,
-                 iters: int, max_seconds: float, seed: int, row: Row, peer: str = "") -> None:
-    """Fill `row` with the timings and memory of `scenario` on the placed model `built`."""
+                 iters: int, max_seconds: float, seed: int, row: Row, peer: str = "",
+                 overlap_variants: Sequence[tuple[int, int]] = (), overlap_rounds: int = 3) -> None:
+    """Fill `row` with the timings and memory of `scenario` on the placed model `built`; for
+    offtensor-overlap on CUDA also `row.same_time` (measure_same_time, each worker setting of
+    `overlap_variants`, default: the current one)."""
     model, layers = built.model, built.layers
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
@@ -734,7 +795,7 @@ def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *,
 
     if scenario.has_optimizer:
         model.train()
-        if not getattr(model, "is_gradient_checkpointing", False):
+        if not _checkpointing_on(model):
             enable_checkpointing(model)
         optimizers, row.optimizer = make_adamw([p for p in model.parameters() if p.requires_grad])
         overlap = peer == "offtensor-overlap"
@@ -790,7 +851,7 @@ def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *,
         per_step = 1
     else:
         model.train()
-        if not getattr(model, "is_gradient_checkpointing", False):
+        if not _checkpointing_on(model):
             enable_checkpointing(model)
 
         def step() -> None:
@@ -861,6 +922,15 @@ def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *,
     row.median_ms = statistics.median(row.times_ms)
     if device.type == "cuda":
         row.peak_vram_bytes = torch.cuda.max_memory_allocated(device)
+    if overlap_reports:
+        params = [p for p in layers.parameters() if p.requires_grad and p.device.type == "cpu"]
+        variants = overlap_variants or [(offtensor_overlap.SPARE_THREADS, offtensor_overlap.STEP_PIECE_BYTES)]
+        try:
+            row.same_time = measure_same_time(step, drain, params, seed, device,
+                                              step_pcie_bytes(built, scenario), variants, rounds=overlap_rounds)
+        except Exception as exc:  # noqa: BLE001 - reported; the main timing stands
+            row.same_time = {"error": _short_error(exc)}
+        _free_memory(device)
     if scenario.has_optimizer and peer == "resident":
         # The compute term of the step rooflines when train-4x2048 has no resident time (and of
         # step32-4x2048, whose forward runs under autocast): forward+backward, no optimizer.
@@ -915,6 +985,13 @@ class _SkipVariant(Exception):
     pass
 
 
+def step_pcie_bytes(built: BuiltModel, scenario: Scenario) -> tuple[int, int]:
+    """(host-to-device, device-to-host) bytes of one training step of the standard peer
+    (step_roofline): weights in twice (forward, recompute), gradients out once."""
+    h2d_per_byte = next(iter(STEP_PEERS[scenario.kind].values()))[0]
+    return int(2 * built.wrapped_bytes * h2d_per_byte), built.wrapped_trainable_bytes
+
+
 def _measure_extras(peer: str, scenario: Scenario, built: BuiltModel, device: torch.device, seed: int,
                     extras: Extras) -> None:
     """Before a step scenario: the plain-CPU AdamW time for its roofline (once per dtype), and
@@ -922,12 +999,9 @@ def _measure_extras(peer: str, scenario: Scenario, built: BuiltModel, device: to
     dtype = str(built.dtype).removeprefix("torch.")
     if dtype not in extras.plain_adamw:
         params = [p for p in built.layers.parameters() if p.requires_grad]
-        # The standard peer's PCIe bytes (step_roofline): weights in twice (forward, recompute),
-        # gradients out once.
-        h2d_per_byte = next(iter(STEP_PEERS[scenario.kind].values()))[0]
-        pcie = (int(2 * built.wrapped_bytes * h2d_per_byte), built.wrapped_trainable_bytes)
         try:
-            extras.plain_adamw[dtype] = measure_plain_adamw(params, seed, device=device, pcie_bytes=pcie)
+            extras.plain_adamw[dtype] = measure_plain_adamw(params, seed, device=device,
+                                                            pcie_bytes=step_pcie_bytes(built, scenario))
             m = extras.plain_adamw[dtype]
             beside = m.get("beside_copies") or {}
             print(f"  plain CPU fused AdamW ({dtype}, {m['params'] / 1e6:,.1f} M params): "
@@ -1011,7 +1085,8 @@ def run_peer(peer: str, scenarios: list[Scenario], shape: ModelShape, device: to
         try:
             warmup, iters = _iterations(args, scenario)
             run_scenario(built, scenario, device, warmup=warmup, iters=iters,
-                         max_seconds=args.max_scenario_s, seed=args.seed, row=row, peer=peer)
+                         max_seconds=args.max_scenario_s, seed=args.seed, row=row, peer=peer,
+                         overlap_variants=args.overlap_variants, overlap_rounds=args.overlap_rounds)
         except Exception as exc:  # noqa: BLE001 - any failure of a peer is a result
             error = _short_error(exc)
         if error is not None:
@@ -1166,6 +1241,28 @@ def format_step_breakdown(name: str, e: dict[str, Any]) -> str:
         f"; forward and backward bounded each on its own: {phases}" if phases else "")
 
 
+def format_same_time(r: Row, fwd_bwd_ms: float | None) -> str:
+    """The overlapped step against the plain optimizer step measured in turn with it."""
+    st = r.same_time or {}
+    if "error" in st:
+        return f"  {r.peer}/{r.scenario} measured in turn with the plain step: {st['error']}"
+    fb = fwd_bwd_ms or 0.0
+    alone, beside = st["alone_median_ms"], st["beside_median_ms"]
+    def listed(ts: list[float]) -> str:
+        return ", ".join(f"{t:.0f}" for t in ts)
+
+    lines = [f"  {r.peer}/{r.scenario} measured in turn with the plain step ({st['rounds']} rounds of "
+             f"{st['steps']} steps; medians): AdamW alone {alone:.1f} ms ({listed(st['alone_ms'])})"
+             + (f", beside the step's copies {beside:.1f} ms ({listed(st['beside_ms'])}; "
+                f"{st['beside_threads']} threads)" if beside else "")]
+    for v in st["variants"]:
+        m = v["median_ms"]
+        lines.append(f"    {v['spare_threads']} spare threads, {v['piece_mib']:.0f} MiB pieces: {m:.1f} ms "
+                     f"({listed(v['times_ms'])}) = {m / max(fb, alone):.2f}x max(fwd+bwd, AdamW alone)"
+                     + (f", {m / max(fb, beside):.2f}x max(fwd+bwd, AdamW beside copies)" if beside else ""))
+    return "\n".join(lines)
+
+
 def compute_rooflines(rows: list[Row], scenarios: list[Scenario], bw: dict[str, Any],
                       variant_bytes: dict[str, VariantBytes],
                       extras: Extras | None = None) -> dict[str, dict[str, Any]]:
@@ -1299,6 +1396,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "offtensor._overlap.STEP_PIECE_BYTES)")
     p.add_argument("--overlap-spare-threads", type=int, default=None,
                    help="offtensor-overlap: CPU threads the optimizer worker leaves free (tuning)")
+    p.add_argument("--overlap-variants", nargs="+", default=[], metavar="SPARE:PIECE_MIB",
+                   help="offtensor-overlap: worker settings (spare threads:piece MiB) to time in turn "
+                        "beside the plain optimizer step (measure_same_time; default: the current one)")
+    p.add_argument("--overlap-rounds", type=int, default=3,
+                   help="offtensor-overlap: rounds of measure_same_time (default 3)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.scenarios = _names(args.scenarios, list(SCENARIOS), "scenario")
@@ -1307,6 +1409,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--warmup must be >= 1")
     if args.iters is not None and args.iters < 1:
         p.error("--iters must be >= 1")
+    if args.overlap_rounds < 1:
+        p.error("--overlap-rounds must be >= 1")
+    variants = []
+    for v in args.overlap_variants:
+        try:
+            spare, mib = v.split(":")
+            variants.append((int(spare), int(float(mib) * 2**20)))
+        except ValueError:
+            p.error(f"--overlap-variants: {v!r} is not SPARE:PIECE_MIB (e.g. 1:64)")
+    args.overlap_variants = variants
     return args
 
 
@@ -1419,10 +1531,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{o['piece_bytes'] / 2**20:.0f} MiB with {o['spare_threads']} spare threads; "
                   f"{o['rest_params']} params after backward; {o['early_pieces']} pieces handed over "
                   f"before their scope's backward ended; {spans or 'no scope stepped during backward'}")
-            host = rooflines.get(r.scenario, {}).get("peers", {}).get(r.peer, {}).get("host_roofline_ms")
+            entry = rooflines.get(r.scenario, {}).get("peers", {}).get(r.peer, {})
+            host = entry.get("host_roofline_ms")
             if host and r.median_ms is not None:
                 print(f"  {r.peer}/{r.scenario}: {r.median_ms:.1f} ms = {r.median_ms / host:.2f}x "
                       f"max(fwd+bwd, optimizer beside the step's copies) = {host:.1f} ms")
+            if r.same_time:
+                print(format_same_time(r, entry.get("fwd_bwd_roofline_ms")))
     for name, speed in (("optimizer_speed", extras.optimizer_speed),
                         ("optimizer_speed_fp32", extras.optimizer_speed_fp32)):
         if speed is not None:
