@@ -25,6 +25,7 @@ through autograd's references or break its saved-tensor checks.
 from __future__ import annotations
 
 import sys
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -199,7 +200,9 @@ class Scope:
     # the engine recognises it by the autograd graph task id and neither reloads nor releases.
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.calls.enter()
+        interrupted = self.calls.enter()
+        if interrupted:
+            self.engine.forget_calls(self, interrupted)
         tensors = _tensors(args, kwargs)
         self.engine.pre_forward(self, tensors)
         if torch.is_grad_enabled():
@@ -271,23 +274,50 @@ class _InertHook:
 
 
 class FailureCheck:
-    """Tells a forward hook registered with `always_call=True` whether the forward raised.
+    """Tells a forward hook registered with `always_call=True` whether the forward raised, and
+    a forward pre-hook whether earlier calls never ended.
+
     PyTorch runs such a hook inside its `except` block when the forward raises, but
     `sys.exc_info()` alone cannot tell: a module called while its caller handles an exception
     (a retry after an out-of-memory error, inside `except`) sees that exception there too. So
     the forward pre-hook records the exception being handled when the call starts (`enter`),
-    and the call failed if another one is being handled when it ends (`failed`)."""
+    and the call failed if another one is being handled when it ends (`failed`).
+
+    PyTorch catches only `Exception` there: a call left by a `KeyboardInterrupt` (Ctrl-C in a
+    notebook) or `SystemExit` runs no hook, and its record stays. `enter` finds such records:
+    one made on this thread at least as deep in the stack as the new call cannot belong to one
+    of its callers (a nested call is always deeper), so that call is over."""
 
     def __init__(self) -> None:
-        self._at_entry: list[BaseException | None] = []  # one per call in progress (nesting)
+        # One per call in progress: (thread, stack depth, exception handled at entry).
+        self._calls: list[tuple[int, int, BaseException | None]] = []
 
-    def enter(self) -> None:
-        self._at_entry.append(sys.exc_info()[1])
+    def enter(self) -> int:
+        """Record a call; return how many earlier calls were found to have been interrupted."""
+        thread, depth = threading.get_ident(), _stack_depth()
+        live = [c for c in self._calls if c[0] != thread or c[1] < depth]
+        interrupted = len(self._calls) - len(live)
+        live.append((thread, depth, sys.exc_info()[1]))
+        self._calls = live
+        return interrupted
 
     def failed(self) -> bool:
-        at_entry = self._at_entry.pop() if self._at_entry else None
+        thread = threading.get_ident()
+        at_entry = None
+        for i in range(len(self._calls) - 1, -1, -1):
+            if self._calls[i][0] == thread:
+                at_entry = self._calls.pop(i)[2]
+                break
         current = sys.exc_info()[1]
         return current is not None and current is not at_entry
+
+
+def _stack_depth() -> int:
+    depth, frame = 0, sys._getframe(1)
+    while frame is not None:
+        depth += 1
+        frame = frame.f_back
+    return depth
 
 
 class _AllInputGrads:

@@ -620,6 +620,17 @@ class TransferEngine:
         if not self.hold():
             self.release_all()
 
+    def forget_calls(self, scope: Scope, n: int) -> None:
+        """`n` calls of the scope never ended: a KeyboardInterrupt (or SystemExit) left them,
+        which runs no hook (FailureCheck). Forget them; the device copy they kept resident is
+        released unless another call uses it: while the scope counted as called, writes to its
+        masters (an optimizer step) did not release it, so it may be older than they are."""
+        if scope.active_calls == 0:
+            return  # already forgotten: abort() or end_backward() ran since
+        scope.active_calls = max(0, scope.active_calls - n)
+        if scope.active_calls == 0:
+            self.release(scope)
+
     def _advance_order(self, scope: Scope) -> None:
         order = self._order
         begins = self._model_forward is ModelForward.STARTING

@@ -331,7 +331,8 @@ def _hook_model_forward(model: nn.Module, engine: TransferEngine) -> None:
     calls = FailureCheck()
 
     def pre(module: nn.Module, args: tuple) -> None:
-        calls.enter()
+        if calls.enter():
+            engine.abort()  # an earlier forward was interrupted (KeyboardInterrupt): as if it raised
         engine.begin_forward()
 
     def post(module: nn.Module, args: tuple, output: object) -> None:

@@ -646,6 +646,55 @@ def test_exception_in_forward_leaves_scopes_offloaded_and_model_usable(device, g
     assert_all_scopes_offloaded(model)
 
 
+@pytest.mark.parametrize("wrapped", ["model", "module_list"])
+@pytest.mark.parametrize("where", ["first_scope", "second_scope", "after_the_scopes"])
+@pytest.mark.parametrize("grad_enabled", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("device", devices)
+def test_keyboard_interrupt_in_forward_is_forgotten_at_the_next_call(device, grad_enabled, where, wrapped):
+    """Ctrl-C runs no `always_call` hook (PyTorch catches only Exception there), so the
+    interrupted scope still counts as called. The next call of the model (or, with a wrapped
+    ModuleList, of the scope) must notice: otherwise an optimizer step in between does not
+    release the scope's device copy, and the next forward computes with the old weights."""
+    model = mlp_of_blocks()
+    reference = unwrapped_reference(model, device)
+    if wrapped == "model":
+        offload(model, device)
+    else:  # no model-level hook: only the scopes' own hooks see the calls
+        offtensor.wrap(model.blocks, device=device)
+        model.to(device)
+    x, y = batch(device)
+    F.mse_loss(reference(x), y).backward()
+    F.mse_loss(model(x), y).backward()
+
+    def interrupt(module, inputs, output):
+        raise KeyboardInterrupt
+
+    failing = {"first_scope": model.blocks[0].fc2, "second_scope": model.blocks[1].fc2,
+               "after_the_scopes": model.head}[where]
+    handle = failing.register_forward_hook(interrupt)
+    with torch.set_grad_enabled(grad_enabled), pytest.raises(KeyboardInterrupt):
+        model(x)
+    handle.remove()
+
+    # The masters change while the interrupted scope still looks called.
+    for m in (model, reference):
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+    with torch.no_grad():
+        model.blocks[0].fc1.weight.sum()  # a use outside the forward: no device copy stays
+    handle = model if wrapped == "model" else model.blocks
+    assert_all_scopes_offloaded(handle)
+    for m in (model, reference):
+        m.zero_grad()
+    out = model(x)
+    F.mse_loss(out, y).backward()
+    F.mse_loss(reference(x), y).backward()
+    torch.testing.assert_close(out, reference(x), **tolerances(device))
+    assert_grads_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(handle)
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "torch_save"])
 @pytest.mark.parametrize("device", devices)
 def test_a_copy_of_a_wrapped_model_is_a_plain_cpu_model_and_the_original_stays_wrapped(device, how):
