@@ -44,7 +44,8 @@ next large one and the compute it should overlap. A scope arriving out
 of order re-learns the order from that point; the first scope of the forward order arriving
 again starts a new pass and releases whatever a previous, abandoned pass left resident.
 The first scope of a pass is loaded when the forward of the model given to `wrap` starts
-(`begin_forward`), not when the forward reaches it: what a model computes before its first block
+(`begin_forward`; the scope where the pass after the last one's start began last time, so that
+alternating or cycling starts are foreseen), not when the forward reaches it: what a model computes before its first block
 (embeddings, masks, rotary tables; about 2 ms of host time for a Hugging Face Llama) then hides
 the first copy instead of delaying it, which matters most when the forward is transfer-bound.
 Those hooks also delimit passes: inside the model's forward the first scope arriving again (a
@@ -131,6 +132,10 @@ class TransferEngine:
         self.handles: list[torch.utils.hooks.RemovableHandle] = []  # hooks on the wrapped model
         self._model_forward = ModelForward.OUTSIDE
         self._last_begin: Scope | None = None  # where the last pass of the model's forward started
+        # Where the pass after one that started at a scope started, the last time: passes that
+        # alternate between starts (a vision-language model's image and text-only samples) or
+        # follow a cycle (encoder-decoder generation) load the right first scope early.
+        self._next_begin: dict[Scope, Scope] = {}
         self._preloaded: Scope | None = None  # loaded by begin_forward in the current model forward
         _engines.add(self)
 
@@ -468,15 +473,17 @@ class TransferEngine:
         # No wait here: each op waits for the chunk holding its weights (materialize).
 
     def begin_forward(self) -> None:
-        """The wrapped model's forward starts a pass: load the scope where the last one started
-        (the head of the order before that) now, after releasing what an earlier pass left
-        resident (Note [prefetch order])."""
+        """The wrapped model's forward starts a pass: load now the scope where the pass after
+        the last one's start began last time (where the last one started, the first time; the
+        head of the order before any), after releasing what an earlier pass left resident
+        (Note [prefetch order])."""
         if in_backward():
             return
         self._model_forward = ModelForward.STARTING
         if not self._order or self._prefetch_bytes == 0 or self.hold():
             return
-        first = self._last_begin if self._last_begin is not None else self._order[0]
+        last = self._last_begin
+        first = self._next_begin.get(last, last) if last is not None else self._order[0]
         for scope in list(self._live):
             if scope is not first and scope.active_calls == 0:
                 self.release(scope)
@@ -636,6 +643,8 @@ class TransferEngine:
         begins = self._model_forward is ModelForward.STARTING
         if begins:
             self._model_forward = ModelForward.IN_PASS
+            if self._last_begin is not None:
+                self._next_begin[self._last_begin] = scope
             self._last_begin = scope
             i = self._index.get(scope)
             if order and order[0] is not scope and i is not None and i < len(order) and order[i] is scope:

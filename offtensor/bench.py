@@ -624,7 +624,7 @@ def _gparams(numel: int, seconds: float) -> float:
     return numel / seconds / 1e9
 
 
-def measure_plain_adamw(params: Sequence[torch.Tensor], seed: int, reps: int = 3, *,
+def measure_plain_adamw(params: Sequence[torch.Tensor], seed: int, reps: int = 5, *,
                         device: torch.device | None = None,
                         pcie_bytes: tuple[int, int] | None = None) -> dict[str, Any]:
     """The optimizer term of the step rooflines: fused `torch.optim.AdamW` on plain CPU tensors
@@ -738,7 +738,7 @@ def measure_same_time(step: Callable[[], None], drain: Callable[[], None], param
             "beside_threads": max(1, torch.get_num_threads() - default[0])}
 
 
-def measure_optimizer_speed(layers: nn.ModuleList, seed: int, reps: int = 3) -> dict[str, Any]:
+def measure_optimizer_speed(layers: nn.ModuleList, seed: int, reps: int = 5) -> dict[str, Any]:
     """Fused AdamW on the wrapped model's offloaded parameters (random host .grad set on each)
     against the same step on plain CPU tensors of identical shapes and dtypes: what the
     parameter subclass costs the optimizer. One warm-up step each, then `reps` interleaved
@@ -1180,7 +1180,7 @@ def step_roofline(s: Scenario, rows: list[Row], bw: dict[str, Any], vb: VariantB
     entry: dict[str, Any] = {"compute_ms": compute, "compute_source": source,
                              "optimizer_ms": opt.get("median_ms"),
                              "optimizer_source": f"fused torch.optim.AdamW on plain CPU {dtype} tensors "
-                                                 "shaped as the wrapped parameters (median of 3)",
+                                                 "shaped as the wrapped parameters (median of 5)",
                              "optimizer_beside_copies_ms": opt.get("beside_copies", {}).get("median_ms"),
                              "peers": {}}
     notes = []

@@ -436,6 +436,28 @@ def test_decoding_from_cached_encoder_outputs_is_prefetched_and_leaves_nothing_l
 
 
 @pytest.mark.parametrize("device", devices)
+def test_passes_alternating_between_two_starts_find_their_first_scope_loaded(device):
+    """A vision-language model's image and text-only samples, encoder-decoder generation: the
+    pass after one that started at the encoder starts at the decoder and the other way round.
+    The model's forward start loads where the next pass began after this start last time."""
+    model = EncoderDecoder()
+    reference = reference_then_offload(model, device)
+    x = torch.randn(3, 16, device=device)
+    encoded = reference.encode(x).detach()
+    on_demand = []
+    with torch.no_grad():
+        for i in range(8):
+            before = _loads_on_demand(model)
+            out = model(x) if i % 2 == 0 else model(x, encoded)
+            on_demand.append(_loads_on_demand(model) - before)
+            expected = reference(x) if i % 2 == 0 else reference(x, encoded)
+            torch.testing.assert_close(out, expected, **tolerances(device))
+    # The first pass loads everything on demand; the next two learn the two starts' sequence.
+    assert on_demand[3:] == [0] * 5, on_demand
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("device", devices)
 def test_prefetch_zero_loads_nothing_before_a_scope_needs_it(device):
     model = mlp_of_blocks()
     offload(model, device, policy=offtensor.Policy(prefetch=0))
