@@ -137,6 +137,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _timed(device: torch.device, fn: Callable[[], None]) -> float:
+    """Seconds `fn` takes, its device work included."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def _host_rss() -> int | None:
     """Resident set size of this process in bytes (psutil, else /proc/self/status)."""
     try:
@@ -711,11 +720,7 @@ def measure_same_time(step: Callable[[], None], drain: Callable[[], None], param
     beside: list[float] = []
 
     def timed(fn: Callable[[], None]) -> float:
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        return time.perf_counter() - t0
+        return _timed(device, fn)
 
     try:
         for _ in range(rounds):
@@ -869,11 +874,7 @@ def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *,
         row.vram_before_bytes = torch.cuda.memory_allocated(device)
 
     def timed(fn: Callable[[], None]) -> float:
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        return time.perf_counter() - t0
+        return _timed(device, fn)
 
     def first_step() -> None:
         # The first warm-up iteration also tells whether the grads landed in p.grad.

@@ -22,20 +22,12 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from profile_infer import union  # this script's directory is on sys.path when it runs
+
 import offtensor
 from offtensor import _overlap
 from offtensor.bench import (FULL_SHAPE, QUICK_SHAPE, ModelShape, PeerOptions, _setup_offtensor, build_model,
                              enable_checkpointing, make_adamw)
-
-
-def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
 
 
 def busy(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
