@@ -28,6 +28,7 @@ import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -284,20 +285,30 @@ class FailureCheck:
     and the call failed if another one is being handled when it ends (`failed`).
 
     PyTorch catches only `Exception` there: a call left by a `KeyboardInterrupt` (Ctrl-C in a
-    notebook) or `SystemExit` runs no hook, and its record stays. `enter` finds such records:
-    one made on this thread at least as deep in the stack as the new call cannot belong to one
-    of its callers (a nested call is always deeper), so that call is over."""
+    notebook) or `SystemExit` runs no hook, and its record stays. So each record also holds the
+    frame of the module call running the hooks (the first frame outside offtensor: PyTorch's
+    `_call_impl`), which lives exactly as long as the call; `enter` drops the records of this
+    thread whose frame is not on the stack any more, and says how many. (A record kept this way
+    keeps that frame, and the tensors it refers to, until the module's next call; the
+    interrupt's own traceback holds them as well.)"""
 
     def __init__(self) -> None:
-        # One per call in progress: (thread, stack depth, exception handled at entry).
-        self._calls: list[tuple[int, int, BaseException | None]] = []
+        # One per call in progress: (thread, frame of the call, exception handled at entry).
+        self._calls: list[tuple[int, FrameType | None, BaseException | None]] = []
 
     def enter(self) -> int:
         """Record a call; return how many earlier calls were found to have been interrupted."""
-        thread, depth = threading.get_ident(), _stack_depth()
-        live = [c for c in self._calls if c[0] != thread or c[1] < depth]
+        thread = threading.get_ident()
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_globals.get("__name__", "").startswith("offtensor."):
+            frame = frame.f_back
+        on_stack, f = set(), frame
+        while f is not None:
+            on_stack.add(id(f))
+            f = f.f_back
+        live = [c for c in self._calls if c[0] != thread or id(c[1]) in on_stack]
         interrupted = len(self._calls) - len(live)
-        live.append((thread, depth, sys.exc_info()[1]))
+        live.append((thread, frame, sys.exc_info()[1]))
         self._calls = live
         return interrupted
 
@@ -310,14 +321,6 @@ class FailureCheck:
                 break
         current = sys.exc_info()[1]
         return current is not None and current is not at_entry
-
-
-def _stack_depth() -> int:
-    depth, frame = 0, sys._getframe(1)
-    while frame is not None:
-        depth += 1
-        frame = frame.f_back
-    return depth
 
 
 class _AllInputGrads:

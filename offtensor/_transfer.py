@@ -630,10 +630,10 @@ class TransferEngine:
     def forget_calls(self, scope: Scope, n: int) -> None:
         """`n` calls of the scope never ended: a KeyboardInterrupt (or SystemExit) left them,
         which runs no hook (FailureCheck). Forget them; the device copy they kept resident is
-        released unless another call uses it: while the scope counted as called, writes to its
-        masters (an optimizer step) did not release it, so it may be older than they are."""
-        if scope.active_calls == 0:
-            return  # already forgotten: abort() or end_backward() ran since
+        released unless another call uses it, also under no_offload(): while the scope counted
+        as called, writes to its masters (an optimizer step) did not release it, so it may be
+        older than they are. (Its count may have been reset since, by abort() or a new pass,
+        without a release under no_offload(); the copy goes all the same.)"""
         scope.active_calls = max(0, scope.active_calls - n)
         if scope.active_calls == 0:
             self.release(scope)

@@ -1417,7 +1417,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         try:
             spare, mib = v.split(":")
             variants.append((int(spare), int(float(mib) * 2**20)))
-        except ValueError:
+        except (ValueError, OverflowError):
             p.error(f"--overlap-variants: {v!r} is not SPARE:PIECE_MIB (e.g. 1:64)")
     args.overlap_variants = variants
     return args

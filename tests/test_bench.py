@@ -59,6 +59,7 @@ def test_quick_benchmark_fills_every_row(tmp_path, capsys):
 
 
 def test_overlap_variants_are_checked():
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--overlap-variants", "64"])
+    for bad in ("64", "1:inf", "x:64"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--overlap-variants", bad])
     assert bench.parse_args(["--overlap-variants", "0:16"]).overlap_variants == [(0, 16 * 2**20)]

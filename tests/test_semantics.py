@@ -646,45 +646,27 @@ def test_exception_in_forward_leaves_scopes_offloaded_and_model_usable(device, g
     assert_all_scopes_offloaded(model)
 
 
-@pytest.mark.parametrize("wrapped", ["model", "module_list"])
-@pytest.mark.parametrize("where", ["first_scope", "second_scope", "after_the_scopes"])
-@pytest.mark.parametrize("grad_enabled", [True, False], ids=["grad", "no_grad"])
-@pytest.mark.parametrize("device", devices)
-def test_keyboard_interrupt_in_forward_is_forgotten_at_the_next_call(device, grad_enabled, where, wrapped):
-    """Ctrl-C runs no `always_call` hook (PyTorch catches only Exception there), so the
-    interrupted scope still counts as called. The next call of the model (or, with a wrapped
-    ModuleList, of the scope) must notice: otherwise an optimizer step in between does not
-    release the scope's device copy, and the next forward computes with the old weights."""
-    model = mlp_of_blocks()
-    reference = unwrapped_reference(model, device)
+def _interrupt(module, inputs, output):
+    raise KeyboardInterrupt
+
+
+def _deeper(fn, depth: int = 20):
+    """Calls fn() from `depth` more Python frames down: the next call after an interrupt may
+    come from elsewhere (an evaluate() function) than the interrupted one (a notebook cell)."""
+    return fn() if depth == 0 else _deeper(fn, depth - 1)
+
+
+def _offload_model_or_blocks(model: nn.Module, device: str, wrapped: str) -> nn.Module:
+    """Wraps the model, or only its ModuleList (then no model-level hook sees the forward's
+    start: the scopes' own hooks must notice an interrupted call). Returns what was wrapped."""
     if wrapped == "model":
-        offload(model, device)
-    else:  # no model-level hook: only the scopes' own hooks see the calls
-        offtensor.wrap(model.blocks, device=device)
-        model.to(device)
-    x, y = batch(device)
-    F.mse_loss(reference(x), y).backward()
-    F.mse_loss(model(x), y).backward()
+        return offload(model, device)
+    offtensor.wrap(model.blocks, device=device)
+    model.to(device)
+    return model.blocks
 
-    def interrupt(module, inputs, output):
-        raise KeyboardInterrupt
 
-    failing = {"first_scope": model.blocks[0].fc2, "second_scope": model.blocks[1].fc2,
-               "after_the_scopes": model.head}[where]
-    handle = failing.register_forward_hook(interrupt)
-    with torch.set_grad_enabled(grad_enabled), pytest.raises(KeyboardInterrupt):
-        model(x)
-    handle.remove()
-
-    # The masters change while the interrupted scope still looks called.
-    for m in (model, reference):
-        torch.optim.SGD(m.parameters(), lr=0.5).step()
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), reference(x), **tolerances(device))
-    with torch.no_grad():
-        model.blocks[0].fc1.weight.sum()  # a use outside the forward: no device copy stays
-    handle = model if wrapped == "model" else model.blocks
-    assert_all_scopes_offloaded(handle)
+def _assert_step_matches(model: nn.Module, reference: nn.Module, handle: nn.Module, x, y, device: str) -> None:
     for m in (model, reference):
         m.zero_grad()
     out = model(x)
@@ -693,6 +675,92 @@ def test_keyboard_interrupt_in_forward_is_forgotten_at_the_next_call(device, gra
     torch.testing.assert_close(out, reference(x), **tolerances(device))
     assert_grads_match(model, reference, **tolerances(device))
     assert_all_scopes_offloaded(handle)
+
+
+@pytest.mark.parametrize("next_call", ["same_depth", "deeper"])
+@pytest.mark.parametrize("wrapped", ["model", "module_list"])
+@pytest.mark.parametrize("where", ["first_scope", "second_scope", "after_the_scopes"])
+@pytest.mark.parametrize("grad_enabled", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("device", devices)
+def test_keyboard_interrupt_in_forward_is_forgotten_at_the_next_call(device, grad_enabled, where, wrapped,
+                                                                     next_call):
+    """Ctrl-C runs no `always_call` hook (PyTorch catches only Exception there), so the
+    interrupted scope still counts as called. The next call of the model (or, with a wrapped
+    ModuleList, of the scope), from wherever it comes, must notice: otherwise an optimizer step
+    in between does not release the scope's device copy, and the next forward computes with the
+    old weights."""
+    model = mlp_of_blocks()
+    reference = unwrapped_reference(model, device)
+    handle = _offload_model_or_blocks(model, device, wrapped)
+    x, y = batch(device)
+    F.mse_loss(reference(x), y).backward()
+    F.mse_loss(model(x), y).backward()
+
+    failing = {"first_scope": model.blocks[0].fc2, "second_scope": model.blocks[1].fc2,
+               "after_the_scopes": model.head}[where]
+    hook = failing.register_forward_hook(_interrupt)
+    with torch.set_grad_enabled(grad_enabled), pytest.raises(KeyboardInterrupt):
+        model(x)
+    hook.remove()
+
+    # The masters change while the interrupted scope still looks called.
+    for m in (model, reference):
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+    depth = 20 if next_call == "deeper" else 0
+    with torch.no_grad():
+        torch.testing.assert_close(_deeper(lambda: model(x), depth), reference(x), **tolerances(device))
+        model.blocks[0].fc1.weight.sum()  # a use outside the forward: no device copy stays
+    assert_all_scopes_offloaded(handle)
+    _assert_step_matches(model, reference, handle, x, y, device)
+
+
+@pytest.mark.parametrize("wrapped", ["model", "module_list"])
+@pytest.mark.parametrize("checkpoint", ["reentrant", "non_reentrant"])
+def test_keyboard_interrupt_in_a_recompute_in_backward_is_forgotten(checkpoint, wrapped):
+    """Ctrl-C while backward recomputes a checkpointed block. CPU only: on CUDA the autograd
+    engine runs the recompute on its own thread, and Python delivers Ctrl-C to the main thread
+    only once backward has returned. The recompute's frames are shallower than the forward's."""
+    model = mlp_of_blocks()
+    model.checkpoint = checkpoint
+    reference = unwrapped_reference(model, "cpu")
+    handle = _offload_model_or_blocks(model, "cpu", wrapped)
+    x, y = batch("cpu")
+
+    def interrupt_in_backward(module, inputs, output):
+        if torch._C._current_graph_task_id() != -1:
+            raise KeyboardInterrupt
+
+    for m in (model, reference):
+        F.mse_loss(m(x), y).backward()
+        hook = m.blocks[0].fc1.register_forward_hook(interrupt_in_backward)
+        with pytest.raises(KeyboardInterrupt):
+            F.mse_loss(m(x), y).backward()
+        hook.remove()
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(0.9)  # the masters change
+    _assert_step_matches(model, reference, handle, x, y, "cpu")
+    _assert_step_matches(model, reference, handle, x, y, "cpu")
+
+
+@pytest.mark.parametrize("device", devices)
+def test_keyboard_interrupt_caught_inside_no_offload_leaves_no_stale_copy(device):
+    """Under no_offload() scopes stay resident, but a write to a master releases its scope's
+    copy unless the scope is in use; an interrupted scope looked in use."""
+    model = mlp_of_blocks()
+    reference = reference_then_offload(model, device)
+    x = torch.randn(4, 8, device=device)
+    with offtensor.no_offload(), torch.no_grad():
+        model(x)
+        hook = model.blocks[1].fc2.register_forward_hook(_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            model(x)
+        hook.remove()
+        for m in (model, reference):
+            for p in m.parameters():
+                p.mul_(0.5)
+        torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+    assert_all_scopes_offloaded(model)
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "torch_save"])
