@@ -302,14 +302,16 @@ class FailureCheck:
         frame = sys._getframe(1)
         while frame is not None and frame.f_globals.get("__name__", "").startswith("offtensor."):
             frame = frame.f_back
-        on_stack, f = set(), frame
-        while f is not None:
-            on_stack.add(id(f))
-            f = f.f_back
-        live = [c for c in self._calls if c[0] != thread or id(c[1]) in on_stack]
-        interrupted = len(self._calls) - len(live)
-        live.append((thread, frame, sys.exc_info()[1]))
-        self._calls = live
+        interrupted = 0
+        if any(c[0] == thread for c in self._calls):  # else nothing to check: no stack walk
+            on_stack, f = set(), frame
+            while f is not None:
+                on_stack.add(id(f))
+                f = f.f_back
+            live = [c for c in self._calls if c[0] != thread or id(c[1]) in on_stack]
+            interrupted = len(self._calls) - len(live)
+            self._calls = live
+        self._calls.append((thread, frame, sys.exc_info()[1]))
         return interrupted
 
     def failed(self) -> bool:

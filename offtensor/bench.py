@@ -718,20 +718,19 @@ def measure_same_time(step: Callable[[], None], drain: Callable[[], None], param
     per_variant: list[list[float]] = [[] for _ in variants]
     alone: list[float] = []
     beside: list[float] = []
-
-    def timed(fn: Callable[[], None]) -> float:
-        return _timed(device, fn)
-
+    beside_threads = None
     try:
         for _ in range(rounds):
             for i, (spare, piece) in enumerate(variants):
                 offtensor_overlap.SPARE_THREADS, offtensor_overlap.STEP_PIECE_BYTES = spare, piece
-                total = sum(timed(step) for _ in range(steps)) + timed(drain)
+                total = sum(_timed(device, step) for _ in range(steps)) + _timed(device, drain)
                 per_variant[i].append(total / steps * 1e3)
             offtensor_overlap.SPARE_THREADS, offtensor_overlap.STEP_PIECE_BYTES = default
-            alone.append(timed(opt.step) * 1e3)
+            alone.append(_timed(device, opt.step) * 1e3)
             if device.type == "cuda":
-                beside += _adamw_beside_copies(opt, device, *pcie_bytes, reps=1, free=False)["times_ms"]
+                m = _adamw_beside_copies(opt, device, *pcie_bytes, reps=1, free=False)
+                beside += m["times_ms"]
+                beside_threads = m["threads"]
     finally:
         offtensor_overlap.SPARE_THREADS, offtensor_overlap.STEP_PIECE_BYTES = default
     return {"rounds": rounds, "steps": steps,
@@ -740,7 +739,7 @@ def measure_same_time(step: Callable[[], None], drain: Callable[[], None], param
                          for (spare, piece), times in zip(variants, per_variant)],
             "alone_ms": alone, "alone_median_ms": statistics.median(alone),
             "beside_ms": beside, "beside_median_ms": statistics.median(beside) if beside else None,
-            "beside_threads": max(1, torch.get_num_threads() - default[0])}
+            "beside_threads": beside_threads}
 
 
 def measure_optimizer_speed(layers: nn.ModuleList, seed: int, reps: int = 5) -> dict[str, Any]:
