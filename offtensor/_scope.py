@@ -79,6 +79,8 @@ class ParamSlot:
     used_outside: bool = False  # ever materialized for an op outside its scope
     last_d2h: Any = None  # event after the latest device-to-host copy into host_grad
     old_grad: torch.Tensor | None = None  # device copy of `p.grad`, fetched for accumulation
+    # The host `p.grad` that old_grad was copied from, and its version counter then.
+    old_grad_source: tuple[torch.Tensor, int] | None = None
     chunk: int = 0  # which of the scope's chunk_ready events covers this parameter's copy
     copy_index: int = 0  # position in the scope's copy_order
     step_pending: bool = False  # a deferred optimizer step still has to write the master

@@ -53,6 +53,15 @@ looped block) continues the pass; a pass starting at another scope of the order 
 order from there (decoding from cached encoder outputs), at an unknown scope relearns it; at the
 end of the model's forward the order is cut where the pass ended and scopes the pass loaded but
 did not use are released. Without the hooks, ORDER_LIMIT bounds the order's length.
+
+# Note [stale gradient fetches]
+When a backward will add to an existing `p.grad` (gradient accumulation), the old host gradient
+is fetched to the device together with the scope's weights (`_load_old_grads`), possibly before
+backward starts: at the end of the forward, a prefetch for backward. The user may change `p.grad`
+in between: `optimizer.zero_grad()` between forward and backward zeroes it in place or sets it to
+None. So each fetch remembers the tensor it copied and that tensor's version counter, and
+`take_old_grad` uses the fetched copy only if `p.grad` is still that tensor, unwritten since;
+otherwise the gradient path reads `p.grad` as it is now (or starts afresh when it is None).
 """
 
 from __future__ import annotations
@@ -353,7 +362,7 @@ class TransferEngine:
         scope.copy_cursor = scope.copy_end = 0
         self._partial.pop(scope, None)
         for slot in scope.slots:
-            slot.old_grad = None
+            slot.old_grad = slot.old_grad_source = None
         scope.device_storage.resize_(0)
         scope.state = ScopeState.OFFLOADED
         self._live.pop(scope, None)
@@ -381,14 +390,22 @@ class TransferEngine:
             for slot, g, old in fetched:
                 old.copy_(g, non_blocking=True)
                 slot.old_grad = old
+                slot.old_grad_source = (g, g._version)
         scope.grads_ready = self.record(h2d)
         self._note_h2d(scope.grads_ready)
 
     def take_old_grad(self, slot: ParamSlot) -> torch.Tensor | None:
+        """The device copy of `p.grad` fetched with the scope's weights, if `p.grad` is still
+        that tensor with the values copied (Note [stale gradient fetches])."""
         g = slot.old_grad
-        if g is not None:
-            self.wait(self.compute_stream(), slot.scope.grads_ready)
-            slot.old_grad = None
+        if g is None:
+            return None
+        slot.old_grad = None
+        source, version = slot.old_grad_source
+        slot.old_grad_source = None
+        if master_grad(slot.param) is not source or source._version != version:
+            return None  # zero_grad() (or any write to p.grad) since the fetch: it is stale
+        self.wait(self.compute_stream(), slot.scope.grads_ready)
         return g
 
     # ---- materialization for ops (Note [dispatch of an offloaded parameter]) ----------------
