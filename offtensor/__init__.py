@@ -2,7 +2,7 @@
 pinned host memory, exactly when they are used.
 
     import offtensor
-    offtensor.wrap(model)       # each nn.ModuleList element becomes an offloaded scope
+    offtensor.wrap(model)       # each element of the outermost nn.ModuleLists becomes a scope
     model.to("cuda")            # the rest of the model; masters stay on the host
 
 See README.md and docs/design.md.

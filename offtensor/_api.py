@@ -82,6 +82,11 @@ class Policy:
                 f"offtensor.Policy: compute_dtype must be a floating-point torch.dtype such as "
                 f"torch.bfloat16, got {self.compute_dtype!r}"
             )
+        if self.param_filter is not None and not callable(self.param_filter):
+            raise TypeError(
+                "offtensor.Policy: param_filter must be callable as param_filter(qualified_name, "
+                f"param) -> bool (e.g. offtensor.frozen_only), or None; got {type(self.param_filter).__name__}"
+            )
         if self.cast not in ("device", "host"):
             raise ValueError(f"offtensor.Policy: cast must be 'device' or 'host', got {self.cast!r}")
 

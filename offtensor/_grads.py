@@ -56,6 +56,14 @@ class GradOffload:
     def on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None:
         grad = leaf.grad
         leaf.grad = None  # the device copy keeps no gradient: it lives on the host
+        if grad is not None and grad.requires_grad:
+            raise RuntimeError(
+                f"offtensor: backward(create_graph=True) would give offloaded parameter "
+                f"{slot.name!r} a .grad that carries a graph, but its .grad lives on the host and "
+                "cannot. For a gradient penalty, take the gradients you differentiate with "
+                "torch.autograd.grad(y, inputs, create_graph=True) over tensors that are not "
+                "offloaded parameters (supported), then call backward() without create_graph"
+            )
         if grad is not None:
             self.accumulate(slot, grad)
 

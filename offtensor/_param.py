@@ -53,6 +53,8 @@ class OffloadedParameter(nn.Parameter):
             if name == "__set__" and getattr(func.__self__, "__name__", "") == "data":
                 return _set_data(args[0], args[1])
             if name in ("__get__", "__set__", "__delete__"):
+                if name == "__get__" and getattr(func.__self__, "__name__", "") in _DERIVED_PROPERTIES:
+                    return _dispatch(func, args, kwargs, params)  # `w.T` is an op on w
                 return func(*args, **kwargs)
             handler = _HANDLERS.get(func)
             if handler is not None:
@@ -135,9 +137,23 @@ def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter])
         replacement = slot.scope.engine.materialize(slot, op_device)
         if replacement is not None:
             subs[id(p)] = replacement
-    if subs:
-        args, kwargs = _substitute(args, subs), {k: _sub_one(v, subs) for k, v in kwargs.items()}
-    return func(*args, **kwargs)
+    if not subs:
+        return func(*args, **kwargs)
+    args, kwargs = _substitute(args, subs), {k: _sub_one(v, subs) for k, v in kwargs.items()}
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as e:
+        cast = next((p for p in params if getattr(p, "_ot", None) is not None and p._ot.scope.casts), None)
+        if cast is None or "dtype" not in str(e):
+            raise
+        slot = cast._ot
+        raise RuntimeError(
+            f"offtensor: {getattr(func, '__name__', func)} failed on offloaded parameter "
+            f"{slot.name!r}, which computes in {slot.device_view.dtype} "
+            f"(Policy(compute_dtype=...)) while its master is {cast.dtype}: the other inputs "
+            "must be of the compute dtype. Run the model under torch.autocast(device_type, "
+            f"dtype={slot.device_view.dtype}), or cast the inputs to {slot.device_view.dtype}"
+        ) from e
 
 
 def _find_params(args: tuple, kwargs: dict) -> list[OffloadedParameter]:
@@ -216,6 +232,11 @@ def _hook_registrar(table: str, plain):
 
     return register
 
+
+# Tensor properties that compute a new tensor from the parameter's values (`x @ w.T`): they
+# are dispatched like ops. Every other property (`p.grad`, `p.data`, `p.shape`, `p.device`) is
+# about the master itself.
+_DERIVED_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 
 # Queries about the master itself, and methods that change the parameter object: never
 # materialized, even when grad mode would otherwise call for a differentiable copy.

@@ -24,8 +24,10 @@ through autograd's references or break its saved-tensor checks.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import FrameType
@@ -60,6 +62,21 @@ class DeviceCopy(torch.Tensor):
         return super().__repr__(*args, **kwargs)
 
 
+def device_copy(flat: torch.Tensor, offset: int, dtype: torch.dtype,
+                shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """A parameter's device copy in a scope's flat device buffer (which must be allocated),
+    as (the leaf ops see, the view the loader writes through)."""
+    numel = shape.numel()
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    leaf = torch.empty(0, dtype=dtype, device=flat.device)
+    leaf.set_(flat.untyped_storage(), offset // dtype.itemsize, shape, strides)
+    leaf.__class__ = DeviceCopy
+    view = flat[offset : offset + numel * dtype.itemsize].view(dtype).view(shape)
+    return leaf, view
+
+
 @dataclass(eq=False, repr=False)
 class ParamSlot:
     """Per-parameter bookkeeping, stored on the parameter as `p._ot`."""
@@ -86,6 +103,8 @@ class ParamSlot:
     step_pending: bool = False  # a deferred optimizer step still has to write the master
     grad_hooks: OrderedDict = field(default_factory=OrderedDict)  # register_hook hooks, see Note [user gradient hooks]
     post_hooks: OrderedDict = field(default_factory=OrderedDict)  # post-accumulate-grad hooks
+    # Device copies of earlier storages that graphs of create_graph backwards may still read.
+    retired: list[weakref.ref] = field(default_factory=list)
 
     @property
     def grad_written(self) -> bool:
@@ -102,6 +121,24 @@ class ParamSlot:
         # Not the fields: device_view is a plain view of the scope's device buffer, which is
         # 0 bytes while the scope is offloaded, and printing it would read freed memory.
         return f"ParamSlot({self.name!r}, {tuple(self.param.shape)}, scope {self.scope.name!r})"
+
+    def hook_device_leaf(self) -> None:
+        """Route the device copy's gradients to the host (Note [gradient path] in _grads.py)."""
+        leaf = self.device_leaf
+        # Registered with grad on, so that it stays if the parameter is frozen now and
+        # unfrozen later.
+        leaf.requires_grad_(True)
+        leaf.register_post_accumulate_grad_hook(functools.partial(self.scope.engine.grads.on_leaf_grad, self))
+        leaf.requires_grad_(self.param.requires_grad)
+
+    def retired_copies_written(self) -> None:
+        """The master is about to change: graphs holding a retired device copy of it must see
+        it as modified in place (Note [higher-order gradients] in _transfer.py)."""
+        for ref in self.retired:
+            leaf = ref()
+            if leaf is not None:
+                torch.autograd.graph.increment_version(leaf)
+        self.retired.clear()
 
     def use_device_copy(self) -> torch.Tensor:
         leaf = self.device_leaf
@@ -137,6 +174,9 @@ class Scope:
         self.shadow_stale = True  # masters changed since host_shadow was cast
         self.shadow_read: Any = None  # event after the latest copy from host_shadow
         self.state = ScopeState.OFFLOADED
+        # A create_graph backward used the device copies: its graph may read them later, so
+        # the release retires the storage instead of freing it (Note [higher-order gradients]).
+        self.graph_saved = False
         self.chunk_ready: list[Any] = []  # events on the copy stream after each chunk of the
         # weights' copy, while LOADING (Note [progressive loads])
         self.chunks_waited = 0  # chunks the compute stream has waited for (Note [progressive loads])
@@ -167,6 +207,19 @@ class Scope:
     @property
     def device_storage(self) -> torch.UntypedStorage:
         return self.device_flat.untyped_storage()
+
+    def retire_device_storage(self) -> None:
+        """Give the scope a new, empty device storage and new device copies; the old ones are
+        left to the graphs that hold them (Note [higher-order gradients] in _transfer.py)."""
+        flat = torch.empty(self.device_nbytes, dtype=torch.uint8, device=self.device_flat.device)
+        for slot in self.slots:
+            slot.retired.append(weakref.ref(slot.device_leaf))
+            slot.device_leaf, slot.device_view = device_copy(
+                flat, slot.device_offset, slot.device_view.dtype, slot.param.shape)
+            slot.hook_device_leaf()
+        flat.untyped_storage().resize_(0)
+        self.device_flat = flat
+        self.graph_saved = False
 
     def host_bytes(self) -> int:
         return self.nbytes + (self.device_nbytes if self.host_shadow is not None else 0)
@@ -235,7 +288,8 @@ class Scope:
                 state_dict[key] = state_dict[key].clone()
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
-        self.engine.pre_backward(self)
+        # Autograd runs a backward with grad mode set to its create_graph flag.
+        self.engine.pre_backward(self, create_graph=torch.is_grad_enabled())
 
 
 # Note [copies of a wrapped model]

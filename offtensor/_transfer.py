@@ -54,6 +54,22 @@ order from there (decoding from cached encoder outputs), at an unknown scope rel
 end of the model's forward the order is cut where the pass ended and scopes the pass loaded but
 did not use are released. Without the hooks, ORDER_LIMIT bounds the order's length.
 
+# Note [higher-order gradients]
+`torch.autograd.grad(y, x, create_graph=True)` (gradient penalties, `hvp`, `hessian`) builds a
+graph of the backward itself, and that graph saves the scopes' device copies (the weight of a
+linear's input gradient). Differentiating it again reads them directly, through no hook of
+offtensor's, possibly several times (`retain_graph=True`) and at any later time. Resizing their
+storage to 0 bytes at release would leave that graph reading freed memory. So a scope whose
+backward ran with grad mode on (which is what create_graph means; the output-gradient hook sees
+it) is marked `graph_saved`, and its release *retires* the device storage instead: the scope
+gets a new, empty device storage (new device copies, same hooks) for its next load, and the old
+one, untouched, lives exactly as long as some graph refers to it; reference counting frees it
+with the last such graph. A later write to the master (an optimizer step) bumps the version
+counter of the retired copies, so that differentiating the old graph raises autograd's usual
+"modified by an inplace operation" error, as it would without offloading.
+`backward(create_graph=True)` into an offloaded parameter's `.grad` cannot work (the host `.grad`
+carries no graph) and raises.
+
 # Note [stale gradient fetches]
 When a backward will add to an existing `p.grad` (gradient accumulation), the old host gradient
 is fetched to the device together with the scope's weights (`_load_old_grads`), possibly before
@@ -70,6 +86,7 @@ import contextlib
 import enum
 import functools
 import logging
+import threading
 import weakref
 from typing import Any
 
@@ -146,6 +163,8 @@ class TransferEngine:
         # follow a cycle (encoder-decoder generation) load the right first scope early.
         self._next_begin: dict[Scope, Scope] = {}
         self._preloaded: Scope | None = None  # loaded by begin_forward in the current model forward
+        self._thread: int | None = None  # the thread of the latest forward (_check_thread)
+        self._create_graph = False  # the backward running now builds a graph (create_graph=True)
         _engines.add(self)
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -363,7 +382,10 @@ class TransferEngine:
         self._partial.pop(scope, None)
         for slot in scope.slots:
             slot.old_grad = slot.old_grad_source = None
-        scope.device_storage.resize_(0)
+        if scope.graph_saved:
+            scope.retire_device_storage()  # Note [higher-order gradients]
+        else:
+            scope.device_storage.resize_(0)
         scope.state = ScopeState.OFFLOADED
         self._live.pop(scope, None)
         if logger.isEnabledFor(logging.DEBUG):
@@ -420,9 +442,20 @@ class TransferEngine:
             return slot.use_device_copy()
         p = slot.param
         needs_grad = torch.is_grad_enabled() and p.requires_grad
-        if op_device is None and not needs_grad:
-            return None  # act on the host master
+        if op_device is None:
+            if self._computing():
+                # Read by another module's forward (Mamba's mixer reads `conv1d.weight` of a
+                # child whose forward never runs), or with no device tensor among the op's
+                # arguments (`w.T`, `w.view(...)`): the device copy, not the host master.
+                op_device = self.device
+            elif not needs_grad:
+                return None  # act on the host master
         return self._temporary_copy(slot, op_device, needs_grad)
+
+    def _computing(self) -> bool:
+        """In a forward or backward of the wrapped model, where ops compute on the device."""
+        return (self._model_forward is not ModelForward.OUTSIDE or in_backward()
+                or any(s.active_calls for s in self.scopes))
 
     def _temporary_copy(self, slot: ParamSlot, op_device: torch.device | None,
                         needs_grad: bool) -> torch.Tensor:
@@ -430,7 +463,7 @@ class TransferEngine:
         functional calls). Its gradient takes the same path as the scope's device copy."""
         master = slot.param
         dtype = slot.device_view.dtype
-        if op_device is None:
+        if op_device is None or op_device.type == "cpu":
             copy = master.detach().to(dtype=dtype, copy=True)
         else:
             copy = torch.empty(master.shape, dtype=dtype, device=op_device)
@@ -461,6 +494,7 @@ class TransferEngine:
             for event in self._unsynced_h2d:
                 event.synchronize()
             self._unsynced_h2d.clear()
+        slot.retired_copies_written()
         if scope.state is not ScopeState.OFFLOADED and scope.active_calls == 0:
             self.release(scope)
 
@@ -468,11 +502,13 @@ class TransferEngine:
 
     def pre_forward(self, scope: Scope, inputs: list[torch.Tensor]) -> None:
         """`inputs`: the tensors among the forward's arguments."""
-        scope.active_calls += 1
         if in_backward():
+            scope.active_calls += 1
             self.pre_backward(scope)
             return
+        self._check_thread(scope)
         self._check_inputs(scope, inputs)
+        scope.active_calls += 1
         self._advance_order(scope)
         scope.calls_in_pass += 1
         # Only a call that can add to a gradient counts: grad enabled or, for the forward that
@@ -562,8 +598,14 @@ class TransferEngine:
             return
         self.release(scope)
 
-    def pre_backward(self, scope: Scope) -> None:
+    def pre_backward(self, scope: Scope, *, create_graph: bool = False) -> None:
+        """The scope's backward is about to run; `create_graph`: the backward builds a graph of
+        its own (Note [higher-order gradients])."""
         self.grads.enter_backward()
+        if create_graph:
+            self._create_graph = True
+        if self._create_graph:
+            scope.graph_saved = True
         self._backward_scope = scope
         self._saw_backward = True
         if scope.state is ScopeState.OFFLOADED:
@@ -614,12 +656,14 @@ class TransferEngine:
             self.release(scope)
 
     def end_backward(self) -> None:
-        """End of the outermost backward: nothing stays resident (unless no_offload holds)."""
+        """End of the outermost backward: nothing stays resident (unless no_offload holds, or
+        the backward built a graph that may be differentiated again)."""
         self._forget_backward()
         for scope in self.scopes:
             scope.active_calls = 0
             scope.calls_since_backward = 0
             scope.counted_in_pass = 0
+        self._create_graph = False
         if not self.hold():
             self.release_all()
 
@@ -714,17 +758,29 @@ class TransferEngine:
                 if scope is not first:
                     self.release(scope)
 
+    def _check_thread(self, scope: Scope) -> None:
+        """One forward at a time per wrapped model: its scopes' device copies, call counts and
+        learned order are shared, so a second thread's forward would corrupt the first's."""
+        thread = threading.get_ident()
+        if self._thread != thread:
+            if self._thread is not None and any(s.active_calls for s in self.scopes):
+                raise RuntimeError(
+                    f"offtensor: scope {scope.name!r} was called from thread {thread} while "
+                    f"thread {self._thread} is in a forward of the same wrapped model. A wrapped "
+                    "model runs one forward (and backward) at a time: use one wrapped model per "
+                    "thread, or serialize the calls with a lock"
+                )
+            self._thread = thread
+
     def _check_inputs(self, scope: Scope, inputs: list[torch.Tensor]) -> None:
-        if not self.is_cuda:
-            return
         for i, t in enumerate(inputs):
-            if t.device.type == "cpu" and t.dim() > 0:
+            if t.device != self.device and not (t.device.type == "cpu" and t.dim() == 0):
                 raise RuntimeError(
                     f"offtensor: input tensor {i} of scope {scope.name!r} "
-                    f"(shape {tuple(t.shape)}, {t.dtype}) is on the cpu, but the scope computes "
-                    f"on {self.device}; move inputs with .to({str(self.device)!r}) (and the "
-                    "model's unwrapped parts with model.to(...); offloaded parameters stay on "
-                    "the host)"
+                    f"(shape {tuple(t.shape)}, {t.dtype}) is on {t.device}, but the scope "
+                    f"computes on {self.device}; move inputs with .to({str(self.device)!r}) (and "
+                    "the model's unwrapped parts with model.to(...); offloaded parameters stay "
+                    "on the host)"
                 )
 
     def _mem(self) -> str:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from typing import Callable, cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -23,7 +25,7 @@ from ._api import Policy, ScopeState, ScopeSummary, Summary
 from ._host_memory import PinProgress, host_empty
 from ._overlap import wait_for_steps
 from ._param import OffloadedParameter
-from ._scope import ALIGN, DeviceCopy, FailureCheck, Hook, ParamSlot, Scope
+from ._scope import ALIGN, FailureCheck, Hook, ParamSlot, Scope, device_copy
 from ._transfer import TransferEngine
 
 logger = logging.getLogger("offtensor")
@@ -52,7 +54,9 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
             before `wrap` stays valid); their data moves into the host buffers.
         predicate: `predicate(qualified_name, module) -> bool | Policy` selects scopes;
             returning a `Policy` selects the module with that policy. Default: every element of
-            every `nn.ModuleList` (the decoder layers of a transformer, the blocks of a UNet).
+            every outermost `nn.ModuleList` (the decoder layers of a transformer, the blocks of
+            a UNet or a diffusion transformer); lists nested inside a selected element are part
+            of it. `offtensor.summary(model)` lists the scopes chosen.
             A selected module's descendants are part of it and must not be selected too.
         device: the compute device. Default: the current CUDA device if available, else
             `"cpu"`; `"cpu"` runs the same mechanism with CPU copies (used to test it).
@@ -71,6 +75,16 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward(); opt.step(); opt.zero_grad()
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"offtensor.wrap: expected an nn.Module (the model whose blocks to offload), got "
+            f"{type(model).__name__}"
+        )
+    if predicate is not None and not callable(predicate):
+        raise TypeError(
+            f"offtensor.wrap: predicate must be callable as predicate(qualified_name, module) -> "
+            f"bool | offtensor.Policy, or None for the default; got {type(predicate).__name__}"
+        )
     policy = policy if policy is not None else Policy()
     if not isinstance(policy, Policy):
         raise TypeError(f"offtensor.wrap: policy must be an offtensor.Policy, got {type(policy).__name__}")
@@ -94,18 +108,29 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
     if pin and not torch.cuda.is_available():
         raise ValueError("offtensor.wrap: Policy(pin_memory=True) needs CUDA; this machine has none")
     engine = TransferEngine(device, policy)
-    owned: set[int] = set()
+    owner: dict[int, str] = {}  # id(parameter) -> the scope that offloads it
     plans = []
     for name, module, scope_policy, recurse, block in _split_large(selected):
-        params = []
+        params, tied = [], []
         for pname, p in module.named_parameters(recurse=recurse):
             qual = f"{name}.{pname}" if name else pname
-            keep = scope_policy.param_filter is None or scope_policy.param_filter(qual, p)
-            if keep and id(p) not in owned:
-                owned.add(id(p))
+            if id(p) in owner:
+                tied.append((qual, owner[id(p)]))
+            elif scope_policy.param_filter is None or _keep(scope_policy, qual, p):
+                owner[id(p)] = name
                 params.append((qual, p))
         if params:
             plans.append((name, module, scope_policy, params, block))
+        elif tied and name == block:
+            qual, other = tied[0]
+            warnings.warn(
+                f"offtensor.wrap: the predicate selected {name or '<root>'!r}, but its parameters "
+                f"are all tied to parameters of scope {other or '<root>'!r} (e.g. {qual!r}), "
+                f"which offloads them: {name or '<root>'!r} is not a scope of its own, and its "
+                "Policy (keep_for_backward, ...) does not apply. Select only one of the two, or "
+                "untie the weights",
+                stacklevel=2,
+            )
     if not plans:
         raise ValueError(
             f"offtensor.wrap: the predicate selected {len(selected)} modules (e.g. "
@@ -199,18 +224,42 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
 def _select(model: nn.Module, predicate: Predicate | None, policy: Policy) -> list[tuple[str, nn.Module, Policy]]:
     selected = []
     if predicate is None:
+        # The outermost lists only: a list inside a selected element (T5's `block.N.layer`,
+        # diffusers' `attn.to_out`, a UNet block's `resnets`) is part of that element's scope.
+        inside: list[str] = []  # prefixes of the selected elements
         for name, module in model.named_modules():
-            if isinstance(module, nn.ModuleList):
-                for i, child in enumerate(module):
-                    selected.append((f"{name}.{i}" if name else str(i), child, policy))
+            if not isinstance(module, nn.ModuleList) or any(name.startswith(p) for p in inside):
+                continue
+            for i, child in enumerate(module):
+                child_name = f"{name}.{i}" if name else str(i)
+                selected.append((child_name, child, policy))
+                inside.append(child_name + ".")
         return selected
     for name, module in model.named_modules():
         choice = predicate(name, module)
         if isinstance(choice, Policy):
             selected.append((name, module, choice))
+        elif not isinstance(choice, (bool, np.bool_)):
+            raise TypeError(
+                f"offtensor.wrap: the predicate returned {type(choice).__name__} for module "
+                f"{name or '<root>'!r} ({type(module).__name__}); it must return a bool (True "
+                "selects the module) or an offtensor.Policy (selects it with those options). "
+                "For a regular expression, return `re.fullmatch(...) is not None`"
+            )
         elif choice:
             selected.append((name, module, policy))
     return selected
+
+
+def _keep(policy: Policy, qual: str, p: nn.Parameter) -> bool:
+    assert policy.param_filter is not None
+    keep = policy.param_filter(qual, p)
+    if not isinstance(keep, (bool, np.bool_)):
+        raise TypeError(
+            f"offtensor.wrap: Policy.param_filter returned {type(keep).__name__} for parameter "
+            f"{qual!r}; it must return a bool (True offloads the parameter)"
+        )
+    return bool(keep)
 
 
 def _split_large(selected: list[tuple[str, nn.Module, Policy]]) -> list[tuple[str, nn.Module, Policy, bool, str]]:
@@ -239,7 +288,7 @@ def _check_selection(model: nn.Module, selected: list[tuple[str, nn.Module, Poli
     if not selected:
         raise ValueError(
             f"offtensor.wrap: the predicate selected no module of this {type(model).__name__}. "
-            "The default selects each element of every nn.ModuleList; pass "
+            "The default selects each element of every outermost nn.ModuleList; pass "
             "predicate=lambda name, module: ... returning True for the blocks to offload "
             f"(top-level children: {[n for n, _ in model.named_children()]})"
         )
@@ -291,7 +340,6 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
         scope.host_shadow = host_empty(scope.device_nbytes, pin=scope.pinned)
     # Allocated here only to create each parameter's device tensor on it; freed below.
     scope.device_flat = torch.empty(scope.device_nbytes, dtype=torch.uint8, device=device)
-    storage = scope.device_flat.untyped_storage()
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
         for (qual, p), offset, dev_offset, dt in zip(params, offsets, dev_offsets, dtypes):
             nbytes = p.numel() * p.element_size()
@@ -299,26 +347,20 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
             host.copy_(p.detach())
             grad = p.grad
             p.grad = None
-            leaf = torch.empty(0, dtype=dt, device=device)
-            leaf.set_(storage, dev_offset // dt.itemsize, p.shape, host.stride())
-            leaf.__class__ = DeviceCopy
-            view = scope.device_flat[dev_offset : dev_offset + p.numel() * dt.itemsize].view(dt).view(p.shape)
+            leaf, view = device_copy(scope.device_flat, dev_offset, dt, p.shape)
             p.data = host
             p.__class__ = OffloadedParameter
             offloaded = cast(OffloadedParameter, p)
             slot = ParamSlot(param=offloaded, name=qual, scope=scope, offset=offset,
                              device_offset=dev_offset, device_leaf=leaf, device_view=view)
             offloaded._ot = slot
-            # The hook stays if the parameter is frozen now and unfrozen later.
-            leaf.requires_grad_(True)
-            leaf.register_post_accumulate_grad_hook(functools.partial(scope.engine.grads.on_leaf_grad, slot))
-            leaf.requires_grad_(p.requires_grad)
+            slot.hook_device_leaf()
             if grad is not None:
                 slot.host_grad = host_empty(nbytes, pin=scope.pinned).view(p.dtype).view(p.shape)
                 slot.host_grad.copy_(grad)
                 p.grad = slot.host_grad
             scope.slots.append(slot)
-    storage.resize_(0)
+    scope.device_storage.resize_(0)
     scope.state = ScopeState.OFFLOADED
 
 

@@ -1,0 +1,159 @@
+"""Higher-order autograd through a wrapped model: gradient penalties, hvp/jvp/hessian.
+
+Regression: `torch.autograd.grad(y, x, create_graph=True)` followed by a second backward through
+the graph it built crashed the process (exit 139): the first backward released the scopes whose
+device copies the new graph had saved.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import offtensor
+from conftest import (
+    assert_all_scopes_offloaded,
+    assert_grads_match,
+    assert_params_match,
+    devices,
+    mlp_of_blocks,
+    param_bytes,
+    reference_then_offload,
+    tolerances,
+)
+
+
+def _penalized_loss(model, x, y):
+    """WGAN-GP/R1 style: the loss plus the squared norm of its gradient w.r.t. the input."""
+    x = x.detach().requires_grad_(True)
+    out = model(x)
+    loss = F.mse_loss(out, y)
+    (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return loss + grad_x.pow(2).sum()
+
+
+@pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("overlapped", [False, True], ids=["step", "backward_and_step"])
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant"])
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_gradient_penalty_trains_like_unwrapped_model(device, split, checkpoint, overlapped):
+    model = mlp_of_blocks(n_blocks=3)
+    policy = offtensor.Policy(max_scope_bytes=param_bytes(model.blocks[0]) // 2) if split else None
+    reference = reference_then_offload(model, device, policy=policy)
+    model.checkpoint = reference.checkpoint = checkpoint
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    tol = tolerances(device)
+    for _ in range(3):
+        x, y = torch.randn(4, 8, device=device), torch.randn(4, 4, device=device)
+        loss = _penalized_loss(model, x, y)
+        if overlapped:
+            offtensor.backward_and_step(loss, opt)
+            offtensor.wait_for_steps()
+        else:
+            loss.backward()
+        ref_loss = _penalized_loss(reference, x, y)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, **tol)
+        assert_grads_match(model, reference, **tol)
+        if not overlapped:
+            opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        assert_all_scopes_offloaded(model)
+    assert_params_match(model, reference, **tol)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_gradient_penalty_through_reentrant_checkpointing_raises_as_unwrapped(device):
+    """Reentrant checkpointing does not support torch.autograd.grad, with or without offtensor."""
+    model = mlp_of_blocks(n_blocks=2)
+    reference = reference_then_offload(model, device)
+    model.checkpoint = reference.checkpoint = "reentrant"
+    x, y = torch.randn(4, 8, device=device), torch.randn(4, 4, device=device)
+    with pytest.raises(RuntimeError, match="[Cc]heckpoint"):
+        _penalized_loss(reference, x, y)
+    with pytest.raises(RuntimeError, match="[Cc]heckpoint"):
+        _penalized_loss(model, x, y)
+    model.checkpoint = None
+    _penalized_loss(model, x, y).backward()  # still usable
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("fn", ["hvp", "vhp", "jvp", "hessian"])
+def test_autograd_functional_matches_unwrapped_model(device, fn):
+    model = mlp_of_blocks(n_blocks=2, in_features=3, out_features=2)
+    reference = reference_then_offload(model, device)
+    x = torch.randn(3, device=device)
+    v = torch.randn(3, device=device)
+    tol = tolerances(device)
+
+    def run(m):
+        scalar = lambda t: m(t.unsqueeze(0)).pow(2).sum()  # noqa: E731
+        vector = lambda t: m(t.unsqueeze(0)).squeeze(0)  # noqa: E731
+        if fn == "hvp":
+            return torch.autograd.functional.hvp(scalar, x, v)
+        if fn == "vhp":
+            return torch.autograd.functional.vhp(scalar, x, v)
+        if fn == "jvp":
+            return torch.autograd.functional.jvp(vector, x, v)
+        return torch.autograd.functional.hessian(scalar, x)
+
+    torch.testing.assert_close(run(model), run(reference), **tol)
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_kept_graph_used_after_an_optimizer_step_raises_autograds_inplace_error(device):
+    """As without offloading: stepping the weights invalidates a graph that saved them."""
+    model = mlp_of_blocks(n_blocks=2)
+    reference = reference_then_offload(model, device)
+    for m in (reference, model):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        (gx,) = torch.autograd.grad(m(x).sum(), x, create_graph=True)
+        opt.step()  # no grads yet: SGD skips; write the weights directly instead
+        with torch.no_grad():
+            for p in m.blocks.parameters():
+                p.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            gx.pow(2).sum().backward()
+    # The model recovers: a fresh step runs and releases everything.
+    F.mse_loss(model(torch.randn(4, 8, device=device)), torch.randn(4, 4, device=device)).backward()
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_backward_with_create_graph_into_offloaded_grads_raises_naming_offtensor(device):
+    model = mlp_of_blocks(n_blocks=2)
+    offtensor.wrap(model, device=device)
+    model.to(device)
+    loss = model(torch.randn(4, 8, device=device)).pow(2).sum()
+    with pytest.raises(RuntimeError, match=r"offtensor: backward\(create_graph=True\).*'blocks\.\d\."):
+        loss.backward(create_graph=True)
+    # Still usable afterwards.
+    model(torch.randn(4, 8, device=device)).sum().backward()
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gradient_penalty_steps_leave_no_device_memory_behind():
+    """Retired device storages go with the graphs that held them: memory does not grow."""
+    model = mlp_of_blocks(n_blocks=3, hidden=256)
+    offtensor.wrap(model, device="cuda")
+    model.to("cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    allocated = []
+    for _ in range(4):
+        x, y = torch.randn(4, 8, device="cuda"), torch.randn(4, 4, device="cuda")
+        _penalized_loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+    assert_all_scopes_offloaded(model)
+    assert allocated[-1] == allocated[1], allocated
