@@ -122,3 +122,117 @@ def test_error_if_input_on_cpu_while_computing_on_cuda_names_scope_and_device():
     out = model.blocks[1](x.cuda())
     assert out.device.type == "cuda"
     assert all(s.device_bytes == 0 for s in offtensor.summary(model).scopes)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_error_if_input_on_another_device_on_every_compute_device(device):
+    model = offload(mlp_of_blocks(), device)
+    x = torch.randn(4, 16, device="meta")  # neither the CPU nor CUDA: wrong for both
+
+    with pytest.raises(RuntimeError, match=r"input tensor 0 of scope 'blocks\.1'.*is on meta"):
+        model.blocks[1](x)
+    assert model.blocks[1](torch.randn(4, 16, device=device)).device.type == device
+
+
+@pytest.mark.parametrize("what", [None, torch.zeros(2), "model"])
+def test_error_if_wrap_is_given_something_else_than_a_module(what):
+    with pytest.raises(TypeError, match=r"offtensor.wrap: expected an nn.Module.*got (NoneType|Tensor|str)"):
+        offtensor.wrap(what)
+
+
+def test_error_if_predicate_is_not_callable():
+    with pytest.raises(TypeError, match="predicate must be callable"):
+        offtensor.wrap(mlp_of_blocks(), "blocks", device="cpu")
+
+
+@pytest.mark.parametrize("returned", [torch.tensor(True), "yes", 1])
+def test_error_if_predicate_returns_neither_bool_nor_policy_names_the_module(returned):
+    model = mlp_of_blocks()
+    with pytest.raises(TypeError, match=r"predicate returned (Tensor|str|int) for module '<root>'"):
+        offtensor.wrap(model, lambda name, module: returned, device="cpu")
+    assert not offtensor.is_wrapped(model)
+
+
+def test_error_if_param_filter_is_not_callable():
+    with pytest.raises(TypeError, match="param_filter must be callable"):
+        offtensor.Policy(param_filter="frozen")  # type: ignore[arg-type]
+
+
+def test_error_if_param_filter_returns_a_non_bool_names_the_parameter():
+    policy = offtensor.Policy(param_filter=lambda name, p: p.requires_grad_)  # a method, not a bool
+    with pytest.raises(TypeError, match=r"param_filter returned .* for parameter 'blocks\.0\.norm\.weight'"):
+        offtensor.wrap(mlp_of_blocks(), device="cpu", policy=policy)
+
+
+class TiedHead(nn.Module):
+    """Embedding, blocks, and a head whose weight is the embedding's (Llama-3.2-1B style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.lm_head = nn.Linear(16, 32, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.lm_head(h)
+
+
+def test_warning_if_a_selected_module_has_only_parameters_tied_to_another_scope():
+    """The README's predicate (embedding, layers, lm_head kept for backward) on a tied model:
+    lm_head's only parameter belongs to embed_tokens' scope, so lm_head is no scope at all."""
+
+    def select(name, module):
+        if name == "lm_head":
+            return offtensor.Policy(keep_for_backward=True)
+        return name == "embed_tokens" or re.fullmatch(r"layers\.\d+", name) is not None
+
+    model = TiedHead()
+    with pytest.warns(UserWarning, match=r"selected 'lm_head'.*tied to parameters of scope 'embed_tokens'.*keep_for_backward"):
+        offtensor.wrap(model, select, device="cpu")
+    assert [s.name for s in offtensor.summary(model).scopes] == ["embed_tokens", "layers.0", "layers.1"]
+
+
+def test_error_if_activations_are_not_of_the_compute_dtype_says_to_use_autocast():
+    model = mlp_of_blocks()
+    offload(model, "cpu", policy=offtensor.Policy(compute_dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"offtensor: .* 'blocks\.0\..*computes in torch.bfloat16.*torch.autocast"):
+        model.blocks[0](torch.randn(4, 16))
+    assert model.blocks[0](torch.randn(4, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+class Waits(nn.Module):
+    """A block whose forward waits until told to go on (to be inside it from another thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.entered = __import__("threading").Event()
+        self.go = __import__("threading").Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.entered.set()
+        self.go.wait(timeout=30)
+        return self.fc(x)
+
+
+def test_error_if_the_same_model_runs_forward_in_two_threads_at_once():
+    import threading
+
+    blocks = nn.ModuleList([Waits(), nn.Linear(4, 4)])
+    offtensor.wrap(blocks, device="cpu")
+    results: list[object] = []
+    first = threading.Thread(target=lambda: results.append(blocks[0](torch.randn(2, 4))))
+    first.start()
+    assert blocks[0].entered.wait(timeout=30)
+    try:
+        with pytest.raises(RuntimeError, match="while thread .* is in a forward of the same wrapped model"):
+            blocks[1](torch.randn(2, 4))
+    finally:
+        blocks[0].go.set()
+        first.join(timeout=30)
+    assert isinstance(results[0], torch.Tensor)
+    assert blocks[1](torch.randn(2, 4)).shape == (2, 4)  # one thread at a time is fine

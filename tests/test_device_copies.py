@@ -1,0 +1,196 @@
+"""Inside a forward or backward, every op on an offloaded parameter computes with a device copy.
+
+Regressions: on CUDA, Falcon's `input @ self.weight.T` got the host master (tensor properties
+bypassed materialisation), and Mamba's mixer, reading `self.conv1d.weight` of a child scope whose
+forward never runs (split scopes), got the host master too. On the CPU both went unnoticed, since
+master and copy live on the same device; these tests look at storages instead.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import offtensor
+from conftest import (
+    assert_all_scopes_offloaded,
+    assert_grads_match,
+    devices,
+    param_bytes,
+    reference_then_offload,
+    tolerances,
+)
+
+
+def _is_master(t: torch.Tensor, model: nn.Module) -> bool:
+    ptr = t.untyped_storage().data_ptr()
+    for p in model.parameters():
+        if isinstance(p, offtensor.OffloadedParameter):
+            with torch._C.DisableTorchFunctionSubclass():
+                start = p.untyped_storage().data_ptr()
+                if start <= ptr < start + p.untyped_storage().nbytes():
+                    return True
+    return False
+
+
+class UsesProperties(nn.Module):
+    """`x @ w.T` (Falcon), and the other tensor properties computed from a weight."""
+
+    def __init__(self, prop: str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 8)
+        self.prop = prop
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = getattr(self.weight, self.prop)
+        self.seen.append(w)
+        return x @ w
+
+
+class PropertyStack(nn.Module):
+    def __init__(self, prop: str) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([UsesProperties(prop), UsesProperties(prop)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+@pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("prop", ["T", "mT", "H", "mH", "real"])
+def test_tensor_properties_of_an_offloaded_parameter_are_device_copies(device, prop):
+    model = PropertyStack(prop)
+    reference = reference_then_offload(model, device)
+    x = torch.randn(4, 8, device=device)
+    out = model(x)
+    for block in model.blocks:
+        (w,) = block.seen
+        assert w.device.type == device
+        assert not _is_master(w, model), f"{prop} of {block} computed on the host master"
+    out.sum().backward()
+    reference(x).sum().backward()
+    assert_grads_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(model)
+
+
+class Conv(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(channels, 1, 3) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv1d(x, self.weight, padding=1, groups=x.shape[1])
+
+
+class Mixer(nn.Module):
+    """Mamba's pattern: the parent's forward uses its child's weight directly; the child's own
+    forward never runs."""
+
+    def __init__(self, channels: int = 8) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(channels, channels)
+        self.conv1d = Conv(channels)
+        self.out_proj = nn.Linear(channels, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.in_proj(x).transpose(1, 2)
+        w = self.conv1d.weight.view(self.conv1d.weight.size(0), self.conv1d.weight.size(2))
+        h = F.conv1d(h, w.unsqueeze(1), padding=1, groups=h.shape[1])
+        return x + self.out_proj(torch.tanh(h.transpose(1, 2)))
+
+
+class MixerStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Mixer(), Mixer()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
+def test_a_parameter_read_by_another_scopes_forward_is_a_device_copy(device, grad):
+    model = MixerStack()
+    policy = offtensor.Policy(max_scope_bytes=param_bytes(model.layers[0]) // 2)  # conv1d: a scope
+    reference = reference_then_offload(model, device, policy=policy)
+    assert "layers.0.conv1d" in [s.name for s in offtensor.summary(model).scopes]
+    seen = []
+    real_view = torch.Tensor.view
+
+    def spy(self, *shape):
+        out = real_view(self, *shape)
+        seen.append(out)
+        return out
+
+    x = torch.randn(2, 5, 8, device=device)
+    with torch.set_grad_enabled(grad):
+        torch.Tensor.view = spy  # type: ignore[method-assign]
+        try:
+            out = model(x)
+        finally:
+            torch.Tensor.view = real_view  # type: ignore[method-assign]
+        ref_out = reference(x)
+    assert seen and not any(_is_master(t, model) for t in seen)
+    torch.testing.assert_close(out, ref_out, **tolerances(device))
+    if grad:
+        out.sum().backward()
+        ref_out.sum().backward()
+        assert_grads_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(model)
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.to_out = nn.ModuleList([nn.Linear(8, 8), nn.Dropout(0.0)])  # diffusers' Attention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.to_out:
+            x = m(x)
+        return x
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList([Inner(), Inner()])  # T5's block.N.layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.layer:
+            x = x + m(x)
+        return x
+
+
+class NestedLists(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.ModuleList([Block(), Block()])
+        self.mid = nn.ModuleDict({"resnets": nn.ModuleList([nn.Linear(8, 8)])})  # not in a list
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.block:
+            x = b(x)
+        return self.mid["resnets"][0](x)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_default_predicate_selects_the_outermost_list_elements_only(device):
+    """T5 and every diffusers model raised 'selected both ... and its submodule' before."""
+    model = NestedLists()
+    reference = reference_then_offload(model, device)
+    assert [s.name for s in offtensor.summary(model).scopes] == ["block.0", "block.1", "mid.resnets.0"]
+    x = torch.randn(3, 8, device=device)
+    out = model(x)
+    ref_out = reference(x)
+    torch.testing.assert_close(out, ref_out, **tolerances(device))
+    out.sum().backward()
+    ref_out.sum().backward()
+    assert_grads_match(model, reference, **tolerances(device))
