@@ -62,18 +62,16 @@ class DeviceCopy(torch.Tensor):
         return super().__repr__(*args, **kwargs)
 
 
-def device_copy(flat: torch.Tensor, offset: int, dtype: torch.dtype,
-                shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+def device_copy(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size,
+                requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A parameter's device copy in a scope's flat device buffer (which must be allocated),
     as (the leaf ops see, the view the loader writes through)."""
-    numel = shape.numel()
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        strides[i] = strides[i + 1] * shape[i + 1]
-    leaf = torch.empty(0, dtype=dtype, device=flat.device)
-    leaf.set_(flat.untyped_storage(), offset // dtype.itemsize, shape, strides)
-    leaf.__class__ = DeviceCopy
-    view = flat[offset : offset + numel * dtype.itemsize].view(dtype).view(shape)
+    view = flat[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+    base = torch.empty(0, dtype=dtype, device=flat.device)
+    base.set_(flat.untyped_storage(), offset // dtype.itemsize, shape, view.stride())
+    # A leaf of its own (not a view of `flat`), made without requires_grad_(), which
+    # torch.func transforms refuse (a retire can happen inside one).
+    leaf = torch.Tensor._make_subclass(DeviceCopy, base, requires_grad)
     return leaf, view
 
 
@@ -103,6 +101,7 @@ class ParamSlot:
     step_pending: bool = False  # a deferred optimizer step still has to write the master
     grad_hooks: OrderedDict = field(default_factory=OrderedDict)  # register_hook hooks, see Note [user gradient hooks]
     post_hooks: OrderedDict = field(default_factory=OrderedDict)  # post-accumulate-grad hooks
+    leaf_hooked: bool = False  # device_leaf has the post-accumulate-grad hook (hook_device_leaf)
     # Device copies of earlier storages that graphs of create_graph backwards may still read.
     retired: list[weakref.ref] = field(default_factory=list)
 
@@ -123,13 +122,12 @@ class ParamSlot:
         return f"ParamSlot({self.name!r}, {tuple(self.param.shape)}, scope {self.scope.name!r})"
 
     def hook_device_leaf(self) -> None:
-        """Route the device copy's gradients to the host (Note [gradient path] in _grads.py)."""
-        leaf = self.device_leaf
-        # Registered with grad on, so that it stays if the parameter is frozen now and
-        # unfrozen later.
-        leaf.requires_grad_(True)
-        leaf.register_post_accumulate_grad_hook(functools.partial(self.scope.engine.grads.on_leaf_grad, self))
-        leaf.requires_grad_(self.param.requires_grad)
+        """Route the device copy's gradients to the host (Note [gradient path] in _grads.py);
+        for a frozen parameter, once it is unfrozen (use_device_copy)."""
+        self.leaf_hooked = self.device_leaf.requires_grad
+        if self.leaf_hooked:
+            self.device_leaf.register_post_accumulate_grad_hook(
+                functools.partial(self.scope.engine.grads.on_leaf_grad, self))
 
     def retired_copies_written(self) -> None:
         """The master is about to change: graphs holding a retired device copy of it must see
@@ -145,6 +143,8 @@ class ParamSlot:
         wants = self.param.requires_grad
         if leaf.requires_grad != wants:  # the user froze or unfroze the parameter after wrap
             leaf.requires_grad_(wants)
+            if wants and not self.leaf_hooked:
+                self.hook_device_leaf()
         return leaf
 
 
@@ -215,7 +215,8 @@ class Scope:
         for slot in self.slots:
             slot.retired.append(weakref.ref(slot.device_leaf))
             slot.device_leaf, slot.device_view = device_copy(
-                flat, slot.device_offset, slot.device_view.dtype, slot.param.shape)
+                flat, slot.device_offset, slot.device_view.dtype, slot.param.shape,
+                slot.device_leaf.requires_grad)
             slot.hook_device_leaf()
         flat.untyped_storage().resize_(0)
         self.device_flat = flat

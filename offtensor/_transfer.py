@@ -70,6 +70,15 @@ counter of the retired copies, so that differentiating the old graph raises auto
 `backward(create_graph=True)` into an offloaded parameter's `.grad` cannot work (the host `.grad`
 carries no graph) and raises.
 
+# Note [torch.func transforms]
+Under `torch.func.grad`/`vjp`/`jacrev`/`vmap` every op, offtensor's own copies included, goes
+through the transform, which refuses in-place writes into tensors captured from outside it (the
+device buffers a load writes). The engine's entry points (the hooks and `materialize`) therefore
+run with the transforms disabled: loads, releases and gradient fetches are bookkeeping of plain
+tensors, invisible to the transform, while the model's ops still run under it on the device
+copies, which the transform sees as captured constants. With `functional_call` over the
+parameters, the device copies are simply not used.
+
 # Note [stale gradient fetches]
 When a backward will add to an existing `p.grad` (gradient accumulation), the old host gradient
 is fetched to the device together with the scope's weights (`_load_old_grads`), possibly before
@@ -124,6 +133,17 @@ def _no_engine() -> None:
 def in_backward() -> bool:
     """True while the autograd engine runs (backward, and recompute under checkpointing)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _outside_transforms(method: Any) -> Any:
+    """Run an engine entry point outside torch.func transforms (Note [torch.func transforms])."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._DisableFuncTorch():
+            return method(*args, **kwargs)
+
+    return run
 
 
 class TransferEngine:
@@ -432,6 +452,7 @@ class TransferEngine:
 
     # ---- materialization for ops (Note [dispatch of an offloaded parameter]) ----------------
 
+    @_outside_transforms
     def materialize(self, slot: ParamSlot, op_device: torch.device | None) -> torch.Tensor | None:
         scope = slot.scope
         if scope.active_calls > 0 or scope is self._backward_scope:
@@ -500,6 +521,7 @@ class TransferEngine:
 
     # ---- forward / backward progress (called by Scope hooks and GradOffload) ---------------
 
+    @_outside_transforms
     def pre_forward(self, scope: Scope, inputs: list[torch.Tensor]) -> None:
         """`inputs`: the tensors among the forward's arguments."""
         if in_backward():
@@ -525,6 +547,7 @@ class TransferEngine:
             self._prefetch(self._order[self._pos :], scope, with_grads=False)
         # No wait here: each op waits for the chunk holding its weights (materialize).
 
+    @_outside_transforms
     def begin_forward(self) -> None:
         """The wrapped model's forward starts a pass: load now the scope where the pass after
         the last one's start began last time (where the last one started, the first time; the
@@ -544,6 +567,7 @@ class TransferEngine:
             self.load(first, with_grads=False)
             self._preloaded = first
 
+    @_outside_transforms
     def end_forward(self, *, failed: bool) -> None:
         """The wrapped model's forward ends. After an exception (also one raised outside every
         scope, e.g. in the loss), nothing it loaded stays on the device. Otherwise the order is
@@ -568,6 +592,7 @@ class TransferEngine:
                 if scope.active_calls == 0:
                     self.release(scope)
 
+    @_outside_transforms
     def post_forward(self, scope: Scope, *, failed: bool, backward_expected: bool) -> None:
         scope.active_calls = max(0, scope.active_calls - 1)
         if in_backward():
@@ -598,6 +623,7 @@ class TransferEngine:
             return
         self.release(scope)
 
+    @_outside_transforms
     def pre_backward(self, scope: Scope, *, create_graph: bool = False) -> None:
         """The scope's backward is about to run; `create_graph`: the backward builds a graph of
         its own (Note [higher-order gradients])."""
@@ -646,6 +672,7 @@ class TransferEngine:
         order.append(scope)
         self._bwd_pos = len(order)
 
+    @_outside_transforms
     def post_backward(self, scope: Scope) -> None:
         if self._backward_scope is scope:
             self._backward_scope = None
@@ -655,6 +682,7 @@ class TransferEngine:
         if scope.state is not ScopeState.OFFLOADED and scope.active_calls == 0:
             self.release(scope)
 
+    @_outside_transforms
     def end_backward(self) -> None:
         """End of the outermost backward: nothing stays resident (unless no_offload holds, or
         the backward built a graph that may be differentiated again)."""

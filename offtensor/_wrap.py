@@ -347,7 +347,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
             host.copy_(p.detach())
             grad = p.grad
             p.grad = None
-            leaf, view = device_copy(scope.device_flat, dev_offset, dt, p.shape)
+            leaf, view = device_copy(scope.device_flat, dev_offset, dt, p.shape, p.requires_grad)
             p.data = host
             p.__class__ = OffloadedParameter
             offloaded = cast(OffloadedParameter, p)
