@@ -9,7 +9,7 @@ See README.md and docs/design.md.
 """
 
 from ._api import Policy, ScopeState, ScopeSummary, Summary, frozen_only
-from ._overlap import OverlapReport, backward_and_step, wait_for_steps
+from ._overlap import OverlapReport, backward_and_step, last_stepped, wait_for_steps
 from ._param import OffloadedParameter
 from ._transfer import no_offload
 from ._wrap import is_wrapped, summary, unwrap, wrap
@@ -24,6 +24,7 @@ __all__ = [
     "backward_and_step",
     "frozen_only",
     "is_wrapped",
+    "last_stepped",
     "no_offload",
     "summary",
     "unwrap",

@@ -28,6 +28,14 @@ parameters whose gradients have landed in the order the next forward needs them 
 deadline first), in pieces of about STEP_PIECE_BYTES so that a piece needed soon never waits
 long behind one needed later.
 
+# Note [partial steps]
+The worker steps parameters while backward is still running, so an exception in backward (an
+out-of-memory error, a user hook, Ctrl-C) or in the optimizer itself can leave some parameters
+stepped and others not, and which ones depends on timing. This cannot be rolled back (the
+optimizer state changed too), so it is made visible: the exception is re-raised with a note
+naming the parameters stepped (Python 3.10: a RuntimeError from it), and `last_stepped()` lists
+them all.
+
 # Note [early handover]
 The step of the last block, which the next forward needs last, is the worker's last piece of
 work; after it the worker idles until the next backward's first gradients land: the rest of the
@@ -51,7 +59,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -69,6 +77,7 @@ STEP_PIECE_BYTES = 64 * 2**20  # see Note [deferred steps]
 SPARE_THREADS = 1
 
 _current: _OverlappedStep | None = None  # the latest backward_and_step; its steps may be pending
+_last_stepped: list[str] = []  # what the last failed backward_and_step had stepped
 _hooked_optimizers: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -153,11 +162,11 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
     _current = stepper
     try:
         loss.backward(**backward_kwargs)
-    except BaseException:
+    except BaseException as e:
         stepper.cancel()
         for engine in engines:
             engine.backward_failed()
-        raise
+        _raise_partial(e, stepper, "backward")
     finally:
         for engine in engines:
             engine.grads.stepper = None
@@ -165,10 +174,26 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
     stepper.report.backward_s = stepper.elapsed()
     try:
         stepper.step_rest()
-    except BaseException:
+    except BaseException as e:
         stepper.cancel()
-        raise
+        _raise_partial(e, stepper, "the optimizer step")
     return stepper.report
+
+
+def _raise_partial(error: BaseException, stepper: _OverlappedStep, where: str) -> NoReturn:
+    """Re-raise `error`, saying which parameters the optimizer had already stepped: a failed
+    backward_and_step is a partial step (Note [partial steps])."""
+    note = stepper.partial_note(where)
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+        raise error
+    raise RuntimeError(f"{note} The error: {error!r}") from error  # Python 3.10
+
+
+def last_stepped() -> list[str]:
+    """Names of the parameters that the last failed `backward_and_step` had stepped before it
+    raised (Note [partial steps]); empty if it raised before any step."""
+    return list(_last_stepped)
 
 
 def wait_for_steps() -> None:
@@ -227,6 +252,9 @@ class _OverlappedStep:
         self.optimizer = optimizer
         self.zero_grad = zero_grad
         self._ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        # Names of the offloaded parameters; the others are named by their position.
+        self._names = {id(p): p._ot.name if hasattr(p, "_ot") else f"param_groups[{i}][{j}]"
+                       for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])}
         # Hyperparameters as of this call: a scheduler may change them before the worker is done.
         self._hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         self._cond = threading.Condition()
@@ -240,6 +268,7 @@ class _OverlappedStep:
         self._error: BaseException | None = None
         self._times: dict[str, list[float]] = {}  # scope -> [queued, landed, stepped]
         self._rest_done = 0.0
+        self._stepped: list[str] = []  # names of the parameters stepped, in order
         self._start = time.perf_counter()
         self.report = OverlapReport(_stepper=self)
         self._thread = threading.Thread(target=self._run, name="offtensor-optimizer", daemon=True)
@@ -323,6 +352,20 @@ class _OverlappedStep:
         self._thread.join()
         self._error = None
 
+    def partial_note(self, where: str) -> str:
+        """What a failure at `where` left stepped (Note [partial steps]); kept for last_stepped()."""
+        global _last_stepped
+        with self._cond:
+            stepped = _last_stepped = list(self._stepped)
+        if not stepped:
+            return (f"offtensor.backward_and_step: {where} raised before the optimizer stepped any "
+                    "parameter; no weight changed.")
+        shown = ", ".join(repr(n) for n in stepped[:8]) + (", ..." if len(stepped) > 8 else "")
+        return (f"offtensor.backward_and_step: {where} raised after the optimizer had stepped "
+                f"{len(stepped)} of its {len(self._ids)} parameters ({shown}); the others were "
+                "not stepped. The model now mixes updated and old weights: reload a checkpoint, "
+                "or accept the partial step. offtensor.last_stepped() lists them all.")
+
     def step_rest(self) -> None:
         """Step what the worker does not, on the calling thread (no more pieces come)."""
         with self._cond:
@@ -332,6 +375,8 @@ class _OverlappedStep:
         self.report.rest_params = len(rest)
         if rest:
             step_subset(self.optimizer, rest, self._hyper)
+            with self._cond:
+                self._stepped.extend(self._names.get(i, "?") for i in rest)
             if self.zero_grad:
                 for g in self.optimizer.param_groups:
                     for p in g["params"]:
@@ -352,7 +397,7 @@ class _OverlappedStep:
                     self._cond.wait()
             error, self._error = self._error, None
         if error is not None:
-            raise error
+            _raise_partial(error, self, "the optimizer step")
 
     # ---- the worker thread -------------------------------------------------------------------
 
@@ -411,6 +456,7 @@ class _OverlappedStep:
             times[1] = self.elapsed()
         publish(piece.slots)
         step_subset(self.optimizer, {id(s.param) for s in piece.slots}, self._hyper)
+        self._stepped.extend(s.name for s in piece.slots)
         if self.zero_grad:
             with torch._C.DisableTorchFunctionSubclass():
                 for slot in piece.slots:
