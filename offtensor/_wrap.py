@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ._api import Policy, ScopeState, ScopeSummary, Summary
-from ._host_memory import PinProgress, host_empty
+from ._host_memory import HostBuffer, PinProgress, host_empty
 from ._overlap import wait_for_steps
 from ._param import OffloadedParameter
 from ._scope import ALIGN, DeviceCopy, FailureCheck, Hook, ParamSlot, Scope
@@ -282,11 +282,10 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
         [p.numel() * dt.itemsize for (_, p), dt in zip(params, dtypes)]
     )
     scope.casts = any(dt != p.dtype for (_, p), dt in zip(params, dtypes))
-    by_dtype: dict[torch.dtype, int] = {}
-    for _, p in params:
-        by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel() * p.element_size()
-    scope.main_dtype = max(by_dtype, key=by_dtype.__getitem__)
-    scope.host_flat = host_empty(scope.nbytes, pin=scope.pinned)
+    # Each master gets a storage of its own in the scope's one host allocation (Note [one
+    # storage per master] in _host_memory.py); host_flat spans them all for the bulk copy.
+    masters = HostBuffer(scope.nbytes, pin=scope.pinned)
+    scope.host_flat = masters.flat
     if scope.casts and scope.policy.cast == "host":
         scope.host_shadow = host_empty(scope.device_nbytes, pin=scope.pinned)
     # Allocated here only to create each parameter's device tensor on it; freed below.
@@ -295,7 +294,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
         for (qual, p), offset, dev_offset, dt in zip(params, offsets, dev_offsets, dtypes):
             nbytes = p.numel() * p.element_size()
-            host = scope.host_flat[offset : offset + nbytes].view(p.dtype).view(p.shape)
+            host = masters.tensor(offset, p.dtype, p.shape)
             host.copy_(p.detach())
             grad = p.grad
             p.grad = None

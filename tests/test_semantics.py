@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import offtensor
 from conftest import (
     BlockStack,
+    MixedDtypeBlock,
     assert_all_scopes_offloaded,
     assert_backward_matches,
     assert_grads_match,
@@ -801,21 +802,9 @@ def test_a_copy_of_a_wrapped_model_is_a_plain_cpu_model_and_the_original_stays_w
     assert_backward_matches(model, model(x), reference, x, y, device)
 
 
-class MixedDtypeBlock(nn.Module):
-    """An fp32 norm before a bf16 matrix in one block (transformers' _keep_in_fp32_modules)."""
-
-    def __init__(self, hidden: int = 16) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.fc = nn.Linear(hidden, hidden).to(torch.bfloat16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc(self.norm(x).to(torch.bfloat16)).float()
-
-
 def test_a_wrapped_model_whose_scopes_mix_dtypes_saves_and_loads():
-    """A scope's masters share one host buffer; torch.save refuses one storage seen with two
-    dtypes unless the minority dtype's masters are saved as copies."""
+    """Regression: a scope's masters were views of one host buffer, and torch.save refuses one
+    storage seen with two dtypes (Note [one storage per master])."""
     model = BlockStack([MixedDtypeBlock(), MixedDtypeBlock()], 8, 16, 4)
     reference = reference_then_offload(model, "cpu")
     x = torch.randn(3, 8)
