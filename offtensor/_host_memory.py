@@ -8,11 +8,23 @@ numpy (ordinary pageable memory, untouched until written) and page-lock that ran
 `cudaHostRegister`. The tensor is then a plain CPU tensor that CUDA copies treat as pinned
 (asynchronous, full PCIe bandwidth). The registration is undone by a finalizer on the numpy
 array, which runs before numpy frees the memory, i.e. once the last tensor view of it is gone.
+
+# Note [one storage per master]
+Each master is a tensor with its own storage over its own bytes of the scope's one host
+allocation (`HostBuffer.tensor`: `torch.from_numpy` of a slice of the allocation's numpy array),
+while `Scope.host_flat` is one more tensor over all those bytes, for the single bulk copy to the
+device. To PyTorch the masters then look like separately allocated tensors: `torch.save` sees no
+storage holding several dtypes (a scope can mix fp32 norms and bf16 matrices), and safetensors
+(`save_model`, `save_file`) and transformers' `save_pretrained` see no shared storage, which
+they would refuse or, taking the parameters for tied weights, save only once. Each storage
+starts inside the registered range, so `is_pinned()` holds for every master on CUDA. The numpy
+slices keep the allocation (and its registration) alive until the last master is gone.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 import weakref
@@ -24,19 +36,43 @@ logger = logging.getLogger("offtensor")
 
 # cudaHostRegister wants page-aligned ranges to pin exactly what we ask for.
 _PAGE = 4096
+# PyTorch's CPU allocator aligns to 64 bytes (vectorized kernels assume it is at least that).
+_CPU_ALIGN = 64
 
 
 def host_empty(nbytes: int, *, pin: bool) -> torch.Tensor:
     """A flat, uninitialized uint8 CPU tensor of exactly `nbytes`, page-locked when `pin`."""
+    return torch.from_numpy(_host_array(nbytes, pin=pin))
+
+
+class HostBuffer:
+    """One host allocation (page-locked when `pin`) carved into tensors with storages of their
+    own (Note [one storage per master])."""
+
+    def __init__(self, nbytes: int, *, pin: bool) -> None:
+        self._array = _host_array(nbytes, pin=pin)
+        self.flat = torch.from_numpy(self._array)  # uint8, all the bytes: the bulk copies
+
+    def tensor(self, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """An uninitialized tensor at `offset` bytes, its storage exactly its own bytes."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        assert offset % dtype.itemsize == 0 and offset + nbytes <= self._array.size
+        return torch.from_numpy(self._array[offset : offset + nbytes]).view(dtype).view(shape)
+
+
+def _host_array(nbytes: int, *, pin: bool) -> np.ndarray:
+    """Exactly `nbytes` (at least 1) of uninitialized host memory, page-aligned and page-locked
+    when `pin`, else aligned as PyTorch aligns its CPU tensors."""
     nbytes = max(int(nbytes), 1)
+    align = _PAGE if pin else _CPU_ALIGN
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = (-raw.ctypes.data) % align
+    # A tensor's storage must begin at the registered address: `Tensor.is_pinned()` asks CUDA
+    # about the storage's first byte, not the tensor's. Slices of this array keep `raw` alive.
+    array = raw[start : start + nbytes]
     if not pin:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    raw = np.empty(nbytes + _PAGE, dtype=np.uint8)
-    start = (-raw.ctypes.data) % _PAGE
-    # The tensor's storage must begin at the registered address: `Tensor.is_pinned()` asks CUDA
-    # about the storage's first byte, not the tensor's.
-    flat = torch.from_numpy(raw[start : start + nbytes])
-    ptr = flat.data_ptr()
+        return array
+    ptr = array.ctypes.data
     err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
         raise RuntimeError(
@@ -45,7 +81,7 @@ def host_empty(nbytes: int, *, pin: bool) -> torch.Tensor:
             "policy=offtensor.Policy(pin_memory=False) to keep masters in pageable memory (slower)"
         )
     weakref.finalize(raw, _unregister, ptr)
-    return flat
+    return array
 
 
 def _unregister(ptr: int) -> None:

@@ -83,16 +83,11 @@ class OffloadedParameter(nn.Parameter):
         return result
 
     def __reduce_ex__(self, proto):  # type: ignore[override]
-        # Pickle (torch.save) as a plain Parameter: the offloading is a runtime arrangement.
-        # Masters of a dtype other than the scope's main one are copies: Note [copies of a
-        # wrapped model] in _scope.py.
+        # Pickle (torch.save) as a plain Parameter: the offloading is a runtime arrangement
+        # (Note [copies of a wrapped model] in _scope.py).
         _await_steps([self])
         with _DisableSubclass():
-            data = self.detach()
-            slot = getattr(self, "_ot", None)
-            if slot is not None and slot.saved_as_copy:
-                data = data.clone()
-            return (torch._utils._rebuild_parameter, (data, self.requires_grad, {}))
+            return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, {}))
 
 
 # Set on the thread that runs deferred optimizer steps (`active`; see Note [optimizer overlap] in

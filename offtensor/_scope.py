@@ -110,12 +110,6 @@ class ParamSlot:
         """host_grad received a contribution in the current backward."""
         return self.grads_in_backward > 0
 
-    @property
-    def saved_as_copy(self) -> bool:
-        """Pickling and state_dict() save a copy of this master, not a view of the scope's
-        host buffer (Note [copies of a wrapped model])."""
-        return self.param.dtype != self.scope.main_dtype
-
     def __repr__(self) -> str:
         # Not the fields: device_view is a plain view of the scope's device buffer, which is
         # 0 bytes while the scope is offloaded, and printing it would read freed memory.
@@ -163,13 +157,10 @@ class Scope:
         self.nbytes = 0  # host buffer, master dtypes
         self.device_nbytes = 0  # device buffer, compute dtypes
         # Both replaced by wrap's _offload_params right after construction.
-        self.host_flat = torch.empty(0, dtype=torch.uint8)  # pinned when `pinned`; the masters
+        self.host_flat = torch.empty(0, dtype=torch.uint8)  # pinned when `pinned`; all the masters' bytes
         self.device_flat = torch.empty(0, dtype=torch.uint8)  # on the compute device
         # Policy.compute_dtype differs from a master's dtype: the load casts (Policy.cast).
         self.casts = False
-        # The dtype holding most of the masters' bytes; the others are saved as copies (Note
-        # [copies of a wrapped model]).
-        self.main_dtype: torch.dtype | None = None
         self.host_shadow: torch.Tensor | None = None  # uint8, device layout (cast="host")
         self.shadow_stale = True  # masters changed since host_shadow was cast
         self.shadow_read: Any = None  # event after the latest copy from host_shadow
@@ -234,8 +225,6 @@ class Scope:
 
     def install_hooks(self) -> None:
         self.handles.append(self.module.register_forward_pre_hook(Hook(self._pre_forward), with_kwargs=True))
-        if any(s.saved_as_copy for s in self.slots):
-            self.handles.append(self.module.register_state_dict_post_hook(Hook(self._copy_other_dtypes)))
         self.handles.append(
             self.module.register_forward_hook(Hook(self._post_forward), with_kwargs=True, always_call=True)
         )
@@ -278,16 +267,6 @@ class Scope:
             t.register_hook(self._on_output_grad)
         self.engine.post_forward(self, failed=failed, backward_expected=bool(outputs))
 
-    def _copy_other_dtypes(self, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
-        """state_dict() post-hook of a scope whose masters have several dtypes: its entries of
-        other dtypes than `main_dtype` become copies, so that no storage is seen with two dtypes
-        by torch.save (Note [copies of a wrapped model])."""
-        start = len(self.name) + 1 if self.name else 0
-        for slot in self.slots:
-            key = prefix + slot.name[start:]
-            if slot.saved_as_copy and key in state_dict:
-                state_dict[key] = state_dict[key].clone()
-
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         # Autograd runs a backward with grad mode set to its create_graph flag.
         self.engine.pre_backward(self, create_graph=torch.is_grad_enabled())
@@ -301,11 +280,9 @@ class Scope:
 # large model stays in host memory). Parameters and buffers that were not offloaded keep their
 # device, as any deepcopy does. Module hooks cannot be left out of a copy, so offtensor registers
 # them as `Hook` objects, which copy as inert hooks: without that, a copy would share the
-# original's scopes, streams and buffers. A scope's masters share one host buffer; torch.save
-# refuses one storage seen with several dtypes, so where a scope mixes dtypes (an fp32 norm among
-# bf16 matrices) its masters of other dtypes than the main one are saved as copies, in pickling
-# and in `state_dict()` (a post-hook), while the main dtype's stay views: no second copy of the
-# bulk of the weights.
+# original's scopes, streams and buffers. Each master has a storage of its own (Note [one storage
+# per master] in _host_memory.py), so pickling saves each master's bytes once, as it would a
+# plain parameter's, whatever dtypes its scope mixes.
 
 
 class Hook:

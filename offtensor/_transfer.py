@@ -97,7 +97,7 @@ import functools
 import logging
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -106,6 +106,9 @@ from ._grads import GradOffload
 from ._overlap import wait_for_step
 from ._param import master_grad, worker_state
 from ._scope import ParamSlot, Scope
+
+if TYPE_CHECKING:
+    from torch import nn
 
 logger = logging.getLogger("offtensor")
 
@@ -176,6 +179,10 @@ class TransferEngine:
         self._largest = 0  # set by scopes_ready: the largest scope's device bytes
         self._prefetch_bytes = 0  # set by scopes_ready: Policy.prefetch x the largest block
         self.handles: list[torch.utils.hooks.RemovableHandle] = []  # hooks on the wrapped model
+        # Set by wrap: the module it wrapped (weak: the model holds the engine) and the
+        # load_state_dict pre-hooks of Note [model-wide operations on a wrapped model] (_wrap.py).
+        self.root: Callable[[], nn.Module | None] = lambda: None
+        self.guard_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._model_forward = ModelForward.OUTSIDE
         self._last_begin: Scope | None = None  # where the last pass of the model's forward started
         # Where the pass after one that started at a scope started, the last time: passes that

@@ -3,11 +3,34 @@
 # Note [moving a wrapped model]
 `model.cuda()`, `.to(device)` and `.half()` reach parameters through `Module._apply`, which
 rebinds `param.data` to the converted tensor: that would silently move an offloaded master to
-the device (and copy the whole model there). `wrap` therefore gives every module that holds an
-offloaded parameter an instance-level `_apply` that hides those parameters from the conversion:
-device moves apply to everything else (buffers, unwrapped parameters) and leave the masters on
-the host; a dtype change is refused before anything of that module changes, because the masters'
-dtype fixes the scope's buffer layout.
+the device (and copy the whole model there). `wrap` therefore gives every module with an
+offloaded parameter in its subtree (the wrapped model itself included) an instance-level
+`_apply`. It first probes the conversion on an empty tensor of each dtype the subtree's masters
+have: a dtype change is refused there, before anything changes, because the masters' dtype fixes
+the scope's buffer layout. Checking the subtree, not only the module's own parameters, matters:
+`Module._apply` converts the children one after the other, so a check per module would raise
+only after the modules before it (an embedding, a head) were converted, leaving a model of mixed
+dtypes. Device moves then apply to everything else (buffers, unwrapped parameters) while each
+module hides its own masters from the conversion, leaving them on the host. (A module that
+merely contains the wrapped model is not guarded: converting it may convert its other children
+before the wrapped model refuses.)
+
+# Note [loading with assign=True]
+`load_state_dict(sd, assign=True)` replaces each parameter by the state dict's tensor: offloaded
+parameters would become plain ones that no scope loads, in a model that is still wrapped. Each
+module with offloaded parameters in its subtree therefore has a load_state_dict pre-hook. When
+`assign` is set (PyTorch passes it to `_load_from_state_dict` as
+`local_metadata["assign_to_params_buffers"]`), it checks that the state dict's tensors for the
+subtree's offloaded parameters have their shapes and dtypes (the outermost module checks before
+anything is loaded) and, on a module holding offloaded parameters itself, turns `assign` off:
+the values are copied into the masters, and that module's buffers and other parameters are
+copied too, as with `assign=False`.
+
+# Note [part of a wrapped model]
+`is_wrapped`, `summary` and `unwrap` find the engine through an offloaded parameter when the
+module is not the one `wrap` was called on: PEFT's `merge_and_unload()` returns the base model
+inside the wrapped `PeftModel`, holding the same (now merged) offloaded parameters. `unwrap` of
+such a module unwraps the whole wrapped model, and so requires it to hold every scope.
 """
 
 from __future__ import annotations
@@ -15,6 +38,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+import weakref
 from typing import Callable, cast
 
 import numpy as np
@@ -22,7 +46,7 @@ import torch
 from torch import nn
 
 from ._api import Policy, ScopeState, ScopeSummary, Summary
-from ._host_memory import PinProgress, host_empty
+from ._host_memory import HostBuffer, PinProgress, host_empty
 from ._overlap import wait_for_steps
 from ._param import OffloadedParameter
 from ._scope import ALIGN, FailureCheck, Hook, ParamSlot, Scope, device_copy
@@ -89,7 +113,7 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
     if not isinstance(policy, Policy):
         raise TypeError(f"offtensor.wrap: policy must be an offtensor.Policy, got {type(policy).__name__}")
     device = _resolve_device(device)
-    if is_wrapped(model):
+    if getattr(model, _ENGINE_ATTR, None) is not None:
         raise RuntimeError(
             f"offtensor.wrap: this {type(model).__name__} is already wrapped "
             f"({len(getattr(model, _ENGINE_ATTR).scopes)} scopes); call offtensor.unwrap(model) "
@@ -150,7 +174,8 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
         progress.close()
     engine.scopes_ready()
     _hook_model_forward(model, engine)
-    _guard_apply(model)
+    _guard_model_ops(model, engine)
+    engine.root = weakref.ref(model)
     setattr(model, _ENGINE_ATTR, engine)
     logger.debug("wrapped %d scopes (%.1f MiB) computing on %s", len(engine.scopes),
                  sum(s.nbytes for s in engine.scopes) / 2**20, device)
@@ -159,12 +184,25 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
 
 def unwrap(model: nn.Module) -> nn.Module:
     """Undo `wrap`: plain `nn.Parameter`s on the CPU (same objects, data and `.grad` kept),
-    hooks removed, device copies freed. The model can then be moved or wrapped again."""
-    engine = _engine_of(model)
+    hooks removed, device copies freed. The model can then be moved or wrapped again.
+
+    `model` may also be a part of the wrapped model that holds all its scopes, such as the base
+    model PEFT's `merge_and_unload()` returns: the whole wrapped model is unwrapped."""
+    engine = _engine_of(model, "unwrap")
+    inside = {id(m) for m in model.modules()}
+    outside = [s.name for s in engine.scopes if id(s.module) not in inside]
+    if outside:
+        root = engine.root()
+        raise ValueError(
+            f"offtensor.unwrap: this {type(model).__name__} holds "
+            f"{len(engine.scopes) - len(outside)} of the {len(engine.scopes)} scopes of a wrapped "
+            f"model (not {outside[0]!r}); call offtensor.unwrap on the model that was wrapped"
+            + (f" (a {type(root).__name__})" if root is not None else "")
+        )
     wait_for_steps()  # a deferred optimizer step may still write the masters
     engine.release_all()
     with torch._C.DisableTorchFunctionSubclass():
-        for handle in engine.handles:
+        for handle in (*engine.handles, *engine.guard_handles):
             handle.remove()
         for scope in engine.scopes:
             scope.remove_hooks()
@@ -178,32 +216,56 @@ def unwrap(model: nn.Module) -> nn.Module:
                 p.data = data
                 if grad is not None:
                     p.grad = grad.clone()
-    for module in model.modules():
-        module.__dict__.pop("_apply", None)
-    delattr(model, _ENGINE_ATTR)
+    root = engine.root()
+    for top in (model, root):
+        if top is None:
+            continue
+        for module in top.modules():
+            guard = module.__dict__.get("_apply")
+            if isinstance(guard, functools.partial) and guard.func is _apply_keeping_masters:
+                del module.__dict__["_apply"]
+        if getattr(top, _ENGINE_ATTR, None) is engine:
+            delattr(top, _ENGINE_ATTR)
     return model
 
 
 def is_wrapped(model: nn.Module) -> bool:
-    return getattr(model, _ENGINE_ATTR, None) is not None
+    """True when `model` holds parameters offloaded by `wrap`: it was wrapped, or it is part of
+    a wrapped model (Note [part of a wrapped model])."""
+    return _find_engine(model) is not None
 
 
 def summary(model: nn.Module) -> Summary:
-    """What each scope holds on the host and on the device right now."""
-    engine = _engine_of(model)
+    """What each scope in `model` holds on the host and on the device right now."""
+    engine = _engine_of(model, "summary")
+    inside = {id(m) for m in model.modules()}
     rows = [
         ScopeSummary(s.name, s.state, s.num_params(), s.host_bytes(), s.device_bytes(), s.loads,
                      s.loads_on_demand)
-        for s in engine.scopes
+        for s in engine.scopes if id(s.module) in inside
     ]
     allocated = torch.cuda.memory_allocated(engine.device) if engine.is_cuda else None
     return Summary(str(engine.device), rows, allocated)
 
 
-def _engine_of(model: nn.Module) -> TransferEngine:
+def _find_engine(model: nn.Module) -> TransferEngine | None:
     engine = getattr(model, _ENGINE_ATTR, None)
+    if engine is not None:
+        return engine
+    for p in model.parameters():
+        slot = getattr(p, "_ot", None) if isinstance(p, OffloadedParameter) else None
+        if slot is not None:
+            return slot.scope.engine
+    return None
+
+
+def _engine_of(model: nn.Module, caller: str) -> TransferEngine:
+    engine = _find_engine(model)
     if engine is None:
-        raise ValueError(f"offtensor: this {type(model).__name__} is not wrapped; call offtensor.wrap(model) first")
+        raise ValueError(
+            f"offtensor.{caller}: this {type(model).__name__} is not wrapped (it holds no "
+            "offloaded parameter); call offtensor.wrap(model) first"
+        )
     return engine
 
 
@@ -331,11 +393,10 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
         [p.numel() * dt.itemsize for (_, p), dt in zip(params, dtypes)]
     )
     scope.casts = any(dt != p.dtype for (_, p), dt in zip(params, dtypes))
-    by_dtype: dict[torch.dtype, int] = {}
-    for _, p in params:
-        by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel() * p.element_size()
-    scope.main_dtype = max(by_dtype, key=by_dtype.__getitem__)
-    scope.host_flat = host_empty(scope.nbytes, pin=scope.pinned)
+    # Each master gets a storage of its own in the scope's one host allocation (Note [one
+    # storage per master] in _host_memory.py); host_flat spans them all for the bulk copy.
+    masters = HostBuffer(scope.nbytes, pin=scope.pinned)
+    scope.host_flat = masters.flat
     if scope.casts and scope.policy.cast == "host":
         scope.host_shadow = host_empty(scope.device_nbytes, pin=scope.pinned)
     # Allocated here only to create each parameter's device tensor on it; freed below.
@@ -343,7 +404,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
         for (qual, p), offset, dev_offset, dt in zip(params, offsets, dev_offsets, dtypes):
             nbytes = p.numel() * p.element_size()
-            host = scope.host_flat[offset : offset + nbytes].view(p.dtype).view(p.shape)
+            host = masters.tensor(offset, p.dtype, p.shape)
             host.copy_(p.detach())
             grad = p.grad
             p.grad = None
@@ -384,27 +445,43 @@ def _hook_model_forward(model: nn.Module, engine: TransferEngine) -> None:
     engine.handles.append(model.register_forward_hook(Hook(post), always_call=True))
 
 
-def _guard_apply(model: nn.Module) -> None:
+def _guard_model_ops(model: nn.Module, engine: TransferEngine) -> None:
+    """Guard `_apply` (Note [moving a wrapped model]) and `load_state_dict(assign=True)` (Note
+    [loading with assign=True]) on each module with offloaded parameters in its subtree."""
     for module in model.modules():
-        if any(isinstance(p, OffloadedParameter) for p in module._parameters.values()):
+        if any(isinstance(p, OffloadedParameter) for p in module.parameters()):
             module._apply = functools.partial(_apply_keeping_masters, module)  # type: ignore[method-assign]
+            engine.guard_handles.append(module.register_load_state_dict_pre_hook(Hook(_load_into_masters)))
+
+
+def _offloaded_in(module: nn.Module, recurse: bool = True) -> list[tuple[str, OffloadedParameter]]:
+    """The offloaded parameters of `module` (with `recurse`, of its subtree), by state dict key;
+    a tied parameter once per key."""
+    return [(name, p) for name, p in module.named_parameters(recurse=recurse, remove_duplicate=False)
+            if isinstance(p, OffloadedParameter) and getattr(p, "_ot", None) is not None]
 
 
 def _apply_keeping_masters(module: nn.Module, fn, recurse: bool = True):
-    """Module._apply that leaves offloaded masters alone; see Note [moving a wrapped model]."""
-    masters = {k: p for k, p in module._parameters.items() if isinstance(p, OffloadedParameter)}
-    for p in masters.values():
+    """Module._apply that refuses dtype changes of offloaded masters before converting anything
+    and leaves the masters alone; see Note [moving a wrapped model]."""
+    first_of_dtype: dict[torch.dtype, OffloadedParameter] = {}
+    with torch._C.DisableTorchFunctionSubclass():
+        for _, p in _offloaded_in(module, recurse):
+            first_of_dtype.setdefault(p.dtype, p)
+    for dtype, p in first_of_dtype.items():
         try:
-            probe = fn(torch.empty(0, dtype=p.dtype))
+            probe = fn(torch.empty(0, dtype=dtype))
         except Exception:  # fn does not apply to a CPU probe (e.g. a device that is absent)
             continue
-        if isinstance(probe, torch.Tensor) and probe.dtype != p.dtype:
+        if isinstance(probe, torch.Tensor) and probe.dtype != dtype:
             raise TypeError(
-                f"offtensor: cannot convert offloaded parameter {p._ot.name!r} from {p.dtype} "
-                f"to {probe.dtype}: the masters of a wrapped model keep their dtype. Convert "
-                "before offtensor.wrap(model), or call offtensor.unwrap(model) first. (Device "
-                "moves such as model.to('cuda') are fine: they leave the masters on the host.)"
+                f"offtensor: cannot convert offloaded parameter {p._ot.name!r} from {dtype} "
+                f"to {probe.dtype}: the masters of a wrapped model keep their dtype, so nothing "
+                "was converted. Convert before offtensor.wrap(model), or call "
+                "offtensor.unwrap(model) first. (Device moves such as model.to('cuda') are "
+                "fine: they leave the masters on the host.)"
             )
+    masters = {k: p for k, p in module._parameters.items() if isinstance(p, OffloadedParameter)}
     for key in masters:
         module._parameters[key] = None
     try:
@@ -412,3 +489,28 @@ def _apply_keeping_masters(module: nn.Module, fn, recurse: bool = True):
     finally:
         for key, p in masters.items():
             module._parameters[key] = p
+
+
+def _load_into_masters(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict,
+                       *args: object) -> None:
+    """load_state_dict pre-hook: with `assign=True`, check the offloaded parameters' entries and
+    copy them into the masters instead (Note [loading with assign=True])."""
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return
+    for name, p in _offloaded_in(module):
+        value = state_dict.get(prefix + name)
+        if not isinstance(value, torch.Tensor):
+            continue  # missing, or not a tensor: load_state_dict reports it
+        with torch._C.DisableTorchFunctionSubclass():
+            shape, dtype = p.shape, p.dtype
+        if value.shape != shape or value.dtype != dtype:
+            raise TypeError(
+                f"offtensor: load_state_dict(assign=True) cannot load {prefix + name!r}, a tensor "
+                f"of shape {tuple(value.shape)} and dtype {value.dtype}, into offloaded parameter "
+                f"{p._ot.name!r} ({tuple(shape)}, {dtype}): a wrapped model keeps its offloaded "
+                "parameters and copies the values into them, so shapes and dtypes must match. "
+                f"Nothing in {prefix[:-1] or 'the model'!r} was loaded. Convert the state "
+                "dict's tensors, or call offtensor.unwrap(model) first"
+            )
+    if any(isinstance(p, OffloadedParameter) for p in module._parameters.values()):
+        local_metadata["assign_to_params_buffers"] = False

@@ -181,6 +181,18 @@ def batchnorm_model(n_blocks: int = 3, hidden: int = 16, in_features: int = 8) -
     return BlockStack(blocks, in_features, hidden, out_features=4)
 
 
+class MixedDtypeBlock(nn.Module):
+    """An fp32 norm before a bf16 matrix in one block (transformers' _keep_in_fp32_modules)."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.fc = nn.Linear(hidden, hidden).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x).to(torch.bfloat16)).float()
+
+
 class HeadBlock(nn.Module):
     """Final norm and the output projection, as the last element of ``blocks``."""
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import offtensor
 from conftest import (
     BlockStack,
+    MixedDtypeBlock,
     assert_all_scopes_offloaded,
     assert_backward_matches,
     assert_grads_match,
@@ -243,6 +244,46 @@ def test_load_state_dict_into_wrapped_model_updates_masters(device):
     assert_params_match(model, source, rtol=0, atol=0)
     with torch.no_grad():
         torch.testing.assert_close(model(x), source(x), **tolerances(device))
+
+
+@pytest.mark.parametrize("device", devices)
+def test_load_state_dict_with_assign_copies_into_the_masters_which_stay_offloaded(device):
+    """Regression: assign=True replaced offloaded parameters by plain ones (no scope loaded
+    them) while offtensor.is_wrapped still said True."""
+    model = batchnorm_model()
+    torch.manual_seed(123)
+    source = batchnorm_model()
+    reference = reference_then_offload(model, device)
+    offloaded = dict(offloaded_parameters(model))
+    state = {k: v.to(device) if not k.startswith("blocks.") else v for k, v in source.state_dict().items()}
+
+    model.load_state_dict(state, assign=True)
+    reference.load_state_dict({k: v.clone().to(device) for k, v in source.state_dict().items()}, assign=True)
+
+    assert dict(offloaded_parameters(model)) == offloaded  # the same objects; the others assigned
+    assert model.input.weight is not None and model.input.weight.data_ptr() == state["input.weight"].data_ptr()
+    assert offtensor.is_wrapped(model)
+    for name, p in offloaded.items():
+        assert p.device == CPU, name
+        assert p.untyped_storage().data_ptr() != state[name].untyped_storage().data_ptr(), name
+    assert_params_match(model, source.to(device), rtol=0, atol=0)
+    batches = [batch(device) for _ in range(3)]
+    torch.testing.assert_close(train(model, batches), train(reference, batches), **tolerances(device))
+    assert_params_match(model, reference, **tolerances(device))
+
+
+@pytest.mark.parametrize("device", devices)
+def test_error_if_load_state_dict_with_assign_would_change_an_offloaded_dtype(device):
+    model = offload(mlp_of_blocks(), device)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: v.half() if k == "blocks.1.fc2.weight" else v.clone() for k, v in before.items()}
+
+    with pytest.raises(TypeError, match=r"'blocks\.1\.fc2\.weight'.*float16.*unwrap"):
+        model.load_state_dict(state, assign=True)
+
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0, msg=k)  # nothing loaded
+    assert all(isinstance(p, offtensor.OffloadedParameter) for p in model.blocks.parameters())
 
 
 @pytest.mark.parametrize("device", devices)
@@ -500,6 +541,53 @@ def test_dtype_conversion_after_wrap_raises_type_error_naming_the_parameter(devi
 
     with pytest.raises(TypeError, match=r"blocks\.1\.(norm|fc1|fc2)\.(weight|bias)"):
         convert(model)
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [
+        pytest.param(lambda m: m.half(), id="half"),
+        pytest.param(lambda m: m.to(torch.bfloat16), id="to_dtype"),
+        pytest.param(lambda m: m.to("cpu", torch.float16), id="to_device_and_dtype"),
+        pytest.param(lambda m: m.blocks.double(), id="part_of_the_model"),
+    ],
+)
+@pytest.mark.parametrize("device", devices)
+def test_a_refused_dtype_conversion_converts_nothing(device, convert):
+    """Regression: modules converted before the first one holding a master (here `input` and
+    `blocks.0`, and BatchNorm buffers) were left converted, a model of mixed dtypes."""
+    model = batchnorm_model().eval()
+    reference = reference_then_offload(model, device, only_blocks(1))
+    dtypes = {name: t.dtype for name, t in [*model.named_parameters(), *model.named_buffers()]}
+
+    with pytest.raises(TypeError, match=r"blocks\.1\.(fc|bn)\.(weight|bias).*nothing was converted"):
+        convert(model)
+
+    assert {name: t.dtype for name, t in [*model.named_parameters(), *model.named_buffers()]} == dtypes
+    x, _ = batch(device, n=8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [
+        pytest.param(lambda m, d: m.float(), id="float"),
+        pytest.param(lambda m, d: m.to(d, torch.float32), id="to_device_and_same_dtype"),
+        pytest.param(lambda m, d: m.to(torch.float32), id="to_same_dtype"),
+    ],
+)
+@pytest.mark.parametrize("device", devices)
+def test_conversions_that_keep_the_dtype_are_fine_after_wrap(device, convert):
+    model = mlp_of_blocks()
+    reference = reference_then_offload(model, device)
+
+    convert(model, device)
+
+    for name, p in offloaded_parameters(model):
+        assert p.device == CPU and p.dtype == torch.float32, name
+    x, y = batch(device)
+    assert_backward_matches(model, model(x), reference, x, y, device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -801,21 +889,9 @@ def test_a_copy_of_a_wrapped_model_is_a_plain_cpu_model_and_the_original_stays_w
     assert_backward_matches(model, model(x), reference, x, y, device)
 
 
-class MixedDtypeBlock(nn.Module):
-    """An fp32 norm before a bf16 matrix in one block (transformers' _keep_in_fp32_modules)."""
-
-    def __init__(self, hidden: int = 16) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.fc = nn.Linear(hidden, hidden).to(torch.bfloat16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc(self.norm(x).to(torch.bfloat16)).float()
-
-
 def test_a_wrapped_model_whose_scopes_mix_dtypes_saves_and_loads():
-    """A scope's masters share one host buffer; torch.save refuses one storage seen with two
-    dtypes unless the minority dtype's masters are saved as copies."""
+    """Regression: a scope's masters were views of one host buffer, and torch.save refuses one
+    storage seen with two dtypes (Note [one storage per master])."""
     model = BlockStack([MixedDtypeBlock(), MixedDtypeBlock()], 8, 16, 4)
     reference = reference_then_offload(model, "cpu")
     x = torch.randn(3, 8)

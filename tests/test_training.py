@@ -289,6 +289,51 @@ def test_peft_lora_model_with_offloaded_frozen_base_matches_unwrapped(device):
     assert_params_match(model, reference, **tol)
 
 
+@pytest.mark.parametrize("device", devices)
+def test_peft_merge_and_unload_of_a_wrapped_lora_model_stays_wrapped_and_matches_unwrapped(device):
+    """Regression: the base model merge_and_unload returns holds the offloaded parameters, but
+    is_wrapped said False and summary/unwrap refused it (the engine sat on the PeftModel)."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                           lora_dropout=0.0, init_lora_weights=False)
+    model = peft.get_peft_model(small_llama(checkpointing=False), lora)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(param_filter=offtensor.frozen_only))
+    ids = torch.randint(0, 64, (2, 12), device=device)
+
+    merged = model.merge_and_unload()
+    ref_merged = reference.merge_and_unload()
+
+    assert offtensor.is_wrapped(merged) and offtensor.is_wrapped(model)
+    assert not any("lora_" in name for name, _ in merged.named_parameters())
+    offloaded = dict(offloaded_parameters(merged))
+    assert "model.layers.0.self_attn.q_proj.weight" in offloaded
+    assert_params_match(merged, ref_merged, **tolerances(device))
+    assert [s.name for s in offtensor.summary(merged).scopes] == [s.name for s in offtensor.summary(model).scopes]
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, ref_merged(input_ids=ids).logits,
+                                   **tolerances(device))
+    assert_all_scopes_offloaded(merged)
+
+    offtensor.unwrap(merged)
+
+    assert not offtensor.is_wrapped(merged) and not offtensor.is_wrapped(model)
+    assert all(type(p) is torch.nn.Parameter for p in merged.parameters())
+    merged.to(device)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, ref_merged(input_ids=ids).logits,
+                                   **tolerances(device))
+
+
+def test_error_if_unwrap_is_called_on_a_part_holding_only_some_scopes():
+    model = offload(mlp_of_blocks(), "cpu")
+
+    with pytest.raises(ValueError, match=r"holds 1 of the 3 scopes.*'blocks\.0'.*BlockStack"):
+        offtensor.unwrap(model.blocks[1])
+
+    assert offtensor.is_wrapped(model)
+    assert [s.name for s in offtensor.summary(model.blocks[1]).scopes] == ["blocks.1"]
+
+
 # --------------------------------------------------------------------------------------------
 # Gradient buffers
 # --------------------------------------------------------------------------------------------
