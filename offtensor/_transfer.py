@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 
+from . import _distributed
 from ._api import Policy, ScopeState
 from ._grads import GradOffload
 from ._overlap import wait_for_step
@@ -137,6 +138,9 @@ class TransferEngine:
         # follow a cycle (encoder-decoder generation) load the right first scope early.
         self._next_begin: dict[Scope, Scope] = {}
         self._preloaded: Scope | None = None  # loaded by begin_forward in the current model forward
+        # Per scope, where its parameters are registered: (module._parameters, key, slot),
+        # to notice fully_shard replacing them (Note [data-parallel wrappers] in _distributed.py).
+        self._homes: dict[Scope, list[tuple[dict[str, Any], str, ParamSlot]]] = {}
         _engines.add(self)
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -152,6 +156,10 @@ class TransferEngine:
         for s in self.scopes:
             blocks[s.block] = blocks.get(s.block, 0) + s.device_nbytes
         self._prefetch_bytes = self.policy.prefetch * max(blocks.values(), default=0)
+        for scope in self.scopes:
+            ours = {id(slot.param): slot for slot in scope.slots}
+            self._homes[scope] = [(m._parameters, k, ours[id(p)]) for m in scope.module.modules()
+                                  for k, p in m._parameters.items() if id(p) in ours]
 
     def _prefetch(self, candidates: Any, current: Scope, *, with_grads: bool) -> None:
         """Load the candidates in order while their bytes fit the prefetch budget; scopes under
@@ -455,6 +463,8 @@ class TransferEngine:
         if in_backward():
             self.pre_backward(scope)
             return
+        if _distributed.active():
+            self._check_distributed(scope)
         self._check_inputs(scope, inputs)
         self._advance_order(scope)
         scope.calls_in_pass += 1
@@ -479,6 +489,8 @@ class TransferEngine:
         (Note [prefetch order])."""
         if in_backward():
             return
+        if _distributed.active():
+            _distributed.check_ddp_forward("the model given to offtensor.wrap")
         self._model_forward = ModelForward.STARTING
         if not self._order or self._prefetch_bytes == 0 or self.hold():
             return
@@ -696,6 +708,16 @@ class TransferEngine:
             for scope in list(self._live):
                 if scope is not first:
                     self.release(scope)
+
+    def _check_distributed(self, scope: Scope) -> None:
+        """A process group exists: refuse DDP around a scope called outside the wrapped model's
+        forward (begin_forward checks inside it), and fully_shard having replaced the scope's
+        parameters (Note [data-parallel wrappers] in _distributed.py)."""
+        if self._model_forward is ModelForward.OUTSIDE:
+            _distributed.check_ddp_forward(f"scope {scope.name!r}")
+        for params, key, slot in self._homes.get(scope, ()):
+            if params.get(key) is not slot.param:
+                raise _distributed.replaced_error(slot.name, scope.name, params.get(key))
 
     def _check_inputs(self, scope: Scope, inputs: list[torch.Tensor]) -> None:
         if not self.is_cuda:
