@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import _distributed
+
 if TYPE_CHECKING:
     from ._scope import ParamSlot
 
@@ -246,6 +248,16 @@ _MASTER_ONLY = {
     torch.Tensor.numpy, torch.Tensor.type, torch.Tensor.__hash__, torch.Tensor.__bool__,
 }
 
+
+def _detach(p: OffloadedParameter) -> torch.Tensor:
+    """`p.detach()`: the master. DistributedDataParallel's constructor detaches every parameter;
+    refused for offloaded ones (Note [data-parallel wrappers] in _distributed.py)."""
+    if _distributed.active():
+        slot = getattr(p, "_ot", None)
+        _distributed.check_ddp_init(slot.name if slot is not None else "?")
+    return torch.Tensor.detach(p)
+
+
 # Note [user gradient hooks]: the device copy, not the master, is what autograd differentiates,
 # so hooks registered on the master would never fire. We keep them on the ParamSlot and call them
 # from the gradient path (_grads.py): `register_hook` hooks see each backward contribution (on
@@ -256,4 +268,5 @@ _HANDLERS = {
         "post_hooks", torch.Tensor.register_post_accumulate_grad_hook
     ),
     torch.Tensor.register_hook: _hook_registrar("grad_hooks", torch.Tensor.register_hook),
+    torch.Tensor.detach: _detach,
 }

@@ -101,6 +101,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from . import _distributed
 from ._api import Policy, ScopeState
 from ._grads import GradOffload
 from ._overlap import wait_for_step
@@ -192,6 +193,9 @@ class TransferEngine:
         self._preloaded: Scope | None = None  # loaded by begin_forward in the current model forward
         self._thread: int | None = None  # the thread of the latest forward (_check_thread)
         self._create_graph = False  # the backward running now builds a graph (create_graph=True)
+        # Per scope, where its parameters are registered: (module._parameters, key, slot),
+        # to notice fully_shard replacing them (Note [data-parallel wrappers] in _distributed.py).
+        self._homes: dict[Scope, list[tuple[dict[str, Any], str, ParamSlot]]] = {}
         _engines.add(self)
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -207,6 +211,10 @@ class TransferEngine:
         for s in self.scopes:
             blocks[s.block] = blocks.get(s.block, 0) + s.device_nbytes
         self._prefetch_bytes = self.policy.prefetch * max(blocks.values(), default=0)
+        for scope in self.scopes:
+            ours = {id(slot.param): slot for slot in scope.slots}
+            self._homes[scope] = [(m._parameters, k, ours[id(p)]) for m in scope.module.modules()
+                                  for k, p in m._parameters.items() if id(p) in ours]
 
     def _prefetch(self, candidates: Any, current: Scope, *, with_grads: bool) -> None:
         """Load the candidates in order while their bytes fit the prefetch budget; scopes under
@@ -536,6 +544,8 @@ class TransferEngine:
             self.pre_backward(scope)
             return
         self._check_thread(scope)
+        if _distributed.active():
+            self._check_distributed(scope)
         self._check_inputs(scope, inputs)
         scope.active_calls += 1
         self._advance_order(scope)
@@ -562,6 +572,8 @@ class TransferEngine:
         (Note [prefetch order])."""
         if in_backward():
             return
+        if _distributed.active():
+            _distributed.check_ddp_forward("the model given to offtensor.wrap")
         self._model_forward = ModelForward.STARTING
         if not self._order or self._prefetch_bytes == 0 or self.hold():
             return
@@ -806,6 +818,16 @@ class TransferEngine:
                     "thread, or serialize the calls with a lock"
                 )
             self._thread = thread
+
+    def _check_distributed(self, scope: Scope) -> None:
+        """A process group exists: refuse DDP around a scope called outside the wrapped model's
+        forward (begin_forward checks inside it), and fully_shard having replaced the scope's
+        parameters (Note [data-parallel wrappers] in _distributed.py)."""
+        if self._model_forward is ModelForward.OUTSIDE:
+            _distributed.check_ddp_forward(f"scope {scope.name!r}")
+        for params, key, slot in self._homes.get(scope, ()):
+            if params.get(key) is not slot.param:
+                raise _distributed.replaced_error(slot.name, scope.name, params.get(key))
 
     def _check_inputs(self, scope: Scope, inputs: list[torch.Tensor]) -> None:
         for i, t in enumerate(inputs):

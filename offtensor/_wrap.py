@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from ._api import Policy, ScopeState, ScopeSummary, Summary
+from ._distributed import check_model
 from ._host_memory import HostBuffer, PinProgress, host_empty
 from ._overlap import wait_for_steps
 from ._param import OffloadedParameter
@@ -113,6 +114,7 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
     if not isinstance(policy, Policy):
         raise TypeError(f"offtensor.wrap: policy must be an offtensor.Policy, got {type(policy).__name__}")
     device = _resolve_device(device)
+    check_model(model)  # no DDP or FSDP: Note [data-parallel wrappers] in _distributed.py
     if getattr(model, _ENGINE_ATTR, None) is not None:
         raise RuntimeError(
             f"offtensor.wrap: this {type(model).__name__} is already wrapped "
