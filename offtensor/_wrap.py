@@ -22,7 +22,7 @@ from torch import nn
 from ._api import Policy, ScopeState, ScopeSummary, Summary
 from ._host_memory import PinProgress, host_empty
 from ._overlap import wait_for_steps
-from ._param import OffloadedParameter
+from ._param import OffloadedParameter, without_subclass_dispatch
 from ._scope import ALIGN, DeviceCopy, FailureCheck, Hook, ParamSlot, Scope
 from ._transfer import TransferEngine
 
@@ -138,25 +138,29 @@ def unwrap(model: nn.Module) -> nn.Module:
     engine = _engine_of(model)
     wait_for_steps()  # a deferred optimizer step may still write the masters
     engine.release_all()
-    with torch._C.DisableTorchFunctionSubclass():
-        for handle in engine.handles:
-            handle.remove()
-        for scope in engine.scopes:
-            scope.remove_hooks()
-            for slot in scope.slots:
-                p = slot.param
-                grad = p.grad
-                data = p.detach().clone()
-                p.grad = None
-                del p._ot
-                p.__class__ = nn.Parameter  # type: ignore[assignment]
-                p.data = data
-                if grad is not None:
-                    p.grad = grad.clone()
+    for handle in engine.handles:
+        handle.remove()
+    for scope in engine.scopes:
+        scope.remove_hooks()
+        without_subclass_dispatch(_restore_params, scope)
     for module in model.modules():
         module.__dict__.pop("_apply", None)
     delattr(model, _ENGINE_ATTR)
     return model
+
+
+def _restore_params(scope: Scope) -> None:
+    """The scope's parameters become plain nn.Parameters again (subclass dispatch off)."""
+    for slot in scope.slots:
+        p = slot.param
+        grad = p.grad
+        data = p.detach().clone()
+        p.grad = None
+        del p._ot
+        p.__class__ = nn.Parameter  # type: ignore[assignment]
+        p.data = data
+        if grad is not None:
+            p.grad = grad.clone()
 
 
 def is_wrapped(model: nn.Module) -> bool:
@@ -292,32 +296,33 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     # Allocated here only to create each parameter's device tensor on it; freed below.
     scope.device_flat = torch.empty(scope.device_nbytes, dtype=torch.uint8, device=device)
     storage = scope.device_flat.untyped_storage()
-    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-        for (qual, p), offset, dev_offset, dt in zip(params, offsets, dev_offsets, dtypes):
-            nbytes = p.numel() * p.element_size()
-            host = scope.host_flat[offset : offset + nbytes].view(p.dtype).view(p.shape)
-            host.copy_(p.detach())
-            grad = p.grad
-            p.grad = None
-            leaf = torch.empty(0, dtype=dt, device=device)
-            leaf.set_(storage, dev_offset // dt.itemsize, p.shape, host.stride())
-            leaf.__class__ = DeviceCopy
-            view = scope.device_flat[dev_offset : dev_offset + p.numel() * dt.itemsize].view(dt).view(p.shape)
-            p.data = host
-            p.__class__ = OffloadedParameter
-            offloaded = cast(OffloadedParameter, p)
-            slot = ParamSlot(param=offloaded, name=qual, scope=scope, offset=offset,
-                             device_offset=dev_offset, device_leaf=leaf, device_view=view)
-            offloaded._ot = slot
-            # The hook stays if the parameter is frozen now and unfrozen later.
-            leaf.requires_grad_(True)
-            leaf.register_post_accumulate_grad_hook(functools.partial(scope.engine.grads.on_leaf_grad, slot))
-            leaf.requires_grad_(p.requires_grad)
-            if grad is not None:
-                slot.host_grad = host_empty(nbytes, pin=scope.pinned).view(p.dtype).view(p.shape)
-                slot.host_grad.copy_(grad)
-                p.grad = slot.host_grad
-            scope.slots.append(slot)
+    # Plain tensors that do not require grad: autograd records none of these copies, without
+    # grad mode (Note [interrupts]).
+    for (qual, p), offset, dev_offset, dt in zip(params, offsets, dev_offsets, dtypes):
+        nbytes = p.numel() * p.element_size()
+        host = scope.host_flat[offset : offset + nbytes].view(p.dtype).view(p.shape)
+        host.copy_(p.detach())
+        grad = p.grad
+        p.grad = None
+        leaf = torch.empty(0, dtype=dt, device=device)
+        leaf.set_(storage, dev_offset // dt.itemsize, p.shape, host.stride())
+        leaf.__class__ = DeviceCopy
+        view = scope.device_flat[dev_offset : dev_offset + p.numel() * dt.itemsize].view(dt).view(p.shape)
+        p.data = host
+        p.__class__ = OffloadedParameter
+        offloaded = cast(OffloadedParameter, p)
+        slot = ParamSlot(param=offloaded, name=qual, scope=scope, offset=offset,
+                         device_offset=dev_offset, device_leaf=leaf, device_view=view, master=host)
+        offloaded._ot = slot
+        # The hook stays if the parameter is frozen now and unfrozen later.
+        leaf.requires_grad_(True)
+        leaf.register_post_accumulate_grad_hook(functools.partial(scope.engine.grads.on_leaf_grad, slot))
+        leaf.requires_grad_(p.requires_grad)
+        if grad is not None:
+            slot.host_grad = host_empty(nbytes, pin=scope.pinned).view(p.dtype).view(p.shape)
+            slot.host_grad.copy_(grad.detach())
+            p.grad = slot.host_grad
+        scope.slots.append(slot)
     storage.resize_(0)
     scope.state = ScopeState.OFFLOADED
 
