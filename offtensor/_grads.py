@@ -26,7 +26,7 @@ import torch
 from torch.autograd import Variable
 
 from ._host_memory import host_empty
-from ._param import master_grad
+from ._param import master_grad, without_subclass_dispatch
 
 if TYPE_CHECKING:
     from ._scope import ParamSlot, Scope
@@ -194,17 +194,26 @@ class GradOffload:
             self._written.clear()
             self._inflight.clear()
             self._last_d2h = None
+            # A KeyboardInterrupt in on_leaf_grad can leave a gradient on a device copy, which
+            # the next backward would add to (Note [interrupts]).
+            for scope in self._engine.scopes:
+                for slot in scope.slots:
+                    slot.device_leaf.grad = None
 
 
 def publish(slots: list[ParamSlot]) -> None:
     """Point each parameter's `.grad` at its completed host gradient, then run the user's
     post-accumulate-grad hooks (all grads first, as autograd would have them)."""
-    with torch._C.DisableTorchFunctionSubclass():
-        for slot in slots:
-            slot.param.grad = slot.host_grad
+    without_subclass_dispatch(set_grads, slots, [slot.host_grad for slot in slots])
     for slot in slots:
         for hook in slot.post_hooks.values():
             hook(slot.param)
+
+
+def set_grads(slots: list[ParamSlot], grads: list[torch.Tensor | None]) -> None:
+    """`slot.param.grad = grad` on the masters; call with subclass dispatch off."""
+    for slot, grad in zip(slots, grads):
+        slot.param.grad = grad
 
 
 def _holders(t: torch.Tensor) -> tuple[int, int]:

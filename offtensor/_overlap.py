@@ -63,8 +63,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from ._grads import publish
-from ._param import OffloadedParameter, worker_state
+from ._grads import publish, set_grads
+from ._param import OffloadedParameter, without_subclass_dispatch, worker_state
 
 if TYPE_CHECKING:
     from ._scope import ParamSlot, Scope
@@ -153,14 +153,18 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
     wait_for_steps()
     engines = _engines_of(optimizer)
     for engine in engines:
-        if engine.grads.stepper is not None:
+        if engine.grads.stepper is not None and not engine.grads.stepper.closed:
             raise RuntimeError("offtensor.backward_and_step: already inside a backward_and_step on this model")
     _install_optimizer_hooks(optimizer)
     stepper = _OverlappedStep(optimizer, zero_grad)
-    for engine in engines:
-        engine.grads.stepper = stepper
-    _current = stepper
+    # Everything that changes module state happens inside the try, so that an interrupt at any
+    # point is undone (Note [interrupts]): an engine left pointing at a stepper would refuse
+    # every later call, a worker never closed would be waited for forever.
     try:
+        stepper.start()
+        _current = stepper
+        for engine in engines:
+            engine.grads.stepper = stepper
         loss.backward(**backward_kwargs)
     except BaseException as e:
         stepper.cancel()
@@ -224,15 +228,17 @@ def _install_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
     """The optimizer's own entry points wait for the deferred steps (once per optimizer)."""
     if optimizer in _hooked_optimizers:
         return
-    _hooked_optimizers.add(optimizer)
 
-    def sync(*_: Any) -> None:
-        if not getattr(worker_state, "own_step", False):
+    def sync(opt: torch.optim.Optimizer, *_: Any) -> None:
+        # Not for offtensor's own steps, which run on views of the optimizer (step_subset).
+        # (A view, not a thread-local flag around the step, which an interrupt could leave set.)
+        if not getattr(opt, "_offtensor_view", False):
             wait_for_steps()
 
     optimizer.register_step_pre_hook(sync)
     optimizer.register_state_dict_pre_hook(sync)
     optimizer.register_load_state_dict_pre_hook(sync)
+    _hooked_optimizers.add(optimizer)  # last: an interrupt before here registers them again
 
 
 @dataclass(eq=False)
@@ -257,7 +263,9 @@ class _OverlappedStep:
                        for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])}
         # Hyperparameters as of this call: a scheduler may change them before the worker is done.
         self._hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        self._cond = threading.Condition()
+        # A C lock: `with` on it has no Python __enter__ for an interrupt to land in.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._pieces: list[_Piece] = []  # handed over, not yet started
         self._handed: set[int] = set()  # ids of the parameters handed to the worker
         self._queued: set[int] = set()  # scopes whose backward ended (post_backward can repeat)
@@ -272,7 +280,14 @@ class _OverlappedStep:
         self._start = time.perf_counter()
         self.report = OverlapReport(_stepper=self)
         self._thread = threading.Thread(target=self._run, name="offtensor-optimizer", daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
+
+    def _locked(self, fn: Any, *args: Any) -> Any:
+        """fn(*args) under the lock, on the calling thread. One line: a KeyboardInterrupt can
+        land before or after, never between taking and releasing the lock (Note [interrupts])."""
+        with self._lock: return fn(*args)  # noqa: E701
 
     def elapsed(self) -> float:
         return time.perf_counter() - self._start
@@ -317,46 +332,59 @@ class _OverlappedStep:
         """Queue pieces of one scope for the worker, each stepped once `landed` has passed."""
         if not pieces:
             return
+        self._locked(self._queue, scope, pieces, landed, early)
+
+    def _queue(self, scope: Scope, pieces: list[list[ParamSlot]], landed: Any, early: bool) -> None:
+        if self._done:
+            return  # the worker failed: the error is raised on the calling thread
         rank = scope.engine.forward_position(scope)
-        with self._cond:
-            if self._done:
-                return  # the worker failed: the error is raised on the calling thread
-            self._times.setdefault(scope.name, [self.elapsed(), 0.0, 0.0])
-            for slots in pieces:
-                for slot in slots:
-                    slot.step_pending = True
-                    self._handed.add(id(slot.param))
-                first = min(slot.copy_index for slot in slots)
-                self._pieces.append(_Piece(scope.name, slots, landed, (rank, first)))
-            if early:
-                self.report.early_pieces += len(pieces)
-            self._cond.notify_all()
+        self._times.setdefault(scope.name, [self.elapsed(), 0.0, 0.0])
+        for slots in pieces:
+            first = min(slot.copy_index for slot in slots)
+            # Queued before marked pending: the worker clears the marks of what it was given,
+            # so an interrupt between the two leaves no mark that nothing would clear.
+            self._pieces.append(_Piece(scope.name, slots, landed, (rank, first)))
+            for slot in slots:
+                slot.step_pending = True
+                self._handed.add(id(slot.param))
+        if early:
+            self.report.early_pieces += len(pieces)
+        self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        """No more pieces come: its backward is over (or an interrupt skipped the end of it)."""
+        return self._closed
 
     def handed(self, slot: ParamSlot) -> bool:
         """True when the worker publishes and steps this slot (finalize leaves it alone)."""
         return id(slot.param) in self._handed
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        self._locked(self._close)
+
+    def _close(self) -> None:
+        self._closed = True
+        self._cond.notify_all()
 
     def cancel(self) -> None:
         """Backward or the rest's step raised: drop what has not started, wait for the rest.
         The exception in flight is the one the caller sees; a worker error is dropped."""
-        with self._cond:
-            self._clear_pending(self._pieces)
-            self._pieces.clear()
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join()
+        self._locked(self._drop_pending)
+        if self._thread.is_alive():  # else not started, or starting: it finds nothing to do
+            self._thread.join()
         self._error = None
+
+    def _drop_pending(self) -> None:
+        self._closed = True
+        self._clear_pending(self._pieces)
+        self._pieces.clear()
+        self._cond.notify_all()
 
     def partial_note(self, where: str) -> str:
         """What a failure at `where` left stepped (Note [partial steps]); kept for last_stepped()."""
         global _last_stepped
-        with self._cond:
-            stepped = _last_stepped = list(self._stepped)
+        stepped = _last_stepped = self._locked(list, self._stepped)
         if not stepped:
             return (f"offtensor.backward_and_step: {where} raised before the optimizer stepped any "
                     "parameter; no weight changed.")
@@ -368,46 +396,50 @@ class _OverlappedStep:
 
     def step_rest(self) -> None:
         """Step what the worker does not, on the calling thread (no more pieces come)."""
-        with self._cond:
-            if self._error is not None:
-                raise self._error  # the worker failed during backward: stop here
+        error = self._error
+        if error is not None:
+            raise error  # the worker failed during backward: stop here
         rest = self._ids - self._handed
         self.report.rest_params = len(rest)
         if rest:
             step_subset(self.optimizer, rest, self._hyper)
-            with self._cond:
-                self._stepped.extend(self._names.get(i, "?") for i in rest)
+            self._locked(self._stepped.extend, [self._names.get(i, "?") for i in rest])
             if self.zero_grad:
                 for g in self.optimizer.param_groups:
                     for p in g["params"]:
                         if id(p) in rest:
                             p.grad = None
-        with self._cond:
-            self._rest_done = self.elapsed()
-            self._finish_report()
+        self._locked(self._rest_stepped)
+
+    def _rest_stepped(self) -> None:
+        self._rest_done = self.elapsed()
+        self._finish_report()
 
     def wait(self, slot: ParamSlot | None = None) -> None:
         """Until `slot`'s step is done (every step, when None); raises a worker error once."""
-        with self._cond:
-            if slot is None:
-                while not self._done:
-                    self._cond.wait()
-            else:
-                while slot.step_pending:
-                    self._cond.wait()
-            error, self._error = self._error, None
+        error = self._locked(self._wait_locked, slot)
         if error is not None:
             _raise_partial(error, self, "the optimizer step")
+
+    def _wait_locked(self, slot: ParamSlot | None) -> BaseException | None:
+        if slot is None:
+            while not self._done:
+                self._cond.wait()
+        else:
+            while slot.step_pending:
+                self._cond.wait()
+        error, self._error = self._error, None
+        return error
 
     # ---- the worker thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        worker_state.active = True
-        # The thread that launches kernels must keep a core: a CPU optimizer on every core
-        # starves it and the GPU idles. OpenMP thread counts are per calling thread here.
         threads = torch.get_num_threads()
-        torch.set_num_threads(max(1, threads - SPARE_THREADS))
         try:
+            worker_state.active = True
+            # The thread that launches kernels must keep a core: a CPU optimizer on every core
+            # starves it and the GPU idles. OpenMP thread counts are per calling thread here.
+            torch.set_num_threads(max(1, threads - SPARE_THREADS))
             while True:
                 piece = self._next_piece()
                 if piece is None:
@@ -458,9 +490,7 @@ class _OverlappedStep:
         step_subset(self.optimizer, {id(s.param) for s in piece.slots}, self._hyper)
         self._stepped.extend(s.name for s in piece.slots)
         if self.zero_grad:
-            with torch._C.DisableTorchFunctionSubclass():
-                for slot in piece.slots:
-                    slot.param.grad = None
+            without_subclass_dispatch(set_grads, piece.slots, [None] * len(piece.slots))
         times[2] = self.elapsed()
 
     @staticmethod
@@ -500,12 +530,9 @@ def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], hyper: list[dic
     view.__dict__.update(optimizer.__dict__)
     view.__dict__.pop("step", None)  # an instance-level wrapper (LR schedulers) calls the original
     view.param_groups = [sub for _, sub in groups]
+    view._offtensor_view = True  # its step pre-hook must not wait for the steps it is part of
     before = [dict(sub) for _, sub in groups]
-    worker_state.own_step = True
-    try:
-        view.step()
-    finally:
-        worker_state.own_step = False
+    view.step()
     optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers look for
     for (g, sub), old in zip(groups, before):
         for k, v in sub.items():

@@ -11,7 +11,7 @@ per parameter, which tensor the op really sees (TransferEngine.materialize):
 - otherwise (optimizer updates, init, state_dict, printing): the host master itself.
 Property access (`p.grad`, `p.data`, `p.requires_grad`) also comes here and always acts on the
 master, so `p.grad` is the host gradient and `p.device` is `cpu`. Results are never wrapped in the
-subclass: ops run under `DisableTorchFunctionSubclass`, so optimizer state, `zeros_like(p)` and
+subclass: ops run with subclass dispatch off (`without_subclass_dispatch`), so optimizer state, `zeros_like(p)` and
 `state_dict()` hold plain tensors.
 """
 
@@ -29,7 +29,7 @@ from . import _distributed
 if TYPE_CHECKING:
     from ._scope import ParamSlot
 
-_DisableSubclass = torch._C.DisableTorchFunctionSubclass
+_disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 _TensorBase = torch._C.TensorBase
 
 
@@ -45,42 +45,15 @@ class OffloadedParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        if kwargs is None:
-            kwargs = {}
-        with _DisableSubclass():
-            params = _find_params(args, kwargs)
-            if not getattr(worker_state, "active", False):
-                _await_steps(params)
-            name = getattr(func, "__name__", "")
-            if name == "__set__" and getattr(func.__self__, "__name__", "") == "data":
-                return _set_data(args[0], args[1])
-            if name in ("__get__", "__set__", "__delete__"):
-                if name == "__get__" and getattr(func.__self__, "__name__", "") in _DERIVED_PROPERTIES:
-                    return _dispatch(func, args, kwargs, params)  # `w.T` is an op on w
-                return func(*args, **kwargs)
-            handler = _HANDLERS.get(func)
-            if handler is not None:
-                return handler(*args, **kwargs)
-            return _dispatch(func, args, kwargs, params)
+        return without_subclass_dispatch(_torch_function, func, args, kwargs or {})
 
     def __repr__(self) -> str:  # type: ignore[override]
-        with _DisableSubclass():
-            slot = getattr(self, "_ot", None)
-            if slot is None:
-                return f"OffloadedParameter(detached from offtensor, shape={tuple(self.shape)})"
-            where = "pinned cpu" if slot.scope.pinned else "cpu"
-            return (
-                f"OffloadedParameter(name={slot.name!r}, shape={tuple(self.shape)}, "
-                f"dtype={self.dtype}, master on {where}, computes on {slot.scope.engine.device}, "
-                f"scope={slot.scope.name!r}, state={slot.scope.state.name}, "
-                f"requires_grad={self.requires_grad})"
-            )
+        return without_subclass_dispatch(_repr, self)
 
     def __deepcopy__(self, memo: dict) -> nn.Parameter:
         # A copy is a plain Parameter holding a copy of the master: it belongs to no scope.
         _await_steps([self])  # a deferred optimizer step may still write the master
-        with _DisableSubclass():
-            result = nn.Parameter(self.detach().clone(), self.requires_grad)
+        result = without_subclass_dispatch(lambda p: nn.Parameter(p.detach().clone(), p.requires_grad), self)
         memo[id(self)] = result
         return result
 
@@ -88,13 +61,75 @@ class OffloadedParameter(nn.Parameter):
         # Pickle (torch.save) as a plain Parameter: the offloading is a runtime arrangement
         # (Note [copies of a wrapped model] in _scope.py).
         _await_steps([self])
-        with _DisableSubclass():
-            return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, {}))
+        return without_subclass_dispatch(_reduce, self)
+
+
+# Note [interrupts]
+# A KeyboardInterrupt (Ctrl-C) can arrive between any two bytecodes of Python code, including
+# inside a Python context manager's `__enter__` after it changed a setting and before the `with`
+# body starts: then its `__exit__` never runs (torch.no_grad() left grad mode off for the rest
+# of a process this way). So offtensor changes no process-wide or thread-local setting in Python
+# code that an interrupt could leave half done:
+# - it needs no grad mode: its copies read plain, detached tensors (`ParamSlot.master`) and
+#   write tensors that do not require grad, so autograd records nothing;
+# - `__torch_function__` dispatch of subclasses is turned off only by
+#   `without_subclass_dispatch`, which calls a function under
+#   torch._C._disabled_torch_function_impl: that C function restores the state itself, whatever
+#   the function raises (a `with DisableTorchFunctionSubclass():` would be left disabled by an
+#   interrupt raised where the `with` statement calls `__exit__`);
+# - what must change for a while (the current CUDA stream during a copy, no_offload's holds,
+#   the latest backward_and_step) is recorded where the next entry point finds and undoes it
+#   if an interrupt skipped the undo (TransferEngine.restore_stream, no_offload's weak set of
+#   holds, backward_and_step's stepper).
+# The optimizer worker thread changes its own thread-local settings (worker_state.active, its
+# intra-op thread count); signals reach only the main thread, and the thread ends after.
+# tests/test_interrupts.py raises KeyboardInterrupt at every few traced events of a training step.
+
+
+def without_subclass_dispatch(fn: Any, *args: Any) -> Any:
+    """`fn(*args)` with `__torch_function__` of tensor subclasses off (DisableTorchFunctionSubclass),
+    turned back on in C whatever fn raises (Note [interrupts])."""
+    return _disabled_torch_function_impl(fn, (), args)
+
+
+def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
+    """OffloadedParameter.__torch_function__, with subclass dispatch off."""
+    params = _find_params(args, kwargs)
+    if not getattr(worker_state, "active", False):
+        _await_steps(params)
+    name = getattr(func, "__name__", "")
+    if name == "__set__" and getattr(func.__self__, "__name__", "") == "data":
+        return _set_data(args[0], args[1])
+    if name in ("__get__", "__set__", "__delete__"):
+        if name == "__get__" and getattr(func.__self__, "__name__", "") in _DERIVED_PROPERTIES:
+            return _dispatch(func, args, kwargs, params)  # `w.T` is an op on w
+        return func(*args, **kwargs)
+    handler = _HANDLERS.get(func)
+    if handler is not None:
+        return handler(*args, **kwargs)
+    return _dispatch(func, args, kwargs, params)
+
+
+def _repr(p: OffloadedParameter) -> str:
+    slot = getattr(p, "_ot", None)
+    if slot is None:
+        return f"OffloadedParameter(detached from offtensor, shape={tuple(p.shape)})"
+    where = "pinned cpu" if slot.scope.pinned else "cpu"
+    return (
+        f"OffloadedParameter(name={slot.name!r}, shape={tuple(p.shape)}, "
+        f"dtype={p.dtype}, master on {where}, computes on {slot.scope.engine.device}, "
+        f"scope={slot.scope.name!r}, state={slot.scope.state.name}, "
+        f"requires_grad={p.requires_grad})"
+    )
+
+
+def _reduce(p: OffloadedParameter) -> tuple:
+    return (torch._utils._rebuild_parameter, (p.detach(), p.requires_grad, {}))
 
 
 # Set on the thread that runs deferred optimizer steps (`active`; see Note [optimizer overlap] in
-# _overlap.py), and around offtensor's own optimizer steps (`own_step`). On that thread every op
-# acts on the masters: a scope computing on the main thread at the same time is not its scope.
+# _overlap.py). On that thread every op acts on the masters: a scope computing on the main
+# thread at the same time is not its scope.
 worker_state = threading.local()
 
 
@@ -210,8 +245,9 @@ def _set_data(p: OffloadedParameter, value: torch.Tensor) -> None:
             "p.data.copy_(t), or call offtensor.unwrap(model) first"
         )
     slot.scope.engine.before_master_write(slot)
-    with torch.no_grad():
-        p.copy_(value)
+    # Detached: autograd records nothing, without grad mode (Note [interrupts]); `p.detach()`
+    # shares p's version counter, so the write bumps it as `p.copy_` under no_grad did.
+    p.detach().copy_(value.detach())
 
 
 def _hook_registrar(table: str, plain):

@@ -87,6 +87,8 @@ class ParamSlot:
     device_leaf: torch.Tensor  # what ops see; shares the scope's device storage
     device_view: torch.Tensor  # the same bytes as a view of device_flat, for the loader's
     # writes (writing through device_leaf would bump the version counter autograd checks)
+    master: torch.Tensor  # the master's bytes in host_flat as a plain tensor: what the loader
+    # reads, with no subclass dispatch and nothing for autograd to record (Note [interrupts])
     host_grad: torch.Tensor | None = None  # pinned; `p.grad` points here after backward
     grads_in_backward: int = 0  # contributions written to host_grad in the current backward
     single_grad: bool = False  # exactly one contribution in the last whole backward (Note [early handover])

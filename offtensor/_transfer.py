@@ -113,7 +113,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("offtensor")
 
-_hold_depth = 0  # > 0 inside offtensor.no_offload()
+# The no_offload() objects entered and not exited. Weak: one whose __exit__ an interrupt
+# skipped stops holding once it is collected (Note [interrupts]).
+_holds: "weakref.WeakSet[no_offload]" = weakref.WeakSet()
 CHUNK_BYTES = 32 * 2**20  # see Note [progressive loads]
 TINY = 8  # see Note [prefetch order]
 # Without the model's forward hook to tell where passes start, the learned forward order is
@@ -196,6 +198,9 @@ class TransferEngine:
         # Per scope, where its parameters are registered: (module._parameters, key, slot),
         # to notice fully_shard replacing them (Note [data-parallel wrappers] in _distributed.py).
         self._homes: dict[Scope, list[tuple[dict[str, Any], str, ParamSlot]]] = {}
+        # The current stream before `on()` made a side stream current; None when none is
+        # (Note [interrupts]).
+        self._switched_from: Any = None
         _engines.add(self)
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -263,10 +268,19 @@ class TransferEngine:
             stream.wait_event(event)
 
     def on(self, stream: Any) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        """`with engine.on(stream):` enqueues the block's work on `stream` (nothing on the CPU)."""
+        return _OnStream(self, stream) if stream is not None else contextlib.nullcontext()
+
+    def restore_stream(self) -> None:
+        """Make the stream that was current before `on()` switched current again, if an
+        interrupt skipped `_OnStream.__exit__` (Note [interrupts]); called at the entry points."""
+        previous = self._switched_from
+        if previous is not None:
+            torch.cuda.set_stream(previous)
+            self._switched_from = None
 
     def hold(self) -> bool:
-        return _hold_depth > 0
+        return len(_holds) > 0
 
     # ---- scope state transitions (Note [scope states]) -------------------------------------
 
@@ -285,7 +299,7 @@ class TransferEngine:
                         wait_for_step(slot)
             if scope.host_shadow is not None:  # Policy(cast="host")
                 self._refresh_shadow(scope)
-            with self.on(h2d), torch.no_grad():
+            with self.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
                 if progressive:
                     assert scope.copy_order is not None
                     scope.copy_cursor, scope.copy_end, scope.copy_unmarked = 0, len(scope.copy_order), 0
@@ -319,14 +333,14 @@ class TransferEngine:
         assert order is not None
         h2d = self.h2d_stream()
         i = scope.copy_cursor
-        with self.on(h2d), torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+        with self.on(h2d):
             while i < scope.copy_end:
                 slot = order[i]
                 if slot.step_pending:
                     if i > need:
                         break
                     wait_for_step(slot)
-                slot.device_view.copy_(slot.param, non_blocking=True)
+                slot.device_view.copy_(slot.master, non_blocking=True)
                 slot.chunk = len(scope.chunk_ready)
                 scope.copy_unmarked += slot.device_view.nbytes
                 i += 1
@@ -372,11 +386,10 @@ class TransferEngine:
             scope.shadow_read = None
         shadow = scope.host_shadow
         assert shadow is not None
-        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-            for slot in scope.slots:
-                dt, p = slot.device_view.dtype, slot.param
-                n = p.numel() * dt.itemsize
-                shadow[slot.device_offset : slot.device_offset + n].view(dt).view(p.shape).copy_(p)
+        for slot in scope.slots:
+            dt, master = slot.device_view.dtype, slot.master
+            n = master.numel() * dt.itemsize
+            shadow[slot.device_offset : slot.device_offset + n].view(dt).view(master.shape).copy_(master)
         scope.shadow_stale = False
 
     def make_resident(self, scope: Scope, upto: ParamSlot | None = None) -> None:
@@ -503,8 +516,9 @@ class TransferEngine:
             copy = master.detach().to(dtype=dtype, copy=True)
         else:
             copy = torch.empty(master.shape, dtype=dtype, device=op_device)
-            with torch.no_grad():  # a leaf of its own, not a CopyBackwards of the master
-                copy.copy_(master, non_blocking=True)  # current stream: ordered with its use
+            # slot.master is detached: the copy is a leaf of its own, not a CopyBackwards of
+            # the master, without grad mode (Note [interrupts]).
+            copy.copy_(slot.master, non_blocking=True)  # current stream: ordered with its use
             if op_device.type == "cuda":
                 self._note_h2d(self.record(torch.cuda.current_stream(op_device)))
         if needs_grad:
@@ -539,6 +553,8 @@ class TransferEngine:
     @_outside_transforms
     def pre_forward(self, scope: Scope, inputs: list[torch.Tensor]) -> None:
         """`inputs`: the tensors among the forward's arguments."""
+        if self._switched_from is not None:
+            self.restore_stream()
         if in_backward():
             scope.active_calls += 1
             self.pre_backward(scope)
@@ -570,6 +586,8 @@ class TransferEngine:
         the last one's start began last time (where the last one started, the first time; the
         head of the order before any), after releasing what an earlier pass left resident
         (Note [prefetch order])."""
+        if self._switched_from is not None:
+            self.restore_stream()
         if in_backward():
             return
         if _distributed.active():
@@ -646,6 +664,8 @@ class TransferEngine:
     def pre_backward(self, scope: Scope, *, create_graph: bool = False) -> None:
         """The scope's backward is about to run; `create_graph`: the backward builds a graph of
         its own (Note [higher-order gradients])."""
+        if self._switched_from is not None:
+            self.restore_stream()
         self.grads.enter_backward()
         if create_graph:
             self._create_graph = True
@@ -846,8 +866,30 @@ class TransferEngine:
         return f"; device memory allocated {torch.cuda.memory_allocated(self.device) / 2**20:.1f} MiB"
 
 
-@contextlib.contextmanager
-def no_offload():
+class _OnStream:
+    """What `TransferEngine.on(stream)` returns on CUDA: makes `stream` current in the block.
+    The engine records the stream to go back to before switching, so that its next entry point
+    switches back if an interrupt skipped `__exit__` (Note [interrupts])."""
+
+    def __init__(self, engine: TransferEngine, stream: Any) -> None:
+        self.engine = engine
+        self.stream = stream
+        self.previous: Any = None
+
+    def __enter__(self) -> None:
+        engine = self.engine
+        self.previous = torch.cuda.current_stream(engine.device)
+        if engine._switched_from is None:  # the outermost switch: what to go back to
+            engine._switched_from = self.previous
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.set_stream(self.previous)
+        if self.previous is self.engine._switched_from:
+            self.engine._switched_from = None
+
+
+class no_offload(contextlib.ContextDecorator):
     """Turn offloading off temporarily: scopes loaded inside stay resident until the outermost
     `no_offload()` exits, which releases them.
 
@@ -859,13 +901,21 @@ def no_offload():
         with offtensor.no_offload():
             model.generate(input_ids, max_new_tokens=64)  # weights stream once, then stay
     """
-    global _hold_depth
-    _hold_depth += 1
-    try:
-        yield
-    finally:
-        _hold_depth -= 1
-        if _hold_depth == 0:
+
+    def __init__(self) -> None:
+        self._depth = 0  # the same object may be entered again (a decorated recursive function)
+
+    def __enter__(self) -> no_offload:
+        self._depth += 1
+        _holds.add(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        _holds.discard(self)
+        if not _holds:
             for engine in list(_engines):
                 if not in_backward():
                     engine.release_all()

@@ -49,7 +49,7 @@ from ._api import Policy, ScopeState, ScopeSummary, Summary
 from ._distributed import check_model
 from ._host_memory import HostBuffer, PinProgress, host_empty
 from ._overlap import wait_for_steps
-from ._param import OffloadedParameter
+from ._param import OffloadedParameter, without_subclass_dispatch
 from ._scope import ALIGN, FailureCheck, Hook, ParamSlot, Scope, device_copy
 from ._transfer import TransferEngine
 
@@ -203,21 +203,11 @@ def unwrap(model: nn.Module) -> nn.Module:
         )
     wait_for_steps()  # a deferred optimizer step may still write the masters
     engine.release_all()
-    with torch._C.DisableTorchFunctionSubclass():
-        for handle in (*engine.handles, *engine.guard_handles):
-            handle.remove()
-        for scope in engine.scopes:
-            scope.remove_hooks()
-            for slot in scope.slots:
-                p = slot.param
-                grad = p.grad
-                data = p.detach().clone()
-                p.grad = None
-                del p._ot
-                p.__class__ = nn.Parameter  # type: ignore[assignment]
-                p.data = data
-                if grad is not None:
-                    p.grad = grad.clone()
+    for handle in (*engine.handles, *engine.guard_handles):
+        handle.remove()
+    for scope in engine.scopes:
+        scope.remove_hooks()
+        without_subclass_dispatch(_restore_params, scope)
     root = engine.root()
     for top in (model, root):
         if top is None:
@@ -229,6 +219,20 @@ def unwrap(model: nn.Module) -> nn.Module:
         if getattr(top, _ENGINE_ATTR, None) is engine:
             delattr(top, _ENGINE_ATTR)
     return model
+
+
+def _restore_params(scope: Scope) -> None:
+    """The scope's parameters become plain nn.Parameters again (subclass dispatch off)."""
+    for slot in scope.slots:
+        p = slot.param
+        grad = p.grad
+        data = p.detach().clone()
+        p.grad = None
+        del p._ot
+        p.__class__ = nn.Parameter  # type: ignore[assignment]
+        p.data = data
+        if grad is not None:
+            p.grad = grad.clone()
 
 
 def is_wrapped(model: nn.Module) -> bool:
@@ -296,8 +300,9 @@ def _select(model: nn.Module, predicate: Predicate | None, policy: Policy) -> li
                 continue
             for i, child in enumerate(module):
                 child_name = f"{name}.{i}" if name else str(i)
-                selected.append((child_name, child, policy))
                 inside.append(child_name + ".")
+                if all(child is not m for _, m, _ in selected):  # a block listed twice: one scope
+                    selected.append((child_name, child, policy))
         return selected
     for name, module in model.named_modules():
         choice = predicate(name, module)
@@ -403,26 +408,27 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
         scope.host_shadow = host_empty(scope.device_nbytes, pin=scope.pinned)
     # Allocated here only to create each parameter's device tensor on it; freed below.
     scope.device_flat = torch.empty(scope.device_nbytes, dtype=torch.uint8, device=device)
-    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-        for (qual, p), offset, dev_offset, dt in zip(params, offsets, dev_offsets, dtypes):
-            nbytes = p.numel() * p.element_size()
-            host = masters.tensor(offset, p.dtype, p.shape)
-            host.copy_(p.detach())
-            grad = p.grad
-            p.grad = None
-            leaf, view = device_copy(scope.device_flat, dev_offset, dt, p.shape, p.requires_grad)
-            p.data = host
-            p.__class__ = OffloadedParameter
-            offloaded = cast(OffloadedParameter, p)
-            slot = ParamSlot(param=offloaded, name=qual, scope=scope, offset=offset,
-                             device_offset=dev_offset, device_leaf=leaf, device_view=view)
-            offloaded._ot = slot
-            slot.hook_device_leaf()
-            if grad is not None:
-                slot.host_grad = host_empty(nbytes, pin=scope.pinned).view(p.dtype).view(p.shape)
-                slot.host_grad.copy_(grad)
-                p.grad = slot.host_grad
-            scope.slots.append(slot)
+    # Plain tensors that do not require grad: autograd records none of these copies, without
+    # grad mode (Note [interrupts]).
+    for (qual, p), offset, dev_offset, dt in zip(params, offsets, dev_offsets, dtypes):
+        nbytes = p.numel() * p.element_size()
+        host = masters.tensor(offset, p.dtype, p.shape)
+        host.copy_(p.detach())
+        grad = p.grad
+        p.grad = None
+        leaf, view = device_copy(scope.device_flat, dev_offset, dt, p.shape, p.requires_grad)
+        p.data = host
+        p.__class__ = OffloadedParameter
+        offloaded = cast(OffloadedParameter, p)
+        slot = ParamSlot(param=offloaded, name=qual, scope=scope, offset=offset,
+                         device_offset=dev_offset, device_leaf=leaf, device_view=view, master=host)
+        offloaded._ot = slot
+        slot.hook_device_leaf()
+        if grad is not None:
+            slot.host_grad = host_empty(nbytes, pin=scope.pinned).view(p.dtype).view(p.shape)
+            slot.host_grad.copy_(grad.detach())
+            p.grad = slot.host_grad
+        scope.slots.append(slot)
     scope.device_storage.resize_(0)
     scope.state = ScopeState.OFFLOADED
 
@@ -463,13 +469,20 @@ def _offloaded_in(module: nn.Module, recurse: bool = True) -> list[tuple[str, Of
             if isinstance(p, OffloadedParameter) and getattr(p, "_ot", None) is not None]
 
 
+def _dtype_of(p: torch.Tensor) -> torch.dtype:
+    return p.dtype
+
+
+def _shape_dtype_of(p: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+    return p.shape, p.dtype
+
+
 def _apply_keeping_masters(module: nn.Module, fn, recurse: bool = True):
     """Module._apply that refuses dtype changes of offloaded masters before converting anything
     and leaves the masters alone; see Note [moving a wrapped model]."""
     first_of_dtype: dict[torch.dtype, OffloadedParameter] = {}
-    with torch._C.DisableTorchFunctionSubclass():
-        for _, p in _offloaded_in(module, recurse):
-            first_of_dtype.setdefault(p.dtype, p)
+    for _, p in _offloaded_in(module, recurse):
+        first_of_dtype.setdefault(without_subclass_dispatch(_dtype_of, p), p)
     for dtype, p in first_of_dtype.items():
         try:
             probe = fn(torch.empty(0, dtype=dtype))
@@ -503,8 +516,7 @@ def _load_into_masters(module: nn.Module, state_dict: dict, prefix: str, local_m
         value = state_dict.get(prefix + name)
         if not isinstance(value, torch.Tensor):
             continue  # missing, or not a tensor: load_state_dict reports it
-        with torch._C.DisableTorchFunctionSubclass():
-            shape, dtype = p.shape, p.dtype
+        shape, dtype = without_subclass_dispatch(_shape_dtype_of, p)
         if value.shape != shape or value.dtype != dtype:
             raise TypeError(
                 f"offtensor: load_state_dict(assign=True) cannot load {prefix + name!r}, a tensor "
