@@ -287,7 +287,7 @@ class _OverlappedStep:
     def _locked(self, fn: Any, *args: Any) -> Any:
         """fn(*args) under the lock, on the calling thread. One line: a KeyboardInterrupt can
         land before or after, never between taking and releasing the lock (Note [interrupts])."""
-        with self._lock: return fn(*args)  # noqa: E701
+        with self._lock: return fn(*args)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self._start

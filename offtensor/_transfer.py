@@ -97,7 +97,8 @@ import functools
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -115,13 +116,13 @@ logger = logging.getLogger("offtensor")
 
 # The no_offload() objects entered and not exited. Weak: one whose __exit__ an interrupt
 # skipped stops holding once it is collected (Note [interrupts]).
-_holds: "weakref.WeakSet[no_offload]" = weakref.WeakSet()
+_holds: weakref.WeakSet[no_offload] = weakref.WeakSet()
 CHUNK_BYTES = 32 * 2**20  # see Note [progressive loads]
 TINY = 8  # see Note [prefetch order]
 # Without the model's forward hook to tell where passes start, the learned forward order is
 # relearned beyond this many entries per scope (Note [prefetch order]).
 ORDER_LIMIT = 16
-_engines: "weakref.WeakSet[TransferEngine]" = weakref.WeakSet()
+_engines: weakref.WeakSet[TransferEngine] = weakref.WeakSet()
 
 
 class ModelForward(enum.Enum):
@@ -471,6 +472,7 @@ class TransferEngine:
         if g is None:
             return None
         slot.old_grad = None
+        assert slot.old_grad_source is not None  # set together with old_grad
         source, version = slot.old_grad_source
         slot.old_grad_source = None
         if master_grad(slot.param) is not source or source._version != version:
@@ -883,7 +885,7 @@ class _OnStream:
             engine._switched_from = self.previous
         torch.cuda.set_stream(self.stream)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         torch.cuda.set_stream(self.previous)
         if self.previous is self.engine._switched_from:
             self.engine._switched_from = None
@@ -910,7 +912,7 @@ class no_offload(contextlib.ContextDecorator):
         _holds.add(self)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._depth -= 1
         if self._depth > 0:
             return

@@ -39,7 +39,8 @@ import functools
 import logging
 import warnings
 import weakref
-from typing import Callable, cast
+from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 import torch
@@ -290,7 +291,7 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
 
 
 def _select(model: nn.Module, predicate: Predicate | None, policy: Policy) -> list[tuple[str, nn.Module, Policy]]:
-    selected = []
+    selected: list[tuple[str, nn.Module, Policy]] = []
     if predicate is None:
         # The outermost lists only: a list inside a selected element (T5's `block.N.layer`,
         # diffusers' `attn.to_out`, a UNet block's `resnets`) is part of that element's scope.
