@@ -147,6 +147,8 @@ def _outside_transforms(method: Any) -> Any:
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._functorch.peek_interpreter_stack() is None:  # no transform: nothing to do
+            return method(*args, **kwargs)
         with torch._C._DisableFuncTorch():
             return method(*args, **kwargs)
 

@@ -18,6 +18,7 @@ offloaded.
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import sys
 from collections.abc import Callable
@@ -90,6 +91,13 @@ class Interrupter:
                 raise
         finally:
             sys.settrace(None)
+        # torch.utils.checkpoint (non-reentrant) runs the checkpointed function between two
+        # steps of a generator that holds its saved-tensor hooks pushed; an exception out of the
+        # function leaves that generator suspended until it is collected. On Python 3.12 it can
+        # sit in a reference cycle with the traceback, so the next forward would save into the
+        # dead checkpoint, with or without offtensor. Collect it, as the next statements of a
+        # real program would in time.
+        gc.collect()
         return self.fired
 
 
