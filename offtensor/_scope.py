@@ -334,20 +334,30 @@ class FailureCheck:
 
     def enter(self) -> int:
         """Record a call; return how many earlier calls were found to have been interrupted."""
+        frame = _outside_offtensor(sys._getframe(1))
+        interrupted = self.drop_interrupted(frame)
+        self._calls.append((threading.get_ident(), frame, sys.exc_info()[1]))
+        return interrupted
+
+    def drop_interrupted(self, frame: FrameType | None = None) -> int:
+        """Forget this thread's calls whose frame is no longer on the stack (seen from `frame`,
+        default the caller's); return how many. Dropping a record lets its frame go, and with
+        it whatever that frame still holds: torch.utils.checkpoint's suspended generator keeps
+        its saved-tensor hooks pushed until it is collected, and collected inside the next
+        checkpointed call it would pop that call's hooks instead (the model's forward therefore
+        drops every scope's interrupted calls before anything else runs)."""
         thread = threading.get_ident()
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_globals.get("__name__", "").startswith("offtensor."):
-            frame = frame.f_back
-        interrupted = 0
-        if any(c[0] == thread for c in self._calls):  # else nothing to check: no stack walk
-            on_stack, f = set(), frame
-            while f is not None:
-                on_stack.add(id(f))
-                f = f.f_back
-            live = [c for c in self._calls if c[0] != thread or id(c[1]) in on_stack]
-            interrupted = len(self._calls) - len(live)
-            self._calls = live
-        self._calls.append((thread, frame, sys.exc_info()[1]))
+        if not any(c[0] == thread for c in self._calls):  # nothing to check: no stack walk
+            return 0
+        if frame is None:
+            frame = _outside_offtensor(sys._getframe(1))
+        on_stack, f = set(), frame
+        while f is not None:
+            on_stack.add(id(f))
+            f = f.f_back
+        live = [c for c in self._calls if c[0] != thread or id(c[1]) in on_stack]
+        interrupted = len(self._calls) - len(live)
+        self._calls = live
         return interrupted
 
     def failed(self) -> bool:
@@ -359,6 +369,13 @@ class FailureCheck:
                 break
         current = sys.exc_info()[1]
         return current is not None and current is not at_entry
+
+
+def _outside_offtensor(frame: FrameType | None) -> FrameType | None:
+    """The first frame, from `frame` outwards, that is not offtensor's: the module call's."""
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("offtensor."):
+        frame = frame.f_back
+    return frame
 
 
 class _AllInputGrads:

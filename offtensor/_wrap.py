@@ -445,6 +445,10 @@ def _hook_model_forward(model: nn.Module, engine: TransferEngine) -> None:
     def pre(module: nn.Module, args: tuple) -> None:
         if calls.enter():
             engine.abort()  # an earlier forward was interrupted (KeyboardInterrupt): as if it raised
+        for scope in engine.scopes:  # before anything else runs: FailureCheck.drop_interrupted
+            interrupted = scope.calls.drop_interrupted()
+            if interrupted:
+                engine.forget_calls(scope, interrupted)
         engine.begin_forward()
 
     def post(module: nn.Module, args: tuple, output: object) -> None:
