@@ -136,7 +136,7 @@ class Summary:
                      str(sum(s.loads for s in self.scopes)),
                      str(sum(s.loads_on_demand for s in self.scopes))))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
                  for r in rows]
         head = f"offtensor: {len(self.scopes)} scopes computing on {self.device}"
         if self.device_allocated is not None:

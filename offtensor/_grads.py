@@ -212,7 +212,7 @@ def publish(slots: list[ParamSlot]) -> None:
 
 def set_grads(slots: list[ParamSlot], grads: list[torch.Tensor | None]) -> None:
     """`slot.param.grad = grad` on the masters; call with subclass dispatch off."""
-    for slot, grad in zip(slots, grads):
+    for slot, grad in zip(slots, grads, strict=True):
         slot.param.grad = grad
 
 

@@ -166,7 +166,7 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
         for engine in engines:
             engine.grads.stepper = stepper
         loss.backward(**backward_kwargs)
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001 - re-raised by _raise_partial, with a note
         stepper.cancel()
         for engine in engines:
             engine.backward_failed()
@@ -178,7 +178,7 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
     stepper.report.backward_s = stepper.elapsed()
     try:
         stepper.step_rest()
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001 - re-raised by _raise_partial, with a note
         stepper.cancel()
         _raise_partial(e, stepper, "the optimizer step")
     return stepper.report
@@ -287,7 +287,7 @@ class _OverlappedStep:
     def _locked(self, fn: Any, *args: Any) -> Any:
         """fn(*args) under the lock, on the calling thread. One line: a KeyboardInterrupt can
         land before or after, never between taking and releasing the lock (Note [interrupts])."""
-        with self._lock: return fn(*args)
+        with self._lock: return fn(*args)  # noqa: E701
 
     def elapsed(self) -> float:
         return time.perf_counter() - self._start
@@ -530,11 +530,11 @@ def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], hyper: list[dic
     view.__dict__.update(optimizer.__dict__)
     view.__dict__.pop("step", None)  # an instance-level wrapper (LR schedulers) calls the original
     view.param_groups = [sub for _, sub in groups]
-    view._offtensor_view = True  # its step pre-hook must not wait for the steps it is part of
+    view._offtensor_view = True  # type: ignore[attr-defined]  # its step pre-hook must not wait for the steps it is part of
     before = [dict(sub) for _, sub in groups]
     view.step()
     optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers look for
-    for (g, sub), old in zip(groups, before):
+    for (g, sub), old in zip(groups, before, strict=True):
         for k, v in sub.items():
             if k != "params" and (k not in old or v is not old[k]):
                 g[k] = v

@@ -89,7 +89,7 @@ class OffloadedParameter(nn.Parameter):
 def without_subclass_dispatch(fn: Any, *args: Any) -> Any:
     """`fn(*args)` with `__torch_function__` of tensor subclasses off (DisableTorchFunctionSubclass),
     turned back on in C whatever fn raises (Note [interrupts])."""
-    return _disabled_torch_function_impl(fn, (), args)
+    return _disabled_torch_function_impl(fn, (), args)  # type: ignore[call-arg]
 
 
 def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:

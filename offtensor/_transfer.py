@@ -45,9 +45,10 @@ of order re-learns the order from that point; the first scope of the forward ord
 again starts a new pass and releases whatever a previous, abandoned pass left resident.
 The first scope of a pass is loaded when the forward of the model given to `wrap` starts
 (`begin_forward`; the scope where the pass after the last one's start began last time, so that
-alternating or cycling starts are foreseen), not when the forward reaches it: what a model computes before its first block
-(embeddings, masks, rotary tables; about 2 ms of host time for a Hugging Face Llama) then hides
-the first copy instead of delaying it, which matters most when the forward is transfer-bound.
+alternating or cycling starts are foreseen), not when the forward reaches it: what a model
+computes before its first block (embeddings, masks, rotary tables; about 2 ms of host time
+for a Hugging Face Llama) then hides the first copy instead of delaying it, which matters
+most when the forward is transfer-bound.
 Those hooks also delimit passes: inside the model's forward the first scope arriving again (a
 looped block) continues the pass; a pass starting at another scope of the order follows the
 order from there (decoding from cached encoder outputs), at an unknown scope relearns it; at the

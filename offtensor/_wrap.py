@@ -381,7 +381,9 @@ def _check_selection(model: nn.Module, selected: list[tuple[str, nn.Module, Poli
                 )
             if isinstance(p, nn.parameter.UninitializedParameter):
                 qual = f"{name}.{pname}" if name else pname
-                raise ValueError(f"offtensor.wrap: parameter {qual!r} is uninitialized (lazy module); run one forward first")
+                raise ValueError(
+                    f"offtensor.wrap: parameter {qual!r} is uninitialized (lazy module); run one forward first"
+                )
 
 
 def _layout(sizes: list[int]) -> tuple[list[int], int]:
@@ -398,9 +400,9 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
               for _, p in params]
     offsets, scope.nbytes = _layout([p.numel() * p.element_size() for _, p in params])
     dev_offsets, scope.device_nbytes = _layout(
-        [p.numel() * dt.itemsize for (_, p), dt in zip(params, dtypes)]
+        [p.numel() * dt.itemsize for (_, p), dt in zip(params, dtypes, strict=True)]
     )
-    scope.casts = any(dt != p.dtype for (_, p), dt in zip(params, dtypes))
+    scope.casts = any(dt != p.dtype for (_, p), dt in zip(params, dtypes, strict=True))
     # Each master gets a storage of its own in the scope's one host allocation (Note [one
     # storage per master] in _host_memory.py); host_flat spans them all for the bulk copy.
     masters = HostBuffer(scope.nbytes, pin=scope.pinned)
@@ -411,7 +413,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     scope.device_flat = torch.empty(scope.device_nbytes, dtype=torch.uint8, device=device)
     # Plain tensors that do not require grad: autograd records none of these copies, without
     # grad mode (Note [interrupts]).
-    for (qual, p), offset, dev_offset, dt in zip(params, offsets, dev_offsets, dtypes):
+    for (qual, p), offset, dev_offset, dt in zip(params, offsets, dev_offsets, dtypes, strict=True):
         nbytes = p.numel() * p.element_size()
         host = masters.tensor(offset, p.dtype, p.shape)
         host.copy_(p.detach())
@@ -491,7 +493,9 @@ def _apply_keeping_masters(module: nn.Module, fn, recurse: bool = True):
     for dtype, p in first_of_dtype.items():
         try:
             probe = fn(torch.empty(0, dtype=dtype))
-        except Exception:  # fn does not apply to a CPU probe (e.g. a device that is absent)
+        except (RuntimeError, AssertionError, TypeError, ValueError):
+            # fn does not apply to a CPU probe: a move to a device this machine lacks
+            # (torch raises AssertionError when it was built without CUDA), a custom fn
             continue
         if isinstance(probe, torch.Tensor) and probe.dtype != dtype:
             raise TypeError(
