@@ -62,6 +62,11 @@ class DeviceCopy(torch.Tensor):
         return super().__repr__(*args, **kwargs)
 
 
+def in_backward() -> bool:
+    """True while the autograd engine runs (backward, and recompute under checkpointing)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def device_copy(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size,
                 requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A parameter's device copy in a scope's flat device buffer (which must be allocated),
@@ -248,6 +253,8 @@ class Scope:
     # the engine recognises it by the autograd graph task id and neither reloads nor releases.
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not in_backward():
+            self.engine.check_thread(f"scope {self.name!r}")
         interrupted = self.calls.enter()
         if interrupted:
             self.engine.forget_calls(self, interrupted)
@@ -261,6 +268,8 @@ class Scope:
                     t.register_hook(done)
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.engine.foreign_thread():
+            return  # refused by check_thread: this call changed nothing
         failed = self.calls.failed()
         outputs = [] if failed or not torch.is_grad_enabled() else [
             t for t in _tensors(output) if t.requires_grad

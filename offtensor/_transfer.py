@@ -108,7 +108,7 @@ from ._api import Policy, ScopeState
 from ._grads import GradOffload
 from ._overlap import wait_for_step
 from ._param import master_grad, worker_state
-from ._scope import ParamSlot, Scope
+from ._scope import ParamSlot, Scope, in_backward
 
 if TYPE_CHECKING:
     from torch import nn
@@ -136,11 +136,6 @@ class ModelForward(enum.Enum):
 
 def _no_engine() -> None:
     """What a pickled wrapped model's engine attribute loads as (Note [copies of a wrapped model])."""
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs (backward, and recompute under checkpointing)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _outside_transforms(method: Any) -> Any:
@@ -197,7 +192,7 @@ class TransferEngine:
         # follow a cycle (encoder-decoder generation) load the right first scope early.
         self._next_begin: dict[Scope, Scope] = {}
         self._preloaded: Scope | None = None  # loaded by begin_forward in the current model forward
-        self._thread: int | None = None  # the thread of the latest forward (_check_thread)
+        self._thread: int | None = None  # the thread of the latest forward (check_thread)
         self._create_graph = False  # the backward running now builds a graph (create_graph=True)
         # Per scope, where its parameters are registered: (module._parameters, key, slot),
         # to notice fully_shard replacing them (Note [data-parallel wrappers] in _distributed.py).
@@ -564,7 +559,6 @@ class TransferEngine:
             scope.active_calls += 1
             self.pre_backward(scope)
             return
-        self._check_thread(scope)
         if _distributed.active():
             self._check_distributed(scope)
         self._check_inputs(scope, inputs)
@@ -830,19 +824,28 @@ class TransferEngine:
                 if scope is not first:
                     self.release(scope)
 
-    def _check_thread(self, scope: Scope) -> None:
+    def check_thread(self, where: str) -> None:
         """One forward at a time per wrapped model: its scopes' device copies, call counts and
-        learned order are shared, so a second thread's forward would corrupt the first's."""
+        learned order are shared, so a second thread's forward would corrupt the first's. The
+        thread of the forward in progress owns the engine; another one is refused, before any
+        state changes (its post-forward hooks then do nothing: foreign_thread)."""
         thread = threading.get_ident()
-        if self._thread != thread:
-            if self._thread is not None and any(s.active_calls for s in self.scopes):
-                raise RuntimeError(
-                    f"offtensor: scope {scope.name!r} was called from thread {thread} while "
-                    f"thread {self._thread} is in a forward of the same wrapped model. A wrapped "
-                    "model runs one forward (and backward) at a time: use one wrapped model per "
-                    "thread, or serialize the calls with a lock"
-                )
-            self._thread = thread
+        if self._thread == thread:
+            return
+        busy = self._model_forward is not ModelForward.OUTSIDE or any(s.active_calls for s in self.scopes)
+        if self._thread is not None and busy:
+            raise RuntimeError(
+                f"offtensor: {where} was called from thread {thread} while thread {self._thread} "
+                "is in a forward of the same wrapped model. A wrapped model runs one forward (and "
+                "backward) at a time: use one wrapped model per thread, or serialize the calls "
+                "with a lock"
+            )
+        self._thread = thread
+
+    def foreign_thread(self) -> bool:
+        """A forward hook runs on another thread than the forward in progress (check_thread
+        refused its call). Backward runs on autograd's threads: never foreign."""
+        return self._thread is not None and threading.get_ident() != self._thread and not in_backward()
 
     def _check_distributed(self, scope: Scope) -> None:
         """A process group exists: refuse DDP around a scope called outside the wrapped model's

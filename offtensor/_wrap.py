@@ -445,6 +445,7 @@ def _hook_model_forward(model: nn.Module, engine: TransferEngine) -> None:
     calls = FailureCheck()
 
     def pre(module: nn.Module, args: tuple) -> None:
+        engine.check_thread("the model's forward")
         if calls.enter():
             engine.abort()  # an earlier forward was interrupted (KeyboardInterrupt): as if it raised
         for scope in engine.scopes:  # before anything else runs: FailureCheck.drop_interrupted
@@ -454,7 +455,8 @@ def _hook_model_forward(model: nn.Module, engine: TransferEngine) -> None:
         engine.begin_forward()
 
     def post(module: nn.Module, args: tuple, output: object) -> None:
-        engine.end_forward(failed=calls.failed())
+        if not engine.foreign_thread():  # a call refused by check_thread: nothing to undo
+            engine.end_forward(failed=calls.failed())
 
     engine.handles.append(model.register_forward_pre_hook(Hook(pre)))
     engine.handles.append(model.register_forward_hook(Hook(post), always_call=True))

@@ -219,20 +219,43 @@ class Waits(nn.Module):
         return self.fc(x)
 
 
-def test_error_if_the_same_model_runs_forward_in_two_threads_at_once():
+class WaitingStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), Waits(), nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("second", ["model", "scope"])
+def test_error_if_the_same_model_runs_forward_in_two_threads_at_once(second):
+    """The second thread is refused before it changes anything: the first thread's forward
+    (paused inside its second block) completes with the right result."""
     import threading
 
-    blocks = nn.ModuleList([Waits(), nn.Linear(4, 4)])
-    offtensor.wrap(blocks, device="cpu")
-    results: list[object] = []
-    first = threading.Thread(target=lambda: results.append(blocks[0](torch.randn(2, 4))))
+    model = WaitingStack()
+    reference = WaitingStack()  # events cannot be deep-copied
+    reference.load_state_dict(model.state_dict())
+    offtensor.wrap(model, device="cpu")
+    waits = model.blocks[1]
+    x = torch.randn(2, 4)
+    results: list[torch.Tensor] = []
+    first = threading.Thread(target=lambda: results.append(model(x)))
     first.start()
-    assert blocks[0].entered.wait(timeout=30)
+    assert waits.entered.wait(timeout=30)
     try:
         with pytest.raises(RuntimeError, match="while thread .* is in a forward of the same wrapped model"):
-            blocks[1](torch.randn(2, 4))
+            if second == "model":
+                model(x)
+            else:
+                model.blocks[2](x)
     finally:
-        blocks[0].go.set()
+        waits.go.set()
         first.join(timeout=30)
-    assert isinstance(results[0], torch.Tensor)
-    assert blocks[1](torch.randn(2, 4)).shape == (2, 4)  # one thread at a time is fine
+    reference.blocks[1].go.set()
+    torch.testing.assert_close(results[0], reference(x), rtol=0, atol=0)
+    assert all(s.device_bytes == 0 for s in offtensor.summary(model).scopes)
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)  # one thread at a time is fine
