@@ -70,8 +70,9 @@ if TYPE_CHECKING:
     from ._scope import ParamSlot, Scope
     from ._transfer import TransferEngine
 
-STEP_PIECE_BYTES = 64 * 2**20  # see Note [deferred steps]
-# Cores the worker leaves to the thread that launches the device's kernels (_OverlappedStep._run).
+STEP_PIECE_BYTES = 64 * 2**20  # backward_and_step(piece_bytes=) default; see Note [deferred steps]
+# Cores the worker leaves to the thread that launches the device's kernels (_OverlappedStep._run);
+# backward_and_step(spare_threads=) default.
 # Measured on the benchmark's 16-core host (docs/benchmarks.md): 2 spare -> 355-379 ms per step,
 # 1 -> 338 ms, 0 -> 327 ms; 1 keeps a core for the main thread on smaller hosts.
 SPARE_THREADS = 1
@@ -107,6 +108,7 @@ class OverlapReport:
 
 
 def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, zero_grad: bool = False,
+                      spare_threads: int | None = None, piece_bytes: int | None = None,
                       **backward_kwargs: Any) -> OverlapReport:
     """`loss.backward(); optimizer.step()`, with the optimizer overlapped with backward and with
     the next forward.
@@ -135,6 +137,14 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
         optimizer: a `torch.optim.Optimizer` over the model's parameters (offloaded or not).
         zero_grad: set each parameter's `.grad` to None once it is stepped (what
             `optimizer.zero_grad()` does by default), so no wait is needed to zero them.
+        spare_threads: CPU threads the optimizer worker leaves to the thread that launches the
+            device's kernels: the worker steps with `torch.get_num_threads() - spare_threads`
+            intra-op threads (at least 1). Default (None): `SPARE_THREADS`, 1. A tuning knob;
+            the benchmark's `--overlap-spare-threads` sets it.
+        piece_bytes: parameter bytes per optimizer step the worker runs: a scope's parameters
+            are stepped in pieces of about this size, so that a piece the next forward needs
+            soon never waits behind a whole scope (Note [deferred steps]). Default (None):
+            `STEP_PIECE_BYTES`, 64 MiB. A tuning knob; `--overlap-piece-mib` in the benchmark.
         **backward_kwargs: passed to `loss.backward` (e.g. `retain_graph`).
 
     Returns:
@@ -150,13 +160,19 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
                 offtensor.backward_and_step(loss, optimizer, zero_grad=True)
     """
     global _current
+    spare_threads = SPARE_THREADS if spare_threads is None else spare_threads
+    piece_bytes = STEP_PIECE_BYTES if piece_bytes is None else piece_bytes
+    if isinstance(spare_threads, bool) or not isinstance(spare_threads, int) or spare_threads < 0:
+        raise ValueError(f"offtensor.backward_and_step: spare_threads must be an int >= 0, got {spare_threads!r}")
+    if isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int) or piece_bytes < 1:
+        raise ValueError(f"offtensor.backward_and_step: piece_bytes must be an int >= 1, got {piece_bytes!r}")
     wait_for_steps()
     engines = _engines_of(optimizer)
     for engine in engines:
         if engine.grads.stepper is not None and not engine.grads.stepper.closed:
             raise RuntimeError("offtensor.backward_and_step: already inside a backward_and_step on this model")
     _install_optimizer_hooks(optimizer)
-    stepper = _OverlappedStep(optimizer, zero_grad)
+    stepper = _OverlappedStep(optimizer, zero_grad, spare_threads, piece_bytes)
     # Everything that changes module state happens inside the try, so that an interrupt at any
     # point is undone (Note [interrupts]): an engine left pointing at a stepper would refuse
     # every later call, a worker never closed would be waited for forever.
@@ -254,9 +270,12 @@ class _Piece:
 class _OverlappedStep:
     """One backward_and_step call: the worker thread, its queue and what is still pending."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, zero_grad: bool) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, zero_grad: bool, spare_threads: int,
+                 piece_bytes: int) -> None:
         self.optimizer = optimizer
         self.zero_grad = zero_grad
+        self.spare_threads = spare_threads  # left to the launching thread (backward_and_step)
+        self.piece_bytes = piece_bytes  # parameter bytes per worker step (Note [deferred steps])
         self._ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         # Names of the offloaded parameters; the others are named by their position.
         self._names = {id(p): p._ot.name if hasattr(p, "_ot") else f"param_groups[{i}][{j}]"
@@ -303,7 +322,7 @@ class _OverlappedStep:
         batch, nbytes = self._early.get(scope, ([], 0))
         batch.append(slot)
         nbytes += _nbytes(slot)
-        if nbytes >= STEP_PIECE_BYTES:
+        if nbytes >= self.piece_bytes:
             self._early.pop(scope, None)
             self._hand(scope, [batch], landed, early=True)
         else:
@@ -323,7 +342,7 @@ class _OverlappedStep:
         for i, slot in enumerate(slots):
             current.append(slot)
             nbytes += _nbytes(slot)
-            if nbytes >= STEP_PIECE_BYTES or i == len(slots) - 1:
+            if nbytes >= self.piece_bytes or i == len(slots) - 1:
                 pieces.append(current)
                 current, nbytes = [], 0
         self._hand(scope, pieces, grads_offloaded, early=False)
@@ -439,7 +458,7 @@ class _OverlappedStep:
             worker_state.active = True
             # The thread that launches kernels must keep a core: a CPU optimizer on every core
             # starves it and the GPU idles. OpenMP thread counts are per calling thread here.
-            torch.set_num_threads(max(1, threads - SPARE_THREADS))
+            torch.set_num_threads(max(1, threads - self.spare_threads))
             while True:
                 piece = self._next_piece()
                 if piece is None:

@@ -159,6 +159,43 @@ def test_backward_and_step_equals_backward_then_step_with_grad_accumulation(devi
     assert_all_scopes_offloaded(model)
 
 
+@pytest.mark.parametrize("piece_bytes", [1, 2**30], ids=["piece_per_param", "piece_per_scope"])
+@pytest.mark.parametrize("spare_threads", [0, 2])
+def test_backward_and_step_worker_settings_change_the_pieces_not_the_result(spare_threads, piece_bytes):
+    """spare_threads and piece_bytes tune the worker (the benchmark passes them); the steps are
+    the same as backward then step, and piece_bytes sets how many optimizer steps it runs."""
+    model = mlp_of_blocks(n_blocks=4)
+    reference = reference_then_offload(model, "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    handed = [p for _, p in offloaded_parameters(model)]
+    tol = tolerances("cpu")
+    for _ in range(2):
+        x, y = _batches("cpu", 1)[0]
+        report = offtensor.backward_and_step(F.mse_loss(model(x), y), opt, spare_threads=spare_threads,
+                                             piece_bytes=piece_bytes).wait()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        assert_params_match(model, reference, **tol)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert report.pieces == (len(handed) if piece_bytes == 1 else len(model.blocks)), report
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"spare_threads": -1}, "spare_threads must be an int >= 0, got -1"),
+    ({"piece_bytes": 0}, "piece_bytes must be an int >= 1, got 0"),
+    ({"piece_bytes": 1.5}, "piece_bytes must be an int >= 1, got 1.5"),
+])
+def test_error_if_backward_and_step_worker_settings_are_invalid(kwargs, message):
+    model = mlp_of_blocks(n_blocks=2)
+    offload(model, "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _batches("cpu", 1)[0]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        offtensor.backward_and_step(F.mse_loss(model(x), y), opt, **kwargs)
+
+
 class UsedInTwoSegments(nn.Module):
     """Uses its weight once, or (split=True) in two reentrant checkpoint segments: then its
     gradient arrives in two parts, each in its own graph task."""

@@ -2,10 +2,10 @@
 # The one script to run on a GPU machine: the whole test suite (CUDA tests included), then the
 # benchmark, then a short summary. Run from anywhere; it works in the repository root.
 #
-#   scripts/gpu_check.sh                    # tests, then benchmark
-#   scripts/gpu_check.sh tests-only         # tests only
-#   scripts/gpu_check.sh bench-only         # benchmark only
-#   scripts/gpu_check.sh bench-only --layers 4 --peers resident offtensor   # extra args go to the bench
+#   .ci/gpu_check.sh                    # tests, then benchmark
+#   .ci/gpu_check.sh tests-only         # tests only
+#   .ci/gpu_check.sh bench-only         # benchmark only
+#   .ci/gpu_check.sh bench-only --layers 4 --peers resident offtensor   # extra args go to the bench
 #
 # Logs and results go to $OUT (default: /tmp/offtensor_gpu_check): pytest.log, bench.log, bench.json.
 # Wheels in .whl/ (packages the GPU machine lacks, e.g. diffusers) are installed to /tmp/site

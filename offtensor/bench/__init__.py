@@ -1,0 +1,25 @@
+"""Benchmark offtensor against the whole model on the GPU and against other offloading libraries.
+
+Runs a randomly initialised Hugging Face Llama (no download) through six scenarios and, for each
+*peer* (a way of placing the model), reports the median wall time, the roofline, peak device
+memory and host memory growth. docs/benchmarks.md defines every column.
+
+    python -m offtensor.bench                          # 8 layers, every scenario and peer
+    python -m offtensor.bench --layers 16 --peers resident offtensor --json out.json
+    python -m offtensor.bench --scenarios step-4x2048 --peers resident offtensor offtensor-overlap
+    python -m offtensor.bench --quick --device cpu     # smoke test: tiny model, no GPU needed
+    python -m offtensor.bench profile-step --help      # the investigations: see --help
+
+Peers other than offtensor are optional: one that is not installed, or that fails, is reported
+with a note and the run goes on. Only offtensor's public API is used; transformers, accelerate,
+diffusers, peft and psutil are imported when a run needs them, never by `import offtensor`.
+
+Modules, bottom up: measure (timing, memory, bandwidth), scenarios (what runs), model (the
+Llama), optimizer (the CPU AdamW measurements), peers (placing the model), results (rows),
+workload (one scenario's callables), run (timing a scenario, a peer's pass), rooflines (and
+targets), report (printing, JSON), cli; the subcommands in profiling and host_memory.
+"""
+
+from .cli import main, parse_args
+
+__all__ = ["main", "parse_args"]

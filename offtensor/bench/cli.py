@@ -1,0 +1,207 @@
+"""`python -m offtensor.bench`: the command line. The benchmark itself by default; the
+investigations behind docs/benchmarks.md as subcommands (`python -m offtensor.bench
+profile-step --help`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+from typing import Any
+
+import torch
+
+from .measure import measure_bandwidth
+from .optimizer import WorkerSettings
+from .peers import PEER_NAMES, peer_plan, peer_unavailable
+from .report import environment, print_summary, write_json
+from .results import Row
+from .rooflines import compute_rooflines
+from .run import Run, run_peer
+from .scenarios import FULL_SHAPE, QUICK_SHAPE, SCENARIOS, ModelShape, Scenario, quick
+
+DESCRIPTION = ("Benchmark offtensor against the whole model on the device and against other "
+               "offloading libraries (docs/benchmarks.md).")
+
+# subcommand -> (module, what it measures); each module has main(argv) -> int.
+COMMANDS = {
+    "profile-step": ("profiling", "where an overlapped training step's time goes (CUDA)"),
+    "profile-infer": ("profiling", "where an offloaded forward's time and peak memory go (CUDA)"),
+    "host-contention": ("host_memory", "the CPU AdamW step beside PCIe copies: host memory bandwidth"),
+    "pinned-bandwidth": ("host_memory", "host-to-device bandwidth from three kinds of page-locked memory (CUDA)"),
+    "adamw-memory-kinds": ("host_memory", "the CPU AdamW step on three kinds of host memory"),
+}
+
+EPILOG = "subcommands (each takes --help):\n" + "\n".join(
+    f"  python -m offtensor.bench {name:20} {what}" for name, (_, what) in COMMANDS.items())
+
+
+def _names(values: list[str], known: tuple[str, ...] | list[str], what: str) -> list[str]:
+    names = [n for v in values for n in v.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"bench: unknown {what} {unknown}; choose from {list(known)}")
+    return list(dict.fromkeys(names))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m offtensor.bench", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; 2 with --quick)")
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS),
+                   help=f"any of {list(SCENARIOS)} (space or comma separated; default all)")
+    p.add_argument("--peers", nargs="+", default=list(PEER_NAMES),
+                   help=f"any of {list(PEER_NAMES)} (default all; resident always runs first)")
+    p.add_argument("--json", default=None, help="write every number to this JSON file")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model (hidden 256, 2 layers) and short sequences: a smoke test")
+    p.add_argument("--device", default=None, help="compute device (default cuda if available, else cpu)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default 2; 1 with --quick)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed iterations (default 5 for inference, 3 for training; 2 with --quick)")
+    p.add_argument("--max-scenario-s", type=float, default=25.0,
+                   help="cut iterations when one peer/scenario would take longer than this")
+    p.add_argument("--offtensor-prefetch", type=int, default=None,
+                   help="pass offtensor.Policy(prefetch=N) to wrap (default: the library's default)")
+    p.add_argument("--offtensor-max-scope-mib", type=float, default=None,
+                   help="pass offtensor.Policy(max_scope_bytes=N MiB) to wrap: split decoder layers "
+                        "larger than that into per-child scopes (default: one scope per layer)")
+    p.add_argument("--overlap-piece-mib", type=float, default=None,
+                   help="offtensor-overlap: backward_and_step(piece_bytes=N MiB) (default 64)")
+    p.add_argument("--overlap-spare-threads", type=int, default=None,
+                   help="offtensor-overlap: backward_and_step(spare_threads=N) (default 1)")
+    p.add_argument("--overlap-variants", nargs="+", default=[], metavar="SPARE:PIECE_MIB",
+                   help="offtensor-overlap: worker settings (spare threads:piece MiB) to time in turn "
+                        "beside the plain optimizer step (measure_same_time; default: the current one)")
+    p.add_argument("--overlap-rounds", type=int, default=3,
+                   help="offtensor-overlap: rounds of measure_same_time (default 3)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _worker_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """args.worker and args.overlap_variants as WorkerSettings."""
+    default = WorkerSettings()
+    args.worker = WorkerSettings(
+        default.spare_threads if args.overlap_spare_threads is None else args.overlap_spare_threads,
+        default.piece_bytes if args.overlap_piece_mib is None else int(args.overlap_piece_mib * 2**20))
+    if args.worker.spare_threads < 0 or args.worker.piece_bytes < 1:
+        p.error("--overlap-spare-threads must be >= 0 and --overlap-piece-mib > 0")
+    variants = []
+    for v in args.overlap_variants:
+        try:
+            spare, mib = v.split(":")
+            variants.append(WorkerSettings(int(spare), int(float(mib) * 2**20)))
+        except (ValueError, OverflowError):
+            p.error(f"--overlap-variants: {v!r} is not SPARE:PIECE_MIB (e.g. 1:64)")
+    args.overlap_variants = variants
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _parser()
+    args = p.parse_args(argv)
+    args.scenarios = _names(args.scenarios, list(SCENARIOS), "scenario")
+    args.peers = _names(args.peers, PEER_NAMES, "peer")
+    if args.warmup is not None and args.warmup < 1:
+        p.error("--warmup must be >= 1")
+    if args.iters is not None and args.iters < 1:
+        p.error("--iters must be >= 1")
+    if args.overlap_rounds < 1:
+        p.error("--overlap-rounds must be >= 1")
+    _worker_settings(p, args)
+    return args
+
+
+def _device(name: str | None) -> torch.device:
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench: --device cuda, but torch sees no CUDA device")
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)  # events and streams below use the current device
+    return device
+
+
+def _json_args(args: argparse.Namespace) -> dict[str, Any]:
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return dataclasses.asdict(v)
+        return [plain(x) for x in v] if isinstance(v, list) else v
+
+    return {k: plain(v) for k, v in vars(args).items()}
+
+
+def _run_peers(peers: list[str], scenarios: list[Scenario], shape: ModelShape, device: torch.device,
+               args: argparse.Namespace, run: Run, report: Any) -> None:
+    """Each peer's scenarios in turn (resident first); `report()` after each peer."""
+    for peer in peers:
+        plan = [(s, p) for s in scenarios if (p := peer_plan(peer, s)) is not None]
+        if not plan:
+            continue  # an offtensor variant whose scenarios were not selected
+        why = peer_unavailable(peer)
+        if why is not None:
+            print(f"bench: {peer}: skipped, {why}", flush=True)
+            run.rows += [Row(s.name, peer, "skipped", why, batch=s.batch, seq=s.seq) for s, _ in plan]
+            continue
+        run.rows += [Row(s.name, peer, "skipped", p, batch=s.batch, seq=s.seq) for s, p in plan if p != "run"]
+        to_run = [s for s, p in plan if p == "run"]
+        if to_run:
+            print(f"bench: {peer}", flush=True)
+            run_peer(peer, to_run, shape, device, args, run)
+            report(interrupted=False)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    device = _device(args.device)
+    base = QUICK_SHAPE if args.quick else FULL_SHAPE
+    shape = dataclasses.replace(base, layers=args.layers or base.layers)
+    scenarios = [SCENARIOS[n] for n in SCENARIOS if n in args.scenarios]  # canonical order
+    if args.quick:
+        scenarios = [quick(s) for s in scenarios]
+    peers = sorted(args.peers, key=lambda n: n != "resident")  # resident first: it is the roofline
+    env = environment(device)
+    print(f"bench: {shape} on {env.get('gpu', device)}; torch {env['torch']}", flush=True)
+    bw = measure_bandwidth(device, (256 if args.quick else 1024) * 2**20)
+    print(f"bench: bandwidth H2D {bw['h2d'] / 1e9:.1f} GB/s, D2H {bw['d2h'] / 1e9:.1f} GB/s"
+          + (f", both at once {bw['bidirectional_total'] / 1e9:.1f} GB/s total"
+             if bw.get("bidirectional_total") else "") + f" ({bw['method']})", flush=True)
+    run = Run()
+    order = {s.name: i for i, s in enumerate(scenarios)}, {n: i for i, n in enumerate(peers)}
+
+    def report(interrupted: bool) -> tuple[list[Row], dict[str, dict[str, Any]]]:
+        """Sorted rows with rooflines filled in; also (re)writes --json, so a run killed
+        part-way still leaves every peer finished so far on disk."""
+        table = sorted(run.rows, key=lambda r: (order[0][r.scenario], order[1][r.peer]))
+        rooflines = compute_rooflines(table, scenarios, bw, run.variant_bytes, run.extras)
+        if args.json:
+            write_json(args.json, run, env=env, interrupted=interrupted, args=_json_args(args), shape=shape,
+                       bw=bw, scenarios=scenarios, rooflines=rooflines, table=table)
+        return table, rooflines
+
+    interrupted = False
+    try:
+        _run_peers(peers, scenarios, shape, device, args, run, report)
+    except KeyboardInterrupt:
+        # `timeout --signal=INT` in .ci/gpu_check.sh lands here: report what was measured.
+        interrupted = True
+        print("bench: interrupted; reporting the results so far", flush=True)
+        if run.rows and run.rows[-1].status == "ok" and run.rows[-1].median_ms is None:
+            run.rows[-1].status, run.rows[-1].note = "error", "interrupted"
+    table, rooflines = report(interrupted)
+    if args.json:
+        print(f"bench: wrote {args.json}", flush=True)
+    print_summary(table, rooflines, run, bw=bw, env=env, shape=shape, scenarios=scenarios, device=device,
+                  quick=args.quick)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The benchmark with `argv` (default: sys.argv[1:]), or the subcommand argv[0] names."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        module = importlib.import_module(f"{__package__}.{COMMANDS[argv[0]][0]}")
+        return int(module.main(argv[0], argv[1:]))
+    return _bench(parse_args(argv))

@@ -1,0 +1,143 @@
+"""Timing and memory helpers shared by every measurement: device syncs, wall time, host RSS,
+freeing memory between peers, and the pinned-copy bandwidth the rooflines divide by."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+GiB = 2**30
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn: Callable[[], None]) -> float:
+    """Seconds `fn` takes, its device work included."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def host_rss() -> int | None:
+    """Resident set size of this process in bytes (psutil, else /proc/self/status)."""
+    try:
+        import psutil  # optional, imported only here
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        # cuBLAS keeps a workspace per handle and stream in allocated memory; it outlives the
+        # peer that made it and would count in the next peer's peak memory.
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+        torch.cuda.empty_cache()
+        # Pinned blocks freed by tensors stay cached by PyTorch's host allocator; give them back
+        # so the next peer's host-memory baseline is clean. The name moved between releases.
+        for fn in (getattr(torch.accelerator, "empty_host_cache", None),
+                   getattr(torch._C, "_host_emptyCache", None)):
+            if fn is not None:
+                with contextlib.suppress(Exception):
+                    fn()
+                break
+
+
+def short_error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def version(module_name: str) -> str | None:
+    try:
+        module = __import__(module_name)
+    except Exception:  # noqa: BLE001 - a broken install is reported as missing
+        return None
+    return str(getattr(module, "__version__", "unknown"))
+
+
+def _cuda_copy_seconds(dst: torch.Tensor, src: torch.Tensor, reps: int) -> float:
+    """Median seconds of one pinned copy, CUDA events around each; two warm-up copies."""
+    samples = []
+    for i in range(reps + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        if i >= 2:
+            samples.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(samples)
+
+
+def _cuda_bandwidth(device: torch.device, nbytes: int, reps: int) -> dict[str, Any]:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev2 = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out: dict[str, Any] = {"method": "pinned, CUDA events",
+                           "h2d": nbytes / _cuda_copy_seconds(dev, host, reps),
+                           "d2h": nbytes / _cuda_copy_seconds(host, dev, reps)}
+    s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    samples = []
+    for i in range(reps + 2):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with torch.cuda.stream(s1):
+            dev.copy_(host, non_blocking=True)
+        with torch.cuda.stream(s2):
+            host2.copy_(dev2, non_blocking=True)
+        torch.cuda.synchronize(device)
+        if i >= 2:
+            samples.append(time.perf_counter() - t0)
+    out["bidirectional_total"] = 2 * nbytes / statistics.median(samples)
+    del host, host2, dev, dev2
+    free_memory(device)
+    return out
+
+
+def measure_bandwidth(device: torch.device, nbytes: int, reps: int = 5) -> dict[str, Any]:
+    """Pinned host<->device copy bandwidth in bytes/s, median of `reps` timed copies.
+
+    On CUDA: one large pinned buffer, CUDA events around each copy, plus both directions at
+    once on two streams (for reference; the roofline uses the one-way numbers). On the CPU, the
+    "transfer" offtensor does is a memcpy between two host buffers, timed with perf_counter.
+    """
+    out: dict[str, Any] = {"bytes": nbytes, "reps": reps}
+    if device.type == "cuda":
+        return {**out, **_cuda_bandwidth(device, nbytes, reps)}
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    samples = []
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if i >= 1:
+            samples.append(time.perf_counter() - t0)
+    rate = nbytes / statistics.median(samples)
+    return {**out, "method": "host memcpy, perf_counter", "h2d": rate, "d2h": rate,
+            "bidirectional_total": None}

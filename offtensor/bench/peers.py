@@ -1,0 +1,161 @@
+"""The peers: each places a freshly built CPU model for computing on the device, in place;
+which scenarios each runs; and the PCIe bytes each offtensor peer's training step moves.
+Third-party offloaders are imported inside their setup, so that a missing one is a note."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .measure import short_error
+from .model import BuiltModel
+from .scenarios import Scenario
+
+PEER_NAMES = ("resident", "offtensor", "offtensor-overlap", "offtensor-castdev", "offtensor-casthost",
+              "accelerate", "diffusers")
+
+
+@dataclass(frozen=True)
+class PeerOptions:
+    """What --offtensor-* passes to `offtensor.Policy`."""
+
+    offtensor_prefetch: int | None = None
+    offtensor_max_scope_mib: float | None = None
+
+
+def peer_plan(peer: str, scenario: Scenario) -> str | None:
+    """'run'; or the note of a 'skipped' row; or None: the peer has no row for this scenario
+    (the offtensor variants are only different from `offtensor` where they have a row)."""
+    if peer == "offtensor-overlap":
+        return "run" if scenario.kind == "step" else None
+    if peer in ("offtensor-castdev", "offtensor-casthost"):
+        return "run" if scenario.kind == "step32" else None
+    if peer == "offtensor":
+        return None if scenario.kind == "step32" else "run"  # fp32 masters: the -cast* peers
+    if peer in ("accelerate", "diffusers") and scenario.has_optimizer:
+        return "no optimizer integration"
+    return "run"
+
+
+def _place_outside(model: nn.Module, layers: nn.ModuleList, device: torch.device) -> None:
+    """Move every parameter and buffer that is not in `layers` to `device`, in place.
+
+    For peers whose hooks own the layers' placement, where a plain `model.to(device)` would
+    pull the offloaded weights onto the device too.
+    """
+    inside = {id(m) for m in layers.modules()}
+    with torch.no_grad():
+        for module in model.modules():
+            if id(module) in inside:
+                continue
+            for p in module._parameters.values():
+                if p is not None:
+                    p.data = p.data.to(device)
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = b.to(device)
+
+
+def _setup_resident(built: BuiltModel, device: torch.device, opts: PeerOptions) -> str:
+    built.model.to(device)
+    return "whole model on the device"
+
+
+def _offtensor_options(built: BuiltModel, opts: PeerOptions, cast: str | None) -> dict[str, Any]:
+    import offtensor
+
+    options: dict[str, Any] = {}
+    if opts.offtensor_prefetch is not None:
+        options["prefetch"] = opts.offtensor_prefetch
+    if opts.offtensor_max_scope_mib is not None:
+        options["max_scope_bytes"] = int(opts.offtensor_max_scope_mib * 2**20)
+    if cast is not None:
+        # fp32 masters (and their grads and AdamW state) on the host, bf16 copies on the device.
+        options["compute_dtype"] = torch.bfloat16
+        options["cast"] = cast
+    if built.variant == "lora":
+        # Offload the frozen base; the small trainable adapters stay on the device, so nothing
+        # but the base weights crosses PCIe (host-to-device only).
+        options["param_filter"] = offtensor.frozen_only
+    return options
+
+
+def setup_offtensor(built: BuiltModel, device: torch.device, opts: PeerOptions, cast: str | None = None) -> str:
+    """`offtensor.wrap` with the default predicate (every element of every nn.ModuleList: the
+    decoder layers), then the rest of the model to the device. Returns the call, in words."""
+    import offtensor
+
+    options = _offtensor_options(built, opts, cast)
+    policy = offtensor.Policy(**options) if options else None
+    offtensor.wrap(built.model, device=device, policy=policy)
+    built.model.to(device)  # embeddings, final norm, head, rotary buffers; masters stay on the host
+    shown = ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={getattr(v, '__name__', v)}"
+                      for k, v in options.items())
+    return f"offtensor.wrap(model, device={str(device)!r}, policy=Policy({shown}))"
+
+
+def _setup_accelerate(built: BuiltModel, device: torch.device, opts: PeerOptions) -> str:
+    from accelerate import cpu_offload
+
+    _place_outside(built.model, built.layers, device)
+    for layer in built.layers:
+        cpu_offload(layer, execution_device=device)
+    return "accelerate.cpu_offload on each decoder layer"
+
+
+def _setup_diffusers(built: BuiltModel, device: torch.device, opts: PeerOptions) -> str:
+    from diffusers.hooks import apply_group_offloading
+
+    use_stream = device.type == "cuda"  # diffusers refuses streams on the CPU
+    _place_outside(built.model, built.layers, device)
+    # Applied per decoder layer: diffusers traces the execution order from the forward of the
+    # module it is given, and an nn.ModuleList has no forward, so giving it `layers` would
+    # disable prefetching; per layer, each leaf prefetches the next one within the layer.
+    for layer in built.layers:
+        apply_group_offloading(layer, onload_device=device, offload_device=torch.device("cpu"),
+                               offload_type="leaf_level", use_stream=use_stream)
+    return f"diffusers apply_group_offloading(leaf_level, use_stream={use_stream}) on each decoder layer"
+
+
+PEER_SETUP: dict[str, Callable[[BuiltModel, torch.device, PeerOptions], str]] = {
+    "resident": _setup_resident,
+    "offtensor": setup_offtensor,
+    "offtensor-overlap": setup_offtensor,  # same placement; the step uses backward_and_step
+    "offtensor-castdev": lambda b, d, o: setup_offtensor(b, d, o, cast="device"),
+    "offtensor-casthost": lambda b, d, o: setup_offtensor(b, d, o, cast="host"),
+    "accelerate": _setup_accelerate,
+    "diffusers": _setup_diffusers,
+}
+_PEER_MODULE = {"resident": None, "offtensor": "offtensor", "offtensor-overlap": "offtensor",
+                "offtensor-castdev": "offtensor", "offtensor-casthost": "offtensor",
+                "accelerate": "accelerate", "diffusers": "diffusers.hooks"}
+
+
+def peer_unavailable(peer: str) -> str | None:
+    """Why `peer` cannot run here, or None."""
+    module = _PEER_MODULE[peer]
+    if module is None:
+        return None
+    try:
+        __import__(module)
+    except Exception as exc:  # noqa: BLE001 - not installed, or broken on import
+        return f"not available: {short_error(exc)}"
+    return None
+
+
+STEP_PEERS = {  # step kind -> {peer: (H2D bytes per wrapped byte and pass, optimizer overlapped)}
+    "step": {"offtensor": (1.0, False), "offtensor-overlap": (1.0, True)},
+    # fp32 masters: cast="device" moves the fp32 bytes, cast="host" the bf16 copy (half).
+    "step32": {"offtensor-castdev": (1.0, False), "offtensor-casthost": (0.5, False)},
+}
+
+
+def step_pcie_bytes(built: BuiltModel, scenario: Scenario) -> tuple[int, int]:
+    """(host-to-device, device-to-host) bytes of one training step of the standard peer
+    (step_roofline): weights in twice (forward, recompute), gradients out once."""
+    h2d_per_byte = next(iter(STEP_PEERS[scenario.kind].values()))[0]
+    return int(2 * built.wrapped_bytes * h2d_per_byte), built.wrapped_trainable_bytes

@@ -1,0 +1,169 @@
+"""The rooflines (the fastest an offloader could be on this machine), each row's ratio to its
+roofline, and the targets those ratios are judged against. docs/benchmarks.md defines them:
+
+    roofline = max(time of the same scenario with the whole model resident on the device,
+                   bytes that must cross PCIe / measured pinned bandwidth)
+
+plus, for the full training steps, the CPU optimizer step: added for `loss.backward();
+optimizer.step()`, overlapped (max) for `offtensor.backward_and_step`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .peers import STEP_PEERS
+from .results import Extras, Row, VariantBytes
+from .scenarios import Scenario
+
+# (scenario kind, peer) -> the largest ratio to the roofline that meets the target.
+TARGETS: dict[tuple[str, str], float] = {
+    ("infer", "offtensor"): 1.03,
+    ("train", "offtensor"): 1.10,
+    ("frozen", "offtensor"): 1.05,
+    ("step", "offtensor"): 1.10,
+    ("step", "offtensor-overlap"): 1.15,
+}
+
+
+def _ok_row(rows: list[Row], scenario: str, peer: str) -> Row | None:
+    return next((r for r in rows if r.scenario == scenario and r.peer == peer and r.status == "ok"), None)
+
+
+def _step_compute_term(s: Scenario, rows: list[Row]) -> tuple[float | None, str | None]:
+    """The fwd+bwd compute term of a step roofline and where it comes from."""
+    resident_train = _ok_row(rows, "train-4x2048", "resident")
+    resident_own = _ok_row(rows, s.name, "resident")
+    own = resident_own.fwd_bwd_ms if resident_own else None
+    # step32 runs its forward under autocast: its own resident fwd+bwd is the closer compute.
+    if s.kind == "step32" and own is not None:
+        return own, f"resident {s.name} forward+backward (autocast), measured alone"
+    if resident_train is not None:
+        return resident_train.median_ms, "resident train-4x2048 (per micro-batch)"
+    if own is not None:
+        return own, f"resident {s.name} forward+backward, measured alone"
+    return None, None
+
+
+def _peer_step_roofline(entry: dict[str, Any], vb: VariantBytes | None, bw: dict[str, Any], h2d_per_byte: float,
+                        overlapped: bool, fwd: float | None) -> dict[str, Any]:
+    """One offtensor peer's step roofline from the scenario's compute and optimizer terms."""
+    compute, o, beside = entry["compute_ms"], entry["optimizer_ms"], entry["optimizer_beside_copies_ms"]
+    p: dict[str, Any] = {}
+    if vb is not None:
+        h2d, d2h = int(2 * vb.wrapped_bytes * h2d_per_byte), vb.wrapped_trainable_bytes
+        p.update(h2d_bytes=h2d, d2h_bytes=d2h, h2d_ms=h2d / bw["h2d"] * 1e3, d2h_ms=d2h / bw["d2h"] * 1e3)
+    terms = [t for t in (compute, p.get("h2d_ms"), p.get("d2h_ms")) if t is not None]
+    fb = max(terms) if terms else None
+    p["fwd_bwd_roofline_ms"] = fb
+    if fb is None or o is None:
+        p["roofline_ms"] = fb
+    else:
+        p["roofline_ms"] = max(fb, o) if overlapped else fb + o
+    if overlapped and fb is not None and beside is not None:
+        # The same with the optimizer as fast as it runs beside the step's own copies.
+        p["host_roofline_ms"] = max(fb, beside)
+    if not overlapped and o is not None and compute is not None and fwd is not None and "h2d_ms" in p:
+        half = p["h2d_ms"] / 2  # each pass loads every weight once
+        p["phase_roofline_ms"] = max(fwd, half) + max(compute - fwd, half, p["d2h_ms"]) + o
+    p["formula"] = "max(fwd+bwd, optimizer)" if overlapped else "fwd+bwd + optimizer"
+    return p
+
+
+def step_roofline(s: Scenario, rows: list[Row], bw: dict[str, Any], vb: VariantBytes | None,
+                  extras: Extras) -> dict[str, Any]:
+    """The roofline of a full training step, per offtensor peer (they move different bytes and
+    overlap the optimizer or not):
+
+        fwd+bwd  = max(compute, h2d_ms, d2h_ms)     as train-4x2048, 1 micro-batch
+        standard = fwd+bwd + optimizer_ms           loss.backward(); optimizer.step()
+        overlap  = max(fwd+bwd, optimizer_ms)       offtensor.backward_and_step
+
+    Beside these, for reading the results: `phase_roofline_ms` of the standard peers bounds
+    forward and backward each on its own, max(fwd, h2d/2) + max(bwd, h2d/2, d2h) + optimizer,
+    since no copy can move from the forward into the backward; `host_roofline_ms` of the
+    overlapped peer takes the optimizer as fast as it runs beside the step's own copies (host
+    memory bandwidth).
+    """
+    compute, source = _step_compute_term(s, rows)
+    dtype = vb.dtype if vb else ("float32" if s.kind == "step32" else "bfloat16")
+    opt = extras.plain_adamw.get(dtype, {})
+    entry: dict[str, Any] = {"compute_ms": compute, "compute_source": source,
+                             "optimizer_ms": opt.get("median_ms"),
+                             "optimizer_source": f"fused torch.optim.AdamW on plain CPU {dtype} tensors "
+                                                 "shaped as the wrapped parameters (median of 5)",
+                             "optimizer_beside_copies_ms": opt.get("beside_copies", {}).get("median_ms"),
+                             "peers": {}}
+    notes = []
+    if compute is None:
+        notes.append("no resident time: the fwd+bwd term is the transfer term only")
+    if entry["optimizer_ms"] is None:
+        notes.append("no optimizer time: " + opt.get("error", "not measured"))
+    resident_own = _ok_row(rows, s.name, "resident")
+    fwd = resident_own.fwd_ms if resident_own else None
+    for peer, (h2d_per_byte, overlapped) in STEP_PEERS[s.kind].items():
+        entry["peers"][peer] = _peer_step_roofline(entry, vb, bw, h2d_per_byte, overlapped, fwd)
+    first = next(iter(entry["peers"].values()))
+    for k in ("h2d_bytes", "d2h_bytes", "h2d_ms", "d2h_ms", "roofline_ms"):
+        entry[k] = first.get(k)  # the scenario's headline: the first (standard) peer's
+    entry["roofline_peer"] = next(iter(entry["peers"]))
+    if notes:
+        entry["note"] = "; ".join(notes)
+    return entry
+
+
+def _layer_roofline(s: Scenario, rows: list[Row], bw: dict[str, Any], vb: VariantBytes | None) -> dict[str, Any]:
+    """An inference or accumulating-training scenario: max(resident time, transfer time)."""
+    resident = _ok_row(rows, s.name, "resident")
+    entry: dict[str, Any] = {"compute_ms": resident.median_ms if resident else None}
+    if vb is not None:
+        # Training re-loads every layer for the recompute in backward (checkpointing). A
+        # frozen base needs only its frozen weights moved: the adapters can stay on the device.
+        if s.kind == "infer":
+            h2d, d2h = vb.wrapped_bytes, 0
+        elif s.kind == "train":
+            h2d, d2h = 2 * vb.wrapped_bytes, vb.wrapped_trainable_bytes
+        else:
+            h2d, d2h = 2 * (vb.wrapped_bytes - vb.wrapped_trainable_bytes), 0
+        entry.update(h2d_bytes=h2d, d2h_bytes=d2h, h2d_ms=h2d / bw["h2d"] * 1e3, d2h_ms=d2h / bw["d2h"] * 1e3)
+        entry["transfer_ms"] = max(entry["h2d_ms"], entry["d2h_ms"])
+    terms = [t for t in (entry["compute_ms"], entry.get("transfer_ms")) if t is not None]
+    entry["roofline_ms"] = max(terms) if terms else None
+    entry["bound"] = (None if not terms else "transfer" if entry["roofline_ms"] == entry.get("transfer_ms")
+                      else "compute")
+    if entry["compute_ms"] is None:
+        entry["note"] = "no resident time: roofline is the transfer term only"
+    return entry
+
+
+def _judge(r: Row, kind: str, roofline_ms: float | None) -> None:
+    """The row's roofline, ratio and verdict; none for a row that did not run or did not keep
+    its gradients (its time is not a training step's)."""
+    r.roofline_ms = r.ratio = r.target = r.verdict = None
+    if r.status != "ok" or r.median_ms is None or not r.valid_training or not roofline_ms:
+        return
+    r.roofline_ms, r.ratio = roofline_ms, r.median_ms / roofline_ms
+    r.target = TARGETS.get((kind, r.peer))
+    if r.target is not None:
+        r.verdict = "PASS" if r.ratio <= r.target else "FAIL"
+
+
+def compute_rooflines(rows: list[Row], scenarios: list[Scenario], bw: dict[str, Any],
+                      variant_bytes: dict[str, VariantBytes],
+                      extras: Extras | None = None) -> dict[str, dict[str, Any]]:
+    """Per scenario: the compute term (resident time), the transfer terms, and their max; for
+    the step scenarios also the optimizer term, and a roofline per offtensor peer. Fills in
+    each row's roofline, ratio and verdict."""
+    extras = extras if extras is not None else Extras()
+    out: dict[str, dict[str, Any]] = {}
+    for s in scenarios:
+        vb = variant_bytes.get(s.variant)
+        if s.has_optimizer:
+            entry = out[s.name] = step_roofline(s, rows, bw, vb, extras)
+        else:
+            entry = out[s.name] = _layer_roofline(s, rows, bw, vb)
+        for r in rows:
+            if r.scenario == s.name:
+                # A step's resident peer steps on the device and moves nothing: no roofline of its own.
+                rl = entry["peers"].get(r.peer, {}).get("roofline_ms") if s.has_optimizer else entry["roofline_ms"]
+                _judge(r, s.kind, rl)
+    return out

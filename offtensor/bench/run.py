@@ -1,0 +1,297 @@
+"""Running the scenarios: one peer's pass over its scenarios (a fresh model per variant), and
+the timing and memory of one scenario on a placed model."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .measure import GiB, free_memory, host_rss, short_error, sync, timed
+from .model import BuiltModel, build_model
+from .optimizer import (
+    WorkerSettings,
+    format_optimizer_speed,
+    measure_optimizer_speed,
+    measure_plain_adamw,
+    measure_same_time,
+)
+from .peers import PEER_SETUP, PeerOptions, step_pcie_bytes
+from .results import Extras, Row, VariantBytes
+from .scenarios import ModelShape, Scenario
+from .workload import Workload, make_workload
+
+DEFAULT_WORKER = WorkerSettings()
+FP32_BUILD_LIMIT_S = 60.0  # step32-4x2048 is skipped when building the fp32 model takes longer
+
+
+@dataclass
+class Run:
+    """Everything one benchmark run collects, shared by its peers."""
+
+    rows: list[Row] = field(default_factory=list)
+    variant_bytes: dict[str, VariantBytes] = field(default_factory=dict)
+    setups: dict[str, Any] = field(default_factory=dict)  # "peer/variant" -> how it was placed
+    extras: Extras = field(default_factory=Extras)
+
+
+def overlap_record(report: Any, worker: WorkerSettings) -> dict[str, Any]:
+    """An OverlapReport in ms, with the worker settings it ran with."""
+    return {
+        "backward_ms": report.backward_s * 1e3, "total_ms": report.total_s * 1e3,
+        "rest_params": report.rest_params, "pieces": report.pieces, "early_pieces": report.early_pieces,
+        "worker_busy_ms": report.worker_busy_s * 1e3,
+        "spare_threads": worker.spare_threads, "piece_bytes": worker.piece_bytes,
+        "scopes": [{"scope": n, "queued_ms": q * 1e3, "started_ms": g * 1e3, "stepped_ms": d * 1e3}
+                   for n, q, g, d in report.scopes],
+    }
+
+
+def _timed_iterations(work: Workload, device: torch.device, warmup: int, iters: int, max_seconds: float,
+                      row: Row) -> list[float]:
+    """Seconds per micro-batch of each timed iteration, after `warmup` warm-up iterations."""
+    last = timed(device, work.first_step)
+    for _ in range(warmup - 1):
+        last = timed(device, work.step)
+    work.drain()
+    # A peer much slower than expected gets fewer iterations rather than stalling the run.
+    if last * iters > max_seconds:
+        iters = max(1, min(iters, int(max_seconds // max(last, 1e-9))))
+        row.note = (row.note + f" iterations cut to {iters} (warm-up took {last:.1f} s)").strip()
+    times = [timed(device, work.step) / work.per_step for _ in range(iters)]
+    # Steps that finish in the background belong to the loop: the last one's rest is added to
+    # the last iteration (the earlier ones ran inside the next iteration's time).
+    times[-1] += timed(device, work.drain) / work.per_step
+    return times
+
+
+def _resident_compute_terms(work: Workload, model: torch.nn.Module, device: torch.device, row: Row,
+                            iters: int) -> None:
+    """The compute term of the step rooflines when train-4x2048 has no resident time (and of
+    step32-4x2048, whose forward runs under autocast): forward+backward, and forward, alone."""
+    assert work.forward_loss is not None
+    forward_loss = work.forward_loss
+
+    def fwd_bwd() -> None:
+        forward_loss().backward()
+        model.zero_grad(set_to_none=True)
+
+    row.fwd_bwd_ms = statistics.median(timed(device, fwd_bwd) * 1e3 for _ in range(max(iters, 1)))
+    def fwd() -> None:
+        forward_loss()
+
+    row.fwd_ms = statistics.median(timed(device, fwd) * 1e3 for _ in range(max(iters, 1)))
+
+
+def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *, warmup: int, iters: int,
+                 max_seconds: float, seed: int, row: Row, peer: str = "", worker: WorkerSettings = DEFAULT_WORKER,
+                 overlap_variants: Sequence[WorkerSettings] = (), overlap_rounds: int = 3) -> None:
+    """Fill `row` with the timings and memory of `scenario` on the placed model `built`; for
+    offtensor-overlap also `row.overlap` (the last step's timeline) and `row.same_time`
+    (measure_same_time over `overlap_variants`, default: `worker`)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    ids = torch.randint(0, built.vocab, (scenario.batch, scenario.seq), device=device, generator=gen)
+    work = make_workload(built, scenario, device, ids, row, peer, worker)
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        row.vram_before_bytes = torch.cuda.memory_allocated(device)
+    row.times_ms = [t * 1e3 for t in _timed_iterations(work, device, warmup, iters, max_seconds, row)]
+    row.median_ms = statistics.median(row.times_ms)
+    if device.type == "cuda":
+        row.peak_vram_bytes = torch.cuda.max_memory_allocated(device)
+    if work.overlap_reports and work.step_with is not None:
+        row.overlap = overlap_record(work.overlap_reports[-1], worker)
+        params = [p for p in built.layers.parameters() if p.requires_grad and p.device.type == "cpu"]
+        try:
+            row.same_time = measure_same_time(work.step_with, work.drain, params, seed, device,
+                                              step_pcie_bytes(built, scenario), overlap_variants or [worker],
+                                              rounds=overlap_rounds)
+        except Exception as exc:  # noqa: BLE001 - reported; the main timing stands
+            row.same_time = {"error": short_error(exc)}
+        free_memory(device)
+    if scenario.has_optimizer and peer == "resident":
+        _resident_compute_terms(work, built.model, device, row, iters)
+    work.optimizers.clear()  # frees the optimizer state
+    if scenario.kind != "infer":
+        built.model.zero_grad(set_to_none=True)
+
+
+def iterations(args: argparse.Namespace, scenario: Scenario) -> tuple[int, int]:
+    """(warm-up, timed) iterations: a few per scenario keeps the full 8-layer run to minutes."""
+    if scenario.has_optimizer:  # a full step takes about a second; the CPU optimizer is noisy
+        return args.warmup or 2, args.iters or (2 if args.quick else 5)
+    warmup = args.warmup or (1 if args.quick else 2)
+    iters = args.iters or (2 if args.quick else 5 if scenario.kind == "infer" else 3)
+    return warmup, iters
+
+
+def _print_plain_adamw(dtype: str, m: dict[str, Any]) -> None:
+    beside = m.get("beside_copies") or {}
+    print(f"  plain CPU fused AdamW ({dtype}, {m['params'] / 1e6:,.1f} M params): "
+          f"{m['median_ms']:.1f} ms, {m['gparams_per_s']:.3g} G params/s"
+          + (f"; {beside['median_ms']:.1f} ms with {beside['threads']} threads beside a step's "
+             f"PCIe copies" if "median_ms" in beside else
+             f"; beside a step's PCIe copies: {beside['error']}" if "error" in beside else ""),
+          flush=True)
+
+
+def measure_extras(peer: str, scenario: Scenario, built: BuiltModel, device: torch.device, seed: int,
+                   extras: Extras, worker: WorkerSettings) -> None:
+    """Before a step scenario: the plain-CPU AdamW time for its roofline (once per dtype), and
+    in the offtensor peers the wrapped-vs-plain optimizer microbenchmark."""
+    dtype = str(built.dtype).removeprefix("torch.")
+    if dtype not in extras.plain_adamw:
+        params = [p for p in built.layers.parameters() if p.requires_grad]
+        try:
+            extras.plain_adamw[dtype] = measure_plain_adamw(params, seed, device=device, worker=worker,
+                                                            pcie_bytes=step_pcie_bytes(built, scenario))
+            _print_plain_adamw(dtype, extras.plain_adamw[dtype])
+        except Exception as exc:  # noqa: BLE001 - reported, the rooflines go without it
+            extras.plain_adamw[dtype] = {"dtype": dtype, "error": short_error(exc)}
+            print(f"  plain CPU fused AdamW ({dtype}): {short_error(exc)}", flush=True)
+    attr = {("offtensor", "step"): "optimizer_speed",
+            ("offtensor-castdev", "step32"): "optimizer_speed_fp32"}.get((peer, scenario.kind))
+    if attr is None or getattr(extras, attr) is not None:
+        return
+    try:
+        result = measure_optimizer_speed(built.layers, seed)
+    except Exception as exc:  # noqa: BLE001 - reported in the JSON and the log
+        result = {"dtype": dtype, "error": short_error(exc)}
+    print(f"  {format_optimizer_speed(attr, result)}", flush=True)
+    setattr(extras, attr, result)
+
+
+class _SkipVariant(Exception):
+    pass
+
+
+def _build_and_place(peer: str, variant: str, shape: ModelShape, device: torch.device, seed: int,
+                     opts: PeerOptions, run: Run) -> BuiltModel:
+    t0 = time.perf_counter()
+    built = build_model(shape, variant, device, seed)
+    t1 = time.perf_counter()
+    if variant == "fp32" and t1 - t0 > FP32_BUILD_LIMIT_S:
+        raise _SkipVariant(f"building the fp32 model took {t1 - t0:.0f} s (limit {FP32_BUILD_LIMIT_S:.0f} s)")
+    run.variant_bytes.setdefault(variant, VariantBytes(
+        built.total_bytes, built.wrapped_bytes, built.wrapped_trainable_bytes, built.trainable,
+        str(built.dtype).removeprefix("torch.")))
+    how = PEER_SETUP[peer](built, device, opts)
+    sync(device)
+    info: dict[str, Any] = {"how": how, "build_s": t1 - t0, "setup_s": time.perf_counter() - t1,
+                            "trainable": built.trainable}
+    if peer.startswith("offtensor"):
+        with contextlib.suppress(Exception):
+            import offtensor
+
+            info["summary"] = str(offtensor.summary(built.model))
+    run.setups[f"{peer}/{variant}"] = info
+    return built
+
+
+def _print_row(row: Row) -> None:
+    print(f"  {row.peer}/{row.scenario}: median {row.median_ms:.2f} ms"
+          + (f", peak VRAM {row.peak_vram_bytes / GiB:.2f} GiB" if row.peak_vram_bytes else "")
+          + (f", host {row.host_growth_bytes / GiB:+.2f} GiB" if row.host_growth_bytes is not None else "")
+          + (f", grads kept {row.grads_kept:.0%} {row.grad_devices}" if row.grads_kept is not None else "")
+          + (f" ({row.note})" if row.note else ""),
+          flush=True)
+
+
+class _PeerPass:
+    """One peer's pass over its scenarios: the model it built last, and the variants whose
+    setup failed (not retried)."""
+
+    def __init__(self, peer: str, shape: ModelShape, device: torch.device, args: argparse.Namespace,
+                 run: Run) -> None:
+        self.peer, self.shape, self.device, self.args, self.run = peer, shape, device, args, run
+        self.opts = PeerOptions(offtensor_prefetch=args.offtensor_prefetch,
+                                offtensor_max_scope_mib=args.offtensor_max_scope_mib)
+        self.built: BuiltModel | None = None
+        self.rss0: int | None = None
+        self.setup_failed: dict[str, str] = {}  # variant -> note
+
+    def _drop_model(self) -> None:
+        self.built = None
+        free_memory(self.device)
+
+    def _model_for(self, scenario: Scenario, row: Row) -> BuiltModel | None:
+        """The placed model of the scenario's variant, built when needed; None (and `row`
+        filled in) when it cannot be had."""
+        extras = self.run.extras
+        if self.built is not None and self.built.variant != scenario.variant:
+            self._drop_model()
+        if scenario.variant in extras.skipped_variants:
+            row.status, row.note = "skipped", extras.skipped_variants[scenario.variant]
+            print(f"  {self.peer}/{scenario.name}: skipped, {row.note}", flush=True)
+            return None
+        if scenario.variant in self.setup_failed:
+            row.status, row.note = "error", self.setup_failed[scenario.variant]
+            return None
+        if self.built is not None:
+            return self.built
+        free_memory(self.device)
+        self.rss0 = host_rss()
+        error: str | None = None
+        try:
+            self.built = _build_and_place(self.peer, scenario.variant, self.shape, self.device, self.args.seed,
+                                          self.opts, self.run)
+        except _SkipVariant as exc:
+            extras.skipped_variants[scenario.variant] = str(exc)
+            row.status, row.note = "skipped", str(exc)
+            print(f"  {self.peer}/{scenario.name}: skipped, {exc}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - any failure of a peer is a result
+            error = f"setup failed: {short_error(exc)}"
+        if error is not None:  # outside the except block, so the traceback no longer holds the model
+            row.status, row.note = "error", error
+            self.setup_failed[scenario.variant] = error
+            print(f"  {self.peer}/{scenario.name}: {error}", flush=True)
+        if self.built is None:
+            self._drop_model()
+        return self.built
+
+    def scenario(self, scenario: Scenario) -> None:
+        row = Row(scenario.name, self.peer, "ok", batch=scenario.batch, seq=scenario.seq)
+        self.run.rows.append(row)
+        built = self._model_for(scenario, row)
+        if built is None:
+            return
+        args, error = self.args, None
+        worker = args.worker
+        if scenario.has_optimizer:
+            measure_extras(self.peer, scenario, built, self.device, args.seed, self.run.extras, worker)
+        try:
+            warmup, iters = iterations(args, scenario)
+            run_scenario(built, scenario, self.device, warmup=warmup, iters=iters,
+                         max_seconds=args.max_scenario_s, seed=args.seed, row=row, peer=self.peer,
+                         worker=worker, overlap_variants=args.overlap_variants,
+                         overlap_rounds=args.overlap_rounds)
+        except Exception as exc:  # noqa: BLE001 - any failure of a peer is a result
+            error = short_error(exc)
+        if error is not None:  # a fresh model next: this one's state may be half-updated
+            row.status, row.note = "error", f"{row.note} {error}".strip()
+            row.times_ms, row.median_ms, row.peak_vram_bytes = [], None, None
+            print(f"  {self.peer}/{scenario.name}: {row.note}", flush=True)
+            self._drop_model()
+            return
+        rss = host_rss()
+        if rss is not None and self.rss0 is not None:
+            row.host_growth_bytes = rss - self.rss0
+        _print_row(row)
+
+
+def run_peer(peer: str, scenarios: list[Scenario], shape: ModelShape, device: torch.device,
+             args: argparse.Namespace, run: Run) -> None:
+    """Every scenario for one peer, appended to `run.rows`: one fresh model per variant, and a
+    fresh one again after a failed scenario (the peer's state may be half-updated)."""
+    peer_pass = _PeerPass(peer, shape, device, args, run)
+    for scenario in scenarios:
+        peer_pass.scenario(scenario)
+    peer_pass._drop_model()

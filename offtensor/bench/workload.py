@@ -1,0 +1,146 @@
+"""One scenario's work on a placed model, as callables the timing loop runs: an inference
+forward, accumulating forward+backward passes, or a full training step (backward then
+optimizer.step, or offtensor.backward_and_step)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .model import BuiltModel, enable_checkpointing
+from .optimizer import WorkerSettings, make_adamw
+from .results import Row
+from .scenarios import Scenario
+
+
+@dataclass
+class Workload:
+    """The callables of one scenario on one placed model."""
+
+    step: Callable[[], None]  # one timed iteration
+    first_step: Callable[[], None]  # the first warm-up iteration; also records the grads kept
+    per_step: int = 1  # micro-batches per iteration: a time is divided by it
+    forward_loss: Callable[[], torch.Tensor] | None = None  # training: the forward and loss alone
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    overlap_reports: list[Any] = field(default_factory=list)  # offtensor-overlap: each OverlapReport
+    step_with: Callable[[WorkerSettings], None] | None = None  # offtensor-overlap: one step, these settings
+
+    def drain(self) -> None:
+        """Wait for the deferred optimizer steps (offtensor-overlap) still running."""
+        if self.overlap_reports:
+            self.overlap_reports[-1].wait()
+
+
+def record_grads(row: Row, layers: nn.ModuleList, when: str) -> None:
+    """Which trainable layer parameters have a .grad now; a row where some have none is not a
+    valid training step, and says so."""
+    trainable = [p for p in layers.parameters() if p.requires_grad]
+    if not trainable:
+        return
+    grads = [p.grad for p in trainable if p.grad is not None]
+    row.grads_kept = len(grads) / len(trainable)
+    row.grad_devices = sorted({str(g.device) + (" pinned" if g.is_pinned() else "") for g in grads})
+    if row.grads_kept < 1.0:
+        row.note = (f"only {row.grads_kept:.0%} of the trainable layer parameters had a .grad "
+                    f"{when}: not a valid training step")
+
+
+def _infer(built: BuiltModel, ids: torch.Tensor) -> Workload:
+    built.model.eval()
+
+    def step() -> None:
+        with torch.no_grad():
+            built.model(input_ids=ids, use_cache=False)
+
+    return Workload(step=step, first_step=step)
+
+
+def _accumulate(built: BuiltModel, scenario: Scenario, ids: torch.Tensor, row: Row) -> Workload:
+    model = built.model
+    model.train()
+    enable_checkpointing(model)
+
+    def backward_passes() -> None:
+        for _ in range(scenario.micro_batches):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            del loss
+
+    def step() -> None:
+        backward_passes()
+        model.zero_grad(set_to_none=True)
+
+    def first_step() -> None:
+        backward_passes()
+        record_grads(row, built.layers, "after backward")
+        model.zero_grad(set_to_none=True)
+
+    return Workload(step=step, first_step=first_step, per_step=scenario.micro_batches)
+
+
+def _how_stepped(overlap: bool, n_optimizers: int, autocast: bool) -> str:
+    if overlap:
+        how = "; offtensor.backward_and_step(loss, " + (
+            "optimizer)" if n_optimizers == 1 else "CPU optimizer), then the other stepped")
+    else:
+        how = "; loss.backward(), then optimizer.step()"
+    return how + ("; forward under torch.autocast(bfloat16)" if autocast else "")
+
+
+def _training_step(built: BuiltModel, scenario: Scenario, device: torch.device, ids: torch.Tensor, row: Row,
+                   peer: str, worker: WorkerSettings) -> Workload:
+    import offtensor
+
+    model = built.model
+    model.train()
+    enable_checkpointing(model)
+    optimizers, row.optimizer = make_adamw([p for p in model.parameters() if p.requires_grad])
+    overlap = peer == "offtensor-overlap"
+    # fp32 weights, bf16 compute: autocast on the forward (the recompute in backward
+    # restores it). Wrapped layers already hold bf16 device copies; resident casts per op.
+    autocast = scenario.kind == "step32"
+    row.optimizer += _how_stepped(overlap, len(optimizers), autocast)
+    reports: list[Any] = []
+
+    def forward_loss() -> torch.Tensor:
+        with (torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()):
+            return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+    def train_step(settings: WorkerSettings = worker, check: bool = False) -> None:
+        loss = forward_loss()
+        if overlap:
+            # The offloaded scopes' steps finish in the background during the next forward
+            # (zero_grad=True zeroes each grad after its step: no wait); the timing loop
+            # waits for the last one (`drain`), so a step's time is the steady-state period.
+            reports.append(offtensor.backward_and_step(
+                loss, optimizers[0], zero_grad=not check, spare_threads=settings.spare_threads,
+                piece_bytes=settings.piece_bytes))
+            for opt in optimizers[1:]:
+                opt.step()
+        else:
+            loss.backward()
+            for opt in optimizers:
+                opt.step()
+        del loss
+        if check:  # the first warm-up step also tells whether the grads landed in p.grad
+            record_grads(row, built.layers, "at the optimizer step")
+        for opt in optimizers[1:] if overlap and not check else optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    return Workload(step=train_step, first_step=lambda: train_step(check=True), forward_loss=forward_loss,
+                    optimizers=optimizers, overlap_reports=reports, step_with=train_step if overlap else None)
+
+
+def make_workload(built: BuiltModel, scenario: Scenario, device: torch.device, ids: torch.Tensor, row: Row,
+                  peer: str, worker: WorkerSettings) -> Workload:
+    """The callables of `scenario` on the placed model `built`, for `peer`."""
+    if scenario.has_optimizer:
+        return _training_step(built, scenario, device, ids, row, peer, worker)
+    if scenario.kind == "infer":
+        return _infer(built, ids)
+    return _accumulate(built, scenario, ids, row)
