@@ -316,6 +316,27 @@ def host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").as_subclass(torch.Tensor)
 
 
+def random_batch(device: str, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets for :func:`mlp_of_blocks` (8 in, 4 out)."""
+    return torch.randn(n, 8).to(device), torch.randn(n, 4).to(device)
+
+
+def train_adamw(model: nn.Module, batches, make_optimizer=None) -> torch.Tensor:
+    """One optimizer step per (x, y) batch (MSE loss, AdamW lr=1e-2 by default); the losses."""
+    import torch.nn.functional as F
+
+    make_optimizer = make_optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(host(loss))
+    return torch.stack(losses)
+
+
 def assert_params_match(model: nn.Module, reference: nn.Module, **tol) -> None:
     """Every parameter and buffer of ``model`` equals the reference's, by qualified name."""
     _assert_same_tensors(dict(model.named_parameters()), dict(reference.named_parameters()), **tol)

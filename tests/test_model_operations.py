@@ -1,0 +1,174 @@
+"""Module-level operations on a wrapped model: unwrap and wrap again, moves and dtype
+conversions after wrap.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import (
+    assert_backward_matches,
+    assert_params_match,
+    batchnorm_model,
+    devices,
+    host,
+    mlp_of_blocks,
+    offload,
+    offloaded_parameters,
+    only_blocks,
+    random_batch,
+    reference_then_offload,
+    tolerances,
+    train_adamw,
+    unwrapped_reference,
+)
+from torch import nn
+
+import offtensor
+
+# --------------------------------------------------------------------------------------------
+# unwrap
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", devices)
+def test_unwrap_restores_plain_parameters_with_same_data_and_grads(device):
+    model = mlp_of_blocks()
+    reference = reference_then_offload(model, device)
+    batches = [random_batch(device) for _ in range(2)]
+    train_adamw(reference, batches)
+    train_adamw(model, batches)
+    ids = {name: id(p) for name, p in model.named_parameters()}
+    data = {name: host(p).clone() for name, p in model.named_parameters()}
+    grads = {name: host(p.grad).clone() for name, p in model.named_parameters()}
+
+    offtensor.unwrap(model)
+
+    assert not offtensor.is_wrapped(model)
+    for name, p in model.blocks.named_parameters(prefix="blocks"):
+        assert type(p) is nn.Parameter, name
+        assert id(p) == ids[name], name
+        assert p.device == torch.device("cpu"), name
+        assert type(p.grad) is torch.Tensor and p.grad.device == torch.device("cpu"), name
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(host(p), data[name], rtol=0, atol=0)
+        torch.testing.assert_close(host(p.grad), grads[name], rtol=0, atol=0)
+
+    # A plain model again: `.to(device)` moves everything, and it still computes the same.
+    model.to(device)
+    assert all(p.device.type == device for p in model.parameters())
+    x, _ = random_batch(device)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+
+
+@pytest.mark.parametrize("device", devices)
+def test_wrap_again_after_unwrap_matches_unwrapped_model(device):
+    model = mlp_of_blocks()
+    reference = reference_then_offload(model, device)
+    offtensor.unwrap(model)
+    offload(model, device)
+    batches = [random_batch(device) for _ in range(3)]
+
+    expected = train_adamw(reference, batches)
+    losses = train_adamw(model, batches)
+
+    torch.testing.assert_close(losses, expected, **tolerances(device))
+    assert_params_match(model, reference, **tolerances(device))
+
+
+# --------------------------------------------------------------------------------------------
+# Module-level conversions
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", devices)
+def test_model_to_device_after_wrap_moves_buffers_and_unselected_params_only(device):
+    model = batchnorm_model()
+    reference = unwrapped_reference(model, device)
+    offtensor.wrap(model, device=device)
+    ids = {name: id(p) for name, p in model.named_parameters()}
+
+    assert model.to(device) is model
+    model.to("cpu")  # a round trip must not disturb the masters either
+    model.to(device)
+
+    assert {name: id(p) for name, p in model.named_parameters()} == ids
+    for name, p in model.named_parameters():
+        if name.startswith("blocks."):
+            assert isinstance(p, offtensor.OffloadedParameter), name
+            assert p.device == torch.device("cpu"), name
+        else:
+            assert p.device.type == device, name
+    for name, b in model.named_buffers():
+        assert b.device.type == device, name  # buffers inside scopes move too
+    x, _ = random_batch(device, n=8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [
+        pytest.param(lambda m: m.half(), id="half"),
+        pytest.param(lambda m: m.bfloat16(), id="bfloat16"),
+        pytest.param(lambda m: m.double(), id="double"),
+        pytest.param(lambda m: m.to(torch.float16), id="to_dtype"),
+        pytest.param(lambda m: m.to("cpu", torch.float16), id="to_device_and_dtype"),
+    ],
+)
+@pytest.mark.parametrize("device", devices)
+def test_dtype_conversion_after_wrap_raises_type_error_naming_the_parameter(device, convert):
+    model = offload(mlp_of_blocks(), device, only_blocks(1))
+
+    with pytest.raises(TypeError, match=r"blocks\.1\.(norm|fc1|fc2)\.(weight|bias)"):
+        convert(model)
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [
+        pytest.param(lambda m: m.half(), id="half"),
+        pytest.param(lambda m: m.to(torch.bfloat16), id="to_dtype"),
+        pytest.param(lambda m: m.to("cpu", torch.float16), id="to_device_and_dtype"),
+        pytest.param(lambda m: m.blocks.double(), id="part_of_the_model"),
+    ],
+)
+@pytest.mark.parametrize("device", devices)
+def test_a_refused_dtype_conversion_converts_nothing(device, convert):
+    """Regression: modules converted before the first one holding a master (here `input` and
+    `blocks.0`, and BatchNorm buffers) were left converted, a model of mixed dtypes."""
+    model = batchnorm_model().eval()
+    reference = reference_then_offload(model, device, only_blocks(1))
+    dtypes = {name: t.dtype for name, t in [*model.named_parameters(), *model.named_buffers()]}
+
+    with pytest.raises(TypeError, match=r"blocks\.1\.(fc|bn)\.(weight|bias).*nothing was converted"):
+        convert(model)
+
+    assert {name: t.dtype for name, t in [*model.named_parameters(), *model.named_buffers()]} == dtypes
+    x, _ = random_batch(device, n=8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [
+        pytest.param(lambda m, d: m.float(), id="float"),
+        pytest.param(lambda m, d: m.to(d, torch.float32), id="to_device_and_same_dtype"),
+        pytest.param(lambda m, d: m.to(torch.float32), id="to_same_dtype"),
+    ],
+)
+@pytest.mark.parametrize("device", devices)
+def test_conversions_that_keep_the_dtype_are_fine_after_wrap(device, convert):
+    model = mlp_of_blocks()
+    reference = reference_then_offload(model, device)
+
+    convert(model, device)
+
+    for name, p in offloaded_parameters(model):
+        assert p.device == torch.device("cpu") and p.dtype == torch.float32, name
+    x, y = random_batch(device)
+    assert_backward_matches(model, model(x), reference, x, y, device)
+
+
