@@ -46,6 +46,10 @@ class GradOffload:
         self._last_d2h: Any = None
         self.stepper: Any = None  # _overlap._OverlappedStep during backward_and_step
 
+    def in_backward(self) -> bool:
+        """A backward through the wrapped model is running (from its first hook to its end)."""
+        return bool(self._tasks)
+
     def enter_backward(self) -> None:
         task = torch._C._current_graph_task_id()
         if task == -1 or task in self._tasks:
@@ -128,6 +132,9 @@ class GradOffload:
         current = master_grad(p)
         if current is not None:
             return current, True
+        # `p.grad` is None: a fetched old gradient is stale, and its reference to the previous
+        # `p.grad` must not count as the user's below.
+        self._engine.take_old_grad(slot)
         buf = slot.host_grad
         if buf is not None and _holders(buf) == slot.host_grad_holders:
             return buf, False

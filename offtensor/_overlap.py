@@ -197,6 +197,14 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
     except BaseException as e:  # noqa: BLE001 - re-raised by _raise_partial, with a note
         stepper.cancel()
         _raise_partial(e, stepper, "the optimizer step")
+    held = [engine for engine in engines if engine.hold()]
+    if held:
+        # no_offload() keeps device copies that the worker's steps make stale, and the worker
+        # cannot release them (Threads): wait for the steps here, then let the next forward
+        # load the new weights. No deferred steps inside no_offload().
+        stepper.wait()
+        for engine in held:
+            engine.release_all()
     return stepper.report
 
 

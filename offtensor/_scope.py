@@ -62,6 +62,15 @@ class DeviceCopy(torch.Tensor):
         return super().__repr__(*args, **kwargs)
 
 
+# ParamSlot.retired is written by the main thread (a retire) and by the optimizer worker (a
+# step of that master): both hold this lock.
+_retired_lock = threading.Lock()
+
+
+def _alive(refs: list[weakref.ref]) -> list[weakref.ref]:
+    return [r for r in refs if r() is not None]
+
+
 def in_backward() -> bool:
     """True while the autograd engine runs (backward, and recompute under checkpointing)."""
     return torch._C._current_graph_task_id() != -1
@@ -133,11 +142,13 @@ class ParamSlot:
     def retired_copies_written(self) -> None:
         """The master is about to change: graphs holding a retired device copy of it must see
         it as modified in place (Note [higher-order gradients] in _transfer.py)."""
-        for ref in self.retired:
+        if not self.retired:
+            return  # the common case, without the lock
+        with _retired_lock: refs, self.retired = self.retired, []  # noqa: E701 (Note [interrupts])
+        for ref in refs:
             leaf = ref()
             if leaf is not None:
                 torch.autograd.graph.increment_version(leaf)
-        self.retired.clear()
 
     def use_device_copy(self) -> torch.Tensor:
         leaf = self.device_leaf
@@ -211,7 +222,7 @@ class Scope:
         left to the graphs that hold them (Note [higher-order gradients] in _transfer.py)."""
         flat = torch.empty(self.device_nbytes, dtype=torch.uint8, device=self.device_flat.device)
         for slot in self.slots:
-            slot.retired.append(weakref.ref(slot.device_leaf))
+            with _retired_lock: slot.retired = _alive(slot.retired) + [weakref.ref(slot.device_leaf)]  # noqa: E701
             slot.device_leaf, slot.device_view = device_copy(
                 flat, slot.device_offset, slot.device_view.dtype, slot.param.shape,
                 slot.device_leaf.requires_grad)

@@ -423,6 +423,8 @@ class TransferEngine:
         compute = self.compute_stream()
         self.wait(compute, scope.weights_ready)  # a prefetch nobody used: the free must follow it
         self.wait(compute, scope.grads_ready)
+        if scope.grads_ready is not None and any(s.old_grad_source is not None for s in scope.slots):
+            scope.grads_ready.synchronize()  # unused fetches: their host sources may go below
         scope.grads_ready = None
         scope.chunk_ready = []
         scope.copy_cursor = scope.copy_end = 0
@@ -474,7 +476,11 @@ class TransferEngine:
         source, version = slot.old_grad_source
         slot.old_grad_source = None
         if master_grad(slot.param) is not source or source._version != version:
-            return None  # zero_grad() (or any write to p.grad) since the fetch: it is stale
+            # zero_grad() (or any write to p.grad) since the fetch: it is stale. The copy may
+            # still be reading `source` and writing `g`; both may go once it is done (rare).
+            if slot.scope.grads_ready is not None:
+                slot.scope.grads_ready.synchronize()
+            return None
         self.wait(self.compute_stream(), slot.scope.grads_ready)
         return g
 
@@ -502,9 +508,10 @@ class TransferEngine:
         return self._temporary_copy(slot, op_device, needs_grad)
 
     def _computing(self) -> bool:
-        """In a forward or backward of the wrapped model, where ops compute on the device."""
-        return (self._model_forward is not ModelForward.OUTSIDE or in_backward()
-                or any(s.active_calls for s in self.scopes))
+        """In a forward of the wrapped model or of a scope (a recompute in backward included),
+        where ops compute on the device. Not in the rest of backward: a user's gradient hook
+        (an optimizer step in a post-accumulate-grad hook) acts on the host master."""
+        return self._model_forward is not ModelForward.OUTSIDE or any(s.active_calls for s in self.scopes)
 
     def _temporary_copy(self, slot: ParamSlot, op_device: torch.device | None,
                         needs_grad: bool) -> torch.Tensor:
@@ -538,13 +545,15 @@ class TransferEngine:
         device copy made from the old value is stale."""
         scope = slot.scope
         scope.shadow_stale = True
+        slot.retired_copies_written()  # also for the worker's steps (atomic version bumps)
         if getattr(worker_state, "active", False):
-            return  # the optimizer worker: no copy reads this master (docs/design.md, Threads)
+            # The optimizer worker: no copy reads this master (docs/design.md, Threads). A
+            # device copy that no_offload() keeps is released by backward_and_step.
+            return
         if self._unsynced_h2d:
             for event in self._unsynced_h2d:
                 event.synchronize()
             self._unsynced_h2d.clear()
-        slot.retired_copies_written()
         if scope.state is not ScopeState.OFFLOADED and scope.active_calls == 0:
             self.release(scope)
 
@@ -812,6 +821,7 @@ class TransferEngine:
 
     def _start_pass(self, first: Scope) -> None:
         self.grads.reset_if_stale()
+        self._create_graph = False  # a create_graph backward that raised never reached its end
         self._forget_backward()
         self._expect_backward, self._saw_backward = self._saw_backward, False
         for scope in self.scopes:
@@ -832,11 +842,12 @@ class TransferEngine:
         thread = threading.get_ident()
         if self._thread == thread:
             return
-        busy = self._model_forward is not ModelForward.OUTSIDE or any(s.active_calls for s in self.scopes)
+        busy = (self._model_forward is not ModelForward.OUTSIDE or self.grads.in_backward()
+                or any(s.active_calls for s in self.scopes))
         if self._thread is not None and busy:
             raise RuntimeError(
                 f"offtensor: {where} was called from thread {thread} while thread {self._thread} "
-                "is in a forward of the same wrapped model. A wrapped model runs one forward (and "
+                "is in a forward or backward of the same wrapped model. A wrapped model runs one forward (and "
                 "backward) at a time: use one wrapped model per thread, or serialize the calls "
                 "with a lock"
             )

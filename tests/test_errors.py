@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import offtensor
-from conftest import devices, mlp_of_blocks, offload, only_blocks, requires_cuda
+from conftest import assert_grads_match, devices, mlp_of_blocks, offload, only_blocks, requires_cuda, unwrapped_reference
 
 
 class NoModuleList(nn.Module):
@@ -247,7 +247,7 @@ def test_error_if_the_same_model_runs_forward_in_two_threads_at_once(second):
     first.start()
     assert waits.entered.wait(timeout=30)
     try:
-        with pytest.raises(RuntimeError, match="while thread .* is in a forward of the same wrapped model"):
+        with pytest.raises(RuntimeError, match="while thread .* is in a forward or backward of the same wrapped model"):
             if second == "model":
                 model(x)
             else:
@@ -259,3 +259,35 @@ def test_error_if_the_same_model_runs_forward_in_two_threads_at_once(second):
     torch.testing.assert_close(results[0], reference(x), rtol=0, atol=0)
     assert all(s.device_bytes == 0 for s in offtensor.summary(model).scopes)
     torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)  # one thread at a time is fine
+
+
+def test_error_if_a_second_thread_runs_forward_while_the_first_is_in_backward():
+    """Review finding: busy counted only forwards; the second thread's forward released the
+    first thread's scopes in the middle of its backward."""
+    import threading
+
+    model = mlp_of_blocks(n_blocks=3)
+    reference = unwrapped_reference(model, "cpu")
+    offtensor.wrap(model, device="cpu")
+    x = torch.randn(4, 8)
+    reference(x).square().sum().backward()
+    go, done = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        go.wait(timeout=30)
+        try:
+            with torch.no_grad():
+                model(x)
+        except RuntimeError as e:
+            errors.append(e)
+        done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    h = model.blocks[0](model.input(x))
+    h.register_hook(lambda g: (go.set(), done.wait(timeout=30)) and None)  # pause between scopes
+    model.head(model.blocks[2](model.blocks[1](h))).square().sum().backward()
+    thread.join(timeout=30)
+    assert len(errors) == 1 and "is in a forward or backward of the same wrapped model" in str(errors[0])
+    assert_grads_match(model, reference, rtol=0, atol=0)

@@ -157,3 +157,25 @@ def test_gradient_penalty_steps_leave_no_device_memory_behind():
         allocated.append(torch.cuda.memory_allocated())
     assert_all_scopes_offloaded(model)
     assert allocated[-1] == allocated[1], allocated
+
+
+@pytest.mark.parametrize("device", devices)
+def test_kept_graph_used_after_backward_and_step_raises_autograds_inplace_error(device):
+    """Review finding: the optimizer worker's steps did not invalidate a kept graph, which then
+    silently used the old weights (the unwrapped model raises)."""
+    model = mlp_of_blocks(n_blocks=2)
+    reference = reference_then_offload(model, device)
+    for m in (reference, model):
+        opt = torch.optim.SGD(m.blocks.parameters(), lr=0.1)
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        (gx,) = torch.autograd.grad(m(x).sum(), x, create_graph=True)
+        loss = m(torch.randn(4, 8, device=device)).pow(2).sum()
+        if m is model:
+            offtensor.backward_and_step(loss, opt, zero_grad=True)
+            offtensor.wait_for_steps()
+        else:
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            gx.pow(2).sum().backward()

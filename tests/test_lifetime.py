@@ -356,3 +356,25 @@ def test_a_wrapped_model_whose_scopes_mix_dtypes_saves_and_loads():
     torch.testing.assert_close(model(x), reference(x))
     assert model.blocks[0].fc.weight.dtype == torch.bfloat16 and model.blocks[0].norm.weight.dtype == torch.float32
 
+
+
+@pytest.mark.parametrize("device", devices)
+def test_backward_and_step_inside_no_offload_trains_like_unwrapped_model(device):
+    """Review finding: the worker's steps could not release the device copies that no_offload()
+    keeps, and the next forward computed with the weights from before the step."""
+    model = mlp_of_blocks(n_blocks=3)
+    reference = reference_then_offload(model, device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.01)
+    x = torch.randn(4, 8, device=device)
+    with offtensor.no_offload():
+        for _ in range(3):
+            out = model(x)
+            offtensor.backward_and_step(out.square().sum(), opt, zero_grad=True)
+            ref_out = reference(x)
+            ref_out.square().sum().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(out, ref_out, **tolerances(device))
+        torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+    assert_all_scopes_offloaded(model)

@@ -696,3 +696,35 @@ def test_a_block_looped_more_often_than_the_order_limit_is_still_prefetched(chec
     assert on_demand[1:] == [0, 0], on_demand
     assert_params_match(model, reference, rtol=0, atol=0)
     assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_an_optimizer_step_in_a_post_accumulate_grad_hook_acts_on_the_masters(device, monkeypatch):
+    """Review finding: inside backward every op on an offloaded parameter got a device copy, so
+    a per-parameter optimizer in a post-accumulate-grad hook ("optimizer in backward") made
+    temporary copies and, on CUDA, created its state on the device beside CPU masters."""
+    from offtensor._transfer import TransferEngine
+
+    model = mlp_of_blocks(n_blocks=2)
+    reference = reference_then_offload(model, device)
+    copies = []
+    real = TransferEngine._temporary_copy
+    monkeypatch.setattr(TransferEngine, "_temporary_copy", lambda *a: copies.append(a[1].name) or real(*a))
+    inputs = [torch.randn(4, 8, device=device) for _ in range(2)]
+    per_model = []
+    for m in (model, reference):
+        optimizers = {p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1) for p in m.parameters()}
+        per_model.append(optimizers)
+
+        def step(p, optimizers=optimizers):
+            optimizers[p].step()
+            optimizers[p].zero_grad()
+
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(step)
+        for x in inputs:
+            m(x).square().sum().backward()
+    assert copies == []
+    for p in model.blocks.parameters():
+        assert all(t.device.type == "cpu" for t in per_model[0][p].state[p].values())
+    assert_params_match(model, reference, **tolerances(device))
