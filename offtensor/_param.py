@@ -152,12 +152,17 @@ def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter])
         return func(*args, **kwargs)
     if _is_inplace(func):
         # Writes always go to the master (under grad mode PyTorch then raises its usual
-        # leaf-in-place error, as for a plain parameter).
+        # leaf-in-place error, as for a plain parameter). Every offloaded argument counts as
+        # written (safe if a write is not recognised below); those that are surely only read
+        # (`h.add_(self.bias)` in a forward) are then materialized as for any other op.
         for p in params:
             slot = getattr(p, "_ot", None)
             if slot is not None:
                 slot.scope.engine.before_master_write(slot)
-        return func(*args, **kwargs)
+        written = _written(args, kwargs)
+        params = [p for p in params if id(p) not in written]
+        if not params:
+            return func(*args, **kwargs)
     if getattr(worker_state, "active", False):  # the optimizer thread: masters only
         return func(*args, **kwargs)
     op_device = _op_device(args, kwargs)
@@ -186,6 +191,13 @@ def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter])
             "must be of the compute dtype. Run the model under torch.autocast(device_type, "
             f"dtype={slot.device_view.dtype}), or cast the inputs to {slot.device_view.dtype}"
         ) from e
+
+
+def _written(args: tuple, kwargs: dict) -> set[int]:
+    """ids of the offloaded parameters an in-place op writes: its first argument (`self`, the
+    list of a `_foreach_*_` op, `nn.init`'s `tensor=` keyword) and `out=`."""
+    first = args[:1] if args else tuple(kwargs.values())[:1]
+    return {id(p) for p in _find_params(first, {"out": kwargs["out"]} if "out" in kwargs else {})}
 
 
 def _find_params(args: tuple, kwargs: dict) -> list[OffloadedParameter]:

@@ -194,3 +194,38 @@ def test_default_predicate_selects_the_outermost_list_elements_only(device):
     out.sum().backward()
     ref_out.sum().backward()
     assert_grads_match(model, reference, **tolerances(device))
+
+
+class AddsItsBiasInPlace(nn.Module):
+    """`h.add_(self.bias)`: an in-place op that only reads the parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8, bias=False)
+        self.bias = nn.Parameter(torch.randn(8) / 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        h.add_(self.bias)
+        h.mul_(self.bias.sigmoid())
+        return torch.tanh(h)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_an_in_place_op_that_reads_a_parameter_gets_its_device_copy(device):
+    """Regression: every offloaded argument of an in-place op was taken as written, so
+    `h.add_(self.bias)` computed with the host master (a device mismatch on CUDA)."""
+    from master_guard import MasterGuard
+
+    model = PropertyStack("T")
+    model.blocks = nn.ModuleList([AddsItsBiasInPlace(), AddsItsBiasInPlace()])
+    reference = reference_then_offload(model, device)
+    x = torch.randn(4, 8, device=device)
+    with MasterGuard(model):
+        out = model(x)
+        out.sum().backward()
+    ref_out = reference(x)
+    ref_out.sum().backward()
+    torch.testing.assert_close(out, ref_out, **tolerances(device))
+    assert_grads_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(model)
