@@ -194,6 +194,7 @@ class TransferEngine:
         self._preloaded: Scope | None = None  # loaded by begin_forward in the current model forward
         self._thread: int | None = None  # the thread of the latest forward (check_thread)
         self._create_graph = False  # the backward running now builds a graph (create_graph=True)
+        self._pass_counted = False  # a call of the current pass can add to a gradient
         # Per scope, where its parameters are registered: (module._parameters, key, slot),
         # to notice fully_shard replacing them (Note [data-parallel wrappers] in _distributed.py).
         self._homes: dict[Scope, list[tuple[dict[str, Any], str, ParamSlot]]] = {}
@@ -579,6 +580,7 @@ class TransferEngine:
         if torch.is_grad_enabled() or any(t.requires_grad for t in inputs):
             scope.calls_since_backward += 1
             scope.counted_in_pass += 1
+            self._pass_counted = True
         if self._partial:
             self._pump()
         if scope.state is ScopeState.OFFLOADED:
@@ -655,8 +657,11 @@ class TransferEngine:
             return
         last = self._learned and self._pos == len(self._order) and self._order[-1] is scope
         # Under reentrant checkpointing the forward runs without grad, so nothing says a backward
-        # follows except that one followed the previous pass (in training mode).
-        if last and (backward_expected or (self._expect_backward and scope.module.training)):
+        # follows except that one followed the previous pass (in training mode), and that a
+        # call of this pass could add to a gradient (an input required grad; not so in a no-grad
+        # evaluation forward).
+        expected = self._expect_backward and scope.module.training and self._pass_counted
+        if last and (backward_expected or expected):
             # The end of the forward: backward starts with this scope, kept resident (its
             # pre_backward prefetches the next ones), or, when checkpointing recomputes a split
             # block, with another scope of that block: prefetch that while the loss is computed.
@@ -822,6 +827,7 @@ class TransferEngine:
     def _start_pass(self, first: Scope) -> None:
         self.grads.reset_if_stale()
         self._create_graph = False  # a create_graph backward that raised never reached its end
+        self._pass_counted = False
         self._forget_backward()
         self._expect_backward, self._saw_backward = self._saw_backward, False
         for scope in self.scopes:

@@ -378,3 +378,19 @@ def test_backward_and_step_inside_no_offload_trains_like_unwrapped_model(device)
             torch.testing.assert_close(out, ref_out, **tolerances(device))
         torch.testing.assert_close(model(x), reference(x), **tolerances(device))
     assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("checkpoint", [None, "reentrant"])
+@pytest.mark.parametrize("device", devices)
+def test_a_no_grad_forward_in_training_mode_leaves_nothing_on_the_device(device, checkpoint):
+    """Found by tests/test_loop_fuzz.py: after a backward, a no-grad forward in training mode
+    kept the last scope resident, expecting a backward (as under reentrant checkpointing)."""
+    model = mlp_of_blocks(n_blocks=3)
+    offload(model, device)
+    model.checkpoint = checkpoint
+    x = torch.randn(4, 8, device=device)
+    for _ in range(2):
+        model(x).sum().backward()
+        with torch.no_grad():
+            model(x)
+        assert_all_scopes_offloaded(model)
