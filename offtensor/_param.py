@@ -18,16 +18,13 @@ subclass: ops run with subclass dispatch off (`without_subclass_dispatch`), so o
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _distributed
-
-if TYPE_CHECKING:
-    from ._scope import ParamSlot
 
 _disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 _TensorBase = torch._C.TensorBase
@@ -41,7 +38,8 @@ class OffloadedParameter(nn.Parameter):
     parameter objects in place (their identity, and any optimizer built on them, is kept).
     """
 
-    _ot: ParamSlot
+    # Its ParamSlot (_scope.py). Not imported, even for typing: _scope is the layer above.
+    _ot: Any
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -159,6 +157,8 @@ def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter])
             slot = getattr(p, "_ot", None)
             if slot is not None:
                 slot.scope.engine.before_master_write(slot)
+        if getattr(worker_state, "active", False):  # the optimizer thread: masters only
+            return func(*args, **kwargs)
         written = _written(args, kwargs)
         params = [p for p in params if id(p) not in written]
         if not params:
