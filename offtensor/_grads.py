@@ -7,7 +7,7 @@ has a post-accumulate-grad hook that hands its gradient here (`on_leaf_grad`):
 1. user `register_hook` hooks run on the device gradient;
 2. if the parameter already has a host gradient (accumulation over micro-batches, or a second
    contribution in this backward), it is added on the device: the old host gradient was fetched
-   by the copy stream with the scope's weights (TransferEngine._load_old_grads), or is copied now;
+   by the copy stream with the scope's weights (Scope.load with_grads), or is copied now;
 3. the sum is copied device-to-host on the d2h stream into the parameter's pinned gradient
    buffer (allocated once, reused every step), keeping the device tensor alive next to the
    copy's event until compute has waited on it (`flush`).
@@ -19,27 +19,26 @@ queued per graph task and only the outermost one finalizes.
 
 from __future__ import annotations
 
-import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.autograd import Variable
 
 from ._host_memory import host_empty
 from ._param import master_grad, without_subclass_dispatch
-
-if TYPE_CHECKING:
-    from ._scope import ParamSlot, Scope
-    from ._transfer import TransferEngine
-
-_TensorBase = torch._C.TensorBase
+from ._scope import Scope
+from ._slot import ParamSlot
+from ._streams import Streams
 
 
 class GradOffload:
     """Moves gradients of offloaded parameters to their host `.grad` (one per engine)."""
 
-    def __init__(self, engine: TransferEngine) -> None:
-        self._engine = engine
+    def __init__(self, streams: Streams, scopes: list[Scope], end_backward: Callable[[], None]) -> None:
+        self._streams = streams
+        self._scopes = scopes
+        self._end_backward = end_backward  # the engine's: releases what is still resident
         self._tasks: list[int] = []  # graph tasks with a queued end callback, outermost first
         self._written: list[ParamSlot] = []  # slots whose host_grad changed in this backward
         self._inflight: list[tuple[Scope, Any, torch.Tensor]] = []  # (scope, d2h event, device grad)
@@ -73,7 +72,7 @@ class GradOffload:
 
     def accumulate(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         self.enter_backward()
-        engine = self._engine
+        streams = self._streams
         if self.stepper is not None and self.stepper.handed(slot):
             for other in slot.scope.slots:  # the next backward_and_step waits for the whole scope
                 other.single_grad = False
@@ -98,19 +97,19 @@ class GradOffload:
         buf = slot.host_grad
         assert buf is not None
         grad = grad.to(buf.dtype)  # Policy.compute_dtype: cast up on the device
-        old = None if slot.grad_written else engine.take_old_grad(slot)
+        old = None if slot.grad_written else slot.scope.take_old_grad(slot)
         if old is None and accumulate:
             if slot.grad_written and grad.device.type == "cuda":
-                engine.wait(engine.compute_stream(), slot.last_d2h)
+                streams.wait(streams.compute(), slot.last_d2h)
             old = buf.to(grad.device, non_blocking=True)
         if old is not None:
             grad = grad + old
         if grad.device.type == "cuda":
-            d2h = engine.d2h_stream()
-            engine.wait(d2h, engine.record(torch.cuda.current_stream(grad.device)))
-            with engine.on(d2h):
+            d2h = streams.d2h()
+            streams.wait(d2h, streams.record(torch.cuda.current_stream(grad.device)))
+            with streams.on(d2h):
                 buf.copy_(grad, non_blocking=True)
-            slot.last_d2h = self._last_d2h = engine.record(d2h)
+            slot.last_d2h = self._last_d2h = streams.record(d2h)
             slot.scope.grads_offloaded = slot.last_d2h  # the d2h stream is in order
             self._inflight.append((slot.scope, slot.last_d2h, grad))
         else:
@@ -124,25 +123,19 @@ class GradOffload:
     def _destination(self, slot: ParamSlot) -> tuple[torch.Tensor, bool]:
         """Where this backward's gradient for the slot goes, and whether it adds to what is
         there: into `p.grad` when it exists (accumulation, in place, as PyTorch does), else the
-        slot's pinned buffer from earlier steps, unless the user still holds that tensor (after
-        `zero_grad(set_to_none=True)` a kept gradient must keep its values): then a new one."""
-        p = slot.param
-        if slot.step_pending:  # a deferred step still reads p.grad (Note [deferred steps])
-            self._engine.wait_for_step(slot)
-        current = master_grad(p)
+        slot's pinned buffer from earlier steps, unless the user still holds a tensor on it
+        (after `zero_grad(set_to_none=True)` a kept gradient must keep its values): then a new one."""
+        slot.wait_for_step()  # a deferred step still reads p.grad (Note [deferred steps])
+        current = master_grad(slot.param)
         if current is not None:
             return current, True
         # `p.grad` is None: a fetched old gradient is stale, and its reference to the previous
         # `p.grad` must not count as the user's below.
-        self._engine.take_old_grad(slot)
-        buf = slot.host_grad
-        if buf is not None and _holders(buf) == slot.host_grad_holders:
-            return buf, False
-        nbytes = p.numel() * p.element_size()
-        buf = host_empty(nbytes, pin=slot.scope.pinned).view(p.dtype).view(p.shape)
-        refs, users = _holders(buf)
-        slot.host_grad_holders = (refs + 1, users)  # + the slot's own reference, set by the caller
-        return buf, False
+        slot.scope.take_old_grad(slot)
+        slot.host_grad = None  # ours: a `p.grad` the user kept is now held by the user only
+        if slot.grad_buffer is None or _storage_uses(slot.grad_buffer) != slot.grad_buffer_uses:
+            return new_host_grad(slot), False
+        return _typed(slot.grad_buffer, slot), False
 
     def scope_done(self, scope: Scope) -> None:
         """A scope's backward is over: its gradients are final once its copies land."""
@@ -155,13 +148,13 @@ class GradOffload:
         memory returns to the allocator, ordered after the copies)."""
         if not self._inflight:
             return
-        compute = self._engine.compute_stream()
+        compute = self._streams.compute()
         kept = []
         for scope, event, grad in self._inflight:
             if scope is keep:
                 kept.append((scope, event, grad))
             else:
-                self._engine.wait(compute, event)
+                self._streams.wait(compute, event)
         self._inflight = kept
 
     def _on_task_end(self, task: int) -> None:
@@ -186,7 +179,7 @@ class GradOffload:
         self._inflight.clear()
         self._last_d2h = None
         publish(written)
-        self._engine.end_backward()
+        self._end_backward()
 
     def reset_if_stale(self) -> None:
         """A new forward pass began while a backward was unfinished (it raised): forget it."""
@@ -203,7 +196,7 @@ class GradOffload:
             self._last_d2h = None
             # A KeyboardInterrupt in on_leaf_grad can leave a gradient on a device copy, which
             # the next backward would add to (Note [interrupts]).
-            for scope in self._engine.scopes:
+            for scope in self._scopes:
                 for slot in scope.slots:
                     slot.device_leaf.grad = None
 
@@ -223,6 +216,23 @@ def set_grads(slots: list[ParamSlot], grads: list[torch.Tensor | None]) -> None:
         slot.param.grad = grad
 
 
-def _holders(t: torch.Tensor) -> tuple[int, int]:
-    """(Python references to `t`, tensors sharing its storage): changes when a user keeps it."""
-    return sys.getrefcount(t) - 1, torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+def new_host_grad(slot: ParamSlot) -> torch.Tensor:
+    """A new pinned gradient buffer for the slot (kept and reused while only offtensor holds a
+    tensor on it); returns the tensor that becomes `p.grad`."""
+    p = slot.param
+    slot.grad_buffer = host_empty(p.numel() * p.element_size(), pin=slot.scope.pinned)
+    slot.grad_buffer_uses = _storage_uses(slot.grad_buffer)
+    return _typed(slot.grad_buffer, slot)
+
+
+def _typed(buffer: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+    """A new tensor on the buffer's bytes with the parameter's dtype and shape."""
+    p = slot.param
+    return buffer.view(p.dtype).view(p.shape)
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    """How many tensors share `t`'s storage. Counted exactly by the storage itself (not a
+    Python reference count): while it equals the count taken when the buffer was allocated,
+    no tensor on the buffer exists outside offtensor (`p.grad` the user kept, a view of it)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)

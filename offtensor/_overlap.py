@@ -18,10 +18,11 @@ stepped on the calling thread once backward has returned.
 Even so the step cannot end before backward plus the optimizer time of the scope whose
 gradients come last, and that is the model's first block, which the next forward needs first.
 So `backward_and_step` returns as soon as backward has, and the worker finishes in the
-background while the next forward begins. Every parameter handed to the worker is marked
-`ParamSlot.step_pending` until its step is done, and whatever needs its master waits for that,
-host side: the engine's copy to the device (parameter by parameter, so the next forward's first
-matrices go as soon as they are stepped, see `TransferEngine._copy_more`), any op or property
+background while the next forward begins. Every parameter handed to the worker carries a
+fence, `ParamSlot.pending_step` (Note [step fences] in _slot.py), until its step is done, and
+whatever needs its master waits on it, host side: the scope's copy to the device (parameter by
+parameter, so the next forward's first matrices go as soon as they are stepped, see
+`Scope.copy_more`), any op or property
 access on the parameter (`p.grad`, `p.data`, `state_dict()`), and the optimizer's own `step`,
 `state_dict` and `load_state_dict` (hooks registered once per optimizer). The worker steps the
 parameters whose gradients have landed in the order the next forward needs them (earliest
@@ -46,7 +47,7 @@ needs). A gradient is final when it is the parameter's only contribution to this
 is known from the last backward (`ParamSlot.single_grad`): autograd accumulates all uses of a
 device copy in one graph task before its post-accumulate-grad hook fires, so only a parameter
 used outside its scope, a scope called more than once since the last backward (checked:
-`Scope.calls_since_backward`, which also covers several forwards before one backward), or
+`Scope.grad_calls_since_backward`, which also covers several forwards before one backward), or
 reentrant checkpointing of parts of one scope gives several, and these do not change between
 steps of a training loop. Should a second contribution arrive anyway, the worker may already
 have stepped the parameter on the first: backward raises, saying so, rather than let the late
@@ -59,16 +60,15 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import torch
 
+from ._engine import Engine
 from ._grads import publish, set_grads
-from ._param import OffloadedParameter, without_subclass_dispatch, worker_state
-
-if TYPE_CHECKING:
-    from ._scope import ParamSlot, Scope
-    from ._transfer import TransferEngine
+from ._param import OffloadedParameter, without_subclass_dispatch
+from ._scope import Scope
+from ._slot import ParamSlot, worker_state
 
 STEP_PIECE_BYTES = 64 * 2**20  # backward_and_step(piece_bytes=) default; see Note [deferred steps]
 # Cores the worker leaves to the thread that launches the device's kernels (_OverlappedStep._run);
@@ -230,16 +230,9 @@ def wait_for_steps() -> None:
         _current.wait()
 
 
-def wait_for_step(slot: ParamSlot) -> None:
-    """Block until the deferred step of this parameter is done (Note [deferred steps])."""
-    stepper = _current
-    if stepper is not None and not getattr(worker_state, "active", False):
-        stepper.wait(slot)
-
-
-def _engines_of(optimizer: torch.optim.Optimizer) -> list[TransferEngine]:
+def _engines_of(optimizer: torch.optim.Optimizer) -> list[Engine]:
     """The engines of the wrapped models whose offloaded parameters the optimizer holds."""
-    found: dict[int, TransferEngine] = {}
+    found: dict[int, Engine] = {}
     for g in optimizer.param_groups:
         for p in g["params"]:
             if isinstance(p, OffloadedParameter) and hasattr(p, "_ot"):
@@ -325,7 +318,7 @@ class _OverlappedStep:
         """Called right after a parameter's gradient copy was enqueued, when that gradient is
         its only one in this backward (Note [early handover]); `landed`: the copy's event."""
         scope = slot.scope
-        if scope.calls_since_backward > 1 or slot.used_outside or id(slot.param) not in self._ids:
+        if scope.grad_calls_since_backward > 1 or slot.used_outside or id(slot.param) not in self._ids:
             return
         batch, nbytes = self._early.get(scope, ([], 0))
         batch.append(slot)
@@ -340,7 +333,7 @@ class _OverlappedStep:
         """Called at a scope's post_backward, after its d2h copies were enqueued: hand over its
         parameters not handed yet."""
         self._early.pop(scope, None)
-        if scope.calls_since_backward > 1 or id(scope) in self._queued:
+        if scope.grad_calls_since_backward > 1 or id(scope) in self._queued:
             return  # another call's backward may still add to these grads; or queued already
         self._queued.add(id(scope))
         order = scope.copy_order or scope.slots
@@ -372,7 +365,7 @@ class _OverlappedStep:
             # so an interrupt between the two leaves no mark that nothing would clear.
             self._pieces.append(_Piece(scope.name, slots, landed, (rank, first)))
             for slot in slots:
-                slot.step_pending = True
+                slot.pending_step = self  # its fence (Note [step fences] in _slot.py)
                 self._handed.add(id(slot.param))
         if early:
             self.report.early_pieces += len(pieces)
@@ -524,7 +517,7 @@ class _OverlappedStep:
     def _clear_pending(pieces: list[_Piece]) -> None:
         for piece in pieces:
             for slot in piece.slots:
-                slot.step_pending = False
+                slot.pending_step = None
 
     def _finish_report(self) -> None:
         """Called under the lock when the worker or the rest finishes; fills in the report and,

@@ -2,7 +2,7 @@
 
 # Note [dispatch of an offloaded parameter]
 Every torch op that receives an OffloadedParameter comes through `__torch_function__`. We decide,
-per parameter, which tensor the op really sees (TransferEngine.materialize):
+per parameter, which tensor the op really sees (Engine.materialize):
 - inside its own scope's forward (or the recompute of it under checkpointing): the scope's device
   copy, one per scope, shared by all ops (`ParamSlot.device_leaf`);
 - anywhere else, when the op needs a gradient for it or runs on the compute device with device
@@ -17,7 +17,6 @@ subclass: ops run with subclass dispatch off (`without_subclass_dispatch`), so o
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _distributed
+from ._slot import ParamSlot, on_optimizer_worker
 
 _disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 _TensorBase = torch._C.TensorBase
@@ -38,8 +38,7 @@ class OffloadedParameter(nn.Parameter):
     parameter objects in place (their identity, and any optimizer built on them, is kept).
     """
 
-    # Its ParamSlot (_scope.py). Not imported, even for typing: _scope is the layer above.
-    _ot: Any
+    _ot: ParamSlot  # its bookkeeping (_slot.py)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -57,7 +56,7 @@ class OffloadedParameter(nn.Parameter):
 
     def __reduce_ex__(self, proto):  # type: ignore[override]
         # Pickle (torch.save) as a plain Parameter: the offloading is a runtime arrangement
-        # (Note [copies of a wrapped model] in _scope.py).
+        # (Note [copies of a wrapped model] in _hooks.py).
         _await_steps([self])
         return without_subclass_dispatch(_reduce, self)
 
@@ -77,7 +76,7 @@ class OffloadedParameter(nn.Parameter):
 #   interrupt raised where the `with` statement calls `__exit__`);
 # - what must change for a while (the current CUDA stream during a copy, no_offload's holds,
 #   the latest backward_and_step) is recorded where the next entry point finds and undoes it
-#   if an interrupt skipped the undo (TransferEngine.restore_stream, no_offload's weak set of
+#   if an interrupt skipped the undo (Streams.restore, no_offload's weak set of
 #   holds, backward_and_step's stepper).
 # The optimizer worker thread changes its own thread-local settings (worker_state.active, its
 # intra-op thread count); signals reach only the main thread, and the thread ends after.
@@ -93,7 +92,7 @@ def without_subclass_dispatch(fn: Any, *args: Any) -> Any:
 def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
     """OffloadedParameter.__torch_function__, with subclass dispatch off."""
     params = _find_params(args, kwargs)
-    if not getattr(worker_state, "active", False):
+    if not on_optimizer_worker():
         _await_steps(params)
     name = getattr(func, "__name__", "")
     if name == "__set__" and getattr(func.__self__, "__name__", "") == "data":
@@ -125,19 +124,13 @@ def _reduce(p: OffloadedParameter) -> tuple:
     return (torch._utils._rebuild_parameter, (p.detach(), p.requires_grad, {}))
 
 
-# Set on the thread that runs deferred optimizer steps (`active`; see Note [optimizer overlap] in
-# _overlap.py). On that thread every op acts on the masters: a scope computing on the main
-# thread at the same time is not its scope.
-worker_state = threading.local()
-
-
 def _await_steps(params: list[OffloadedParameter]) -> None:
     """Wait for the deferred optimizer steps of the parameters an op or property access uses
-    (Note [deferred steps] in _overlap.py); nothing to do unless one is pending."""
+    (Note [step fences] in _slot.py); nothing to do unless one is pending."""
     for p in params:
         slot = getattr(p, "_ot", None)
-        if slot is not None and slot.step_pending:
-            slot.scope.engine.wait_for_step(slot)
+        if slot is not None:
+            slot.wait_for_step()
 
 
 def master_grad(p: torch.Tensor) -> torch.Tensor | None:
@@ -157,13 +150,13 @@ def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter])
             slot = getattr(p, "_ot", None)
             if slot is not None:
                 slot.scope.engine.before_master_write(slot)
-        if getattr(worker_state, "active", False):  # the optimizer thread: masters only
+        if on_optimizer_worker():  # the optimizer thread: masters only
             return func(*args, **kwargs)
         written = _written(args, kwargs)
         params = [p for p in params if id(p) not in written]
         if not params:
             return func(*args, **kwargs)
-    if getattr(worker_state, "active", False):  # the optimizer thread: masters only
+    if on_optimizer_worker():  # the optimizer thread: masters only
         return func(*args, **kwargs)
     op_device = _op_device(args, kwargs)
     subs: dict[int, torch.Tensor] = {}

@@ -1,175 +1,142 @@
-"""A scope: one selected module whose parameters move to the device together.
+"""A scope: the parameters of one selected module, moved to the device together, and the
+transitions of its state.
 
 # Note [scope states]
 A scope's parameters share one flat host buffer (the masters, pinned) and one flat device buffer
 of the same layout. The state says which of them holds usable weights:
 - OFFLOADED: only the host buffer. The device buffer's storage is resized to 0 bytes.
 - LOADING: device storage allocated and a host-to-device copy enqueued on the copy stream;
-  `weights_ready` is the event recorded after it (`chunk_ready` after each part of it). Compute
-  has not yet waited for all of it: ops wait for the part they use (Note [progressive loads]).
+  `weights_ready` is the event recorded after it. Compute has not yet waited for all of it: ops
+  wait for the part they use (Note [progressive loads]). What the load has done so far is a
+  `LoadProgress`, which exists only in this state (`Scope.loading`).
 - RESIDENT: the compute stream has waited on `weights_ready`; ops may use the device copy.
-Transitions are TransferEngine.load (OFFLOADED -> LOADING), make_resident (-> RESIDENT) and
-release (-> OFFLOADED). There is no other per-scope flag: what a parameter "is" follows from its
-scope's state.
+The transitions are Scope.load (OFFLOADED -> LOADING), make_resident (-> RESIDENT) and release
+(-> OFFLOADED). There is no other per-scope flag: what a parameter "is" follows from its
+scope's state. The scopes of one model that are not OFFLOADED are listed, in load order, in
+their `LiveScopes`.
 
-# Note [why storage is resized instead of reassigned]
-Autograd saves the device copy of a weight for backward (F.linear saves its weight). Each
-parameter's device copy (`device_leaf`) is a tensor created once, sharing the scope's device
-storage. Releasing resizes that storage to 0 bytes: the memory goes back to the allocator while
-the tensors autograd saved stay valid objects with an unchanged version counter. Before backward
-needs them, the scope is loaded again into the same storage object (see Note [backward
-triggers]). Reassigning `.data` or allocating new tensors would either keep the memory alive
-through autograd's references or break its saved-tensor checks.
+# Note [progressive loads]
+A scope's first forward records the order in which its parameters are first used. From then on
+its host-to-device copy goes parameter by parameter in that order, with an event every
+CHUNK_BYTES, and each op makes compute wait only for the chunk that holds its weights. The first
+matmul of a block starts when its own weights have landed, not the whole block: for the first
+scope of a pass, which nothing can hide, this turns a whole-block stall into a one-matrix stall.
+Backward needs the whole scope before its first op (autograd reads the saved device copies
+directly), so pre_backward waits for every chunk.
+
+# Note [higher-order gradients]
+`torch.autograd.grad(y, x, create_graph=True)` (gradient penalties, `hvp`, `hessian`) builds a
+graph of the backward itself, and that graph saves the scopes' device copies (the weight of a
+linear's input gradient). Differentiating it again reads them directly, through no hook of
+offtensor's, possibly several times (`retain_graph=True`) and at any later time. Resizing their
+storage to 0 bytes at release would leave that graph reading freed memory. So a scope whose
+backward ran with grad mode on (which is what create_graph means; the output-gradient hook sees
+it) is marked `graph_saved`, and its release *retires* the device storage instead: the scope
+gets a new, empty device storage (new device copies, same hooks) for its next load, and the old
+one, untouched, lives exactly as long as some graph refers to it; reference counting frees it
+with the last such graph. A later write to the master (an optimizer step) bumps the version
+counter of the retired copies, so that differentiating the old graph raises autograd's usual
+"modified by an inplace operation" error, as it would without offloading.
+`backward(create_graph=True)` into an offloaded parameter's `.grad` cannot work (the host `.grad`
+carries no graph) and raises.
+
+# Note [stale gradient fetches]
+When a backward will add to an existing `p.grad` (gradient accumulation), the old host gradient
+is fetched to the device together with the scope's weights (`_load_old_grads`), possibly before
+backward starts: at the end of the forward, a prefetch for backward. The user may change `p.grad`
+in between: `optimizer.zero_grad()` between forward and backward zeroes it in place or sets it to
+None. So each fetch remembers the tensor it copied and that tensor's version counter, and
+`take_old_grad` uses the fetched copy only if `p.grad` is still that tensor, unwritten since;
+otherwise the gradient path reads `p.grad` as it is now (or starts afresh when it is None).
 """
 
 from __future__ import annotations
 
-import functools
-import sys
-import threading
-import weakref
-from collections import OrderedDict
+import logging
 from dataclasses import dataclass, field
-from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from ._api import Policy, ScopeState
+from ._param import master_grad
+from ._slot import ParamSlot
+from ._streams import Streams
 
-if TYPE_CHECKING:
-    from ._param import OffloadedParameter
-    from ._transfer import TransferEngine
+logger = logging.getLogger("offtensor")
 
 # Each parameter starts at a multiple of this many bytes in the flat buffers (aligned loads).
 ALIGN = 256
+CHUNK_BYTES = 32 * 2**20  # see Note [progressive loads]
 
 
-class DeviceCopy(torch.Tensor):
-    """The device copy of an offloaded parameter: a plain tensor to every op, but printing it
-    while its scope is offloaded (storage resized to 0 bytes) says so instead of reading freed
-    memory. Tracebacks that show argument values (pytest, rich, debuggers) print these after an
-    exception in a forward, when the scopes have already been released."""
+@dataclass(eq=False)
+class LoadProgress:
+    """What a load has enqueued and what compute has waited for; exists only while LOADING."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
-
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
-        needed = (self.storage_offset() + self.numel()) * self.element_size()
-        if self.untyped_storage().nbytes() < needed:
-            return (f"<offtensor device copy {tuple(self.shape)} {self.dtype} on {self.device}: "
-                    "released, its scope is offloaded>")
-        return super().__repr__(*args, **kwargs)
-
-
-# ParamSlot.retired is written by the main thread (a retire) and by the optimizer worker (a
-# step of that master): both hold this lock.
-_retired_lock = threading.Lock()
-
-
-def _alive(refs: list[weakref.ref]) -> list[weakref.ref]:
-    return [r for r in refs if r() is not None]
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs (backward, and recompute under checkpointing)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def device_copy(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size,
-                requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A parameter's device copy in a scope's flat device buffer (which must be allocated),
-    as (the leaf ops see, the view the loader writes through)."""
-    view = flat[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
-    base = torch.empty(0, dtype=dtype, device=flat.device)
-    base.set_(flat.untyped_storage(), offset // dtype.itemsize, shape, view.stride())
-    # A leaf of its own (not a view of `flat`), made without requires_grad_(), which
-    # torch.func transforms refuse (a retire can happen inside one).
-    leaf = torch.Tensor._make_subclass(DeviceCopy, base, requires_grad)
-    return leaf, view
-
-
-@dataclass(eq=False, repr=False)
-class ParamSlot:
-    """Per-parameter bookkeeping, stored on the parameter as `p._ot`."""
-
-    param: OffloadedParameter
-    name: str  # qualified name in the wrapped model
-    scope: Scope
-    offset: int  # bytes into the scope's host buffer (master layout)
-    device_offset: int  # bytes into the scope's device buffer (compute-dtype layout)
-    device_leaf: torch.Tensor  # what ops see; shares the scope's device storage
-    device_view: torch.Tensor  # the same bytes as a view of device_flat, for the loader's
-    # writes (writing through device_leaf would bump the version counter autograd checks)
-    master: torch.Tensor  # the master's bytes in host_flat as a plain tensor: what the loader
-    # reads, with no subclass dispatch and nothing for autograd to record (Note [interrupts])
-    host_grad: torch.Tensor | None = None  # pinned; `p.grad` points here after backward
-    grads_in_backward: int = 0  # contributions written to host_grad in the current backward
-    single_grad: bool = False  # exactly one contribution in the last whole backward (Note [early handover])
-    host_grad_holders: tuple[int, int] = (0, 0)  # _grads._holders(host_grad) when only we hold it
-    used_outside: bool = False  # ever materialized for an op outside its scope
-    last_d2h: Any = None  # event after the latest device-to-host copy into host_grad
-    old_grad: torch.Tensor | None = None  # device copy of `p.grad`, fetched for accumulation
-    # The host `p.grad` that old_grad was copied from, and its version counter then.
-    old_grad_source: tuple[torch.Tensor, int] | None = None
-    chunk: int = 0  # which of the scope's chunk_ready events covers this parameter's copy
-    copy_index: int = 0  # position in the scope's copy_order
-    step_pending: bool = False  # a deferred optimizer step still has to write the master
-    grad_hooks: OrderedDict = field(default_factory=OrderedDict)  # register_hook hooks, see Note [user gradient hooks]
-    post_hooks: OrderedDict = field(default_factory=OrderedDict)  # post-accumulate-grad hooks
-    leaf_hooked: bool = False  # device_leaf has the post-accumulate-grad hook (hook_device_leaf)
-    # Device copies of earlier storages that graphs of create_graph backwards may still read.
-    retired: list[weakref.ref] = field(default_factory=list)
+    chunk_ready: list[Any] = field(default_factory=list)  # copy-stream events, one per chunk
+    chunks_waited: int = 0  # of which the compute stream has waited for
+    cursor: int = 0  # copy_order entries enqueued (a progressive load)
+    end: int = 0  # len(copy_order) for a progressive load, else 0
+    unmarked: int = 0  # bytes enqueued since the last chunk event
 
     @property
-    def grad_written(self) -> bool:
-        """host_grad received a contribution in the current backward."""
-        return self.grads_in_backward > 0
+    def held_back(self) -> bool:
+        """Copies wait for deferred optimizer steps (Note [deferred steps] in _overlap.py)."""
+        return self.cursor < self.end
 
-    def __repr__(self) -> str:
-        # Not the fields: device_view is a plain view of the scope's device buffer, which is
-        # 0 bytes while the scope is offloaded, and printing it would read freed memory.
-        return f"ParamSlot({self.name!r}, {tuple(self.param.shape)}, scope {self.scope.name!r})"
 
-    def hook_device_leaf(self) -> None:
-        """Route the device copy's gradients to the host (Note [gradient path] in _grads.py);
-        for a frozen parameter, once it is unfrozen (use_device_copy)."""
-        self.leaf_hooked = self.device_leaf.requires_grad
-        if self.leaf_hooked:
-            self.device_leaf.register_post_accumulate_grad_hook(
-                functools.partial(self.scope.engine.grads.on_leaf_grad, self))
+class LiveScopes:
+    """The scopes of one wrapped model that are not OFFLOADED, in load order."""
 
-    def retired_copies_written(self) -> None:
-        """The master is about to change: graphs holding a retired device copy of it must see
-        it as modified in place (Note [higher-order gradients] in _transfer.py)."""
-        if not self.retired:
-            return  # the common case, without the lock
-        with _retired_lock: refs, self.retired = self.retired, []  # noqa: E701 (Note [interrupts])
-        for ref in refs:
-            leaf = ref()
-            if leaf is not None:
-                torch.autograd.graph.increment_version(leaf)
+    def __init__(self) -> None:
+        self._loaded: dict[Scope, None] = {}
+        self._held_back: dict[Scope, None] = {}  # LOADING with copies held back by steps
 
-    def use_device_copy(self) -> torch.Tensor:
-        leaf = self.device_leaf
-        wants = self.param.requires_grad
-        if leaf.requires_grad != wants:  # the user froze or unfroze the parameter after wrap
-            leaf.requires_grad_(wants)
-            if wants and not self.leaf_hooked:
-                self.hook_device_leaf()
-        return leaf
+    def __iter__(self) -> Any:
+        return iter(list(self._loaded))
+
+    def __len__(self) -> int:
+        return len(self._loaded)
+
+    def loaded(self, scope: Scope) -> None:
+        self._loaded[scope] = None
+
+    def released(self, scope: Scope) -> None:
+        self._loaded.pop(scope, None)
+        self._held_back.pop(scope, None)
+
+    def holding_back(self, scope: Scope, held: bool) -> None:
+        if held:
+            self._held_back[scope] = None
+        else:
+            self._held_back.pop(scope, None)
+
+    def pump(self) -> None:
+        """Enqueue the copies that waited for deferred steps now done (no host wait)."""
+        for scope in list(self._held_back):
+            scope.copy_more(need=-1)
+
+    def release_all(self) -> None:
+        for scope in list(self._loaded):
+            scope.release()
 
 
 class Scope:
-    """One selected module: its parameters' flat buffers, state and module hooks."""
+    """One selected module (or, split by Policy.max_scope_bytes, part of one): its parameters'
+    flat buffers, its state and the transitions between states."""
 
-    def __init__(self, name: str, module: nn.Module, policy: Policy, engine: TransferEngine,
+    def __init__(self, name: str, module: nn.Module, policy: Policy, engine: Any,
                  pinned: bool, block: str | None = None) -> None:
         self.name = name
         self.block = name if block is None else block  # the selected module (Policy.max_scope_bytes)
         self.module = module
         self.policy = policy
-        self.engine = engine
+        self.engine = engine  # its Engine (_engine.py): for the layers above this one
+        self.streams: Streams = engine.streams
+        self.live: LiveScopes = engine.live
+        self.grad_sink = engine.grads.on_leaf_grad  # where device copies' gradients go (_grads.py)
         self.pinned = pinned
         self.slots: list[ParamSlot] = []
         self.nbytes = 0  # host buffer, master dtypes
@@ -183,53 +150,35 @@ class Scope:
         self.shadow_stale = True  # masters changed since host_shadow was cast
         self.shadow_read: Any = None  # event after the latest copy from host_shadow
         self.state = ScopeState.OFFLOADED
+        self.loading: LoadProgress | None = None  # while LOADING
         # A create_graph backward used the device copies: its graph may read them later, so
-        # the release retires the storage instead of freing it (Note [higher-order gradients]).
+        # the release retires the storage instead of freeing it (Note [higher-order gradients]).
         self.graph_saved = False
-        self.chunk_ready: list[Any] = []  # events on the copy stream after each chunk of the
-        # weights' copy, while LOADING (Note [progressive loads])
-        self.chunks_waited = 0  # chunks the compute stream has waited for (Note [progressive loads])
-        self.copy_cursor = 0  # copy_order entries whose copy is enqueued, in the current load
-        self.copy_end = 0  # len(copy_order) during a progressive load, else 0
-        self.copy_unmarked = 0  # bytes enqueued since the last chunk_ready event
         self.first_uses: dict[ParamSlot, None] = {}  # first forward: parameters in order of use
         self.copy_order: list[ParamSlot] | None = None  # learned from first_uses
         self.grads_ready: Any = None  # event on the copy stream after the old grads' copy
         self.grads_offloaded: Any = None  # event on the d2h stream after this backward's grads
-        self.active_calls = 0  # forward calls of the module in progress (recompute included)
-        self.calls_in_pass = 0  # forward calls in the current forward pass (shared modules)
-        # Forward calls since the last backward ended: above 1, a backward may see several
-        # contributions per parameter (shared modules; several forwards before one backward).
-        self.calls_since_backward = 0
-        self.counted_in_pass = 0  # of calls_in_pass, those counted in calls_since_backward
+        # Calls of the module's forward, counted four ways (the engine keeps them):
+        self.running_calls = 0  # in progress now (a recompute in backward included)
+        self.calls_this_pass = 0  # in the current forward pass (a shared module: several)
+        # Calls that can add to a gradient (grad mode on, or an input requiring grad) since the
+        # last backward ended: above 1, a backward may see several contributions per parameter
+        # (shared modules; several forwards before one backward). Note [early handover].
+        self.grad_calls_since_backward = 0
+        self.grad_calls_this_pass = 0  # of those, the ones in the current pass
         self.loads = 0  # host-to-device loads of the weights, since wrap
         self.loads_on_demand = 0  # of which not prefetched: offloaded when the scope needed them
-        self.handles: list[torch.utils.hooks.RemovableHandle] = []
-        self.calls = FailureCheck()  # did the module's forward raise (in _post_forward)
 
     @property
     def weights_ready(self) -> Any:
-        """The event after the whole weights' copy (the copy stream runs in order), or None once
-        compute has waited for it."""
-        return self.chunk_ready[-1] if self.chunk_ready else None
+        """The event after the whole weights' copy (the copy stream runs in order), or None when
+        no copy is pending."""
+        loading = self.loading
+        return loading.chunk_ready[-1] if loading is not None and loading.chunk_ready else None
 
     @property
     def device_storage(self) -> torch.UntypedStorage:
         return self.device_flat.untyped_storage()
-
-    def retire_device_storage(self) -> None:
-        """Give the scope a new, empty device storage and new device copies; the old ones are
-        left to the graphs that hold them (Note [higher-order gradients] in _transfer.py)."""
-        flat = torch.empty(self.device_nbytes, dtype=torch.uint8, device=self.device_flat.device)
-        for slot in self.slots:
-            with _retired_lock: slot.retired = _alive(slot.retired) + [weakref.ref(slot.device_leaf)]  # noqa: E701
-            slot.device_leaf, slot.device_view = device_copy(
-                flat, slot.device_offset, slot.device_view.dtype, slot.param.shape,
-                slot.device_leaf.requires_grad)
-            slot.hook_device_leaf()
-        flat.untyped_storage().resize_(0)
-        self.device_flat = flat
-        self.graph_saved = False
 
     def host_bytes(self) -> int:
         return self.nbytes + (self.device_nbytes if self.host_shadow is not None else 0)
@@ -241,176 +190,220 @@ class Scope:
     def num_params(self) -> int:
         return sum(s.param.numel() for s in self.slots)
 
-    def install_hooks(self) -> None:
-        self.handles.append(self.module.register_forward_pre_hook(Hook(self._pre_forward), with_kwargs=True))
-        self.handles.append(
-            self.module.register_forward_hook(Hook(self._post_forward), with_kwargs=True, always_call=True)
-        )
+    def learn_copy_order(self) -> None:
+        """After the first forward: copy parameters in the order it first used them."""
+        if self.copy_order is None and self.first_uses:
+            used = list(self.first_uses)
+            self.copy_order = used + [s for s in self.slots if s not in self.first_uses]
+            for i, slot in enumerate(self.copy_order):
+                slot.copy_index = i
+            self.first_uses.clear()
 
-    def remove_hooks(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
+    # ---- transitions (Note [scope states]) -----------------------------------------------
 
-    # Note [backward triggers]
-    # Backward of a scope is bracketed by tensor hooks, not module backward hooks (which break
-    # under checkpointing and in-place ops): a hook on each forward output that requires grad
-    # fires when the first output gradient is computed, i.e. just before the module's backward
-    # ops run (pre_backward: load, prefetch the previous scopes). A hook on each forward input
-    # that requires grad fires once the gradient w.r.t. that input is complete, i.e. when the
-    # module's backward is done (post_backward: release). Scopes whose inputs need no grad (the
-    # first block of a frozen-embedding model) are released by the end-of-backward callback
-    # (_grads.py). Recompute under checkpointing runs the forward hooks again inside backward;
-    # the engine recognises it by the autograd graph task id and neither reloads nor releases.
+    def load(self, *, with_grads: bool) -> None:
+        """OFFLOADED -> LOADING: allocate on compute, copy host->device on the copy stream;
+        `with_grads`: also fetch the existing host gradients (accumulation)."""
+        if self.state is ScopeState.OFFLOADED:
+            self._start_load()
+        if with_grads:
+            self._fetch_old_grads()
 
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not in_backward():
-            self.engine.check_thread(f"scope {self.name!r}")
-        interrupted = self.calls.enter()
-        if interrupted:
-            self.engine.forget_calls(self, interrupted)
-        tensors = _tensors(args, kwargs)
-        self.engine.pre_forward(self, tensors)
-        if torch.is_grad_enabled():
-            inputs = [t for t in tensors if t.requires_grad]
-            if inputs:
-                done = _AllInputGrads(self, len(inputs))
-                for t in inputs:
-                    t.register_hook(done)
+    def _start_load(self) -> None:
+        streams = self.streams
+        compute, h2d = streams.compute(), streams.h2d()
+        self.device_storage.resize_(self.device_nbytes)
+        streams.wait(h2d, streams.record(compute))  # alloc_done
+        self.loading = loading = LoadProgress()
+        progressive = not self.casts and self.copy_order is not None
+        if not progressive:
+            for slot in self.slots:
+                slot.wait_for_step()
+        if self.host_shadow is not None:  # Policy(cast="host")
+            self._refresh_shadow()
+        with streams.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
+            if progressive:
+                assert self.copy_order is not None
+                loading.end = len(self.copy_order)
+                self.copy_more(need=-1)
+            else:
+                if not self.casts:
+                    self.device_flat.copy_(self.host_flat, non_blocking=True)
+                elif self.host_shadow is not None:  # Policy(cast="host")
+                    self.device_flat.copy_(self.host_shadow, non_blocking=True)
+                else:
+                    self._copy_and_cast()
+                loading.chunk_ready = [streams.record(h2d)]
+                streams.reads_masters(self.weights_ready)
+        if self.host_shadow is not None:
+            self.shadow_read = self.weights_ready
+        self.state = ScopeState.LOADING
+        self.loads += 1
+        self.live.loaded(self)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("load %s (%.1f MiB)%s", self.name, self.nbytes / 2**20, streams.memory())
 
-    def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self.engine.foreign_thread():
-            return  # refused by check_thread: this call changed nothing
-        failed = self.calls.failed()
-        outputs = [] if failed or not torch.is_grad_enabled() else [
-            t for t in _tensors(output) if t.requires_grad
-        ]
-        for t in outputs:
-            t.register_hook(self._on_output_grad)
-        self.engine.post_forward(self, failed=failed, backward_expected=bool(outputs))
+    def copy_more(self, need: int) -> None:
+        """Enqueue the next copies of a progressive load, in the order the forward first uses
+        the parameters, with an event every CHUNK_BYTES (Note [progressive loads]). A parameter
+        whose deferred optimizer step is pending (Note [step fences]) stops the copies there,
+        unless its position is at most `need`: then the host waits for its step."""
+        order, loading = self.copy_order, self.loading
+        assert order is not None and loading is not None
+        streams = self.streams
+        h2d = streams.h2d()
+        i = start = loading.cursor
+        with streams.on(h2d):
+            while i < loading.end:
+                slot = order[i]
+                if slot.step_pending:
+                    if i > need:
+                        break
+                    slot.wait_for_step()
+                slot.device_view.copy_(slot.master, non_blocking=True)
+                slot.chunk = len(loading.chunk_ready)
+                loading.unmarked += slot.device_view.nbytes
+                i += 1
+                if loading.unmarked >= CHUNK_BYTES or i == loading.end:
+                    self._mark_chunk(h2d)
+            if loading.unmarked:
+                self._mark_chunk(h2d)
+        if i > start:  # the copy stream runs in order: its last event covers the rest
+            streams.reads_masters(loading.chunk_ready[-1])
+        loading.cursor = i
+        self.live.holding_back(self, loading.held_back)
 
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
-        # Autograd runs a backward with grad mode set to its create_graph flag.
-        self.engine.pre_backward(self, create_graph=torch.is_grad_enabled())
+    def _mark_chunk(self, h2d: Any) -> None:
+        assert self.loading is not None
+        self.loading.chunk_ready.append(self.streams.record(h2d))
+        self.loading.unmarked = 0
 
+    def _copy_and_cast(self) -> None:
+        """Policy(cast="device"): master bytes cross PCIe into a staging buffer, cast on the
+        device. Runs on the copy stream; the staging buffer is allocated on that stream, so
+        freeing it right after enqueueing the casts is stream-ordered."""
+        staging = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device_flat.device)
+        staging.copy_(self.host_flat, non_blocking=True)
+        for slot in self.slots:
+            p = slot.param
+            n = p.numel() * p.element_size()
+            slot.device_view.copy_(staging[slot.offset : slot.offset + n].view(p.dtype).view(p.shape))
 
-# Note [copies of a wrapped model]
-# `copy.deepcopy` and pickling (`torch.save(model)`) of a wrapped model, or of part of one, give
-# a plain model: each offloaded parameter copies as an `nn.Parameter` holding (a copy of) its
-# master, on the CPU, once its deferred optimizer step is done (OffloadedParameter.__deepcopy__,
-# __reduce_ex__), and the engine attribute as None, so the copy is not wrapped (an EMA copy of a
-# large model stays in host memory). Parameters and buffers that were not offloaded keep their
-# device, as any deepcopy does. Module hooks cannot be left out of a copy, so offtensor registers
-# them as `Hook` objects, which copy as inert hooks: without that, a copy would share the
-# original's scopes, streams and buffers. Each master has a storage of its own (Note [one storage
-# per master] in _host_memory.py), so pickling saves each master's bytes once, as it would a
-# plain parameter's, whatever dtypes its scope mixes.
+    def _refresh_shadow(self) -> None:
+        """Policy(cast="host"): re-cast the masters into the compute-dtype host copy after they
+        changed. Waits (host side) for the previous copy out of the shadow, rarely pending."""
+        if not self.shadow_stale:
+            return
+        if self.shadow_read is not None:
+            self.shadow_read.synchronize()
+            self.shadow_read = None
+        shadow = self.host_shadow
+        assert shadow is not None
+        for slot in self.slots:
+            dt, master = slot.device_view.dtype, slot.master
+            n = master.numel() * dt.itemsize
+            shadow[slot.device_offset : slot.device_offset + n].view(dt).view(master.shape).copy_(master)
+        self.shadow_stale = False
 
+    def make_resident(self, upto: ParamSlot | None = None) -> None:
+        """-> RESIDENT: the compute stream waits (device side) for the weights' copy; with
+        `upto`, only for the chunks up to the one holding that parameter (Note [progressive
+        loads]). Copies still held back by deferred optimizer steps are enqueued first, the host
+        waiting for the steps they need."""
+        if self.state is ScopeState.RESIDENT:
+            return
+        if self.state is ScopeState.OFFLOADED:
+            self.load(with_grads=False)
+        self.live.pump()
+        loading = self.loading
+        assert loading is not None
+        if loading.held_back:
+            need = loading.end - 1 if upto is None else upto.copy_index
+            if need >= loading.cursor:
+                self.copy_more(need)
+        last = len(loading.chunk_ready) - 1
+        target = last if upto is None else min(upto.chunk, last)
+        compute = self.streams.compute()
+        for i in range(loading.chunks_waited, target + 1):
+            self.streams.wait(compute, loading.chunk_ready[i])
+        loading.chunks_waited = max(loading.chunks_waited, target + 1)
+        if loading.chunks_waited > last and not loading.held_back:
+            self.loading = None
+            self.state = ScopeState.RESIDENT
 
-class Hook:
-    """A module hook calling `fn`; its copies do nothing (Note [copies of a wrapped model])."""
+    def release(self) -> None:
+        """-> OFFLOADED: free the device copy, ordered after every queued use of it."""
+        if self.state is ScopeState.OFFLOADED:
+            return
+        streams = self.streams
+        compute = streams.compute()
+        streams.wait(compute, self.weights_ready)  # a prefetch nobody used: the free must follow it
+        streams.wait(compute, self.grads_ready)
+        if self.grads_ready is not None and any(s.old_grad_source is not None for s in self.slots):
+            self.grads_ready.synchronize()  # unused fetches: their host sources may go below
+        self.grads_ready = None
+        self.loading = None
+        for slot in self.slots:
+            slot.old_grad = slot.old_grad_source = None
+        if self.graph_saved:
+            self._retire_device_storage()  # Note [higher-order gradients]
+        else:
+            self.device_storage.resize_(0)
+        self.state = ScopeState.OFFLOADED
+        self.live.released(self)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("release %s%s", self.name, streams.memory())
 
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
+    def _retire_device_storage(self) -> None:
+        """Give the scope a new, empty device storage and new device copies; the old ones are
+        left to the graphs that hold them (Note [higher-order gradients])."""
+        flat = torch.empty(self.device_nbytes, dtype=torch.uint8, device=self.device_flat.device)
+        for slot in self.slots:
+            slot.retire_device_copy(flat)
+        flat.untyped_storage().resize_(0)
+        self.device_flat = flat
+        self.graph_saved = False
 
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
+    # ---- old gradients for accumulation (Note [stale gradient fetches]) ---------------------
 
-    def __deepcopy__(self, memo: dict) -> _InertHook:
-        return _InertHook()
+    def _fetch_old_grads(self) -> None:
+        """Fetch existing host grads of the scope's parameters, for accumulation on the device."""
+        todo = []
+        for slot in self.slots:
+            if slot.old_grad is None and not slot.grad_written:
+                g = master_grad(slot.param)
+                if g is not None:
+                    todo.append((slot, g))
+        if not todo:
+            return
+        streams = self.streams
+        compute, h2d = streams.compute(), streams.h2d()
+        device = self.device_flat.device
+        fetched = [(slot, g, torch.empty(g.shape, dtype=g.dtype, device=device)) for slot, g in todo]
+        streams.wait(h2d, streams.record(compute))
+        with streams.on(h2d):
+            for slot, g, old in fetched:
+                old.copy_(g, non_blocking=True)
+                slot.old_grad = old
+                slot.old_grad_source = (g, g._version)
+        self.grads_ready = streams.record(h2d)
+        streams.reads_masters(self.grads_ready)
 
-    def __reduce__(self) -> tuple:
-        return (_InertHook, ())
-
-
-class _InertHook:
-    """What a copy of a wrapped model has where the original has offtensor's hooks."""
-
-    def __call__(self, *args: Any) -> None:
-        return None
-
-
-class FailureCheck:
-    """Tells a forward hook registered with `always_call=True` whether the forward raised, and
-    a forward pre-hook whether earlier calls never ended.
-
-    PyTorch runs such a hook inside its `except` block when the forward raises, but
-    `sys.exc_info()` alone cannot tell: a module called while its caller handles an exception
-    (a retry after an out-of-memory error, inside `except`) sees that exception there too. So
-    the forward pre-hook records the exception being handled when the call starts (`enter`),
-    and the call failed if another one is being handled when it ends (`failed`).
-
-    PyTorch catches only `Exception` there: a call left by a `KeyboardInterrupt` (Ctrl-C in a
-    notebook) or `SystemExit` runs no hook, and its record stays. So each record also holds the
-    frame of the module call running the hooks (the first frame outside offtensor: PyTorch's
-    `_call_impl`), which lives exactly as long as the call; `enter` drops the records of this
-    thread whose frame is not on the stack any more, and says how many. (A record kept this way
-    keeps that frame, and the tensors it refers to, until the module's next call; the
-    interrupt's own traceback holds them as well.)"""
-
-    def __init__(self) -> None:
-        # One per call in progress: (thread, frame of the call, exception handled at entry).
-        self._calls: list[tuple[int, FrameType | None, BaseException | None]] = []
-
-    def enter(self) -> int:
-        """Record a call; return how many earlier calls were found to have been interrupted."""
-        frame = _outside_offtensor(sys._getframe(1))
-        interrupted = self.drop_interrupted(frame)
-        self._calls.append((threading.get_ident(), frame, sys.exc_info()[1]))
-        return interrupted
-
-    def drop_interrupted(self, frame: FrameType | None = None) -> int:
-        """Forget this thread's calls whose frame is no longer on the stack (seen from `frame`,
-        default the caller's); return how many. Dropping a record lets its frame go, and with
-        it whatever that frame still holds: torch.utils.checkpoint's suspended generator keeps
-        its saved-tensor hooks pushed until it is collected, and collected inside the next
-        checkpointed call it would pop that call's hooks instead (the model's forward therefore
-        drops every scope's interrupted calls before anything else runs)."""
-        thread = threading.get_ident()
-        if not any(c[0] == thread for c in self._calls):  # nothing to check: no stack walk
-            return 0
-        if frame is None:
-            frame = _outside_offtensor(sys._getframe(1))
-        on_stack, f = set(), frame
-        while f is not None:
-            on_stack.add(id(f))
-            f = f.f_back
-        live = [c for c in self._calls if c[0] != thread or id(c[1]) in on_stack]
-        interrupted = len(self._calls) - len(live)
-        self._calls = live
-        return interrupted
-
-    def failed(self) -> bool:
-        thread = threading.get_ident()
-        at_entry = None
-        for i in range(len(self._calls) - 1, -1, -1):
-            if self._calls[i][0] == thread:
-                at_entry = self._calls.pop(i)[2]
-                break
-        current = sys.exc_info()[1]
-        return current is not None and current is not at_entry
-
-
-def _outside_offtensor(frame: FrameType | None) -> FrameType | None:
-    """The first frame, from `frame` outwards, that is not offtensor's: the module call's."""
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("offtensor."):
-        frame = frame.f_back
-    return frame
-
-
-class _AllInputGrads:
-    """Counts the input gradients of one forward call; the last one ends the scope's backward."""
-
-    def __init__(self, scope: Scope, n: int) -> None:
-        self.scope = scope
-        self.remaining = n
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        self.remaining -= 1
-        if self.remaining == 0:
-            self.scope.engine.post_backward(self.scope)
-
-
-def _tensors(*trees: Any) -> list[torch.Tensor]:
-    leaves, _ = torch.utils._pytree.tree_flatten(trees)
-    return [t for t in leaves if isinstance(t, torch.Tensor)]
+    def take_old_grad(self, slot: ParamSlot) -> torch.Tensor | None:
+        """The device copy of `p.grad` fetched with the scope's weights, if `p.grad` is still
+        that tensor with the values copied (Note [stale gradient fetches])."""
+        g = slot.old_grad
+        if g is None:
+            return None
+        slot.old_grad = None
+        assert slot.old_grad_source is not None  # set together with old_grad
+        source, version = slot.old_grad_source
+        slot.old_grad_source = None
+        if master_grad(slot.param) is not source or source._version != version:
+            # zero_grad() (or any write to p.grad) since the fetch: it is stale. The copy may
+            # still be reading `source` and writing `g`; both may go once it is done (rare).
+            if self.grads_ready is not None:
+                self.grads_ready.synchronize()
+            return None
+        self.streams.wait(self.streams.compute(), self.grads_ready)
+        return g

@@ -35,6 +35,7 @@ such a module unwraps the whole wrapped model, and so requires it to hold every 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import warnings
@@ -46,13 +47,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import _engine
 from ._api import Policy, ScopeState, ScopeSummary, Summary
 from ._distributed import check_model
+from ._engine import Engine
+from ._grads import new_host_grad
+from ._hooks import Hook, ModelHooks, ScopeHooks
 from ._host_memory import HostBuffer, PinProgress, host_empty
 from ._overlap import wait_for_steps
 from ._param import OffloadedParameter, without_subclass_dispatch
-from ._scope import ALIGN, FailureCheck, Hook, ParamSlot, Scope, device_copy
-from ._transfer import TransferEngine
+from ._scope import ALIGN, Scope
+from ._slot import ParamSlot, device_copy, in_backward
 
 logger = logging.getLogger("offtensor")
 
@@ -101,6 +106,42 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward(); opt.step(); opt.zero_grad()
     """
+    policy = policy if policy is not None else Policy()
+    _check_arguments(model, predicate, policy)
+    device = _resolve_device(device)
+    selected = _select(model, predicate, policy)
+    _check_selection(model, selected)
+    pin = policy.pin_memory if policy.pin_memory is not None else device.type == "cuda"
+    if pin and not torch.cuda.is_available():
+        raise ValueError("offtensor.wrap: Policy(pin_memory=True) needs CUDA; this machine has none")
+    plans = _plan_scopes(selected)
+    engine = Engine(device, policy)
+    progress = PinProgress(sum(p.numel() * p.element_size() for *_, params, _ in plans for _, p in params))
+    try:
+        for name, module, scope_policy, params, block in plans:
+            scope = Scope(name, module, scope_policy, engine, pinned=pin, block=block)
+            _offload_params(scope, params, device)
+            progress.advance(scope.nbytes)
+            hooks = ScopeHooks(scope, engine)
+            hooks.install()
+            engine.scope_hooks.append(hooks)
+            engine.scopes.append(scope)
+    finally:
+        progress.close()
+    engine.scopes_ready()
+    if not any(scope.module is model for scope in engine.scopes):
+        # Not when the model is itself a scope: then the first scope loads when its own
+        # forward starts (as when the model is not called: a ModuleList).
+        ModelHooks(engine, engine.scope_hooks).install(model)
+    _guard_model_ops(model, engine)
+    engine.root = weakref.ref(model)
+    setattr(model, _ENGINE_ATTR, engine)
+    logger.debug("wrapped %d scopes (%.1f MiB) computing on %s", len(engine.scopes),
+                 sum(s.nbytes for s in engine.scopes) / 2**20, device)
+    return model
+
+
+def _check_arguments(model: nn.Module, predicate: Predicate | None, policy: Policy) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"offtensor.wrap: expected an nn.Module (the model whose blocks to offload), got "
@@ -111,10 +152,8 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
             f"offtensor.wrap: predicate must be callable as predicate(qualified_name, module) -> "
             f"bool | offtensor.Policy, or None for the default; got {type(predicate).__name__}"
         )
-    policy = policy if policy is not None else Policy()
     if not isinstance(policy, Policy):
         raise TypeError(f"offtensor.wrap: policy must be an offtensor.Policy, got {type(policy).__name__}")
-    device = _resolve_device(device)
     check_model(model)  # no DDP or FSDP: Note [data-parallel wrappers] in _distributed.py
     if getattr(model, _ENGINE_ATTR, None) is not None:
         raise RuntimeError(
@@ -128,13 +167,14 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
             f"offtensor.wrap: parameter {already[0]!r} is already offloaded by another "
             "offtensor.wrap call (on a parent or submodule); call offtensor.unwrap on that model first"
         )
-    selected = _select(model, predicate, policy)
-    _check_selection(model, selected)
 
-    pin = policy.pin_memory if policy.pin_memory is not None else device.type == "cuda"
-    if pin and not torch.cuda.is_available():
-        raise ValueError("offtensor.wrap: Policy(pin_memory=True) needs CUDA; this machine has none")
-    engine = TransferEngine(device, policy)
+
+_Plan = tuple[str, nn.Module, Policy, list[tuple[str, nn.Parameter]], str]
+
+
+def _plan_scopes(selected: list[tuple[str, nn.Module, Policy]]) -> list[_Plan]:
+    """(name, module, policy, its parameters to offload, block) per scope to build; a parameter
+    shared by several selected modules goes to the first."""
     owner: dict[int, str] = {}  # id(parameter) -> the scope that offloads it
     plans = []
     for name, module, scope_policy, recurse, block in _split_large(selected):
@@ -156,7 +196,7 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
                 f"which offloads them: {name or '<root>'!r} is not a scope of its own, and its "
                 "Policy (keep_for_backward, ...) does not apply. Select only one of the two, or "
                 "untie the weights",
-                stacklevel=2,
+                stacklevel=3,
             )
     if not plans:
         raise ValueError(
@@ -165,24 +205,7 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
             "offtensor.frozen_only, freeze the base weights (requires_grad_(False), or "
             "peft.get_peft_model) before wrapping"
         )
-    progress = PinProgress(sum(p.numel() * p.element_size() for *_, params, _ in plans for _, p in params))
-    try:
-        for name, module, scope_policy, params, block in plans:
-            scope = Scope(name, module, scope_policy, engine, pinned=pin, block=block)
-            _offload_params(scope, params, device)
-            progress.advance(scope.nbytes)
-            scope.install_hooks()
-            engine.scopes.append(scope)
-    finally:
-        progress.close()
-    engine.scopes_ready()
-    _hook_model_forward(model, engine)
-    _guard_model_ops(model, engine)
-    engine.root = weakref.ref(model)
-    setattr(model, _ENGINE_ATTR, engine)
-    logger.debug("wrapped %d scopes (%.1f MiB) computing on %s", len(engine.scopes),
-                 sum(s.nbytes for s in engine.scopes) / 2**20, device)
-    return model
+    return plans
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -206,8 +229,9 @@ def unwrap(model: nn.Module) -> nn.Module:
     engine.release_all()
     for handle in (*engine.handles, *engine.guard_handles):
         handle.remove()
+    for hooks in engine.scope_hooks:
+        hooks.remove()
     for scope in engine.scopes:
-        scope.remove_hooks()
         without_subclass_dispatch(_restore_params, scope)
     root = engine.root()
     for top in (model, root):
@@ -229,7 +253,7 @@ def _restore_params(scope: Scope) -> None:
         grad = p.grad
         data = p.detach().clone()
         p.grad = None
-        del p._ot
+        del p._ot  # type: ignore[attr-defined]
         p.__class__ = nn.Parameter  # type: ignore[assignment]
         p.data = data
         if grad is not None:
@@ -255,7 +279,7 @@ def summary(model: nn.Module) -> Summary:
     return Summary(str(engine.device), rows, allocated)
 
 
-def _find_engine(model: nn.Module) -> TransferEngine | None:
+def _find_engine(model: nn.Module) -> Engine | None:
     engine = getattr(model, _ENGINE_ATTR, None)
     if engine is not None:
         return engine
@@ -266,7 +290,7 @@ def _find_engine(model: nn.Module) -> TransferEngine | None:
     return None
 
 
-def _engine_of(model: nn.Module, caller: str) -> TransferEngine:
+def _engine_of(model: nn.Module, caller: str) -> Engine:
     engine = _find_engine(model)
     if engine is None:
         raise ValueError(
@@ -414,7 +438,6 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     # Plain tensors that do not require grad: autograd records none of these copies, without
     # grad mode (Note [interrupts]).
     for (qual, p), offset, dev_offset, dt in zip(params, offsets, dev_offsets, dtypes, strict=True):
-        nbytes = p.numel() * p.element_size()
         host = masters.tensor(offset, p.dtype, p.shape)
         host.copy_(p.detach())
         grad = p.grad
@@ -428,7 +451,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
         offloaded._ot = slot
         slot.hook_device_leaf()
         if grad is not None:
-            slot.host_grad = host_empty(nbytes, pin=scope.pinned).view(p.dtype).view(p.shape)
+            slot.host_grad = new_host_grad(slot)
             slot.host_grad.copy_(grad.detach())
             p.grad = slot.host_grad
         scope.slots.append(slot)
@@ -436,33 +459,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     scope.state = ScopeState.OFFLOADED
 
 
-def _hook_model_forward(model: nn.Module, engine: TransferEngine) -> None:
-    """The model's forward starts the first scope's load (TransferEngine.begin_forward) and,
-    if it raises, releases every scope. Not when the model is itself a scope, nor called (a
-    ModuleList): then the first scope loads when its own forward starts."""
-    if any(scope.module is model for scope in engine.scopes):
-        return
-    calls = FailureCheck()
-
-    def pre(module: nn.Module, args: tuple) -> None:
-        engine.check_thread("the model's forward")
-        if calls.enter():
-            engine.abort()  # an earlier forward was interrupted (KeyboardInterrupt): as if it raised
-        for scope in engine.scopes:  # before anything else runs: FailureCheck.drop_interrupted
-            interrupted = scope.calls.drop_interrupted()
-            if interrupted:
-                engine.forget_calls(scope, interrupted)
-        engine.begin_forward()
-
-    def post(module: nn.Module, args: tuple, output: object) -> None:
-        if not engine.foreign_thread():  # a call refused by check_thread: nothing to undo
-            engine.end_forward(failed=calls.failed())
-
-    engine.handles.append(model.register_forward_pre_hook(Hook(pre)))
-    engine.handles.append(model.register_forward_hook(Hook(post), always_call=True))
-
-
-def _guard_model_ops(model: nn.Module, engine: TransferEngine) -> None:
+def _guard_model_ops(model: nn.Module, engine: Engine) -> None:
     """Guard `_apply` (Note [moving a wrapped model]) and `load_state_dict(assign=True)` (Note
     [loading with assign=True]) on each module with offloaded parameters in its subtree."""
     for module in model.modules():
@@ -539,3 +536,47 @@ def _load_into_masters(module: nn.Module, state_dict: dict, prefix: str, local_m
             )
     if any(isinstance(p, OffloadedParameter) for p in module._parameters.values()):
         local_metadata["assign_to_params_buffers"] = False
+
+
+class no_offload(contextlib.ContextDecorator):
+    """Turn offloading off temporarily: scopes loaded inside stay resident until the outermost
+    `no_offload()` exits, which releases them.
+
+    Useful when the model fits the device for a while (evaluation, generation of many tokens)
+    and streaming every forward would only cost time. With `model`, only that wrapped model's
+    scopes are held (other wrapped models keep streaming); without, every wrapped model's.
+
+    Example::
+
+        with offtensor.no_offload(model):
+            model.generate(input_ids, max_new_tokens=64)  # weights stream once, then stay
+    """
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self._depth = 0  # the same object may be entered again (a decorated recursive function)
+        self._model = weakref.ref(model) if model is not None else None
+        if model is not None:
+            _engine_of(model, "no_offload")  # wrapped now: refuse early otherwise
+        self._holds: weakref.WeakSet | None = None  # where this object is registered while held
+
+    def __enter__(self) -> no_offload:
+        self._depth += 1
+        if self._depth == 1:
+            model = self._model() if self._model is not None else None
+            if self._model is not None and model is None:
+                raise RuntimeError("offtensor.no_offload: the model it was given no longer exists")
+            self._holds = _engine_of(model, "no_offload").holds if model is not None else _engine.holds_for_all
+        assert self._holds is not None
+        self._holds.add(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth > 0 or self._holds is None:
+            return
+        self._holds.discard(self)
+        if in_backward():
+            return
+        for engine in list(_engine.engines):
+            if not engine.hold():
+                engine.release_all()

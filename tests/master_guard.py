@@ -56,7 +56,7 @@ offtensor's own CPU temporary copy is) passes; ``.data`` itself runs no aten op.
 # Scope of the check
 The guard checks every op while it is active, whoever runs it. Inside the wrapped model's forward
 or backward offtensor never hands an op the master (in its scope: the device copy; outside it:
-a temporary copy, ``TransferEngine.materialize``). Outside them, with no operand on an
+a temporary copy, ``Engine.materialize``). Outside them, with no operand on an
 accelerator and no gradient needed (a user's functional call after the forward, an optimizer
 step, ``state_dict``), offtensor acts on the master by design: do not guard those.
 """
@@ -108,7 +108,7 @@ def _kind_of(func) -> int:
 
 def _worker_state() -> Any:
     try:
-        from offtensor._param import worker_state
+        from offtensor._slot import worker_state
     except ImportError:  # the core moved it: then optimizer steps on this thread are checked too
         return None
     return worker_state

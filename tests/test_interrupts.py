@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import offtensor
-from offtensor import _overlap, _param
+from offtensor import _overlap, _slot
 from conftest import assert_all_scopes_offloaded, assert_grads_match, assert_params_match, mlp_of_blocks, param_bytes
 
 OFFTENSOR_DIR = os.path.dirname(os.path.abspath(offtensor.__file__)) + os.sep
@@ -108,8 +108,8 @@ def _global_state() -> dict[str, object]:
         "torch function enabled": torch._C._is_torch_function_enabled(),
         "torch function all disabled": torch._C._is_torch_function_all_disabled(),
         "intra-op threads": torch.get_num_threads(),
-        "worker_state.active": getattr(_param.worker_state, "active", False),
-        "worker_state.own_step": getattr(_param.worker_state, "own_step", False),
+        "worker_state.active": getattr(_slot.worker_state, "active", False),
+        "worker_state.own_step": getattr(_slot.worker_state, "own_step", False),
     }
 
 
@@ -117,8 +117,8 @@ def _restore_global_state(expected: dict[str, object]) -> None:
     """After a failure, so that the next interrupt point is tested from a clean process."""
     torch._C._set_grad_enabled(True)
     torch.set_num_threads(expected["intra-op threads"])  # type: ignore[arg-type]
-    _param.worker_state.active = False
-    _param.worker_state.own_step = False
+    _slot.worker_state.active = False
+    _slot.worker_state.own_step = False
     if not torch._C._is_torch_function_enabled():
         # An unentered guard's exit sets the state it saved at creation: ENABLED.
         torch._C.DisableTorchFunctionSubclass().__exit__(None, None, None)

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 import offtensor
 from offtensor import ScopeState
-from offtensor._transfer import TransferEngine
+from offtensor._engine import Engine
+from offtensor._scope import Scope
 from conftest import (
     BlockStack,
     ResidualBlock,
@@ -46,14 +47,14 @@ def test_every_op_in_a_scope_sees_the_same_single_device_copy(device, monkeypatc
     model = BlockStack([ReusesItsWeight(16) for _ in range(3)], 8, 16, 4)
     reference = reference_then_offload(model, device)
     loads, temporaries = [], []
-    real_load, real_temp = TransferEngine.load, TransferEngine._temporary_copy
-    monkeypatch.setattr(TransferEngine, "load", lambda self, scope, **kw: (
-        loads.append(scope.name) if scope.state is offtensor.ScopeState.OFFLOADED else None,
-        real_load(self, scope, **kw))[1])
-    monkeypatch.setattr(TransferEngine, "_temporary_copy",
+    real_load, real_temp = Scope.load, Engine._temporary_copy
+    monkeypatch.setattr(Scope, "load", lambda self, **kw: (
+        loads.append(self.name) if self.state is offtensor.ScopeState.OFFLOADED else None,
+        real_load(self, **kw))[1])
+    monkeypatch.setattr(Engine, "_temporary_copy",
                         lambda self, *a: (temporaries.append(a[0].name), real_temp(self, *a))[1])
     seen: dict[str, set[int]] = {}
-    from offtensor._scope import ParamSlot
+    from offtensor._slot import ParamSlot
     real_use = ParamSlot.use_device_copy
 
     def spy(slot):
@@ -134,8 +135,8 @@ def test_recompute_outside_the_module_hooks_uses_the_scope_copy_not_per_op_copie
     model = BlockStack([ChecksItsOwnForward(16, reentrant) for _ in range(3)], 8, 16, 4)
     reference = reference_then_offload(model, device)
     temporaries = []
-    real_temp = TransferEngine._temporary_copy
-    monkeypatch.setattr(TransferEngine, "_temporary_copy",
+    real_temp = Engine._temporary_copy
+    monkeypatch.setattr(Engine, "_temporary_copy",
                         lambda self, *a: (temporaries.append(a[0].name), real_temp(self, *a))[1])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -429,7 +430,7 @@ def test_decoding_from_cached_encoder_outputs_is_prefetched_and_leaves_nothing_l
             on_demand.append(_loads_on_demand(model) - before)
             torch.testing.assert_close(out, reference(x, reference.encode(x)), **tolerances(device))
             assert all(state is ScopeState.OFFLOADED for state in scope_states(model).values())
-            assert [s.name for s in engine._order] == learned
+            assert [s.name for s in engine.schedule.order] == learned
         torch.testing.assert_close(model(x), reference(x), **tolerances(device))
     assert on_demand[1:] == [0] * 5, on_demand
     assert_all_scopes_offloaded(model)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 import offtensor
+from offtensor._scope import Scope
 from conftest import (
     BlockStack,
     ResidualBlock,
@@ -593,13 +594,13 @@ def test_a_training_step_after_an_exception_in_the_forward_releases_scopes_in_ba
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     x, y = _batches("cpu", 1)[0]
     most_live = [0]
-    load = engine.load
+    load = Scope.load
 
     def counting_load(scope, **kwargs):
         load(scope, **kwargs)
-        most_live[0] = max(most_live[0], len(engine._live))
+        most_live[0] = max(most_live[0], len(engine.live))
 
-    monkeypatch.setattr(engine, "load", counting_load)
+    monkeypatch.setattr(Scope, "load", counting_load)
 
     def step(m: nn.Module, o: torch.optim.Optimizer):
         loss = F.mse_loss(m(x), y)
@@ -665,7 +666,7 @@ def test_a_copy_taken_right_after_backward_and_step_has_the_stepped_weights():
 def test_a_block_looped_more_often_than_the_order_limit_is_still_prefetched(checkpoint):
     """Recurrent-depth models call the same blocks dozens of times per forward: with the
     model's forward hooks delimiting passes, the learned order may be that long."""
-    from offtensor._transfer import ORDER_LIMIT
+    from offtensor._schedule import ORDER_LIMIT
 
     class Looped(nn.Module):
         def __init__(self, loops: int) -> None:
@@ -703,13 +704,13 @@ def test_an_optimizer_step_in_a_post_accumulate_grad_hook_acts_on_the_masters(de
     """Review finding: inside backward every op on an offloaded parameter got a device copy, so
     a per-parameter optimizer in a post-accumulate-grad hook ("optimizer in backward") made
     temporary copies and, on CUDA, created its state on the device beside CPU masters."""
-    from offtensor._transfer import TransferEngine
+    from offtensor._engine import Engine
 
     model = mlp_of_blocks(n_blocks=2)
     reference = reference_then_offload(model, device)
     copies = []
-    real = TransferEngine._temporary_copy
-    monkeypatch.setattr(TransferEngine, "_temporary_copy", lambda *a: copies.append(a[1].name) or real(*a))
+    real = Engine._temporary_copy
+    monkeypatch.setattr(Engine, "_temporary_copy", lambda *a: copies.append(a[1].name) or real(*a))
     inputs = [torch.randn(4, 8, device=device) for _ in range(2)]
     per_model = []
     for m in (model, reference):

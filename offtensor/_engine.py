@@ -1,0 +1,464 @@
+"""The engine of one wrapped model: where its forward and backward passes are, what each scope's
+hooks do, and what an op on an offloaded parameter gets (`materialize`).
+
+It composes the layers below: the scopes and their transitions (_scope.py), the streams
+(_streams.py), the learned orders and the prefetch (_schedule.py) and the gradient path
+(_grads.py). Module and tensor hooks (_hooks.py) call its entry points.
+
+# Note [training state]
+Whether a backward will follow a forward is not announced: the engine infers it from the loop
+so far and keeps it in one `TrainingState`. A pass that ran a backward is TRAINING for the
+rest of it; the next pass starts as EXPECTING_BACKWARD (the loop trains: the last scope of the
+forward stays resident for the backward that starts with it, even under reentrant
+checkpointing, where the forward runs without grad), otherwise as INFERENCE (release each scope
+after its forward). The wrapped model's own forward is tracked separately (`ModelForward`),
+since its hooks may be missing (a wrapped ModuleList).
+
+# Note [torch.func transforms]
+Under `torch.func.grad`/`vjp`/`jacrev`/`vmap` every op, offtensor's own copies included, goes
+through the transform, which refuses in-place writes into tensors captured from outside it (the
+device buffers a load writes). The engine's entry points (the hooks and `materialize`) therefore
+run with the transforms disabled: loads, releases and gradient fetches are bookkeeping of plain
+tensors, invisible to the transform, while the model's ops still run under it on the device
+copies, which the transform sees as captured constants. With `functional_call` over the
+parameters, the device copies are simply not used.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _distributed
+from ._api import Policy, ScopeState
+from ._grads import GradOffload
+from ._schedule import Schedule
+from ._scope import LiveScopes, Scope
+from ._slot import ParamSlot, in_backward, on_optimizer_worker
+from ._streams import Streams
+
+# The no_offload() objects entered and not exited for every wrapped model (those for one model
+# are in its engine's `holds`). Weak: one whose __exit__ an interrupt skipped stops holding once
+# it is collected (Note [interrupts]).
+holds_for_all: weakref.WeakSet[Any] = weakref.WeakSet()
+engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+class ModelForward(enum.Enum):
+    """Where the wrapped model's own forward is; its hooks delimit passes (Note [prefetch order])."""
+
+    OUTSIDE = "outside"  # not in the model's forward (or no hook: a ModuleList was wrapped)
+    STARTING = "starting"  # in it, before any scope: the next scope's forward starts a pass
+    IN_PASS = "in pass"  # in it, the pass started
+
+
+class TrainingState(enum.Enum):
+    """Whether a backward follows the forward passes (Note [training state])."""
+
+    INFERENCE = "inference"  # no backward in this pass, nor after the previous one
+    EXPECTING_BACKWARD = "expecting backward"  # none yet in this pass; one followed the previous
+    TRAINING = "training"  # a backward ran in this pass
+
+
+def _no_engine() -> None:
+    """What a pickled wrapped model's engine attribute loads as (Note [copies of a wrapped model])."""
+
+
+def _outside_transforms(method: Any) -> Any:
+    """Run an engine entry point outside torch.func transforms (Note [torch.func transforms])."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._functorch.peek_interpreter_stack() is None:  # no transform: nothing to do
+            return method(*args, **kwargs)
+        with torch._C._DisableFuncTorch():
+            return method(*args, **kwargs)
+
+    return run
+
+
+class Engine:
+    """The passes of one wrapped model: drives its scopes' states from the hooks' calls."""
+
+    def __init__(self, device: torch.device, policy: Policy) -> None:
+        self.device = device
+        self.policy = policy
+        self.is_cuda = device.type == "cuda"
+        self.scopes: list[Scope] = []
+        self.streams = Streams(device)
+        self.live = LiveScopes()
+        self.grads = GradOffload(self.streams, self.scopes, self.end_backward)
+        self.schedule = Schedule(self.scopes, policy)
+        self.holds: weakref.WeakSet[Any] = weakref.WeakSet()  # no_offload(model) for this model
+        self.model_forward = ModelForward.OUTSIDE
+        self.training = TrainingState.INFERENCE
+        # The scope whose backward runs now (pre_backward to post_backward). A checkpoint
+        # recompute that does not pass through the module's hooks (transformers >= 5.2x
+        # checkpoints `forward`, keeping hooks outside) still uses this scope's device copy.
+        self.backward_scope: Scope | None = None
+        self._preloaded: Scope | None = None  # loaded by begin_forward in the current model forward
+        self._thread: int | None = None  # the thread of the latest forward (check_thread)
+        self._create_graph = False  # the backward running now builds a graph (create_graph=True)
+        self._pass_counted = False  # a call of the current pass can add to a gradient
+        # Per scope, where its parameters are registered: (module._parameters, key, slot),
+        # to notice fully_shard replacing them (Note [data-parallel wrappers] in _distributed.py).
+        self._homes: dict[Scope, list[tuple[dict[str, Any], str, ParamSlot]]] = {}
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []  # hooks on the wrapped model
+        self.scope_hooks: list[Any] = []  # each scope's _hooks.ScopeHooks, set by wrap
+        # Set by wrap: the module it wrapped (weak: the model holds the engine) and the
+        # load_state_dict pre-hooks of Note [loading with assign=True] (_wrap.py).
+        self.root: Callable[[], nn.Module | None] = lambda: None
+        self.guard_handles: list[torch.utils.hooks.RemovableHandle] = []
+        engines.add(self)
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None  # a copy of the model is not wrapped (Note [copies of a wrapped model])
+
+    def __reduce__(self) -> tuple:
+        return (_no_engine, ())
+
+    def scopes_ready(self) -> None:
+        """Called by wrap once every scope is built."""
+        self.schedule.ready()
+        for scope in self.scopes:
+            ours = {id(slot.param): slot for slot in scope.slots}
+            self._homes[scope] = [(m._parameters, k, ours[id(p)]) for m in scope.module.modules()
+                                  for k, p in m._parameters.items() if id(p) in ours]
+
+    def hold(self) -> bool:
+        """no_offload() is in effect for this model: nothing is released."""
+        return len(self.holds) > 0 or len(holds_for_all) > 0
+
+    def release_all(self) -> None:
+        self.live.release_all()
+
+    def forward_position(self, scope: Scope) -> int:
+        return self.schedule.forward_position(scope)
+
+    # ---- what an op gets (Note [dispatch of an offloaded parameter]) ------------------------
+
+    @_outside_transforms
+    def materialize(self, slot: ParamSlot, op_device: torch.device | None) -> torch.Tensor | None:
+        scope = slot.scope
+        if scope.running_calls > 0 or scope is self.backward_scope:
+            if scope.state is not ScopeState.RESIDENT:
+                scope.make_resident(upto=slot)
+            if scope.copy_order is None and not in_backward():
+                scope.first_uses.setdefault(slot, None)
+            return slot.use_device_copy()
+        p = slot.param
+        needs_grad = torch.is_grad_enabled() and p.requires_grad
+        if op_device is None:
+            if self._computing():
+                # Read by another module's forward (Mamba's mixer reads `conv1d.weight` of a
+                # child whose forward never runs), or with no device tensor among the op's
+                # arguments (`w.T`, `w.view(...)`): the device copy, not the host master.
+                op_device = self.device
+            elif not needs_grad:
+                return None  # act on the host master
+        return self._temporary_copy(slot, op_device, needs_grad)
+
+    def _computing(self) -> bool:
+        """In a forward of the wrapped model or of a scope (a recompute in backward included),
+        where ops compute on the device. Not in the rest of backward: a user's gradient hook
+        (an optimizer step in a post-accumulate-grad hook) acts on the host master."""
+        return self.model_forward is not ModelForward.OUTSIDE or any(s.running_calls for s in self.scopes)
+
+    def _temporary_copy(self, slot: ParamSlot, op_device: torch.device | None,
+                        needs_grad: bool) -> torch.Tensor:
+        """A copy of the master for one op outside the parameter's scope (tied weights,
+        functional calls). Its gradient takes the same path as the scope's device copy."""
+        master = slot.param
+        dtype = slot.device_view.dtype
+        if op_device is None or op_device.type == "cpu":
+            copy = master.detach().to(dtype=dtype, copy=True)
+        else:
+            copy = torch.empty(master.shape, dtype=dtype, device=op_device)
+            # slot.master is detached: the copy is a leaf of its own, not a CopyBackwards of
+            # the master, without grad mode (Note [interrupts]).
+            copy.copy_(slot.master, non_blocking=True)  # current stream: ordered with its use
+            if op_device.type == "cuda":
+                self.streams.reads_masters(self.streams.record(torch.cuda.current_stream(op_device)))
+        if needs_grad:
+            slot.used_outside = True  # its grad may come after its scope's backward
+            copy.requires_grad_(True)
+            copy.register_post_accumulate_grad_hook(functools.partial(self.grads.on_leaf_grad, slot))
+        return copy
+
+    def before_master_write(self, slot: ParamSlot) -> None:
+        """Called before an in-place op on a master: no copy may still be reading it, and a
+        device copy made from the old value is stale."""
+        scope = slot.scope
+        scope.shadow_stale = True
+        slot.retired_copies_written()  # also for the worker's steps (atomic version bumps)
+        if on_optimizer_worker():
+            # The optimizer worker: no copy reads this master (docs/design.md, Threads). A
+            # device copy that no_offload() keeps is released by backward_and_step.
+            return
+        self.streams.sync_master_reads()
+        if scope.state is not ScopeState.OFFLOADED and scope.running_calls == 0:
+            scope.release()
+
+    # ---- forward (called by the hooks, _hooks.py) ----------------------------------------
+
+    @_outside_transforms
+    def pre_forward(self, scope: Scope, inputs: list[torch.Tensor]) -> None:
+        """`inputs`: the tensors among the forward's arguments."""
+        self.streams.restore()
+        if in_backward():
+            scope.running_calls += 1
+            self.pre_backward(scope)
+            return
+        if _distributed.active():
+            self._check_distributed(scope)
+        self._check_inputs(scope, inputs)
+        scope.running_calls += 1
+        self._advance(scope)
+        scope.calls_this_pass += 1
+        # Only a call that can add to a gradient counts: grad enabled or, for the forward that
+        # reentrant checkpointing runs without grad, an input that requires grad.
+        if torch.is_grad_enabled() or any(t.requires_grad for t in inputs):
+            scope.grad_calls_since_backward += 1
+            scope.grad_calls_this_pass += 1
+            self._pass_counted = True
+        self.live.pump()
+        if scope.state is ScopeState.OFFLOADED:
+            scope.loads_on_demand += 1
+        scope.load(with_grads=False)
+        self.schedule.prefetch(self.schedule.ahead_in_forward(), scope, with_grads=False)
+        # No wait here: each op waits for the chunk holding its weights (materialize).
+
+    def _advance(self, scope: Scope) -> None:
+        """The scope's forward starts: move along the learned order; a new pass starts here
+        when the order says so (Note [prefetch order])."""
+        begins = self.model_forward is ModelForward.STARTING
+        if begins:
+            self.model_forward = ModelForward.IN_PASS
+        new_pass = self.schedule.advance(scope, begins=begins, bounded=not self.handles,
+                                         outside_model=self.model_forward is ModelForward.OUTSIDE)
+        if new_pass:
+            self._start_pass(scope)
+
+    def _start_pass(self, first: Scope) -> None:
+        self.grads.reset_if_stale()
+        self._create_graph = False  # a create_graph backward that raised never reached its end
+        self._pass_counted = False
+        self._forget_backward()
+        trained = self.training is TrainingState.TRAINING
+        self.training = TrainingState.EXPECTING_BACKWARD if trained else TrainingState.INFERENCE
+        for scope in self.scopes:
+            scope.calls_this_pass = 0
+            scope.grad_calls_this_pass = 0
+            if scope is not first:
+                scope.running_calls = 0
+        if not self.hold():
+            for scope in self.live:
+                if scope is not first:
+                    scope.release()
+
+    @_outside_transforms
+    def begin_forward(self) -> None:
+        """The wrapped model's forward starts a pass: load now the scope where the pass after
+        the last one's start began last time (where the last one started, the first time; the
+        head of the order before any), after releasing what an earlier pass left resident
+        (Note [prefetch order])."""
+        self.streams.restore()
+        if in_backward():
+            return
+        if _distributed.active():
+            _distributed.check_ddp_forward("the model given to offtensor.wrap")
+        self.model_forward = ModelForward.STARTING
+        first = self.schedule.first_of_next_pass()
+        if first is None or self.schedule.prefetch_bytes == 0 or self.hold():
+            return
+        for scope in self.live:
+            if scope is not first and scope.running_calls == 0:
+                scope.release()
+        if first.state is ScopeState.OFFLOADED:
+            first.load(with_grads=False)
+            self._preloaded = first
+
+    @_outside_transforms
+    def end_forward(self, *, failed: bool) -> None:
+        """The wrapped model's forward ends. After an exception (also one raised outside every
+        scope, e.g. in the loss), nothing it loaded stays on the device. Otherwise the order is
+        cut where this pass ended, and what the pass loaded without using is released: the
+        scope begin_forward loaded (an encoder-decoder decoding from cached encoder outputs), a
+        prefetch along the cut tail."""
+        if in_backward():
+            return
+        in_pass = self.model_forward is ModelForward.IN_PASS
+        self.model_forward = ModelForward.OUTSIDE
+        preloaded, self._preloaded = self._preloaded, None
+        if failed:
+            self.abort()
+            return
+        if in_pass:
+            self.schedule.cut()
+            unused = [s for s in self.live if s.calls_this_pass == 0]
+        else:  # no scope ran in this forward
+            unused = [preloaded] if preloaded is not None else []
+        if not self.hold():
+            for scope in unused:
+                if scope.running_calls == 0:
+                    scope.release()
+
+    @_outside_transforms
+    def post_forward(self, scope: Scope, *, failed: bool, backward_expected: bool) -> None:
+        scope.running_calls = max(0, scope.running_calls - 1)
+        if in_backward():
+            return  # a recompute: the scope's backward follows, post_backward releases it
+        if failed:
+            self.abort()
+            return
+        scope.learn_copy_order()
+        if self.hold():
+            return
+        # Under reentrant checkpointing the forward runs without grad, so nothing says a backward
+        # follows except the training state (Note [training state]), and that a call of this
+        # pass could add to a gradient (an input required grad; not so in a no-grad evaluation).
+        expected = (self.training is not TrainingState.INFERENCE and scope.module.training
+                    and self._pass_counted)
+        if self.schedule.is_last(scope) and (backward_expected or expected):
+            # The end of the forward: backward starts with this scope, kept resident (its
+            # pre_backward prefetches the next ones), or, when checkpointing recomputes a split
+            # block, with another scope of that block: prefetch that while the loss is computed.
+            # (Not the former: the loss's peak memory plus a prefetch would raise the peak.)
+            self.schedule.prefetch(self.schedule.backward_starts_elsewhere(scope), scope, with_grads=True)
+            return  # needed early in backward: no release and reload
+        if backward_expected and scope.policy.keep_for_backward:
+            return
+        scope.release()
+
+    # ---- backward ------------------------------------------------------------------------
+
+    @_outside_transforms
+    def pre_backward(self, scope: Scope, *, create_graph: bool = False) -> None:
+        """The scope's backward is about to run; `create_graph`: the backward builds a graph of
+        its own (Note [higher-order gradients] in _scope.py)."""
+        self.streams.restore()
+        self.grads.enter_backward()
+        if create_graph:
+            self._create_graph = True
+        if self._create_graph:
+            scope.graph_saved = True
+        self.backward_scope = scope
+        self.training = TrainingState.TRAINING
+        if scope.state is ScopeState.OFFLOADED:
+            scope.loads_on_demand += 1
+        scope.load(with_grads=True)
+        self.schedule.prefetch(self.schedule.backward_needs(scope), scope, with_grads=True)
+        scope.make_resident()
+
+    @_outside_transforms
+    def post_backward(self, scope: Scope) -> None:
+        if self.backward_scope is scope:
+            self.backward_scope = None
+        self.grads.scope_done(scope)
+        if self.hold() or scope.calls_this_pass > 1:
+            return  # a module called several times: later calls' backward still needs it
+        if scope.state is not ScopeState.OFFLOADED and scope.running_calls == 0:
+            scope.release()
+
+    @_outside_transforms
+    def end_backward(self) -> None:
+        """End of the outermost backward: nothing stays resident (unless no_offload holds, or
+        the backward built a graph that may be differentiated again)."""
+        self._forget_backward()
+        for scope in self.scopes:
+            scope.running_calls = 0
+            scope.grad_calls_since_backward = 0
+            scope.grad_calls_this_pass = 0
+        self._create_graph = False
+        if not self.hold():
+            self.release_all()
+
+    def _forget_backward(self) -> None:
+        self.backward_scope = None
+        self.schedule.forget_backward()
+
+    def backward_failed(self) -> None:
+        """A backward raised where offtensor sees it (backward_and_step): its end-of-backward
+        callback will not run, so forget it and release the scopes now. (After a plain
+        `loss.backward()` that raised, the next forward does this.)"""
+        self.grads.reset_if_stale()
+        self.end_backward()
+
+    # ---- failures ------------------------------------------------------------------------
+
+    def abort(self) -> None:
+        """An exception in the forward: drop every device copy and in-flight prefetch. The next
+        arrival of the first scope starts a new pass (resetting the per-pass counts)."""
+        self._forget_backward()
+        for scope in self.scopes:
+            scope.running_calls = 0
+            scope.calls_this_pass = 0
+            scope.grad_calls_since_backward -= scope.grad_calls_this_pass  # the failed pass's graph is gone
+            scope.grad_calls_this_pass = 0
+        self.schedule.abandon_pass()
+        self.model_forward = ModelForward.OUTSIDE
+        if not self.hold():
+            self.release_all()
+
+    def forget_calls(self, scope: Scope, n: int) -> None:
+        """`n` calls of the scope never ended: a KeyboardInterrupt (or SystemExit) left them,
+        which runs no hook (FailureCheck in _hooks.py). Forget them; the device copy they kept
+        resident is released unless another call uses it, also under no_offload(): while the
+        scope counted as called, writes to its masters (an optimizer step) did not release it,
+        so it may be older than they are. (Its count may have been reset since, by abort() or a
+        new pass, without a release under no_offload(); the copy goes all the same.)"""
+        scope.running_calls = max(0, scope.running_calls - n)
+        if scope.running_calls == 0:
+            scope.release()
+
+    def check_thread(self, where: str) -> None:
+        """One forward at a time per wrapped model: its scopes' device copies, call counts and
+        learned order are shared, so a second thread's forward would corrupt the first's. The
+        thread of the forward in progress owns the engine; another one is refused, before any
+        state changes (its post-forward hooks then do nothing: foreign_thread)."""
+        thread = threading.get_ident()
+        if self._thread == thread:
+            return
+        busy = (self.model_forward is not ModelForward.OUTSIDE or self.grads.in_backward()
+                or any(s.running_calls for s in self.scopes))
+        if self._thread is not None and busy:
+            raise RuntimeError(
+                f"offtensor: {where} was called from thread {thread} while thread {self._thread} "
+                "is in a forward or backward of the same wrapped model. A wrapped model runs one forward (and "
+                "backward) at a time: use one wrapped model per thread, or serialize the calls "
+                "with a lock"
+            )
+        self._thread = thread
+
+    def foreign_thread(self) -> bool:
+        """A forward hook runs on another thread than the forward in progress (check_thread
+        refused its call). Backward runs on autograd's threads: never foreign."""
+        return self._thread is not None and threading.get_ident() != self._thread and not in_backward()
+
+    def _check_distributed(self, scope: Scope) -> None:
+        """A process group exists: refuse DDP around a scope called outside the wrapped model's
+        forward (begin_forward checks inside it), and fully_shard having replaced the scope's
+        parameters (Note [data-parallel wrappers] in _distributed.py)."""
+        if self.model_forward is ModelForward.OUTSIDE:
+            _distributed.check_ddp_forward(f"scope {scope.name!r}")
+        for params, key, slot in self._homes.get(scope, ()):
+            if params.get(key) is not slot.param:
+                raise _distributed.replaced_error(slot.name, scope.name, params.get(key))
+
+    def _check_inputs(self, scope: Scope, inputs: list[torch.Tensor]) -> None:
+        for i, t in enumerate(inputs):
+            if t.device != self.device and not (t.device.type == "cpu" and t.dim() == 0):
+                raise RuntimeError(
+                    f"offtensor: input tensor {i} of scope {scope.name!r} "
+                    f"(shape {tuple(t.shape)}, {t.dtype}) is on {t.device}, but the scope "
+                    f"computes on {self.device}; move inputs with .to({str(self.device)!r}) (and "
+                    "the model's unwrapped parts with model.to(...); offloaded parameters stay "
+                    "on the host)"
+                )

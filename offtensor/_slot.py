@@ -1,0 +1,178 @@
+"""One offloaded parameter's bookkeeping (ParamSlot) and its device copy.
+
+# Note [why storage is resized instead of reassigned]
+Autograd saves the device copy of a weight for backward (F.linear saves its weight). Each
+parameter's device copy (`device_leaf`) is a tensor created once, sharing the scope's device
+storage. Releasing resizes that storage to 0 bytes: the memory goes back to the allocator while
+the tensors autograd saved stay valid objects with an unchanged version counter. Before backward
+needs them, the scope is loaded again into the same storage object (see Note [backward
+triggers] in _hooks.py). Reassigning `.data` or allocating new tensors would either keep the
+memory alive through autograd's references or break its saved-tensor checks.
+
+# Note [step fences]
+`offtensor.backward_and_step` steps parameters on a worker thread while backward and the next
+forward go on (Note [deferred steps] in _overlap.py). Whatever reads or writes a master first
+waits for its pending step: the copy to the device (_scope.py), an op or property access on the
+parameter (_param.py), the gradient path (_grads.py). Those layers sit below the optimizer
+overlap, so they do not call it: the overlap hands each parameter it takes a fence
+(`ParamSlot.pending_step`, an object with `wait(slot)`), clears it once the step is done, and
+the lower layers wait on the fence they find (`ParamSlot.wait_for_step`).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+# ParamSlot.retired is written by the main thread (a retire) and by the optimizer worker (a
+# step of that master): both hold this lock.
+_retired_lock = threading.Lock()
+
+# Set on the thread that runs deferred optimizer steps (`active`; see Note [optimizer overlap] in
+# _overlap.py, which sets it). On that thread every op acts on the masters (a scope computing on
+# the main thread at the same time is not its scope), and no fence is waited on (the thread
+# itself is what clears them).
+worker_state = threading.local()
+
+
+def on_optimizer_worker() -> bool:
+    return getattr(worker_state, "active", False)
+
+
+class StepFence(Protocol):
+    """What a parameter with a pending deferred step waits on (Note [step fences])."""
+
+    def wait(self, slot: ParamSlot) -> None: ...
+
+
+class DeviceCopy(torch.Tensor):
+    """The device copy of an offloaded parameter: a plain tensor to every op, but printing it
+    while its scope is offloaded (storage resized to 0 bytes) says so instead of reading freed
+    memory. Tracebacks that show argument values (pytest, rich, debuggers) print these after an
+    exception in a forward, when the scopes have already been released."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        needed = (self.storage_offset() + self.numel()) * self.element_size()
+        if self.untyped_storage().nbytes() < needed:
+            return (f"<offtensor device copy {tuple(self.shape)} {self.dtype} on {self.device}: "
+                    "released, its scope is offloaded>")
+        return super().__repr__(*args, **kwargs)
+
+
+def alive(refs: list[weakref.ref]) -> list[weakref.ref]:
+    return [r for r in refs if r() is not None]
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs (backward, and recompute under checkpointing)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def device_copy(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size,
+                requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A parameter's device copy in a scope's flat device buffer (which must be allocated),
+    as (the leaf ops see, the view the loader writes through)."""
+    view = flat[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+    base = torch.empty(0, dtype=dtype, device=flat.device)
+    base.set_(flat.untyped_storage(), offset // dtype.itemsize, shape, view.stride())
+    # A leaf of its own (not a view of `flat`), made without requires_grad_(), which
+    # torch.func transforms refuse (a retire can happen inside one).
+    leaf = torch.Tensor._make_subclass(DeviceCopy, base, requires_grad)
+    return leaf, view
+
+
+@dataclass(eq=False, repr=False)
+class ParamSlot:
+    """Per-parameter bookkeeping, stored on the parameter as `p._ot`."""
+
+    param: nn.Parameter  # the OffloadedParameter (_param.py, the layer above)
+    name: str  # qualified name in the wrapped model
+    scope: Any  # its Scope (_scope.py, above)
+    offset: int  # bytes into the scope's host buffer (master layout)
+    device_offset: int  # bytes into the scope's device buffer (compute-dtype layout)
+    device_leaf: torch.Tensor  # what ops see; shares the scope's device storage
+    device_view: torch.Tensor  # the same bytes as a view of device_flat, for the loader's
+    # writes (writing through device_leaf would bump the version counter autograd checks)
+    master: torch.Tensor  # the master's bytes in host_flat as a plain tensor: what the loader
+    # reads, with no subclass dispatch and nothing for autograd to record (Note [interrupts])
+    host_grad: torch.Tensor | None = None  # `p.grad` after backward: on grad_buffer, or the user's
+    grad_buffer: torch.Tensor | None = None  # pinned bytes for host_grad, reused every step (_grads.py)
+    grad_buffer_uses: int = 0  # tensors on grad_buffer when only offtensor holds it
+    grads_in_backward: int = 0  # contributions written to host_grad in the current backward
+    single_grad: bool = False  # exactly one contribution in the last whole backward (Note [early handover])
+    used_outside: bool = False  # ever materialized for an op outside its scope
+    last_d2h: Any = None  # event after the latest device-to-host copy into host_grad
+    old_grad: torch.Tensor | None = None  # device copy of `p.grad`, fetched for accumulation
+    # The host `p.grad` that old_grad was copied from, and its version counter then.
+    old_grad_source: tuple[torch.Tensor, int] | None = None
+    chunk: int = 0  # which of the scope's load events covers this parameter's copy
+    copy_index: int = 0  # position in the scope's copy_order
+    pending_step: StepFence | None = None  # a deferred optimizer step still has to write the master
+    grad_hooks: OrderedDict = field(default_factory=OrderedDict)  # register_hook hooks, see Note [user gradient hooks]
+    post_hooks: OrderedDict = field(default_factory=OrderedDict)  # post-accumulate-grad hooks
+    leaf_hooked: bool = False  # device_leaf has the post-accumulate-grad hook (hook_device_leaf)
+    # Device copies of earlier storages that graphs of create_graph backwards may still read.
+    retired: list[weakref.ref] = field(default_factory=list)
+
+    @property
+    def grad_written(self) -> bool:
+        """host_grad received a contribution in the current backward."""
+        return self.grads_in_backward > 0
+
+    @property
+    def step_pending(self) -> bool:
+        return self.pending_step is not None
+
+    def __repr__(self) -> str:
+        # Not the fields: device_view is a plain view of the scope's device buffer, which is
+        # 0 bytes while the scope is offloaded, and printing it would read freed memory.
+        return f"ParamSlot({self.name!r}, {tuple(self.param.shape)}, scope {self.scope.name!r})"
+
+    def wait_for_step(self) -> None:
+        """Block until a deferred optimizer step has written this master (Note [step fences])."""
+        fence = self.pending_step
+        if fence is not None and not on_optimizer_worker():
+            fence.wait(self)
+
+    def hook_device_leaf(self) -> None:
+        """Route the device copy's gradients to the host (Note [gradient path] in _grads.py);
+        for a frozen parameter, once it is unfrozen (use_device_copy)."""
+        self.leaf_hooked = self.device_leaf.requires_grad
+        if self.leaf_hooked:
+            self.device_leaf.register_post_accumulate_grad_hook(functools.partial(self.scope.grad_sink, self))
+
+    def retired_copies_written(self) -> None:
+        """The master is about to change: graphs holding a retired device copy of it must see
+        it as modified in place (Note [higher-order gradients] in _scope.py)."""
+        if not self.retired:
+            return  # the common case, without the lock
+        with _retired_lock: refs, self.retired = self.retired, []  # noqa: E701 (Note [interrupts])
+        for ref in refs:
+            leaf = ref()
+            if leaf is not None:
+                torch.autograd.graph.increment_version(leaf)
+
+    def retire_device_copy(self, flat: torch.Tensor) -> None:
+        """Keep a weak reference to the current device copy and make a new one in `flat`."""
+        with _retired_lock: self.retired = alive(self.retired) + [weakref.ref(self.device_leaf)]  # noqa: E701
+        self.device_leaf, self.device_view = device_copy(
+            flat, self.device_offset, self.device_view.dtype, self.param.shape, self.device_leaf.requires_grad)
+        self.hook_device_leaf()
+
+    def use_device_copy(self) -> torch.Tensor:
+        leaf = self.device_leaf
+        wants = self.param.requires_grad
+        if leaf.requires_grad != wants:  # the user froze or unfroze the parameter after wrap
+            leaf.requires_grad_(wants)
+            if wants and not self.leaf_hooked:
+                self.hook_device_leaf()
+        return leaf
