@@ -107,9 +107,6 @@ class Engine:
         self._thread: int | None = None  # the thread of the latest forward (check_thread)
         self._create_graph = False  # the backward running now builds a graph (create_graph=True)
         self._pass_counted = False  # a call of the current pass can add to a gradient
-        # Per scope, where its parameters are registered: (module._parameters, key, slot),
-        # to notice fully_shard replacing them (Note [data-parallel wrappers] in _distributed.py).
-        self._homes: dict[Scope, list[tuple[dict[str, Any], str, ParamSlot]]] = {}
         self.handles: list[torch.utils.hooks.RemovableHandle] = []  # hooks on the wrapped model
         self.scope_hooks: list[Any] = []  # each scope's _hooks.ScopeHooks, set by wrap
         # Set by wrap: the module it wrapped (weak: the model holds the engine) and the
@@ -127,10 +124,6 @@ class Engine:
     def scopes_ready(self) -> None:
         """Called by wrap once every scope is built."""
         self.schedule.ready()
-        for scope in self.scopes:
-            ours = {id(slot.param): slot for slot in scope.slots}
-            self._homes[scope] = [(m._parameters, k, ours[id(p)]) for m in scope.module.modules()
-                                  for k, p in m._parameters.items() if id(p) in ours]
 
     def hold(self) -> bool:
         """no_offload() is in effect for this model: nothing is released."""
@@ -163,34 +156,13 @@ class Engine:
                 op_device = self.device
             elif not needs_grad:
                 return None  # act on the host master
-        return self._temporary_copy(slot, op_device, needs_grad)
+        return scope.temporary_copy(slot, op_device, needs_grad)
 
     def _computing(self) -> bool:
         """In a forward of the wrapped model or of a scope (a recompute in backward included),
         where ops compute on the device. Not in the rest of backward: a user's gradient hook
         (an optimizer step in a post-accumulate-grad hook) acts on the host master."""
         return self.model_forward is not ModelForward.OUTSIDE or any(s.running_calls for s in self.scopes)
-
-    def _temporary_copy(self, slot: ParamSlot, op_device: torch.device | None,
-                        needs_grad: bool) -> torch.Tensor:
-        """A copy of the master for one op outside the parameter's scope (tied weights,
-        functional calls). Its gradient takes the same path as the scope's device copy."""
-        master = slot.param
-        dtype = slot.device_view.dtype
-        if op_device is None or op_device.type == "cpu":
-            copy = master.detach().to(dtype=dtype, copy=True)
-        else:
-            copy = torch.empty(master.shape, dtype=dtype, device=op_device)
-            # slot.master is detached: the copy is a leaf of its own, not a CopyBackwards of
-            # the master, without grad mode (Note [interrupts]).
-            copy.copy_(slot.master, non_blocking=True)  # current stream: ordered with its use
-            if op_device.type == "cuda":
-                self.streams.reads_masters(self.streams.record(torch.cuda.current_stream(op_device)))
-        if needs_grad:
-            slot.used_outside = True  # its grad may come after its scope's backward
-            copy.requires_grad_(True)
-            copy.register_post_accumulate_grad_hook(functools.partial(self.grads.on_leaf_grad, slot))
-        return copy
 
     def before_master_write(self, slot: ParamSlot) -> None:
         """Called before an in-place op on a master: no copy may still be reading it, and a
@@ -216,9 +188,6 @@ class Engine:
             scope.running_calls += 1
             self.pre_backward(scope)
             return
-        if _distributed.active():
-            self._check_distributed(scope)
-        self._check_inputs(scope, inputs)
         scope.running_calls += 1
         self._advance(scope)
         scope.calls_this_pass += 1
@@ -441,24 +410,3 @@ class Engine:
         """A forward hook runs on another thread than the forward in progress (check_thread
         refused its call). Backward runs on autograd's threads: never foreign."""
         return self._thread is not None and threading.get_ident() != self._thread and not in_backward()
-
-    def _check_distributed(self, scope: Scope) -> None:
-        """A process group exists: refuse DDP around a scope called outside the wrapped model's
-        forward (begin_forward checks inside it), and fully_shard having replaced the scope's
-        parameters (Note [data-parallel wrappers] in _distributed.py)."""
-        if self.model_forward is ModelForward.OUTSIDE:
-            _distributed.check_ddp_forward(f"scope {scope.name!r}")
-        for params, key, slot in self._homes.get(scope, ()):
-            if params.get(key) is not slot.param:
-                raise _distributed.replaced_error(slot.name, scope.name, params.get(key))
-
-    def _check_inputs(self, scope: Scope, inputs: list[torch.Tensor]) -> None:
-        for i, t in enumerate(inputs):
-            if t.device != self.device and not (t.device.type == "cpu" and t.dim() == 0):
-                raise RuntimeError(
-                    f"offtensor: input tensor {i} of scope {scope.name!r} "
-                    f"(shape {tuple(t.shape)}, {t.dtype}) is on {t.device}, but the scope "
-                    f"computes on {self.device}; move inputs with .to({str(self.device)!r}) (and "
-                    "the model's unwrapped parts with model.to(...); offloaded parameters stay "
-                    "on the host)"
-                )

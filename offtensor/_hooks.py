@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._engine import Engine
+from . import _distributed
+from ._engine import Engine, ModelForward
 from ._scope import Scope
 from ._slot import in_backward
 
@@ -48,6 +49,11 @@ class ScopeHooks:
         self.engine = engine
         self.calls = FailureCheck()  # did the module's forward raise (in _post_forward)
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        # Where the scope's parameters are registered: (module._parameters, key, slot), to
+        # notice fully_shard replacing them (Note [data-parallel wrappers] in _distributed.py).
+        ours = {id(slot.param): slot for slot in scope.slots}
+        self._homes = [(m._parameters, k, ours[id(p)]) for m in scope.module.modules()
+                       for k, p in m._parameters.items() if id(p) in ours]
 
     def install(self) -> None:
         module = self.scope.module
@@ -73,6 +79,10 @@ class ScopeHooks:
         if interrupted:
             engine.forget_calls(scope, interrupted)
         tensors = _tensors(args, kwargs)
+        if not in_backward():
+            if _distributed.active():
+                self._check_distributed()
+            self._check_inputs(tensors)
         engine.pre_forward(scope, tensors)
         if torch.is_grad_enabled():
             inputs = [t for t in tensors if t.requires_grad]
@@ -99,6 +109,29 @@ class ScopeHooks:
 
     def inputs_done(self) -> None:
         self.engine.post_backward(self.scope)
+
+    def _check_distributed(self) -> None:
+        """A process group exists: refuse DDP around a scope called outside the wrapped model's
+        forward (Engine.begin_forward checks inside it), and fully_shard having replaced the
+        scope's parameters (Note [data-parallel wrappers] in _distributed.py)."""
+        scope = self.scope
+        if self.engine.model_forward is ModelForward.OUTSIDE:
+            _distributed.check_ddp_forward(f"scope {scope.name!r}")
+        for params, key, slot in self._homes:
+            if params.get(key) is not slot.param:
+                raise _distributed.replaced_error(slot.name, scope.name, params.get(key))
+
+    def _check_inputs(self, inputs: list[torch.Tensor]) -> None:
+        device = self.engine.device
+        for i, t in enumerate(inputs):
+            if t.device != device and not (t.device.type == "cpu" and t.dim() == 0):
+                raise RuntimeError(
+                    f"offtensor: input tensor {i} of scope {self.scope.name!r} "
+                    f"(shape {tuple(t.shape)}, {t.dtype}) is on {t.device}, but the scope "
+                    f"computes on {device}; move inputs with .to({str(device)!r}) (and "
+                    "the model's unwrapped parts with model.to(...); offloaded parameters stay "
+                    "on the host)"
+                )
 
 
 class _AllInputGrads:

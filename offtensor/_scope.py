@@ -52,6 +52,7 @@ otherwise the gradient path reads `p.grad` as it is now (or starts afresh when i
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -198,6 +199,28 @@ class Scope:
             for i, slot in enumerate(self.copy_order):
                 slot.copy_index = i
             self.first_uses.clear()
+
+    def temporary_copy(self, slot: ParamSlot, op_device: torch.device | None,
+                       needs_grad: bool) -> torch.Tensor:
+        """A copy of the master for one op outside the parameter's scope (tied weights,
+        functional calls). Its gradient takes the same path as the scope's device copy."""
+        master = slot.param
+        dtype = slot.device_view.dtype
+        if op_device is None or op_device.type == "cpu":
+            copy = master.detach().to(dtype=dtype, copy=True)
+        else:
+            copy = torch.empty(master.shape, dtype=dtype, device=op_device)
+            # slot.master is detached: the copy is a leaf of its own, not a CopyBackwards of
+            # the master, without grad mode (Note [interrupts]).
+            copy.copy_(slot.master, non_blocking=True)  # current stream: ordered with its use
+            if op_device.type == "cuda":
+                self.streams.reads_masters(self.streams.record(torch.cuda.current_stream(op_device)))
+        if needs_grad:
+            slot.used_outside = True  # its grad may come after its scope's backward
+            copy.requires_grad_(True)
+            copy.register_post_accumulate_grad_hook(functools.partial(self.grad_sink, slot))
+        return copy
+
 
     # ---- transitions (Note [scope states]) -----------------------------------------------
 

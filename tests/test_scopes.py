@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 import offtensor
 from offtensor import ScopeState
-from offtensor._engine import Engine
 from offtensor._scope import Scope
 from conftest import (
     BlockStack,
@@ -47,11 +46,11 @@ def test_every_op_in_a_scope_sees_the_same_single_device_copy(device, monkeypatc
     model = BlockStack([ReusesItsWeight(16) for _ in range(3)], 8, 16, 4)
     reference = reference_then_offload(model, device)
     loads, temporaries = [], []
-    real_load, real_temp = Scope.load, Engine._temporary_copy
+    real_load, real_temp = Scope.load, Scope.temporary_copy
     monkeypatch.setattr(Scope, "load", lambda self, **kw: (
         loads.append(self.name) if self.state is offtensor.ScopeState.OFFLOADED else None,
         real_load(self, **kw))[1])
-    monkeypatch.setattr(Engine, "_temporary_copy",
+    monkeypatch.setattr(Scope, "temporary_copy",
                         lambda self, *a: (temporaries.append(a[0].name), real_temp(self, *a))[1])
     seen: dict[str, set[int]] = {}
     from offtensor._slot import ParamSlot
@@ -135,8 +134,8 @@ def test_recompute_outside_the_module_hooks_uses_the_scope_copy_not_per_op_copie
     model = BlockStack([ChecksItsOwnForward(16, reentrant) for _ in range(3)], 8, 16, 4)
     reference = reference_then_offload(model, device)
     temporaries = []
-    real_temp = Engine._temporary_copy
-    monkeypatch.setattr(Engine, "_temporary_copy",
+    real_temp = Scope.temporary_copy
+    monkeypatch.setattr(Scope, "temporary_copy",
                         lambda self, *a: (temporaries.append(a[0].name), real_temp(self, *a))[1])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)

@@ -704,13 +704,12 @@ def test_an_optimizer_step_in_a_post_accumulate_grad_hook_acts_on_the_masters(de
     """Review finding: inside backward every op on an offloaded parameter got a device copy, so
     a per-parameter optimizer in a post-accumulate-grad hook ("optimizer in backward") made
     temporary copies and, on CUDA, created its state on the device beside CPU masters."""
-    from offtensor._engine import Engine
 
     model = mlp_of_blocks(n_blocks=2)
     reference = reference_then_offload(model, device)
     copies = []
-    real = Engine._temporary_copy
-    monkeypatch.setattr(Engine, "_temporary_copy", lambda *a: copies.append(a[1].name) or real(*a))
+    real = Scope.temporary_copy
+    monkeypatch.setattr(Scope, "temporary_copy", lambda *a: copies.append(a[1].name) or real(*a))
     inputs = [torch.randn(4, 8, device=device) for _ in range(2)]
     per_model = []
     for m in (model, reference):
