@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 from conftest import requires_cuda
 
 from offtensor import bench
-from offtensor.bench import cli, plots, report, rooflines
+from offtensor.bench import cli, plots, profiling, report, rooflines
 from offtensor.bench.optimizer import WorkerSettings
 from offtensor.bench.results import Extras, Row, VariantBytes
 from offtensor.bench.scenarios import SCENARIOS, quick
@@ -276,6 +276,46 @@ def test_profile_step_draws_one_step_timeline_on_the_cpu(tmp_path):
     before = (tmp_path / plots.TIMELINE_PNG).read_bytes()
     assert bench.main(["plot", str(tmp_path / plots.TIMELINE_JSON), "--out", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / plots.TIMELINE_PNG).read_bytes() == before
+
+
+def _cuda_like_timeline() -> dict:
+    """The second of two steps of a made-up CUDA profile (ms on the profiler's clock)."""
+    trace = profiling._Trace(
+        ranges={"step": [(100.0, 500.0), (500.0, 900.0)], "forward": [(100.0, 300.0), (500.0, 700.0)],
+                "backward_and_step": [(300.0, 480.0), (700.0, 880.0)]},
+        kernels=[(510.0, 520.0), (520.1, 530.0), (600.0, 650.0), (950.0, 960.0)],
+        h2d=[(495.0, 505.0)], d2h=[(710.0, 720.0)],
+        scopes=[("1", (450.0, 510.0)), ("0", (505.0, 560.0)), ("1", (760.0, 800.0)), ("0", (850.0, 950.0))])
+    return profiling.step_timeline(trace, 500.0, 900.0, "cuda")
+
+
+def test_step_timeline_lanes_from_a_cuda_trace():
+    """Device spans clipped to the step and merged where closer than 1/2000 of it; the worker's
+    scopes split into the previous step's deferred ones and this step's."""
+    timeline = _cuda_like_timeline()
+    lanes = {(lane["row"], lane["what"]): lane for lane in timeline["lanes"]}
+    assert timeline["step_ms"] == 400.0
+    assert lanes[("main thread", "forward")]["spans"] == [[0.0, 200.0]]
+    assert lanes[("main thread", "backward_and_step")]["spans"] == [[200.0, 380.0]]
+    assert lanes[("device: kernels", "")]["spans"] == [[10.0, 30.0], [100.0, 150.0]]  # 0.1 ms gap closed
+    assert lanes[("device: host-to-device copies", "")]["spans"] == [[0.0, 5.0]]
+    assert lanes[("device: device-to-host copies", "")]["spans"] == [[210.0, 220.0]]
+    assert all(lane["note"] == "" for lane in timeline["lanes"])  # CUDA: no lane is "CUDA only"
+    deferred = lanes[("optimizer worker", "the previous step's layers (deferred)")]
+    this = lanes[("optimizer worker", "this step's layers")]
+    assert (deferred["spans"], deferred["labels"]) == ([[0.0, 10.0], [5.0, 60.0]], ["1", "0"])
+    assert (this["spans"], this["labels"]) == ([[260.0, 300.0], [350.0, 400.0]], ["1", "0"])
+    assert timeline["markers"] == [{"label": "forward returned", "at_ms": 200.0},
+                                   {"label": "backward_and_step returned", "at_ms": 380.0}]
+
+
+def test_timeline_picture_of_a_cuda_trace(tmp_path):
+    pytest.importorskip("matplotlib")
+    paths = plots.plot_timeline(_cuda_like_timeline(), tmp_path)
+    assert [p.name for p in paths] == [plots.TIMELINE_PNG, plots.TIMELINE_JSON]
+    assert json.loads(paths[1].read_text()) == _cuda_like_timeline()
+    width, height = png_size(paths[0])
+    assert width > 800 and height > 200
 
 
 @pytest.mark.cuda
