@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import json
+import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,8 +22,10 @@ from offtensor import _overlap
 
 pytest.importorskip("transformers")
 
+from conftest import requires_cuda
+
 from offtensor import bench
-from offtensor.bench import cli, report, rooflines
+from offtensor.bench import cli, plots, profiling, report, rooflines
 from offtensor.bench.optimizer import WorkerSettings
 from offtensor.bench.results import Extras, Row, VariantBytes
 from offtensor.bench.scenarios import SCENARIOS, quick
@@ -122,7 +126,7 @@ def test_every_subcommand_has_help(command, capsys):
 
 
 def test_bench_uses_only_public_offtensor_api_and_imports_third_parties_lazily():
-    lazy = {"transformers", "accelerate", "diffusers", "peft", "psutil"}
+    lazy = {"transformers", "accelerate", "diffusers", "peft", "psutil", "matplotlib"}
     for path in BENCH_DIR.glob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -142,3 +146,185 @@ def test_no_bench_function_is_longer_than_80_lines():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 assert node.end_lineno - node.lineno + 1 <= 80, (path.name, node.name)
+
+
+# ---- pictures (--plot, the plot subcommand, profile-step --plot) ----------------------------------
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from a PNG file's header, after checking its signature."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path.name} is not a PNG"
+    assert data[12:16] == b"IHDR", path.name
+    width, height = struct.unpack(">II", data[16:24])
+    assert len(data) > 10_000, f"{path.name}: {len(data)} bytes, too small for a chart"
+    return width, height
+
+
+def test_plot_draws_a_quick_run_and_the_same_picture_from_its_json(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--quick", "--device", "cpu", "--scenarios", "infer-1x512", "--peers", "resident", "offtensor",
+                     "--warmup", "1", "--iters", "1", "--json", str(out), "--plot", str(tmp_path / "run")])
+    assert rc == 0
+    drawn = tmp_path / "run" / plots.RESULTS_PNG
+    assert f"bench: wrote {drawn}" in capsys.readouterr().out
+    width, height = png_size(drawn)
+    assert width > 800 and height > 250
+    assert not (tmp_path / "run" / plots.OVERLAP_PNG).exists()  # no offtensor-overlap row
+
+    assert bench.main(["plot", str(out), "--out", str(tmp_path / "again")]) == 0
+    # --plot draws the very dict --json writes: the two pictures are the same bytes.
+    assert (tmp_path / "again" / plots.RESULTS_PNG).read_bytes() == drawn.read_bytes()
+
+
+def _result_of_every_kind_of_row() -> dict:
+    """A --json result by hand: a CUDA run with ok, skipped and error rows, and an overlap report."""
+    overlap = {"backward_ms": 170.0, "total_ms": 320.0, "rest_params": 3, "pieces": 4, "early_pieces": 2,
+               "worker_busy_ms": 290.0, "spare_threads": 1, "piece_bytes": 64 * 2**20,
+               "scopes": [{"scope": f"model.layers.{i}", "queued_ms": 10.0 + 40 * (1 - i),
+                           "started_ms": 30.0 + 40 * (1 - i), "stepped_ms": 160.0 + 150 * i} for i in (1, 0)]}
+
+    def row(scenario, peer, status="ok", median=None, roofline=None, vram=None, **kw):
+        return {"scenario": scenario, "peer": peer, "status": status, "note": kw.pop("note", ""),
+                "median_ms": median, "roofline_ms": roofline, "ratio": median / roofline if roofline else None,
+                "peak_vram_bytes": vram, "target": kw.pop("target", None), "verdict": kw.pop("verdict", None),
+                "grads_kept": kw.pop("grads_kept", None), "overlap": kw.pop("overlap", None)}
+
+    return {
+        "environment": {"device": "cuda:0", "gpu": "a GPU", "torch": "2.11", "date": "today"},
+        "interrupted": True, "args": {"quick": False}, "model": {"layers": 8, "hidden": 4096},
+        "scenarios": {"train-4x2048": {"batch": 4, "seq": 2048, "micro_batches": 2},
+                      "step-4x2048": {"batch": 4, "seq": 2048, "micro_batches": 1},
+                      "lora-4x2048": {"batch": 4, "seq": 2048, "micro_batches": 2}},  # no rows: left out
+        "results": [row("train-4x2048", "resident", median=240.0, roofline=240.0, vram=11 * 2**30),
+                    row("train-4x2048", "offtensor", median=248.0, roofline=240.0, vram=5 * 2**30,
+                        target=1.1, verdict="PASS"),
+                    row("train-4x2048", "accelerate", median=1440.0, vram=10 * 2**30, grads_kept=0.0),
+                    row("train-4x2048", "diffusers", "error", note="RuntimeError: " + "x" * 200),
+                    row("step-4x2048", "resident", median=239.0, vram=16 * 2**30),
+                    row("step-4x2048", "offtensor-overlap", median=344.0, roofline=245.0, vram=5 * 2**30,
+                        target=1.15, verdict="FAIL", overlap=overlap),
+                    row("step-4x2048", "accelerate", "skipped", note="no optimizer integration")],
+    }
+
+
+def test_plot_draws_every_kind_of_row_and_the_overlap_timeline(tmp_path):
+    pytest.importorskip("matplotlib")
+    paths = plots.plot_results(_result_of_every_kind_of_row(), tmp_path)
+    assert [p.name for p in paths] == [plots.RESULTS_PNG, plots.OVERLAP_PNG]
+    assert all(min(png_size(p)) > 200 for p in paths)
+    fig = plots.results_figure(_result_of_every_kind_of_row())
+    assert len(fig.axes) == 4  # two scenarios with rows, each with a time and a VRAM panel
+    assert [a.get_title(loc="left") for a in fig.axes[::2]] == ["train-4x2048 (4x2048 x2)", "step-4x2048 (4x2048)"]
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert " 248.0 ms, 1.03x roofline (PASS <= 1.10)" in texts
+    assert " 1440.0 ms (kept no .grad: not a training step)" in texts
+    assert any(t.startswith(" error: RuntimeError: xxx") and t.endswith("...") for t in texts)
+    assert "interrupted" in fig.texts[0].get_text()  # the title says the run was cut short
+
+
+def test_plot_without_matplotlib_fails_at_argument_time_with_the_install_hint(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    for argv in (["--plot", str(tmp_path)], ["plot", str(tmp_path / "bench.json"), "--out", str(tmp_path)],
+                 ["profile-step", "--quick", "--plot", str(tmp_path)]):
+        with pytest.raises(SystemExit) as exc:
+            bench.main(argv)
+        assert exc.value.code == 2, argv
+        assert "--plot needs matplotlib, which is not installed: pip install 'offtensor[plot]'" in (
+            capsys.readouterr().err), argv
+    assert list(tmp_path.iterdir()) == []  # nothing ran
+
+
+def test_plot_refuses_a_json_file_it_cannot_draw(tmp_path):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "other.json").write_text(json.dumps({"something": "else"}))
+    with pytest.raises(SystemExit, match="other.json is neither a benchmark --json file nor a step_timeline.json"):
+        bench.main(["plot", str(tmp_path / "other.json"), "--out", str(tmp_path)])
+
+
+def _check_step_timeline(out: Path, device: str) -> dict:
+    timeline = json.loads((out / plots.TIMELINE_JSON).read_text())
+    assert timeline["kind"] == "step_timeline" and timeline["device"] == device
+    lanes = {(lane["row"], lane["what"]): lane for lane in timeline["lanes"]}
+    assert list(dict.fromkeys(row for row, _ in lanes)) == [
+        "main thread", "device: host-to-device copies", "device: kernels", "device: device-to-host copies",
+        "optimizer worker"]
+    end = timeline["step_ms"]
+    for lane in timeline["lanes"]:
+        assert all(0 <= a <= b <= end for a, b in lane["spans"]), lane["row"]
+    forward, backward = lanes[("main thread", "forward")], lanes[("main thread", "backward_and_step")]
+    assert len(forward["spans"]) == len(backward["spans"]) == 1
+    assert forward["spans"][0][1] <= backward["spans"][0][0]
+    worker = [s for (row, _), lane in lanes.items() if row == "optimizer worker" for s in lane["spans"]]
+    assert worker, "the optimizer worker stepped nothing in the drawn step"
+    markers = {m["label"]: m["at_ms"] for m in timeline["markers"]}
+    assert markers["forward returned"] == forward["spans"][0][1]
+    assert markers["backward_and_step returned"] == backward["spans"][0][1]
+    width, height = png_size(out / plots.TIMELINE_PNG)
+    assert width > 800 and height > 200
+    return lanes
+
+
+def test_profile_step_draws_one_step_timeline_on_the_cpu(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert bench.main(["profile-step", "--quick", "--steps", "1", "--unprofiled", "1", "--plot", str(tmp_path)]) == 0
+    lanes = _check_step_timeline(tmp_path, "cpu")
+    # No copy engine on the CPU: the device lanes are empty and the picture says why.
+    for row in ("device: host-to-device copies", "device: kernels", "device: device-to-host copies"):
+        assert lanes[(row, "")]["spans"] == [] and lanes[(row, "")]["note"].startswith("CUDA only"), row
+    before = (tmp_path / plots.TIMELINE_PNG).read_bytes()
+    assert bench.main(["plot", str(tmp_path / plots.TIMELINE_JSON), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / plots.TIMELINE_PNG).read_bytes() == before
+
+
+def _cuda_like_timeline() -> dict:
+    """The second of two steps of a made-up CUDA profile (ms on the profiler's clock)."""
+    trace = profiling._Trace(
+        ranges={"step": [(100.0, 500.0), (500.0, 900.0)], "forward": [(100.0, 300.0), (500.0, 700.0)],
+                "backward_and_step": [(300.0, 480.0), (700.0, 880.0)]},
+        kernels=[(510.0, 520.0), (520.1, 530.0), (600.0, 650.0), (950.0, 960.0)],
+        h2d=[(495.0, 505.0)], d2h=[(710.0, 720.0)],
+        scopes=[("1", (450.0, 510.0)), ("0", (505.0, 560.0)), ("1", (760.0, 800.0)), ("0", (850.0, 950.0))])
+    return profiling.step_timeline(trace, 500.0, 900.0, "cuda")
+
+
+def test_step_timeline_lanes_from_a_cuda_trace():
+    """Device spans clipped to the step and merged where closer than 1/2000 of it; the worker's
+    scopes split into the previous step's deferred ones and this step's."""
+    timeline = _cuda_like_timeline()
+    lanes = {(lane["row"], lane["what"]): lane for lane in timeline["lanes"]}
+    assert timeline["step_ms"] == 400.0
+    assert lanes[("main thread", "forward")]["spans"] == [[0.0, 200.0]]
+    assert lanes[("main thread", "backward_and_step")]["spans"] == [[200.0, 380.0]]
+    assert lanes[("device: kernels", "")]["spans"] == [[10.0, 30.0], [100.0, 150.0]]  # 0.1 ms gap closed
+    assert lanes[("device: host-to-device copies", "")]["spans"] == [[0.0, 5.0]]
+    assert lanes[("device: device-to-host copies", "")]["spans"] == [[210.0, 220.0]]
+    assert all(lane["note"] == "" for lane in timeline["lanes"])  # CUDA: no lane is "CUDA only"
+    deferred = lanes[("optimizer worker", "the previous step's layers (deferred)")]
+    this = lanes[("optimizer worker", "this step's layers")]
+    assert (deferred["spans"], deferred["labels"]) == ([[0.0, 10.0], [5.0, 60.0]], ["1", "0"])
+    assert (this["spans"], this["labels"]) == ([[260.0, 300.0], [350.0, 400.0]], ["1", "0"])
+    assert timeline["markers"] == [{"label": "forward returned", "at_ms": 200.0},
+                                   {"label": "backward_and_step returned", "at_ms": 380.0}]
+
+
+def test_timeline_picture_of_a_cuda_trace(tmp_path):
+    pytest.importorskip("matplotlib")
+    paths = plots.plot_timeline(_cuda_like_timeline(), tmp_path)
+    assert [p.name for p in paths] == [plots.TIMELINE_PNG, plots.TIMELINE_JSON]
+    assert json.loads(paths[1].read_text()) == _cuda_like_timeline()
+    width, height = png_size(paths[0])
+    assert width > 800 and height > 200
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_profile_step_draws_the_device_lanes_on_cuda(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert bench.main(["profile-step", "--layers", "2", "--steps", "1", "--unprofiled", "2",
+                       "--plot", str(tmp_path)]) == 0
+    lanes = _check_step_timeline(tmp_path, "cuda")
+    for row in ("device: host-to-device copies", "device: kernels", "device: device-to-host copies"):
+        assert lanes[(row, "")]["spans"], f"{row}: nothing recorded by the profiler"
+        assert lanes[(row, "")]["note"] == "", row

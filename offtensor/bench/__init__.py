@@ -17,7 +17,8 @@ diffusers, peft and psutil are imported when a run needs them, never by `import 
 Modules, bottom up: measure (timing, memory, bandwidth), scenarios (what runs), model (the
 Llama), optimizer (the CPU AdamW measurements), peers (placing the model), results (rows),
 workload (one scenario's callables), run (timing a scenario, a peer's pass), rooflines (and
-targets), report (printing, JSON), cli; the subcommands in profiling and host_memory.
+targets), report (printing, JSON), plots (the pictures, with matplotlib), cli; the subcommands
+in profiling, host_memory and plots.
 """
 
 from .cli import main, parse_args

@@ -14,7 +14,8 @@ import torch
 from .measure import measure_bandwidth
 from .optimizer import WorkerSettings
 from .peers import PEER_NAMES, peer_plan, peer_unavailable
-from .report import environment, print_summary, write_json
+from .plots import OVERLAP_PNG, RESULTS_PNG, missing_matplotlib, plot_results
+from .report import environment, json_result, print_summary, write_json
 from .results import Row
 from .rooflines import compute_rooflines
 from .run import Run, run_peer
@@ -30,6 +31,7 @@ COMMANDS = {
     "host-contention": ("host_memory", "the CPU AdamW step beside PCIe copies: host memory bandwidth"),
     "pinned-bandwidth": ("host_memory", "host-to-device bandwidth from three kinds of page-locked memory (CUDA)"),
     "adamw-memory-kinds": ("host_memory", "the CPU AdamW step on three kinds of host memory"),
+    "plot": ("plots", "draw the pictures of a --json file (or a step timeline) again (matplotlib)"),
 }
 
 EPILOG = "subcommands (each takes --help):\n" + "\n".join(
@@ -53,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", nargs="+", default=list(PEER_NAMES),
                    help=f"any of {list(PEER_NAMES)} (default all; resident always runs first)")
     p.add_argument("--json", default=None, help="write every number to this JSON file")
+    p.add_argument("--plot", default=None, metavar="DIR",
+                   help=f"draw the results into DIR/{RESULTS_PNG} (and {OVERLAP_PNG} when offtensor-overlap "
+                        "ran); needs matplotlib: pip install 'offtensor[plot]'")
     p.add_argument("--quick", action="store_true",
                    help="tiny model (hidden 256, 2 layers) and short sequences: a smoke test")
     p.add_argument("--device", default=None, help="compute device (default cuda if available, else cpu)")
@@ -108,6 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--iters must be >= 1")
     if args.overlap_rounds < 1:
         p.error("--overlap-rounds must be >= 1")
+    if args.plot is not None and (why := missing_matplotlib()) is not None:
+        p.error(why)
     _worker_settings(p, args)
     return args
 
@@ -169,15 +176,16 @@ def _bench(args: argparse.Namespace) -> int:
     run = Run()
     order = {s.name: i for i, s in enumerate(scenarios)}, {n: i for i, n in enumerate(peers)}
 
-    def report(interrupted: bool) -> tuple[list[Row], dict[str, dict[str, Any]]]:
-        """Sorted rows with rooflines filled in; also (re)writes --json, so a run killed
-        part-way still leaves every peer finished so far on disk."""
+    def report(interrupted: bool) -> tuple[list[Row], dict[str, dict[str, Any]], dict[str, Any]]:
+        """Sorted rows with rooflines filled in, and the JSON result; also (re)writes --json,
+        so a run killed part-way still leaves every peer finished so far on disk."""
         table = sorted(run.rows, key=lambda r: (order[0][r.scenario], order[1][r.peer]))
         rooflines = compute_rooflines(table, scenarios, bw, run.variant_bytes, run.extras)
+        result = json_result(run, env=env, interrupted=interrupted, args=_json_args(args), shape=shape,
+                             bw=bw, scenarios=scenarios, rooflines=rooflines, table=table)
         if args.json:
-            write_json(args.json, run, env=env, interrupted=interrupted, args=_json_args(args), shape=shape,
-                       bw=bw, scenarios=scenarios, rooflines=rooflines, table=table)
-        return table, rooflines
+            write_json(args.json, result)
+        return table, rooflines, result
 
     interrupted = False
     try:
@@ -188,11 +196,14 @@ def _bench(args: argparse.Namespace) -> int:
         print("bench: interrupted; reporting the results so far", flush=True)
         if run.rows and run.rows[-1].status == "ok" and run.rows[-1].median_ms is None:
             run.rows[-1].status, run.rows[-1].note = "error", "interrupted"
-    table, rooflines = report(interrupted)
+    table, rooflines, result = report(interrupted)
     if args.json:
         print(f"bench: wrote {args.json}", flush=True)
     print_summary(table, rooflines, run, bw=bw, env=env, shape=shape, scenarios=scenarios, device=device,
                   quick=args.quick)
+    if args.plot is not None and table:
+        for path in plot_results(result, args.plot):
+            print(f"bench: wrote {path}", flush=True)
     return 0
 
 

@@ -19,6 +19,7 @@ from .measure import measure_bandwidth
 from .model import build_model, enable_checkpointing
 from .optimizer import make_adamw
 from .peers import PeerOptions, setup_offtensor
+from .plots import TIMELINE_PNG, missing_matplotlib, plot_timeline
 from .scenarios import FULL_SHAPE, QUICK_SHAPE
 
 Interval = tuple[float, float]
@@ -231,6 +232,67 @@ def _print_step(k: int, t: _Trace, s0: float, s1: float, nxt: float) -> tuple[fl
     return s1 - s0, busy(worker, s0, s1), sum(b - a for a, b in idle)
 
 
+def _clip(intervals: list[Interval], lo: float, hi: float) -> list[list[float]]:
+    """The parts of `intervals` inside [lo, hi], in ms since lo (lists: JSON-ready)."""
+    return [[max(s, lo) - lo, min(e, hi) - lo] for s, e in intervals if e > lo and s < hi]
+
+
+# Note [timeline resolution]
+# A step on the GPU runs thousands of kernels and copies, most far shorter than a pixel of the
+# picture (a 400 ms step over about 1300 pixels: 0.3 ms each). The device lanes are drawn from
+# their busy spans with gaps shorter than 1/2000 of the step closed, which changes nothing one
+# can see and keeps step_timeline.json small; the printed busy times above use the exact spans.
+def _close_gaps(intervals: list[Interval], least: float) -> list[Interval]:
+    out: list[Interval] = []
+    for s, e in union(intervals):
+        if out and s - out[-1][1] < least:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def step_timeline(t: _Trace, s0: float, s1: float, device: str) -> dict[str, Any]:
+    """One step's lanes for plots.timeline_figure (ms since the step began): the main
+    thread's forward and backward_and_step, the device's copies and kernels (CUDA), and the
+    optimizer worker's scopes, the previous step's deferred ones apart from this step's."""
+    fwd = next(iv for iv in t.ranges["forward"] if s0 <= iv[0] <= s1)
+    call = next(iv for iv in t.ranges["backward_and_step"] if s0 <= iv[0] <= s1)
+    worker = [(n, iv) for n, iv in t.scopes if iv[1] > s0 and iv[0] < s1]
+    prev, this = [w for w in worker if w[1][0] < call[0]], [w for w in worker if w[1][0] >= call[0]]
+    no_device = "" if device == "cuda" else (f"CUDA only: on the {device}, copies and kernels run inside "
+                                             "the main thread's forward and backward")
+
+    def lane(row: str, what: str, spans: list[list[float]], labels: list[str] | None = None) -> dict[str, Any]:
+        return {"row": row, "what": what, "spans": spans, "labels": labels or [],
+                "note": no_device if row.startswith("device") else ""}
+
+    least = (s1 - s0) / 2000  # Note [timeline resolution]
+    lanes = [lane("main thread", "forward", _clip([fwd], s0, s1), ["forward"]),
+             lane("main thread", "backward_and_step", _clip([call], s0, s1), ["backward"]),
+             lane("device: host-to-device copies", "", _clip(_close_gaps(t.h2d, least), s0, s1)),
+             lane("device: kernels", "", _clip(_close_gaps(t.kernels, least), s0, s1)),
+             lane("device: device-to-host copies", "", _clip(_close_gaps(t.d2h, least), s0, s1)),
+             lane("optimizer worker", "the previous step's layers (deferred)",
+                  _clip([iv for _, iv in prev], s0, s1), [n for n, _ in prev]),
+             lane("optimizer worker", "this step's layers", _clip([iv for _, iv in this], s0, s1),
+                  [n for n, _ in this])]
+    worker_busy = busy([iv for _, iv in worker], s0, s1)
+    return {"kind": "step_timeline", "device": device, "step_ms": s1 - s0, "lanes": lanes,
+            "markers": [{"label": "forward returned", "at_ms": fwd[1] - s0},
+                        {"label": "backward_and_step returned", "at_ms": call[1] - s0}],
+            "title": (f"one overlapped training step on {device} (profile-step, under torch.profiler): "
+                      f"{s1 - s0:.1f} ms, optimizer worker busy {worker_busy:.1f} ms")}
+
+
+def _write_timeline(t: _Trace, steps: list[Interval], device: str, out_dir: str) -> None:
+    """The measured step of median length (the first profiled one follows a drained step)."""
+    measured = sorted(steps[1:], key=lambda s: s[1] - s[0])
+    s0, s1 = measured[(len(measured) - 1) // 2]
+    for path in plot_timeline(step_timeline(t, s0, s1, device), out_dir):
+        print(f"profile-step: wrote {path}")
+
+
 def _training_setup(args: argparse.Namespace) -> tuple[Callable[[list], None], Callable[[], None]]:
     """The overlapped training step as the benchmark runs it (checkpointing, fused AdamW,
     backward_and_step with zero_grad=True), and a device sync."""
@@ -264,13 +326,20 @@ def profile_step(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=2, help="profiled steps")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU: checks the command")
+    ap.add_argument("--unprofiled", type=int, default=6, help="steps run (and timed) before the profiled ones")
+    ap.add_argument("--plot", default=None, metavar="DIR",
+                    help=f"draw the median profiled step's timeline into DIR/{TIMELINE_PNG} (needs matplotlib)")
     args = ap.parse_args(argv)
     if not args.quick and not torch.cuda.is_available():
         raise SystemExit("profile-step: needs a CUDA device (or --quick)")
+    if args.steps < 1 or args.unprofiled < 1:
+        ap.error("--steps and --unprofiled must be >= 1")
+    if args.plot is not None and (why := missing_matplotlib()) is not None:
+        ap.error(why)
     step, sync = _training_setup(args)
     walls: list[float] = []
     calls: list[tuple[float, Any]] = []
-    for _ in range(6):
+    for _ in range(args.unprofiled):
         sync()
         t0 = time.perf_counter()
         step(calls)
@@ -279,7 +348,8 @@ def profile_step(argv: list[str]) -> int:
     offtensor.wait_for_steps()
     print(f"unprofiled steps (ms, the first ones warm up): {[round(w, 1) for w in walls]}")
     calls.clear()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([] if args.quick else [ProfilerActivity.CUDA])
+    with profile(activities=activities) as prof:
         with record_function("clock"):
             clock = time.perf_counter()
         for _ in range(args.steps + 1):
@@ -295,6 +365,8 @@ def profile_step(argv: list[str]) -> int:
     print(f"\nmedian: step {statistics.median(s for s, _, _ in summary):.1f} ms, worker busy "
           f"{statistics.median(w for _, w, _ in summary):.1f} ms, worker idle "
           f"{statistics.median(i for _, _, i in summary):.1f} ms")
+    if args.plot is not None:
+        _write_timeline(t, steps, "cpu" if args.quick else "cuda", args.plot)
     return 0
 
 

@@ -167,9 +167,10 @@ def format_targets(rows: list[Row], extras: Extras, device: torch.device, quick:
     return "\n".join([head, *lines])
 
 
-def write_json(path: str, run: Run, *, env: dict[str, Any], interrupted: bool, args: dict[str, Any],
-               shape: ModelShape, bw: dict[str, Any], scenarios: list[Scenario], rooflines: dict[str, Any],
-               table: list[Row]) -> None:
+def json_result(run: Run, *, env: dict[str, Any], interrupted: bool, args: dict[str, Any], shape: ModelShape,
+                bw: dict[str, Any], scenarios: list[Scenario], rooflines: dict[str, Any],
+                table: list[Row]) -> dict[str, Any]:
+    """Every number of the run as plain data: what --json writes and --plot draws."""
     extras = run.extras
     result = {
         "environment": env,
@@ -185,6 +186,11 @@ def write_json(path: str, run: Run, *, env: dict[str, Any], interrupted: bool, a
         "setups": run.setups,
         "results": [asdict(r) for r in table],
     }
+    # Through JSON and back: --plot then draws exactly what a --json file holds.
+    return json.loads(json.dumps(result, default=str))
+
+
+def write_json(path: str, result: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=2, default=str)
