@@ -75,6 +75,29 @@ def test_no_offload_keeps_scopes_resident_inside_and_releases_on_exit(device):
 
 
 @pytest.mark.parametrize("device", devices)
+def test_no_offload_of_one_model_leaves_another_wrapped_model_streaming(device):
+    held, other = mlp_of_blocks(), mlp_of_blocks()
+    ref_held, ref_other = reference_then_offload(held, device), reference_then_offload(other, device)
+    x, y = random_batch(device)
+    with offtensor.no_offload(held):
+        for m in (held, other):
+            F.mse_loss(m(x), y).backward()
+        held_states = {s.state for s in offtensor.summary(held).scopes}
+        other_states = {s.state for s in offtensor.summary(other).scopes}
+    assert held_states == {offtensor.ScopeState.RESIDENT}
+    assert other_states == {offtensor.ScopeState.OFFLOADED}
+    assert_all_scopes_offloaded(held)  # released on exit
+    for m, r in ((held, ref_held), (other, ref_other)):
+        F.mse_loss(r(x), y).backward()
+        assert_grads_match(m, r, **tolerances(device))
+
+
+def test_no_offload_of_a_model_that_is_not_wrapped_says_so():
+    with pytest.raises(ValueError, match=r"offtensor.no_offload: this Sequential is not wrapped"):
+        offtensor.no_offload(nn.Sequential(nn.Linear(2, 2)))
+
+
+@pytest.mark.parametrize("device", devices)
 def test_summary_has_one_row_per_scope(device):
     model = offload(mlp_of_blocks(n_blocks=3), device)
 

@@ -392,6 +392,37 @@ def test_host_grad_buffers_are_reused_across_steps_not_reallocated():
     assert all(p == pointers[0] for p in pointers[1:])
 
 
+@pytest.mark.parametrize("kept", ["the gradient", "a view of it", "a row of it", "nothing"])
+def test_a_gradient_the_user_kept_after_zero_grad_keeps_its_values(kept):
+    """After zero_grad(set_to_none=True) the next backward reuses the pinned buffer only if no
+    tensor on it is held outside offtensor: a kept `p.grad`, a view or a slice of it keeps
+    the values of its step, as with a plain parameter."""
+    model = mlp_of_blocks()
+    reference = copy.deepcopy(model)
+    offload(model, "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.01)
+    held, ref_held, pointers = [], [], []
+    for x, y in _batches("cpu", 3):
+        for m, o, h in ((model, opt, held), (reference, ref_opt, ref_held)):
+            F.mse_loss(m(x), y).backward()
+            w = m.blocks[0].fc1.weight
+            if m is model:
+                pointers.append(w.grad.data_ptr())
+            if kept != "nothing":
+                g = w.grad
+                h.append({"the gradient": g, "a view of it": g.view(-1), "a row of it": g[1]}[kept])
+            h.append(w.grad.clone())
+            o.step()
+            o.zero_grad(set_to_none=True)
+    for mine, theirs in zip(held, ref_held, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    if kept == "nothing":
+        assert pointers[1:] == pointers[:1] * 2  # reused
+    else:
+        assert len(set(pointers)) == 3  # a new buffer each time one was kept
+
+
 @pytest.mark.parametrize("device", devices)
 def test_fused_adamw_steps_wrapped_parameters_like_plain_cpu_parameters(device):
     model = mlp_of_blocks()
