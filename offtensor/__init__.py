@@ -11,7 +11,7 @@ See README.md and docs/design.md.
 from ._api import Policy, ScopeState, ScopeSummary, Summary, frozen_only
 from ._overlap import OverlapReport, backward_and_step, last_stepped, wait_for_steps
 from ._param import OffloadedParameter
-from ._wrap import is_wrapped, no_offload, summary, unwrap, wrap
+from ._wrap import is_wrapped, no_offload, set_prefetch, summary, unwrap, wrap
 
 __all__ = [
     "OffloadedParameter",
@@ -25,6 +25,7 @@ __all__ = [
     "is_wrapped",
     "last_stepped",
     "no_offload",
+    "set_prefetch",
     "summary",
     "unwrap",
     "wait_for_steps",

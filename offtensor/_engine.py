@@ -201,7 +201,7 @@ class Engine:
         if scope.state is ScopeState.OFFLOADED:
             scope.loads_on_demand += 1
         scope.load(with_grads=False)
-        self.schedule.prefetch(self.schedule.ahead_in_forward(), scope, with_grads=False)
+        self.schedule.prefetch_forward(scope)
         # No wait here: each op waits for the chunk holding its weights (materialize).
 
     def _advance(self, scope: Scope) -> None:
@@ -323,7 +323,7 @@ class Engine:
         if scope.state is ScopeState.OFFLOADED:
             scope.loads_on_demand += 1
         scope.load(with_grads=True)
-        self.schedule.prefetch(self.schedule.backward_needs(scope), scope, with_grads=True)
+        self.schedule.prefetch_backward(scope)
         scope.make_resident()
 
     @_outside_transforms

@@ -67,6 +67,10 @@ class Schedule:
         self._policy = policy
         self.largest = 0  # the largest scope's device bytes (set by ready)
         self.prefetch_bytes = 0  # Policy.prefetch x the largest block (set by ready)
+        # offtensor.set_prefetch: the scopes to load when a scope's forward (backward) starts,
+        # instead of the learned order's.
+        self.forward_override: dict[Scope, list[Scope]] = {}
+        self.backward_override: dict[Scope, list[Scope]] = {}
 
     def ready(self) -> None:
         """Every scope is built: size the prefetch budget (Note [prefetch order])."""
@@ -92,6 +96,27 @@ class Schedule:
                 return
             scope.load(with_grads=with_grads)
             in_flight += counted
+
+    def prefetch_forward(self, scope: Scope) -> None:
+        """The scope's forward starts: prefetch what the override names, else the next scopes
+        of the learned order."""
+        override = self.forward_override.get(scope)
+        if override is not None:
+            for other in override:
+                other.load(with_grads=False)
+        else:
+            self.prefetch(self.ahead_in_forward(), scope, with_grads=False)
+
+    def prefetch_backward(self, scope: Scope) -> None:
+        """The scope's backward is about to run: note it in the backward order, and prefetch
+        what the override names, else the next scopes of the learned backward order."""
+        ahead = self.backward_needs(scope)
+        override = self.backward_override.get(scope)
+        if override is not None:
+            for other in override:
+                other.load(with_grads=True)
+        else:
+            self.prefetch(ahead, scope, with_grads=True)
 
     # ---- forward order -------------------------------------------------------------------
 

@@ -279,6 +279,64 @@ def summary(model: nn.Module) -> Summary:
     return Summary(str(engine.device), rows, allocated)
 
 
+def set_prefetch(model: nn.Module, module: nn.Module, *, forward: list[nn.Module] | None = None,
+                 backward: list[nn.Module] | None = None) -> None:
+    """Say which modules to load when `module`'s forward (backward) starts, instead of the
+    next ones of the order offtensor learned (Note [prefetch order]).
+
+    The learned order is right for a model that runs its blocks in the same order every step;
+    when it does not (a block chosen at run time, a mixture of experts, a loop whose length
+    changes), the caller knows better. Prefetching is explicit then: exactly the listed
+    modules are loaded, without the `Policy.prefetch` budget, so list only what fits on the
+    device next to what is computing.
+
+    Args:
+        model: the wrapped model.
+        module: a module the predicate selected (with `Policy.max_scope_bytes`, the override
+            applies to each of its scopes); any other module stands for the scopes holding
+            its offloaded parameters.
+        forward: the modules to load when `module`'s forward starts; `[]` loads none; `None`
+            (the default) goes back to the learned order.
+        backward: the same, when `module`'s backward is about to run (their existing
+            gradients are fetched too, for accumulation).
+
+    Example::
+
+        blocks = model.model.layers
+        for i, block in enumerate(blocks):
+            offtensor.set_prefetch(model, block, forward=list(blocks[i + 1 : i + 3]),
+                                   backward=list(blocks[max(i - 2, 0) : i])[::-1])
+    """
+    engine = _engine_of(model, "set_prefetch")
+    triggers = _scopes_of(engine, model, module, "module")
+    for override, targets in ((engine.schedule.forward_override, forward),
+                              (engine.schedule.backward_override, backward)):
+        chosen = None if targets is None else [
+            s for i, m in enumerate(targets) for s in _scopes_of(engine, model, m, f"forward/backward[{i}]")]
+        for scope in triggers:
+            if chosen is None:
+                override.pop(scope, None)
+            else:
+                override[scope] = [s for s in chosen if s is not scope]
+
+
+def _scopes_of(engine: Engine, model: nn.Module, module: nn.Module, what: str) -> list[Scope]:
+    """The scopes that hold `module`'s offloaded parameters (a block split in several: all)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"offtensor.set_prefetch: {what} must be an nn.Module, got {type(module).__name__}")
+    ids = {id(p) for p in module.parameters()}
+    scopes = [s for s in engine.scopes if s.module is module or any(id(slot.param) in ids for slot in s.slots)]
+    if not scopes:
+        names = {id(m): n for n, m in model.named_modules()}
+        where = f"{names[id(module)]!r}" if id(module) in names else "not part of the model"
+        raise ValueError(
+            f"offtensor.set_prefetch: {what} ({type(module).__name__}, {where}) holds no "
+            f"offloaded parameter; name modules the predicate selected "
+            f"(offtensor.summary(model) lists the scopes, e.g. {engine.scopes[0].name!r})"
+        )
+    return scopes
+
+
 def _find_engine(model: nn.Module) -> Engine | None:
     engine = getattr(model, _ENGINE_ATTR, None)
     if engine is not None:

@@ -483,3 +483,45 @@ def test_a_forward_that_uses_no_scope_leaves_nothing_loaded(device):
         model.decoder = nn.ModuleList()  # the same model, now with a path that runs no scope
         model(x, torch.zeros_like(x))
     assert all(state is ScopeState.OFFLOADED for state in scope_states(model).values())
+
+
+@pytest.mark.parametrize("device", devices)
+def test_set_prefetch_replaces_the_learned_order_and_none_restores_it(device):
+    """offtensor.set_prefetch, like FSDP2's set_modules_to_forward_prefetch: exactly the listed
+    modules load when a module's forward (backward) starts."""
+    model = mlp_of_blocks(n_blocks=4)
+    reference = reference_then_offload(model, device)
+    blocks = model.blocks
+    x = torch.randn(6, 8, device=device)
+
+    def on_demand_per_step(steps: int = 2) -> list[int]:
+        counts = []
+        for _ in range(steps):
+            before = _loads_on_demand(model)
+            model(x).sum().backward()
+            counts.append(_loads_on_demand(model) - before)
+        return counts
+
+    assert on_demand_per_step(3)[1:] == [0, 0]  # learned
+    for block in blocks:  # nothing ahead: every scope but the preloaded first loads on demand,
+        offtensor.set_prefetch(model, block, forward=[], backward=[])  # forward and backward
+    assert on_demand_per_step() == [2 * len(blocks) - 2] * 2
+    for i, block in enumerate(blocks):  # the whole rest at once, forward and backward
+        offtensor.set_prefetch(model, block, forward=list(blocks[i + 1 :]), backward=list(blocks[:i]))
+    assert on_demand_per_step() == [0, 0]
+    for block in blocks:
+        offtensor.set_prefetch(model, block)
+    assert on_demand_per_step() == [0, 0]
+    model.zero_grad()
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    assert_grads_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(model)
+
+
+def test_set_prefetch_of_a_module_without_offloaded_parameters_names_it():
+    model = offload(mlp_of_blocks(n_blocks=2), "cpu")
+    with pytest.raises(ValueError, match=r"set_prefetch: module \(Linear, 'input'\) holds no offloaded parameter"):
+        offtensor.set_prefetch(model, model.input, forward=[model.blocks[1]])
+    with pytest.raises(ValueError, match=r"forward/backward\[0\] \(Linear, not part of the model\)"):
+        offtensor.set_prefetch(model, model.blocks[0], forward=[nn.Linear(2, 2)])
