@@ -31,7 +31,7 @@ def _slow_down(model, which: str) -> None:
     def stream():
         if which == "compute":
             return torch.cuda.current_stream()
-        return engine.h2d_stream() if which == "h2d" else engine.d2h_stream()
+        return engine.streams.h2d() if which == "h2d" else engine.streams.d2h()
 
     def sleep(*_):
         with torch.cuda.stream(stream()):
