@@ -9,6 +9,7 @@ See README.md and docs/design.md.
 """
 
 from ._api import Policy, ScopeState, ScopeSummary, Summary, frozen_only
+from ._data_parallel import data_parallel, no_sync
 from ._overlap import OverlapReport, backward_and_step, last_stepped, wait_for_steps
 from ._param import OffloadedParameter
 from ._transfer import no_offload
@@ -22,10 +23,12 @@ __all__ = [
     "ScopeSummary",
     "Summary",
     "backward_and_step",
+    "data_parallel",
     "frozen_only",
     "is_wrapped",
     "last_stepped",
     "no_offload",
+    "no_sync",
     "summary",
     "unwrap",
     "wait_for_steps",
