@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import re
 import time
 import traceback
 from dataclasses import dataclass
@@ -296,12 +297,18 @@ BAD_SETUPS = {
 }
 
 
+# On CUDA, DDP's own check that every parameter is on one kind of device (offloaded ones report
+# `cpu`) refuses the wrapped model before offtensor's guard can (docs/design.md, Data parallel).
+DDP_ON_CUDA = (r"ValueError: DistributedDataParallel's input module must be on the same type of devices, "
+               r"but input module parameters locate in \{'c")
+
+
 @pytest.mark.parametrize("setup", list(BAD_SETUPS))
 def test_error_on_every_rank_for_a_bad_setup(job, setup):
-    _, results = job
+    device_type, results = job
+    expected = DDP_ON_CUDA if setup == "ddp_around_a_wrapped_model" and device_type == "cuda" else BAD_SETUPS[setup]
     for rank, res in enumerate(results):
-        assert res["errors"][setup] is not None
-        assert __import__("re").search(BAD_SETUPS[setup], res["errors"][setup]), f"rank {rank}: {res['errors'][setup]}"
+        assert re.search(expected, res["errors"][setup]), f"rank {rank}: {res['errors'][setup]}"
 
 
 def test_error_on_every_rank_if_two_ranks_share_a_gpu(job):
