@@ -430,8 +430,11 @@ def _broadcast_weights(model: nn.Module, engines: list[TransferEngine], group: A
                 continue
             values = flat.cpu().split([m.numel() * m.element_size() for m in masters])
             for slot, value in zip(scope.slots, values, strict=True):
+                # clone: a view as a wider dtype needs an aligned offset, which a scope mixing
+                # dtypes (3 bf16 elements, then fp32) does not give
+                value = value.clone().view(slot.master.dtype).view(slot.master.shape)
                 with torch.no_grad():  # through the parameter: scope copies and host casts see it
-                    slot.param.copy_(value.view(slot.master.dtype).view(slot.master.shape))
+                    slot.param.copy_(value)
     device = engines[0].device
     for t in [*_resident(model), *model.buffers()]:
         data = t.detach()

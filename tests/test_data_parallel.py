@@ -62,6 +62,13 @@ class LoRALinear(nn.Module):
         return self.base(x) + (x @ self.lora_a.T) @ self.lora_b.T
 
 
+class MixedDtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.odd = nn.Parameter(torch.randn(3, dtype=torch.bfloat16))
+        self.fc = nn.Linear(4, 4)
+
+
 @dataclass(frozen=True)
 class Scenario:
     predicate: str = "default"  # "default", or "blocks:0,2" (only_blocks)
@@ -162,6 +169,14 @@ def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
                    on_no_sync_grads=lambda g, name=name: results["no_sync_grads"].__setitem__(name, g))
             results["params"][name] = {n: host(p).clone() for n, p in model.named_parameters()}
             offtensor.unwrap(model)
+
+        # One scope whose masters mix dtypes at offsets a wider dtype cannot view (6 bytes of
+        # bf16, then fp32): rank 1 must still receive rank 0's values.
+        torch.manual_seed(0 if rank == 0 else 100 + rank)
+        mixed = nn.Sequential(nn.ModuleList([MixedDtypes()]))
+        offtensor.wrap(mixed, device=device).to(device)
+        offtensor.data_parallel(mixed, timeout=30)
+        results["mixed_dtypes"] = {n: host(p).clone() for n, p in mixed.named_parameters()}
 
         errors = results["errors"]
 
@@ -295,6 +310,14 @@ BAD_SETUPS = {
     "ddp_around_a_wrapped_model": r"RuntimeError: offtensor: DistributedDataParallel was given a model with "
                                   r"offloaded parameters .*offtensor.data_parallel\(model\)",
 }
+
+
+def test_rank_0s_weights_reach_every_rank_in_a_scope_of_mixed_dtypes(job):
+    _, results = job
+    got, expected = results[1]["mixed_dtypes"], results[0]["mixed_dtypes"]
+    assert got.keys() == {"0.0.odd", "0.0.fc.weight", "0.0.fc.bias"}
+    for n, value in got.items():
+        torch.testing.assert_close(value, expected[n], rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
 
 
 # On CUDA, DDP's own check that every parameter is on one kind of device (offloaded ones report
