@@ -9,6 +9,7 @@ See README.md and docs/design.md.
 """
 
 from ._api import Policy, ScopeState, ScopeSummary, Summary, frozen_only
+from ._data_parallel import data_parallel, no_sync
 from ._overlap import OverlapReport, backward_and_step, last_stepped, wait_for_steps
 from ._param import OffloadedParameter
 from ._wrap import is_wrapped, no_offload, set_prefetch, summary, unwrap, wrap
@@ -21,10 +22,12 @@ __all__ = [
     "ScopeSummary",
     "Summary",
     "backward_and_step",
+    "data_parallel",
     "frozen_only",
     "is_wrapped",
     "last_stepped",
     "no_offload",
+    "no_sync",
     "set_prefetch",
     "summary",
     "unwrap",

@@ -1,4 +1,4 @@
-"""Guards against data-parallel wrappers that offtensor does not support yet.
+"""Guards against data-parallel wrappers that offtensor does not support.
 
 # Note [data-parallel wrappers]
 DistributedDataParallel all-reduces gradients from hooks on each parameter's AccumulateGrad
@@ -8,7 +8,9 @@ iteration with "Expected to have finished reduction", or, with `find_unused_para
 `static_graph=True`, the ranks' offloaded weights silently drift apart. FSDP2's `fully_shard`
 replaces each parameter on its module with a sharded DTensor, so applied after `wrap` it
 silently turns offloading off (the scopes keep loading copies nobody reads), and applied before,
-`wrap` fails deep in a DTensor op. Until these compose, each is an error that says what to do:
+`wrap` fails deep in a DTensor op. Each is an error that says what to do; for DDP that is
+offtensor's own data-parallel mode, `offtensor.data_parallel` (Note [data parallel] in
+_data_parallel.py):
 - `wrap` refuses a model that is (or contains) a DDP, FSDP or FSDP2 module or DTensor parameters;
 - DDP's constructor reads every parameter with `p.detach()` to broadcast rank 0's values
   (`_sync_module_states`, unless `init_sync=False`): the handler of `detach` on an offloaded
@@ -32,28 +34,25 @@ from torch import nn
 
 _AVAILABLE = torch.distributed.is_available()
 
-ALL_REDUCE_RECIPE = (
-    "average the gradients yourself after backward and before optimizer.step(): "
-    "`for p in model.parameters(): if p.grad is not None: torch.distributed.all_reduce(p.grad); "
-    "p.grad.div_(world_size)` (offloaded p.grad are CPU tensors: the process group needs a CPU "
-    "backend, e.g. init_process_group('cpu:gloo,cuda:nccl'); every rank must run the same "
-    "forward and backward; not with offtensor.backward_and_step, which steps during backward)"
+_DATA_PARALLEL = (
+    "offtensor.data_parallel(model) after offtensor.wrap(model) and model.to(device), without "
+    "DDP: one model replica per process, each rank on its slice of the batch, gradients averaged "
+    "in every backward (offtensor.no_sync(model) for micro-batches that only accumulate)"
 )
 
 _DDP_HELP = (
-    "offtensor does not support torch.nn.parallel.DistributedDataParallel yet: DDP all-reduces "
+    "offtensor does not support torch.nn.parallel.DistributedDataParallel: DDP all-reduces "
     "gradients from hooks that offloaded parameters never trigger (offtensor writes their host "
-    "p.grad itself), so the ranks' weights would drift apart. Use the wrapped model without DDP "
-    "(one model replica per process, each rank on its own slice of the batch) and "
-    + ALL_REDUCE_RECIPE
+    "p.grad itself), so the ranks' weights would drift apart. Use offtensor's own data-parallel "
+    "mode instead: " + _DATA_PARALLEL
 )
 
 _FSDP_HELP = (
     "offtensor does not support torch.distributed.fsdp.fully_shard (FSDP2) or FSDP yet: both "
     "take over the parameters that offtensor offloads. Either shard without offtensor and let "
     "FSDP2 offload, fully_shard(module, offload_policy=torch.distributed.fsdp.CPUOffloadPolicy()), "
-    "or keep offtensor.wrap without sharding (one full replica per process) and "
-    + ALL_REDUCE_RECIPE
+    "or keep offtensor.wrap without sharding (one full replica per process) and use "
+    + _DATA_PARALLEL
 )
 
 

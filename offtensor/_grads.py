@@ -44,6 +44,8 @@ class GradOffload:
         self._inflight: list[tuple[Scope, Any, torch.Tensor]] = []  # (scope, d2h event, device grad)
         self._last_d2h: Any = None
         self.stepper: Any = None  # _overlap._OverlappedStep during backward_and_step
+        # _data_parallel.GradReducer in data-parallel mode (Note [data parallel]), else None
+        self.reducer: Any = None
 
     def in_backward(self) -> bool:
         """A backward through the wrapped model is running (from its first hook to its end)."""
@@ -104,6 +106,8 @@ class GradOffload:
             old = buf.to(grad.device, non_blocking=True)
         if old is not None:
             grad = grad + old
+        if self.reducer is not None:  # averaged over the ranks (Note [data parallel])
+            grad = self.reducer.reduce(slot, grad)
         if grad.device.type == "cuda":
             d2h = streams.d2h()
             streams.wait(d2h, streams.record(torch.cuda.current_stream(grad.device)))

@@ -226,6 +226,8 @@ def unwrap(model: nn.Module) -> nn.Module:
             + (f" (a {type(root).__name__})" if root is not None else "")
         )
     wait_for_steps()  # a deferred optimizer step may still write the masters
+    if engine.grads.reducer is not None:  # leave data-parallel mode (_data_parallel.py)
+        engine.grads.reducer.close()
     engine.release_all()
     for handle in (*engine.handles, *engine.guard_handles):
         handle.remove()

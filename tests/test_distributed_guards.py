@@ -1,12 +1,13 @@
-"""Data-parallel wrappers offtensor does not support yet are refused, with what to do instead.
+"""Data-parallel wrappers offtensor does not support are refused, with what to do instead.
 
 DistributedDataParallel never sees the gradients of offloaded parameters (offtensor writes the
 host `p.grad` itself), and FSDP2's `fully_shard` replaces the parameters offtensor offloads
-(Note [data-parallel wrappers] in offtensor/_distributed.py). Each combination raises; the
-recommended alternative, averaging `p.grad` across ranks by hand, is checked against a single
-process training on the whole batch. Everything runs on the CPU with gloo: a one-process group
-for the errors, two spawned processes for the recipe. Every process group is destroyed and every
-wait has a timeout, so a failing test cannot hang the suite.
+(Note [data-parallel wrappers] in offtensor/_distributed.py). Each combination raises, pointing
+to `offtensor.data_parallel` (tests/test_data_parallel.py); averaging `p.grad` across ranks by
+hand also works, and is checked against a single process training on the whole batch.
+Everything runs on the CPU with gloo: a one-process group for the errors, two spawned processes
+for averaging by hand. Every process group is destroyed and every wait has a timeout, so a
+failing test cannot hang the suite.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def test_error_if_ddp_wraps_a_wrapped_model(process_group):
     msg = str(e.value)
     assert "offtensor does not support torch.nn.parallel.DistributedDataParallel" in msg
     assert "'blocks.0." in msg, "names an offloaded parameter"
-    assert "torch.distributed.all_reduce(p.grad)" in msg, "says what to do instead"
+    assert "offtensor.data_parallel(model)" in msg, "points to offtensor's own data-parallel mode"
 
 
 def test_error_if_ddp_wraps_a_parent_of_a_wrapped_submodule(process_group):
@@ -95,7 +96,7 @@ def test_error_at_first_forward_if_ddp_skipped_its_init_sync(process_group, opti
         ddp(x)
 
     assert f"find_unused_parameters={options.get('find_unused_parameters', False)}" in str(e.value)
-    assert "p.grad.div_(world_size)" in str(e.value)
+    assert "offtensor.data_parallel(model)" in str(e.value)
     # the failed forward left every scope offloaded
     assert all(row.state is offtensor.ScopeState.OFFLOADED for row in offtensor.summary(model).scopes)
 
@@ -185,7 +186,7 @@ def test_wrapped_model_trains_under_a_process_group_without_ddp(process_group):
         dist.broadcast(p.detach(), src=0)
 
 
-# ---- the recipe the errors recommend, on two ranks ------------------------------------------
+# ---- averaging by hand, on two ranks ---------------------------------------------------------
 
 WORLD = 2
 
@@ -194,7 +195,7 @@ def _train_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, world_size:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(2):
         nn.functional.mse_loss(model(x), y).backward()
-        if world_size > 1:  # the recipe of the error messages and the README
+        if world_size > 1:  # by hand, as offtensor.data_parallel does for you
             for p in model.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad)

@@ -1,0 +1,443 @@
+"""Data-parallel training of a wrapped model over torch.distributed: `data_parallel`, `no_sync`.
+
+# Note [data parallel]
+DistributedDataParallel cannot reduce offloaded gradients (Note [data-parallel wrappers] in
+_distributed.py), so offtensor has a data-parallel mode of its own, on PyTorch's distributed
+stack (torchrun, a process group; NCCL on CUDA, gloo on the CPU). Every rank holds the whole
+wrapped model and runs it on its slice of the batch; `data_parallel(model)` makes each
+backward average the gradients over the ranks, so every rank's optimizer takes the same step
+and the weights stay equal, as under DDP. Where the averaging happens:
+- Offloaded parameters: in the gradient path (Note [gradient path] in _grads.py), on the compute
+  device, after the contribution is added to the old gradient and before the device-to-host
+  copy (`GradReducer.reduce`, called by `GradOffload.accumulate`). The host `p.grad` therefore
+  only ever holds averaged values (outside `no_sync`), the optimizer worker of
+  `backward_and_step` steps averaged gradients (its `landed` event follows the copy, which
+  follows the collective), and nothing crosses PCIe twice. On CUDA the all-reduce is
+  asynchronous: NCCL runs it on its own stream after the compute stream's work so far, and only
+  the d2h stream waits for it (`work.wait()` with the d2h stream current), so backward's compute
+  goes on meanwhile; the device gradient stays referenced in GradOffload's in-flight list until
+  compute has waited for the copy. On the CPU (gloo) the call returns when it is done.
+- Parameters that are not offloaded (embeddings, a head, LoRA adapters left on the device by
+  `frozen_only`): a post-accumulate-grad hook on each averages `p.grad` in place. On CUDA the
+  current stream waits for the collective right away (a stream wait, not a host wait): a later
+  contribution to the same `p.grad` (reentrant checkpointing) must not add to it while NCCL
+  writes it. These parameters are small next to the offloaded ones; bucketing them into one
+  deferred all-reduce is a possible improvement.
+What is reduced is the whole gradient so far (old `p.grad` plus this contribution), as DDP
+does: after micro-batches run under `no_sync()`, `p.grad` holds this rank's own sum, and the
+first synchronised backward averages all of it; a part that is already averaged is the same on
+every rank, so averaging it again leaves it unchanged. Each rank divides by the world size
+before a sum all-reduce (exact for powers of two; DDP divides the same way).
+Every rank must run the same backward: the same parameters must get gradients in the same
+order, as with DDP without `find_unused_parameters` (collectives are matched by order). The
+collectives use the process group's timeout (`init_process_group(timeout=...)`), which NCCL's
+watchdog and gloo enforce.
+
+`data_parallel` first checks that the ranks agree, with a bounded wait: each rank writes what
+it wrapped (scopes with each parameter's name, shape and dtype; the other parameters; its
+compute device and host) into the process group's store and waits, at most `timeout`, for the
+other ranks' entries (`store.wait(keys, timeout)`, not a collective that could hang). Each rank
+compares all the entries and so reaches the same verdict: a different selection, a different
+device type, or two ranks on one GPU raise the same error on every rank; a rank that never
+calls `data_parallel` makes the others raise after `timeout`, naming it. Then, as DDP does,
+rank 0's parameters and buffers are broadcast to the other ranks (through the compute device,
+so an NCCL-only group can carry them; offloaded masters are written through the parameter, so
+scope copies and host casts see the write).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._engine import Engine
+from ._overlap import wait_for_steps
+from ._param import OffloadedParameter
+from ._slot import ParamSlot
+from ._wrap import _engine_of
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+_STORE_PREFIX = "offtensor/data_parallel"
+_calls: dict[tuple[int, ...], int] = {}  # data_parallel calls per group (ranks), for store keys
+
+
+class GradReducer:
+    """Averages the gradients of one data-parallel model over a process group."""
+
+    def __init__(self, group: Any, world: int, engines: list[Engine]) -> None:
+        self.group = group
+        self.world = world
+        self.engines = engines
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []  # resident parameters' hooks
+        # Active no_sync() contexts; weak, so one whose __exit__ an interrupt skipped stops
+        # counting once it is collected (as no_offload's holds, Note [interrupts]).
+        self.holds: weakref.WeakSet[no_sync] = weakref.WeakSet()
+        self.reductions = 0  # all-reduces launched (tests, debugging)
+
+    def syncing(self) -> bool:
+        return len(self.holds) == 0
+
+    def reduce(self, slot: ParamSlot, grad: torch.Tensor) -> torch.Tensor:
+        """An offloaded parameter's device gradient, averaged over the ranks; on CUDA the d2h
+        stream waits for the all-reduce (Note [data parallel]). Called by GradOffload."""
+        if not self.syncing():
+            return grad
+        # A tensor of our own: `grad` may be autograd's or a user hook's result.
+        grad = (grad / self.world).contiguous()
+        work = torch.distributed.all_reduce(grad, group=self.group, async_op=True)
+        self.reductions += 1
+        engine = slot.scope.engine
+        if grad.device.type == "cuda":
+            with engine.streams.on(engine.streams.d2h()):
+                work.wait()
+        else:
+            work.wait()
+        return grad
+
+    def reduce_resident(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of a parameter that is not offloaded: average `p.grad`."""
+        grad = p.grad
+        if grad is None or not self.syncing():
+            return
+        flat = grad if grad.is_contiguous() else grad.contiguous()
+        flat.div_(self.world)
+        work = torch.distributed.all_reduce(flat, group=self.group, async_op=True)
+        self.reductions += 1
+        work.wait()  # on CUDA: the current stream waits, the host does not
+        if flat is not grad:
+            grad.copy_(flat)
+
+    def close(self) -> None:
+        """Leave data-parallel mode (offtensor.unwrap calls this)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        for engine in self.engines:
+            if engine.grads.reducer is self:
+                engine.grads.reducer = None
+
+
+class no_sync:
+    """Skip the gradient averaging of a data-parallel model for the backward calls inside:
+    each rank accumulates its own gradients, and the first backward outside averages all of
+    them (Note [data parallel]). Like DistributedDataParallel.no_sync, for gradient accumulation.
+
+    Example::
+
+        for i, (x, y) in enumerate(micro_batches):
+            if i < len(micro_batches) - 1:
+                with offtensor.no_sync(model):
+                    (loss_fn(model(x), y) / len(micro_batches)).backward()
+            else:
+                (loss_fn(model(x), y) / len(micro_batches)).backward()  # averages the sum
+        optimizer.step()
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        reducer = _engine_of(model, "no_sync").grads.reducer
+        if reducer is None:
+            raise RuntimeError(
+                f"offtensor.no_sync: this {type(model).__name__} is not in data-parallel mode, so "
+                "there is no gradient averaging to skip; call offtensor.data_parallel(model) "
+                "first (after offtensor.wrap and model.to(device))"
+            )
+        self._reducer = reducer
+        self._depth = 0
+
+    def __enter__(self) -> no_sync:
+        self._depth += 1
+        self._reducer.holds.add(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._reducer.holds.discard(self)
+
+
+def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weights: bool = True,
+                  timeout: datetime.timedelta | float = DEFAULT_TIMEOUT) -> nn.Module:
+    """Train a wrapped model data-parallel: one process per device, each on its slice of the
+    batch, gradients averaged over the ranks in every backward (offtensor's replacement for
+    DistributedDataParallel, which cannot see offloaded gradients).
+
+    Call it on every rank after `offtensor.wrap(model, ...)` and `model.to(device)`, with the
+    process group initialised (`torchrun` and `torch.distributed.init_process_group`; NCCL for
+    CUDA, gloo for the CPU). It checks that every rank wrapped the same scopes and parameters on
+    the same kind of device and that no two ranks share a GPU (the same error on every rank, after
+    at most `timeout` when a rank does not arrive), and copies rank 0's parameters and buffers to
+    the others. From then on every backward averages each gradient over the ranks: offloaded ones
+    on the device before they are copied to the host `.grad`, the others in place. The training
+    loop stays standard: the model is called as before (no wrapper module), with your optimizer,
+    your loss, a `DistributedSampler`, `offtensor.backward_and_step` and gradient checkpointing.
+    Use `offtensor.no_sync(model)` around the backward of micro-batches that only accumulate.
+    Every rank must compute gradients for the same parameters in the same order (as DDP without
+    `find_unused_parameters`). `offtensor.unwrap(model)` ends the mode.
+
+    Args:
+        model: a model that `offtensor.wrap` wrapped (or that contains one); its parameters that
+            are not offloaded are averaged too.
+        process_group: the group to average over; default the default (world) group.
+        broadcast_weights: copy the group's first rank's parameters and buffers to every rank
+            first, as DDP's constructor does. False keeps each rank's own values.
+        timeout: how long to wait for the other ranks at the agreement check (a `timedelta` or
+            seconds). Collectives during training use the process group's own timeout.
+
+    Returns:
+        `model`.
+
+    Example::
+
+        torch.distributed.init_process_group("nccl")       # under torchrun --nproc-per-node N
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        model = offtensor.wrap(build_model())
+        model.to("cuda")
+        offtensor.data_parallel(model)
+        optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+        for x, y in loader:                                 # with a DistributedSampler
+            loss_fn(model(x), y).backward()
+            optimizer.step(); optimizer.zero_grad()
+    """
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "offtensor.data_parallel: no process group is initialised. Launch one process per "
+            "device (torchrun --nproc-per-node N script.py) and call "
+            "torch.distributed.init_process_group('nccl') (on CUDA; 'gloo' on the CPU) before "
+            "offtensor.data_parallel(model)"
+        )
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    engines = _engines_in(model)
+    for engine in engines:
+        if engine.grads.reducer is not None:
+            raise RuntimeError(
+                "offtensor.data_parallel: this model is already in data-parallel mode; call it "
+                "once per wrapped model (offtensor.unwrap(model) ends the mode)"
+            )
+    group = process_group if process_group is not None else dist.group.WORLD
+    ranks = list(dist.get_process_group_ranks(group))
+    if dist.get_rank() not in ranks:
+        raise ValueError(
+            f"offtensor.data_parallel: this process (rank {dist.get_rank()}) is not a member of "
+            f"the process group given (ranks {ranks}); pass a group this rank belongs to"
+        )
+    _check_backend(model, engines, group)
+    entries = _exchange(ranks, _describe(model, engines), timeout)
+    _check_agreement(entries)
+    if broadcast_weights:
+        _broadcast_weights(model, engines, group, src=ranks[0])
+    reducer = GradReducer(group, len(ranks), engines)
+    for p in _resident(model):
+        if p.requires_grad:  # a frozen one has no gradient to average (hooks need requires_grad)
+            reducer.handles.append(p.register_post_accumulate_grad_hook(reducer.reduce_resident))
+    for engine in engines:
+        engine.grads.reducer = reducer
+    return model
+
+
+def _engines_in(model: nn.Module) -> list[Engine]:
+    """The engines of the wrapped models inside `model` (offtensor.wrap may have been called on
+    several of its parts)."""
+    found: dict[int, Engine] = {}
+    for p in model.parameters():
+        slot = getattr(p, "_ot", None) if isinstance(p, OffloadedParameter) else None
+        if slot is not None:
+            found.setdefault(id(slot.scope.engine), slot.scope.engine)
+    if not found:
+        _engine_of(model, "data_parallel")  # raises: not wrapped
+        raise RuntimeError(
+            "offtensor.data_parallel: the model holds no offloaded parameter; call it on the "
+            "model you wrapped"
+        )
+    return list(found.values())
+
+
+def _resident(model: nn.Module) -> list[nn.Parameter]:
+    """The model's parameters that are not offloaded (each once)."""
+    return [p for p in model.parameters() if not isinstance(p, OffloadedParameter)]
+
+
+def _supports(backend: str, device_type: str) -> bool:
+    """Whether a group with this backend string ('nccl', 'gloo', 'cpu:gloo,cuda:nccl') can
+    reduce tensors of `device_type`. Unknown backends are assumed to."""
+    backend = backend.lower()
+    if ":" in backend:
+        return any(part.split(":")[0].strip() == device_type for part in backend.split(","))
+    return not (backend == "nccl" and device_type != "cuda")
+
+
+def _check_backend(model: nn.Module, engines: list[Engine], group: Any) -> None:
+    backend = str(torch.distributed.get_backend(group))
+    for engine in engines:
+        if not _supports(backend, engine.device.type):
+            raise ValueError(
+                f"offtensor.data_parallel: the model computes on {engine.device}, but the process "
+                f"group's backend {backend!r} cannot reduce {engine.device.type} tensors; use "
+                "init_process_group('gloo') for the CPU, 'nccl' for CUDA"
+            )
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in _resident(model):
+        if p.requires_grad and not _supports(backend, p.device.type):
+            raise ValueError(
+                f"offtensor.data_parallel: parameter {names.get(id(p), '?')!r} is not offloaded and "
+                f"is on {p.device}, which the process group's backend {backend!r} cannot reduce; "
+                "place the model's other parts on the compute device (model.to(device)) first"
+            )
+
+
+def _describe(model: nn.Module, engines: list[Engine]) -> dict[str, Any]:
+    """What this rank wrapped and where it computes: what the ranks must agree on."""
+    scopes = []
+    for engine in engines:
+        for scope in engine.scopes:
+            scopes.append([scope.name, [[s.name, list(s.master.shape), str(s.master.dtype)]
+                                        for s in scope.slots]])
+    resident = [[n, list(p.shape), str(p.dtype), p.requires_grad]
+                for n, p in model.named_parameters() if not isinstance(p, OffloadedParameter)]
+    devices = sorted({str(e.device) for e in engines})
+    return {"rank": torch.distributed.get_rank(), "host": socket.gethostname(), "devices": devices,
+            "scopes": scopes, "resident": resident}
+
+
+def _exchange(ranks: list[int], entry: dict[str, Any], timeout: datetime.timedelta) -> list[dict[str, Any]]:
+    """Every rank's `entry`, through the default store, waiting at most `timeout` for the others
+    (Note [data parallel]): a rank that never arrives gives an error, not a hang."""
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    key = tuple(ranks)
+    _calls[key] = call = _calls.get(key, 0) + 1
+    prefix = f"{_STORE_PREFIX}/{'-'.join(map(str, ranks))}/{call}/"
+    store.set(prefix + str(entry["rank"]), json.dumps(entry))
+    keys = [prefix + str(r) for r in ranks]
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError as e:  # DistStoreError is a RuntimeError
+        missing = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
+        raise RuntimeError(
+            f"offtensor.data_parallel: rank(s) {missing or '?'} did not call "
+            f"offtensor.data_parallel within {timeout.total_seconds():g} s (rank "
+            f"{entry['rank']} did, for the {_ordinal(call)} time on this group). Every rank must "
+            "wrap the model and call offtensor.data_parallel(model); a rank that failed before "
+            "shows its own error. Pass timeout= for slow model loading"
+        ) from e
+    return [json.loads(store.get(k)) for k in keys]
+
+
+def _ordinal(n: int) -> str:
+    return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
+
+
+def _check_agreement(entries: list[dict[str, Any]]) -> None:
+    """The same verdict on every rank, from every rank's entry."""
+    first = entries[0]
+    for other in entries[1:]:
+        _compare_scopes(first, other)
+        if other["devices"] != first["devices"] and (
+            {d.split(":")[0] for d in other["devices"]} != {d.split(":")[0] for d in first["devices"]}
+        ):
+            raise ValueError(
+                f"offtensor.data_parallel: rank {first['rank']} computes on {first['devices']} but "
+                f"rank {other['rank']} on {other['devices']}; wrap with the same kind of device on "
+                "every rank (device=f'cuda:{local_rank}')"
+            )
+        _compare_resident(first, other)
+    seen: dict[tuple[str, str], int] = {}
+    for entry in entries:
+        for device in entry["devices"]:
+            if not device.startswith("cuda"):
+                continue
+            where = (entry["host"], device)
+            if where in seen:
+                raise ValueError(
+                    f"offtensor.data_parallel: ranks {seen[where]} and {entry['rank']} both compute "
+                    f"on {device} of host {entry['host']!r}; give each rank its own GPU: call "
+                    "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before offtensor.wrap, "
+                    "or pass device=f'cuda:{local_rank}'"
+                )
+            seen[where] = entry["rank"]
+
+
+def _compare_scopes(a: dict[str, Any], b: dict[str, Any]) -> None:
+    fix = ("every rank must call offtensor.wrap on the same model with the same predicate and "
+           "Policy (the gradients are averaged parameter by parameter)")
+    names_a = [s[0] for s in a["scopes"]]
+    names_b = [s[0] for s in b["scopes"]]
+    if names_a != names_b:
+        only_a = [n for n in names_a if n not in names_b]
+        only_b = [n for n in names_b if n not in names_a]
+        detail = (f"scope {only_a[0]!r} only on rank {a['rank']}" if only_a else
+                  f"scope {only_b[0]!r} only on rank {b['rank']}" if only_b else "in another order")
+        raise ValueError(
+            f"offtensor.data_parallel: rank {a['rank']} wrapped {len(names_a)} scopes and rank "
+            f"{b['rank']} {len(names_b)} ({detail}); {fix}"
+        )
+    for (name, params_a), (_, params_b) in zip(a["scopes"], b["scopes"], strict=True):
+        if params_a != params_b:
+            diff = next(((x, y) for x, y in zip(params_a, params_b, strict=False) if x != y), None)
+            what = (f"parameter {diff[0][0]!r} is {_shape(diff[0])} on rank {a['rank']} and "
+                    f"{diff[1][0]!r} {_shape(diff[1])} on rank {b['rank']}" if diff is not None else
+                    f"{len(params_a)} offloaded parameters on rank {a['rank']}, {len(params_b)} on "
+                    f"rank {b['rank']}")
+            raise ValueError(f"offtensor.data_parallel: scope {name!r} differs between ranks: {what}; {fix}")
+
+
+def _compare_resident(a: dict[str, Any], b: dict[str, Any]) -> None:
+    if a["resident"] == b["resident"]:
+        return
+    rows_a = {r[0]: r for r in a["resident"]}
+    rows_b = {r[0]: r for r in b["resident"]}
+    name = next((n for n in [*rows_a, *rows_b] if rows_a.get(n) != rows_b.get(n)), "?")
+
+    def show(rows: dict[str, list], rank: int) -> str:
+        row = rows.get(name)
+        if row is None:
+            return f"absent (or offloaded) on rank {rank}"
+        return f"{_shape(row)}, requires_grad={row[3]} on rank {rank}"
+
+    raise ValueError(
+        f"offtensor.data_parallel: parameter {name!r}, which is not offloaded, is {show(rows_a, a['rank'])} "
+        f"but {show(rows_b, b['rank'])}; every rank must build the same model, offload the same "
+        "parameters and freeze the same ones before offtensor.data_parallel"
+    )
+
+
+def _shape(row: list) -> str:
+    return f"{tuple(row[1])} {row[2]}"
+
+
+def _broadcast_weights(model: nn.Module, engines: list[Engine], group: Any, src: int) -> None:
+    """Copy rank `src`'s parameters and buffers to every rank of the group, through the compute
+    device (an NCCL group carries device tensors only), one collective per scope."""
+    dist = torch.distributed
+    receiving = dist.get_rank() != src
+    wait_for_steps()  # a deferred optimizer step may still write the masters
+    for engine in engines:
+        for scope in engine.scopes:
+            masters = [s.master for s in scope.slots]
+            flat = torch.cat([m.reshape(-1).view(torch.uint8) for m in masters]).to(engine.device)
+            dist.broadcast(flat, src=src, group=group)
+            if not receiving:
+                continue
+            values = flat.cpu().split([m.numel() * m.element_size() for m in masters])
+            for slot, value in zip(scope.slots, values, strict=True):
+                # clone: a view as a wider dtype needs an aligned offset, which a scope mixing
+                # dtypes (3 bf16 elements, then fp32) does not give
+                value = value.clone().view(slot.master.dtype).view(slot.master.shape)
+                with torch.no_grad():  # through the parameter: scope copies and host casts see it
+                    slot.param.copy_(value)
+    device = engines[0].device
+    for t in [*_resident(model), *model.buffers()]:
+        data = t.detach()
+        supported = _supports(str(dist.get_backend(group)), data.device.type)
+        staged = data if supported and data.is_contiguous() else data.to(device).contiguous()
+        dist.broadcast(staged, src=src, group=group)
+        if receiving and staged is not data:
+            data.copy_(staged)
