@@ -57,6 +57,13 @@ class Policy:
             kept, refreshed on the CPU when the masters change; half the PCIe bytes, plus a CPU
             cast after each optimizer step. Writes that bypass the parameter (`p.data.add_()`)
             are not seen by `"host"`: write through the parameter (`p.add_()`, optimizers do).
+        vram_budget: device bytes the scopes' weights may take together (Note [VRAM budget] in
+            _schedule.py). The first scopes (in the order `wrap` found them) whose weights fit,
+            next to what streaming the others needs (the largest block computing plus
+            `prefetch` blocks in flight), stay resident: in inference they load once; in
+            training, once per step (an optimizer step changes their masters) instead of in
+            forward and again in backward. `summary()` shows which. `None`: every scope
+            streams. Model-wide: taken from the policy given to `wrap`.
     """
 
     prefetch: int = 1
@@ -66,6 +73,7 @@ class Policy:
     param_filter: Callable[[str, nn.Parameter], bool] | None = None
     compute_dtype: torch.dtype | None = None
     cast: Literal["device", "host"] = "device"
+    vram_budget: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -88,6 +96,10 @@ class Policy:
                 "offtensor.Policy: param_filter must be callable as param_filter(qualified_name, "
                 f"param) -> bool (e.g. offtensor.frozen_only), or None; got {type(self.param_filter).__name__}"
             )
+        if self.vram_budget is not None and (not isinstance(self.vram_budget, int) or self.vram_budget <= 0):
+            raise ValueError(
+                f"offtensor.Policy: vram_budget must be a positive int (bytes) or None, got {self.vram_budget!r}"
+            )
         if self.cast not in ("device", "host"):
             raise ValueError(f"offtensor.Policy: cast must be 'device' or 'host', got {self.cast!r}")
 
@@ -106,6 +118,7 @@ class ScopeSummary:
     device_bytes: int  # bytes the scope holds on the compute device right now
     loads: int = 0  # host-to-device loads since wrap
     loads_on_demand: int = 0  # of which not prefetched in time: the compute waited for the copy
+    kept: bool = False  # resident by Policy.vram_budget
 
 
 @dataclass(frozen=True)
@@ -128,8 +141,9 @@ class Summary:
         rows = [("scope", "state", "params", "host MiB", "device MiB", "loads", "on demand")]
         for s in self.scopes:
             rows.append(
-                (s.name, s.state.value, f"{s.num_params:,}", f"{s.host_bytes / 2**20:.1f}",
-                 f"{s.device_bytes / 2**20:.1f}", str(s.loads), str(s.loads_on_demand))
+                (s.name, s.state.value + (" (kept)" if s.kept else ""), f"{s.num_params:,}",
+                 f"{s.host_bytes / 2**20:.1f}", f"{s.device_bytes / 2**20:.1f}", str(s.loads),
+                 str(s.loads_on_demand))
             )
         rows.append(("total", "", f"{sum(s.num_params for s in self.scopes):,}",
                      f"{self.host_bytes / 2**20:.1f}", f"{self.device_bytes / 2**20:.1f}",

@@ -129,8 +129,9 @@ class Engine:
         """no_offload() is in effect for this model: nothing is released."""
         return len(self.holds) > 0 or len(holds_for_all) > 0
 
-    def release_all(self) -> None:
-        self.live.release_all()
+    def release_all(self, *, force: bool = False) -> None:
+        """Release every scope on the device; `force`: those the VRAM budget keeps too."""
+        self.live.release_all(force=force)
 
     def forward_position(self, scope: Scope) -> int:
         return self.schedule.forward_position(scope)
@@ -176,7 +177,7 @@ class Engine:
             return
         self.streams.sync_master_reads()
         if scope.state is not ScopeState.OFFLOADED and scope.running_calls == 0:
-            scope.release()
+            scope.release(force=True)  # stale, also when the budget keeps it
 
     # ---- forward (called by the hooks, _hooks.py) ----------------------------------------
 
@@ -348,6 +349,13 @@ class Engine:
         self._create_graph = False
         if not self.hold():
             self.release_all()
+            if self.grads.stepper is not None:
+                # backward_and_step: its worker steps these masters and cannot release their
+                # kept copies (Note [VRAM budget] in _schedule.py). A step on this thread
+                # releases what it writes (before_master_write).
+                for scope in self.scopes:
+                    if scope.kept and any(slot.param.requires_grad for slot in scope.slots):
+                        scope.release(force=True)
 
     def _forget_backward(self) -> None:
         self.backward_scope = None
@@ -385,7 +393,7 @@ class Engine:
         new pass, without a release under no_offload(); the copy goes all the same.)"""
         scope.running_calls = max(0, scope.running_calls - n)
         if scope.running_calls == 0:
-            scope.release()
+            scope.release(force=True)
 
     def check_thread(self, where: str) -> None:
         """One forward at a time per wrapped model: its scopes' device copies, call counts and

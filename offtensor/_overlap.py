@@ -204,7 +204,7 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
         # load the new weights. No deferred steps inside no_offload().
         stepper.wait()
         for engine in held:
-            engine.release_all()
+            engine.release_all(force=True)
     return stepper.report
 
 

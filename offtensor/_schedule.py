@@ -28,6 +28,22 @@ looped block) continues the pass; a pass starting at another scope of the order 
 order from there (decoding from cached encoder outputs), at an unknown scope relearns it; at the
 end of the model's forward the order is cut where the pass ended and scopes the pass loaded but
 did not use are released. Without the hooks, ORDER_LIMIT bounds the order's length.
+
+# Note [VRAM budget]
+`Policy(vram_budget=B)` bounds the device bytes the scopes' weights take together. Streaming
+needs room for 2 + `prefetch` of the largest selected modules: the one computing, the one
+before it, still finishing its backward when the next one's backward starts and prefetches
+(autograd fires the next scope's output-gradient hook before the previous scope's last
+input-gradient hook), and `prefetch` in flight. What is left keeps whole scopes resident, the
+first ones in the order `wrap` found them (usually the forward order: the first scope of a
+pass is the one whose copy nothing hides). A kept scope is released only when its copy would
+be stale or must go: a write to one of its masters (an optimizer step on this thread), the end
+of a `backward_and_step`'s backward for its trainable scopes (the worker steps them and cannot
+release), an interrupted call, `unwrap`. So in inference a kept scope loads once; in training,
+once per optimizer step instead of in forward and again in backward; a frozen one (a LoRA
+base) once. Kept scopes do not count against the prefetch budget (their bytes are reserved),
+but the old gradients a load for backward fetches (accumulation) do. The budget covers weights:
+gradients on their way to the host and activations come on top.
 """
 
 from __future__ import annotations
@@ -73,12 +89,32 @@ class Schedule:
         self.backward_override: dict[Scope, list[Scope]] = {}
 
     def ready(self) -> None:
-        """Every scope is built: size the prefetch budget (Note [prefetch order])."""
+        """Every scope is built: size the prefetch budget (Note [prefetch order]) and choose
+        the scopes the VRAM budget keeps (Note [VRAM budget])."""
         self.largest = max((s.device_nbytes for s in self.scopes), default=0)
         blocks: dict[str, int] = {}
         for s in self.scopes:
             blocks[s.block] = blocks.get(s.block, 0) + s.device_nbytes
-        self.prefetch_bytes = self._policy.prefetch * max(blocks.values(), default=0)
+        largest_block = max(blocks.values(), default=0)
+        self.prefetch_bytes = self._policy.prefetch * largest_block
+        budget = self._policy.vram_budget
+        if budget is not None:
+            self._keep_within(budget, largest_block)
+
+    def _keep_within(self, budget: int, largest_block: int) -> None:
+        total = sum(s.device_nbytes for s in self.scopes)
+        if total <= budget:
+            for scope in self.scopes:
+                scope.kept = True
+            return
+        streaming = 2 * largest_block + self.prefetch_bytes  # Note [VRAM budget]
+        assert budget >= streaming  # wrap checked it (_check_budget) before anything moved
+        room = budget - streaming
+        for scope in self.scopes:
+            if scope.device_nbytes > room:
+                break
+            scope.kept = True
+            room -= scope.device_nbytes
 
     def prefetch(self, candidates: Iterable[Scope], current: Scope, *, with_grads: bool) -> None:
         """Load the candidates in order while their bytes fit the prefetch budget; scopes under
@@ -89,6 +125,13 @@ class Schedule:
         in_flight = 0
         for scope in candidates:
             if scope is current:
+                continue
+            if scope.kept:  # its weights are in the budget's kept part; old gradients are not
+                grads = scope.old_grad_bytes() if with_grads else 0
+                if in_flight + grads > budget:
+                    return
+                scope.load(with_grads=with_grads)
+                in_flight += grads
                 continue
             size = scope.device_nbytes
             counted = size if size * TINY >= self.largest else 0

@@ -119,9 +119,9 @@ class LiveScopes:
         for scope in list(self._held_back):
             scope.copy_more(need=-1)
 
-    def release_all(self) -> None:
+    def release_all(self, *, force: bool = False) -> None:
         for scope in list(self._loaded):
-            scope.release()
+            scope.release(force=force)
 
 
 class Scope:
@@ -169,6 +169,7 @@ class Scope:
         self.grad_calls_this_pass = 0  # of those, the ones in the current pass
         self.loads = 0  # host-to-device loads of the weights, since wrap
         self.loads_on_demand = 0  # of which not prefetched: offloaded when the scope needed them
+        self.kept = False  # resident by Policy.vram_budget: only a forced release offloads it
 
     @property
     def weights_ready(self) -> Any:
@@ -187,6 +188,11 @@ class Scope:
     def device_bytes(self) -> int:
         n = self.device_storage.nbytes()
         return n + sum(s.old_grad.nbytes for s in self.slots if s.old_grad is not None)
+
+    def old_grad_bytes(self) -> int:
+        """Bytes a load with_grads would fetch now: existing host gradients (accumulation)."""
+        return sum(g.nbytes for slot in self.slots if slot.old_grad is None and not slot.grad_written
+                   and (g := master_grad(slot.param)) is not None)
 
     def num_params(self) -> int:
         return sum(s.param.numel() for s in self.slots)
@@ -354,9 +360,10 @@ class Scope:
             self.loading = None
             self.state = ScopeState.RESIDENT
 
-    def release(self) -> None:
-        """-> OFFLOADED: free the device copy, ordered after every queued use of it."""
-        if self.state is ScopeState.OFFLOADED:
+    def release(self, *, force: bool = False) -> None:
+        """-> OFFLOADED: free the device copy, ordered after every queued use of it. A scope
+        kept by the VRAM budget stays, unless `force` (its masters changed, or unwrap)."""
+        if self.state is ScopeState.OFFLOADED or (self.kept and not force):
             return
         streams = self.streams
         compute = streams.compute()

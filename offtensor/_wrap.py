@@ -115,6 +115,7 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
     if pin and not torch.cuda.is_available():
         raise ValueError("offtensor.wrap: Policy(pin_memory=True) needs CUDA; this machine has none")
     plans = _plan_scopes(selected)
+    _check_budget(plans, policy)
     engine = Engine(device, policy)
     progress = PinProgress(sum(p.numel() * p.element_size() for *_, params, _ in plans for _, p in params))
     try:
@@ -228,7 +229,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     wait_for_steps()  # a deferred optimizer step may still write the masters
     if engine.grads.reducer is not None:  # leave data-parallel mode (_data_parallel.py)
         engine.grads.reducer.close()
-    engine.release_all()
+    engine.release_all(force=True)
     for handle in (*engine.handles, *engine.guard_handles):
         handle.remove()
     for hooks in engine.scope_hooks:
@@ -274,7 +275,7 @@ def summary(model: nn.Module) -> Summary:
     inside = {id(m) for m in model.modules()}
     rows = [
         ScopeSummary(s.name, s.state, s.num_params(), s.host_bytes(), s.device_bytes(), s.loads,
-                     s.loads_on_demand)
+                     s.loads_on_demand, s.kept)
         for s in engine.scopes if id(s.module) in inside
     ]
     allocated = torch.cuda.memory_allocated(engine.device) if engine.is_cuda else None
@@ -478,10 +479,43 @@ def _layout(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, max(total, ALIGN)
 
 
+def _compute_dtypes(policy: Policy, params: list[tuple[str, nn.Parameter]]) -> list[torch.dtype]:
+    compute_dtype = policy.compute_dtype
+    return [compute_dtype if compute_dtype is not None and p.is_floating_point() else p.dtype for _, p in params]
+
+
+def _check_budget(plans: list[_Plan], policy: Policy) -> None:
+    """Policy.vram_budget must leave room for streaming (Note [VRAM budget] in _schedule.py);
+    checked before any parameter moves, with the layout the scopes will have."""
+    budget = policy.vram_budget
+    if budget is None:
+        return
+    blocks: dict[str, int] = {}
+    for _, _, scope_policy, params, block in plans:
+        dtypes = _compute_dtypes(scope_policy, params)
+        sizes = [p.numel() * dt.itemsize for (_, p), dt in zip(params, dtypes, strict=True)]
+        blocks[block] = blocks.get(block, 0) + _layout(sizes)[1]
+    total, largest = sum(blocks.values()), max(blocks.values())
+    streaming = (2 + policy.prefetch) * largest  # Note [VRAM budget]
+    if budget < min(total, streaming):
+        raise ValueError(
+            f"offtensor.wrap: Policy(vram_budget={budget}) ({_size(budget)}) is below what "
+            f"streaming needs, {_size(streaming)}: {2 + policy.prefetch} times the largest selected "
+            f"module ({_size(largest)}), the one computing, the one before it finishing its "
+            f"backward and Policy.prefetch={policy.prefetch} in flight. Raise the budget, lower "
+            f"prefetch, or select smaller modules (the wrapped weights take {_size(total)} in all)"
+        )
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
 def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device: torch.device) -> None:
-    compute_dtype = scope.policy.compute_dtype
-    dtypes = [compute_dtype if compute_dtype is not None and p.is_floating_point() else p.dtype
-              for _, p in params]
+    dtypes = _compute_dtypes(scope.policy, params)
     offsets, scope.nbytes = _layout([p.numel() * p.element_size() for _, p in params])
     dev_offsets, scope.device_nbytes = _layout(
         [p.numel() * dt.itemsize for (_, p), dt in zip(params, dtypes, strict=True)]

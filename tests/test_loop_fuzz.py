@@ -92,6 +92,11 @@ def _block_names(cfg: dict) -> list[str]:
     return [f"{prefix}.{i}" for i in range(n)]
 
 
+def _device_bytes(module) -> int:
+    """A module's weights as a scope lays them out on the device (each aligned to 256 bytes)."""
+    return max(256, sum(-(-p.numel() * p.element_size() // 256) * 256 for p in module.parameters()))
+
+
 def _draw_config(seed: int) -> tuple[random.Random, dict]:
     rng = random.Random(seed)
     cfg: dict = {"seed": seed}
@@ -121,6 +126,9 @@ def _draw_config(seed: int) -> tuple[random.Random, dict]:
     cfg["opt_over"] = rng.choice(["all", "trainable"])
     cfg["opt_built"] = rng.choice(["before_wrap", "after_wrap"])
     cfg["raise_block"] = rng.randrange(len(blocks))
+    # A VRAM budget keeping this many blocks beyond what streaming needs (own generator: the
+    # draws above, and so what each seed tested before, stay as they were).
+    cfg["budget_blocks"] = random.Random(seed * 7919 + 1).choice([None, None, 0, 1, 3])
     return rng, cfg
 
 
@@ -382,6 +390,9 @@ def test_training_loop_fuzz(fuzz_seed):
         policy_kwargs["max_scope_bytes"] = param_bytes(model.get_submodule(_block_names(cfg)[0])) // 2
     if cfg["frozen_only"]:
         policy_kwargs["param_filter"] = offtensor.frozen_only
+    if cfg["budget_blocks"] is not None:
+        largest = max(_device_bytes(model.get_submodule(n)) for n in cfg["selected"])
+        policy_kwargs["vram_budget"] = (2 + cfg["prefetch"] + cfg["budget_blocks"]) * largest
     policy = offtensor.Policy(**policy_kwargs)
 
     ref_opt = opt = None

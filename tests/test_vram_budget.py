@@ -1,0 +1,226 @@
+"""Policy(vram_budget=...): the first scopes that fit stay resident, the rest stream.
+
+Checked against the unwrapped model (outputs, grads, several optimizer steps), with the loads
+counted and the scopes' device bytes bounded by the budget at every load.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (
+    assert_all_scopes_offloaded,
+    assert_grads_match,
+    assert_params_match,
+    devices,
+    mlp_of_blocks,
+    random_batch,
+    reference_then_offload,
+    tolerances,
+)
+
+import offtensor
+from offtensor._scope import Scope
+
+N_BLOCKS = 8
+
+
+def _block_bytes(model) -> int:
+    """A block's weights as its scope lays them out on the device (256-byte aligned)."""
+    return sum(-(-p.numel() * p.element_size() // 256) * 256 for p in model.blocks[0].parameters())
+
+
+def _budget(model, kept: int, prefetch: int = 1) -> int:
+    return (2 + prefetch + kept) * _block_bytes(model)
+
+
+def _loads(model) -> dict[str, int]:
+    return {s.name: s.loads for s in offtensor.summary(model).scopes}
+
+
+@pytest.fixture
+def most_device_bytes(monkeypatch):
+    """The largest sum of the scopes' device weights seen right after any load starts (the
+    budget bounds weights; old gradients fetched for accumulation come on top)."""
+    seen = [0]
+    real = Scope._start_load
+
+    def spy(scope):
+        real(scope)
+        seen[0] = max(seen[0], sum(s.device_storage.nbytes() for s in scope.engine.scopes))
+
+    monkeypatch.setattr(Scope, "_start_load", spy)
+    return seen
+
+
+def test_the_plan_keeps_the_first_scopes_that_fit_and_summary_shows_it():
+    model = mlp_of_blocks(n_blocks=N_BLOCKS)
+    budget = _budget(model, kept=3)
+    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=budget))
+    rows = offtensor.summary(model).scopes
+    assert [r.kept for r in rows] == [True] * 3 + [False] * (N_BLOCKS - 3)
+    assert "offloaded (kept)" in str(offtensor.summary(model))
+
+
+def test_a_budget_that_holds_everything_keeps_every_scope():
+    model = mlp_of_blocks(n_blocks=N_BLOCKS)
+    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=10 * 2**30))
+    assert all(r.kept for r in offtensor.summary(model).scopes)
+
+
+def test_a_budget_below_what_streaming_needs_says_what_it_needs():
+    model = mlp_of_blocks(n_blocks=N_BLOCKS)
+    need = 3 * _block_bytes(model)
+    with pytest.raises(ValueError, match=rf"Policy\(vram_budget=1000\) \(1000 bytes\) is below what streaming "
+                                         rf"needs, {need / 1024:.1f} KiB: 3 times the largest selected module.*prefetch=1"):
+        offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=1000))
+    assert not offtensor.is_wrapped(model)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, "1GiB"])
+def test_a_budget_that_is_not_a_positive_int_is_refused(bad):
+    with pytest.raises(ValueError, match="vram_budget must be a positive int"):
+        offtensor.Policy(vram_budget=bad)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_inference_loads_kept_scopes_once_and_streams_the_rest(device, most_device_bytes):
+    model = mlp_of_blocks(n_blocks=N_BLOCKS).eval()
+    budget = _budget(model, kept=3)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    x = torch.randn(5, 8, device=device)
+    with torch.no_grad():
+        for _ in range(4):
+            torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+    loads = _loads(model)
+    assert [loads[f"blocks.{i}"] for i in range(3)] == [1, 1, 1]
+    assert all(loads[f"blocks.{i}"] == 4 for i in range(3, N_BLOCKS))
+    states = {s.name: s.state for s in offtensor.summary(model).scopes}
+    assert all(states[f"blocks.{i}"] is offtensor.ScopeState.RESIDENT for i in range(3))
+    assert all(states[f"blocks.{i}"] is offtensor.ScopeState.OFFLOADED for i in range(3, N_BLOCKS))
+    assert most_device_bytes[0] <= budget
+    offtensor.unwrap(model)  # releases the kept scopes too
+    torch.testing.assert_close(model(x.cpu()), reference.cpu()(x.cpu()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant", "reentrant"])
+@pytest.mark.parametrize("overlapped", [False, True], ids=["step", "backward_and_step"])
+@pytest.mark.parametrize("device", devices)
+def test_training_with_a_budget_matches_the_unwrapped_model(device, overlapped, checkpoint, most_device_bytes):
+    """Kept trainable scopes load once per step (an optimizer step, maybe deferred on the
+    worker, changes their masters: they are reloaded, never used stale)."""
+    model = mlp_of_blocks(n_blocks=N_BLOCKS)
+    model.checkpoint = checkpoint
+    budget = _budget(model, kept=3)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    reference.checkpoint = checkpoint
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    per_step = []
+    for step in range(4):
+        before = _loads(model)
+        for micro in range(2):  # accumulation
+            x, y = random_batch(device)
+            loss, ref_loss = F.mse_loss(model(x), y), F.mse_loss(reference(x), y)
+            if overlapped and micro == 1:
+                offtensor.backward_and_step(loss, opt, zero_grad=True)
+            else:
+                loss.backward()
+            ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss, **tolerances(device))
+        if not overlapped:
+            opt.step()
+            opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        after = _loads(model)
+        per_step.append({n: after[n] - before[n] for n in after})
+    offtensor.wait_for_steps()
+    assert_params_match(model, reference, **tolerances(device))
+    for counts in per_step[1:]:
+        assert [counts[f"blocks.{i}"] for i in range(3)] == [1, 1, 1], counts  # once per step
+        assert all(counts[f"blocks.{i}"] >= 2 for i in range(3, N_BLOCKS)), counts
+    assert most_device_bytes[0] <= budget
+    assert_all_scopes_offloaded(model)  # kept ones, if resident, equal their masters
+
+
+@pytest.mark.parametrize("device", devices)
+def test_frozen_kept_scopes_stay_resident_across_training_steps(device):
+    """A LoRA-style frozen base: no optimizer step changes the kept masters, so they never
+    reload."""
+    model = mlp_of_blocks(n_blocks=N_BLOCKS)
+    for block in model.blocks:
+        block.requires_grad_(False)
+    budget = _budget(model, kept=3)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+    for _ in range(3):
+        x, y = random_batch(device)
+        F.mse_loss(model(x), y).backward()
+        F.mse_loss(reference(x), y).backward()
+        assert_grads_match(model, reference, **tolerances(device))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    loads = _loads(model)
+    assert [loads[f"blocks.{i}"] for i in range(3)] == [1, 1, 1]
+    assert_params_match(model, reference, **tolerances(device))
+
+
+@pytest.mark.parametrize("device", devices)
+def test_a_write_to_a_kept_master_reloads_it(device):
+    model = mlp_of_blocks(n_blocks=N_BLOCKS).eval()
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=_budget(model, kept=3)))
+    x = torch.randn(5, 8, device=device)
+    with torch.no_grad():
+        model(x)
+        for m in (model, reference):
+            m.blocks[0].fc1.weight.mul_(-2.0)
+        torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+    assert _loads(model)["blocks.0"] == 2
+
+
+@pytest.mark.parametrize("device", devices)
+def test_an_exception_in_forward_releases_the_streamed_scopes_and_keeps_the_kept(device):
+    model = mlp_of_blocks(n_blocks=N_BLOCKS)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=_budget(model, kept=3)))
+
+    def boom(module, args):
+        raise RuntimeError("boom")
+
+    handle = model.blocks[4].register_forward_pre_hook(boom)
+    x, y = random_batch(device)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(x)
+    handle.remove()
+    states = {s.name: s.state for s in offtensor.summary(model).scopes}
+    assert all(states[f"blocks.{i}"] is offtensor.ScopeState.OFFLOADED for i in range(3, N_BLOCKS))
+    assert_all_scopes_offloaded(model)  # the kept ones equal their masters
+    F.mse_loss(model(x), y).backward()
+    F.mse_loss(reference(x), y).backward()
+    assert_grads_match(model, reference, **tolerances(device))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_peak_device_memory_of_the_weights_stays_within_the_budget():
+    """Peak CUDA memory of an inference pass with a budget: the kept and streamed weights stay
+    within the budget (activations, tiny here, get a small allowance)."""
+    model = mlp_of_blocks(n_blocks=N_BLOCKS, hidden=512).eval()
+    budget = _budget(model, kept=2)
+    offtensor.wrap(model, device="cuda", policy=offtensor.Policy(vram_budget=budget))
+    model.input.to("cuda")
+    model.head.to("cuda")
+    x = torch.randn(4, 8, device="cuda")
+    with torch.no_grad():
+        model(x)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(3):
+            model(x)
+        torch.cuda.synchronize()
+    kept_bytes = 2 * _block_bytes(model)
+    assert base >= kept_bytes  # the kept scopes stay between passes
+    assert torch.cuda.max_memory_allocated() - base <= budget - kept_bytes + 2**20
