@@ -328,3 +328,30 @@ def test_profile_step_draws_the_device_lanes_on_cuda(tmp_path):
     for row in ("device: host-to-device copies", "device: kernels", "device: device-to-host copies"):
         assert lanes[(row, "")]["spans"], f"{row}: nothing recorded by the profiler"
         assert lanes[(row, "")]["note"] == "", row
+
+
+def test_the_budget_peer_keeps_half_the_layers_and_is_judged_against_the_streamed_row(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--quick", "--device", "cpu", "--layers", "8", "--scenarios", "infer-1x512", "train-4x2048",
+                     "--peers", "resident", "offtensor", "offtensor-budget", "--warmup", "1", "--iters", "1",
+                     "--json", str(out)])
+    assert rc == 0
+    rows = {(r["scenario"], r["peer"]): r for r in json.loads(out.read_text())["results"]}
+    for scenario in ("infer-1x512", "train-4x2048"):
+        budget, streamed = rows[(scenario, "offtensor-budget")], rows[(scenario, "offtensor")]
+        assert budget["status"] == "ok"
+        assert budget["roofline_ms"] == pytest.approx(streamed["median_ms"])  # relative to offtensor
+        assert budget["ratio"] == pytest.approx(budget["median_ms"] / streamed["median_ms"])
+    assert rows[("infer-1x512", "offtensor-budget")]["target"] == 0.55
+    assert "offtensor-budget: its ratio is to the offtensor row's time" in capsys.readouterr().out
+
+
+def test_the_budget_keeps_half_the_decoder_layers():
+    from offtensor.bench.model import build_model
+    from offtensor.bench.peers import budget_keeping_half
+    from offtensor.bench.scenarios import ModelShape
+
+    built = build_model(ModelShape(hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=128, layers=8), "base",
+                        torch.device("cpu"), 0)
+    offtensor.wrap(built.model, device="cpu", policy=offtensor.Policy(vram_budget=budget_keeping_half(built, 1)))
+    assert [s.kept for s in offtensor.summary(built.model).scopes] == [True] * 4 + [False] * 4

@@ -16,7 +16,7 @@ from .model import BuiltModel
 from .scenarios import Scenario
 
 PEER_NAMES = ("resident", "offtensor", "offtensor-overlap", "offtensor-castdev", "offtensor-casthost",
-              "accelerate", "diffusers")
+              "offtensor-budget", "accelerate", "diffusers")
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ def peer_plan(peer: str, scenario: Scenario) -> str | None:
         return "run" if scenario.kind == "step" else None
     if peer in ("offtensor-castdev", "offtensor-casthost"):
         return "run" if scenario.kind == "step32" else None
+    if peer == "offtensor-budget":
+        return "run" if scenario.kind in ("infer", "train") else None
     if peer == "offtensor":
         return None if scenario.kind == "step32" else "run"  # fp32 masters: the -cast* peers
     if peer in ("accelerate", "diffusers") and scenario.has_optimizer:
@@ -84,12 +86,23 @@ def _offtensor_options(built: BuiltModel, opts: PeerOptions, cast: str | None) -
     return options
 
 
-def setup_offtensor(built: BuiltModel, device: torch.device, opts: PeerOptions, cast: str | None = None) -> str:
+def budget_keeping_half(built: BuiltModel, prefetch: int) -> int:
+    """A `Policy.vram_budget` that keeps half the decoder layers resident beside what streaming
+    the others needs (2 + prefetch layers; Note [VRAM budget] in offtensor/_schedule.py)."""
+    layer = max(sum(-(-p.numel() * p.element_size() // 256) * 256 for p in layer.parameters())
+                for layer in built.layers)
+    return (len(built.layers) // 2 + 2 + prefetch) * layer
+
+
+def setup_offtensor(built: BuiltModel, device: torch.device, opts: PeerOptions, cast: str | None = None,
+                    budget: bool = False) -> str:
     """`offtensor.wrap` with the default predicate (every element of every nn.ModuleList: the
     decoder layers), then the rest of the model to the device. Returns the call, in words."""
     import offtensor
 
     options = _offtensor_options(built, opts, cast)
+    if budget:
+        options["vram_budget"] = budget_keeping_half(built, options.get("prefetch", 1))
     policy = offtensor.Policy(**options) if options else None
     offtensor.wrap(built.model, device=device, policy=policy)
     built.model.to(device)  # embeddings, final norm, head, rotary buffers; masters stay on the host
@@ -127,11 +140,12 @@ PEER_SETUP: dict[str, Callable[[BuiltModel, torch.device, PeerOptions], str]] = 
     "offtensor-overlap": setup_offtensor,  # same placement; the step uses backward_and_step
     "offtensor-castdev": lambda b, d, o: setup_offtensor(b, d, o, cast="device"),
     "offtensor-casthost": lambda b, d, o: setup_offtensor(b, d, o, cast="host"),
+    "offtensor-budget": lambda b, d, o: setup_offtensor(b, d, o, budget=True),
     "accelerate": _setup_accelerate,
     "diffusers": _setup_diffusers,
 }
 _PEER_MODULE = {"resident": None, "offtensor": "offtensor", "offtensor-overlap": "offtensor",
-                "offtensor-castdev": "offtensor", "offtensor-casthost": "offtensor",
+                "offtensor-castdev": "offtensor", "offtensor-casthost": "offtensor", "offtensor-budget": "offtensor",
                 "accelerate": "accelerate", "diffusers": "diffusers.hooks"}
 
 

@@ -16,6 +16,7 @@ import torch
 from .measure import GiB, version
 from .optimizer import format_optimizer_speed
 from .results import Extras, Row
+from .rooflines import RELATIVE_TO
 from .run import Run
 from .scenarios import ModelShape, Scenario
 
@@ -52,12 +53,12 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def _below_roofline(r: Row) -> bool:
-    return r.ratio is not None and r.ratio < 1.0 and r.peer != "resident"
+    return r.ratio is not None and r.ratio < 1.0 and r.peer != "resident" and r.peer not in RELATIVE_TO
 
 
 def _table_row(r: Row, shapes: dict[str, str]) -> tuple[str, ...]:
     median = _fmt(r.median_ms, ".1f") if r.status == "ok" else r.status
-    ratio = _fmt(r.ratio, ".2f") + ("*" if _below_roofline(r) else "")
+    ratio = _fmt(r.ratio, ".2f") + ("*" if _below_roofline(r) else "") + ("^" if r.peer in RELATIVE_TO else "")
     target = f"<= {r.target:.2f} {r.verdict}" if r.target is not None and r.verdict else "-"
     return (r.scenario, shapes.get(r.scenario, f"{r.batch}x{r.seq}"), r.peer, median, _fmt(r.roofline_ms, ".1f"),
             ratio, target, _fmt(None if r.peak_vram_bytes is None else r.peak_vram_bytes / GiB, ".2f"),
@@ -83,6 +84,10 @@ def format_table(rows: list[Row], bw: dict[str, Any], env: dict[str, Any], shape
     if any(not r.valid_training for r in rows):
         foot.append("no roofline or ratio for a training row that kept only part of its gradients: "
                     "its time is not a training step's (see the notes).")
+    for peer, other in RELATIVE_TO.items():
+        if any(r.peer == peer and r.ratio is not None for r in rows):
+            foot.append(f"^ {peer}: its ratio is to the {other} row's time in the same scenario (the "
+                        "'roofline ms' column shows that time), not to the roofline.")
     if any(_below_roofline(r) for r in rows):
         foot.append("* below 1: faster than the resident model, which bounds every peer; that is timing "
                     "noise (few iterations, a busy host), so the other ratios of this run are that noisy too.")
