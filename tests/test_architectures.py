@@ -31,7 +31,9 @@ every scope offloaded):
 - ``generate``: greedy ``generate()`` of a few tokens in eval mode (decoder LMs, T5, BART,
   Whisper), tokens equal.
 
-Device is a parameter (conftest ``devices``): the same matrix runs on CUDA where present.
+Device is a parameter (conftest ``devices``): the same matrix runs on CUDA where present. The
+full tier (``OFFTENSOR_TESTS=full``) runs every (architecture, mode) pair; the quick default runs
+each architecture family (``FAMILIES``) and each mode at least once, a rotating sample.
 """
 
 from __future__ import annotations
@@ -462,6 +464,20 @@ ARCHS: dict[str, Callable[[], Arch]] = {
     "wan": build_wan,
 }
 
+#: What the quick tier covers (conftest, Note [quick tier covers every parameter value]): each
+#: family and each mode at least once, in a combination that rotates with the sample seed.
+FAMILIES = {
+    "decoder": ("llama", "llama_tied", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2",
+                "gpt_neox", "falcon"),
+    "mixture_of_experts": ("mixtral", "qwen2_moe"),
+    "state_space": ("mamba", "mamba2"),
+    "encoder_decoder": ("t5", "bart", "whisper"),
+    "encoder": ("bert", "vit", "clip"),
+    "diffusion_conv": ("unet2d_condition", "autoencoder_kl"),
+    "diffusion_transformer": ("flux", "sd3", "wan"),
+}
+FAMILY_OF = {name: family for family, names in FAMILIES.items() for name in names}
+
 GENERATES = {"llama", "llama_tied", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2",
              "gpt_neox", "falcon", "mixtral", "qwen2_moe", "t5", "bart", "whisper", "mamba",
              "mamba2"}
@@ -722,6 +738,15 @@ def _cases():
             yield pytest.param(name, mode, id=f"{name}-{mode}")
 
 
+def _family_and_mode(params: dict[str, Any]) -> set[tuple[str, str]]:
+    return {("family", FAMILY_OF[params["name"]]), ("mode", params["mode"])}
+
+
+def test_every_architecture_has_a_family():
+    assert FAMILY_OF.keys() == ARCHS.keys()
+
+
+@pytest.mark.cover.with_args(_family_and_mode)  # with_args: the argument is a function
 @pytest.mark.parametrize("device", devices)
 @pytest.mark.parametrize("name,mode", list(_cases()))
 def test_architecture(name: str, mode: str, device: str) -> None:

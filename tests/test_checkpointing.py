@@ -11,8 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-import offtensor
 from conftest import (
     assert_all_scopes_offloaded,
     assert_grads_match,
@@ -23,6 +21,8 @@ from conftest import (
     reference_then_offload,
     tolerances,
 )
+
+import offtensor
 
 CHECKPOINTING = [
     pytest.param(None, id="no_checkpointing"),

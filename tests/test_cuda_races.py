@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import (
     assert_all_scopes_offloaded,
     assert_grads_match,

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import mlp_of_blocks, only_blocks, unwrapped_reference
 from torch import nn
 
 import offtensor
-from conftest import mlp_of_blocks, only_blocks, unwrapped_reference
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -220,6 +220,7 @@ def _rank(rank: int, init_file: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.full_tier  # two spawned interpreters: ~7 s of CPU (conftest)
 def test_manual_all_reduce_on_two_ranks_matches_one_process_on_the_whole_batch(tmp_path):
     mp = pytest.importorskip("torch.multiprocessing")
     out = str(tmp_path / "params")

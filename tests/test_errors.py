@@ -10,10 +10,18 @@ import re
 
 import pytest
 import torch
+from conftest import (
+    assert_grads_match,
+    devices,
+    mlp_of_blocks,
+    offload,
+    only_blocks,
+    requires_cuda,
+    unwrapped_reference,
+)
 from torch import nn
 
 import offtensor
-from conftest import assert_grads_match, devices, mlp_of_blocks, offload, only_blocks, requires_cuda, unwrapped_reference
 
 
 class NoModuleList(nn.Module):

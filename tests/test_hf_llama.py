@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import offtensor
 from conftest import (
     assert_all_scopes_offloaded,
     assert_grads_match,
@@ -24,6 +22,8 @@ from conftest import (
     tolerances,
     unwrapped_reference,
 )
+
+import offtensor
 
 transformers = pytest.importorskip("transformers")
 

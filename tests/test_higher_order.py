@@ -10,8 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-import offtensor
 from conftest import (
     assert_all_scopes_offloaded,
     assert_grads_match,
@@ -22,6 +20,8 @@ from conftest import (
     reference_then_offload,
     tolerances,
 )
+
+import offtensor
 
 
 def _penalized_loss(model, x, y):
@@ -92,8 +92,8 @@ def test_autograd_functional_matches_unwrapped_model(device, fn):
     tol = tolerances(device)
 
     def run(m):
-        scalar = lambda t: m(t.unsqueeze(0)).pow(2).sum()  # noqa: E731
-        vector = lambda t: m(t.unsqueeze(0)).squeeze(0)  # noqa: E731
+        scalar = lambda t: m(t.unsqueeze(0)).pow(2).sum()
+        vector = lambda t: m(t.unsqueeze(0)).squeeze(0)
         if fn == "hvp":
             return torch.autograd.functional.hvp(scalar, x, v)
         if fn == "vhp":

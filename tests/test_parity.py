@@ -11,10 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch import nn
 import torch.nn.functional as F
-
-import offtensor
 from conftest import (
     assert_grads_match,
     assert_params_match,
@@ -28,6 +25,9 @@ from conftest import (
     tolerances,
     unwrapped_reference,
 )
+from torch import nn
+
+import offtensor
 
 OptimizerFactory = Callable[[object], torch.optim.Optimizer]
 

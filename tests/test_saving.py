@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import offtensor
 from conftest import (
     BlockStack,
     MixedDtypeBlock,
@@ -23,6 +21,8 @@ from conftest import (
     small_llama,
     tolerances,
 )
+
+import offtensor
 
 st = pytest.importorskip("safetensors.torch")
 

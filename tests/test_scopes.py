@@ -6,10 +6,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import offtensor
-from offtensor import ScopeState
-from offtensor._transfer import TransferEngine
 from conftest import (
     BlockStack,
     ResidualBlock,
@@ -26,6 +22,10 @@ from conftest import (
     tolerances,
     unwrapped_reference,
 )
+
+import offtensor
+from offtensor import ScopeState
+from offtensor._transfer import TransferEngine
 
 
 class ReusesItsWeight(nn.Module):

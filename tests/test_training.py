@@ -10,9 +10,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.func import functional_call
-
-import offtensor
 from conftest import (
     BlockStack,
     ResidualBlock,
@@ -28,6 +25,9 @@ from conftest import (
     tolerances,
     unwrapped_reference,
 )
+from torch.func import functional_call
+
+import offtensor
 
 
 def _batches(device: str, n: int, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -569,7 +569,7 @@ def test_two_forwards_before_one_backward_and_step_give_the_full_gradient_step(c
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     for x, y in _batches("cpu", 3):
         def loss(m: nn.Module) -> torch.Tensor:
-            return F.mse_loss(m(x), y) + F.mse_loss(m(2 * x), y)  # noqa: B023
+            return F.mse_loss(m(x), y) + F.mse_loss(m(2 * x), y)
 
         offtensor.backward_and_step(loss(model), opt, zero_grad=True)
         loss(reference).backward()

@@ -10,8 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-import offtensor
 from conftest import (
     assert_all_scopes_offloaded,
     assert_grads_match,
@@ -22,6 +20,8 @@ from conftest import (
     reference_then_offload,
     tolerances,
 )
+
+import offtensor
 
 WHERE = ["before_forward", "between_forward_and_backward", "after_step"]
 
