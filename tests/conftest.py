@@ -272,10 +272,14 @@ def mlp_of_blocks(
     in_features: int = 8,
     out_features: int = 4,
     dtype: torch.dtype = torch.float32,
+    checkpoint: str | None = None,
 ) -> BlockStack:
-    """An input Linear, ``n_blocks`` Linear/LayerNorm/GELU residual blocks, a Linear head."""
+    """An input Linear, ``n_blocks`` Linear/LayerNorm/GELU residual blocks, a Linear head;
+    ``checkpoint`` as :class:`BlockStack`'s (a reference deep-copied from it keeps it)."""
     blocks = [ResidualBlock(hidden) for _ in range(n_blocks)]
-    return BlockStack(blocks, in_features, hidden, out_features).to(dtype)
+    model = BlockStack(blocks, in_features, hidden, out_features).to(dtype)
+    model.checkpoint = checkpoint
+    return model
 
 
 def batchnorm_model(n_blocks: int = 3, hidden: int = 16, in_features: int = 8) -> BlockStack:
@@ -401,6 +405,22 @@ def reference_then_offload(model: nn.Module, device: str, predicate=None, **kwar
     return reference
 
 
+def split_policy(model: BlockStack):
+    """``Policy(max_scope_bytes=<half a block>)``: each block splits into a scope per child."""
+    import offtensor
+
+    return offtensor.Policy(max_scope_bytes=param_bytes(model.blocks[0]) // 2)
+
+
+def mlp_and_reference(device: str, *, split: bool = False, checkpoint: str | None = None,
+                      n_blocks: int = 3) -> tuple[BlockStack, BlockStack]:
+    """:func:`mlp_of_blocks` with ``checkpoint``, offloaded on ``device`` (with ``split``, in
+    scopes of half a block: :func:`split_policy`), and its unwrapped reference, made first."""
+    model = mlp_of_blocks(n_blocks=n_blocks, checkpoint=checkpoint)
+    reference = reference_then_offload(model, device, policy=split_policy(model) if split else None)
+    return model, reference
+
+
 def offloaded_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     import offtensor
 
@@ -424,20 +444,47 @@ def random_batch(device: str, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 8).to(device), torch.randn(n, 4).to(device)
 
 
-def train_adamw(model: nn.Module, batches, make_optimizer=None) -> torch.Tensor:
-    """One optimizer step per (x, y) batch (MSE loss, AdamW lr=1e-2 by default); the losses."""
-    import torch.nn.functional as F
+def mse_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``F.mse_loss(model(x), y)`` for an ``(x, y)`` batch: :func:`train_adamw`'s default."""
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
 
+
+def train_adamw(model: nn.Module, batches, make_optimizer=None, loss_fn=mse_loss) -> torch.Tensor:
+    """One optimizer step per batch (``loss_fn(model, batch)``, MSE of an (x, y) batch by
+    default; AdamW lr=1e-2 over the trainable parameters by default); the losses."""
     make_optimizer = make_optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
     losses = []
-    for x, y in batches:
+    for batch in batches:
         optimizer.zero_grad()
-        loss = F.mse_loss(model(x), y)
+        loss = loss_fn(model, batch)
         loss.backward()
         optimizer.step()
         losses.append(host(loss))
     return torch.stack(losses)
+
+
+def assert_trains_like(model: nn.Module, reference: nn.Module, batches, device: str, *,
+                       grads: bool = False, **train_kwargs) -> None:
+    """:func:`train_adamw` on the reference, then on ``model``: losses and parameters (and, with
+    ``grads``, the last gradients) match."""
+    expected = train_adamw(reference, batches, **train_kwargs)
+    losses = train_adamw(model, batches, **train_kwargs)
+    torch.testing.assert_close(losses, expected, **tolerances(device))
+    if grads:
+        assert_grads_match(model, reference, **tolerances(device))
+    assert_params_match(model, reference, **tolerances(device))
+
+
+def step_both(model: nn.Module, reference: nn.Module, opt: torch.optim.Optimizer,
+              ref_opt: torch.optim.Optimizer, tol: dict[str, float]) -> None:
+    """After both models' backward: gradients match, then both step and zero their grads."""
+    assert_grads_match(model, reference, **tol)
+    opt.step()
+    ref_opt.step()
+    opt.zero_grad()
+    ref_opt.zero_grad()
 
 
 def assert_params_match(model: nn.Module, reference: nn.Module, **tol) -> None:

@@ -284,13 +284,18 @@ def build_t5() -> Arch:
     return _seq2seq(t.T5ForConditionalGeneration(cfg))
 
 
+#: BART and Whisper: sizes, no dropout, special tokens.
+_ENCODER_DECODER_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB, "d_model": 16, "encoder_layers": 2, "decoder_layers": 2,
+    "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 32,
+    "decoder_ffn_dim": 32, "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
 def build_bart() -> Arch:
     t = _transformers()
-    cfg = t.BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=2, decoder_layers=2,
-                       encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
-                       decoder_ffn_dim=32, max_position_embeddings=64, dropout=0.0,
-                       attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0,
-                       bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
+    cfg = t.BartConfig(**_ENCODER_DECODER_COMMON, max_position_embeddings=64, decoder_start_token_id=2,
                        forced_bos_token_id=None, forced_eos_token_id=None)
     return _seq2seq(_freeze_key_biases(t.BartForConditionalGeneration(cfg)))
 
@@ -345,12 +350,9 @@ def build_clip() -> Arch:
 
 def build_whisper() -> Arch:
     t = _transformers()
-    cfg = t.WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, d_model=16, encoder_layers=2,
-                          decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
-                          encoder_ffn_dim=32, decoder_ffn_dim=32, max_source_positions=8,
-                          max_target_positions=16, dropout=0.0, attention_dropout=0.0,
-                          activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                          decoder_start_token_id=1, suppress_tokens=[], begin_suppress_tokens=[])
+    cfg = t.WhisperConfig(**_ENCODER_DECODER_COMMON, num_mel_bins=8, max_source_positions=8,
+                          max_target_positions=16, decoder_start_token_id=1, suppress_tokens=[],
+                          begin_suppress_tokens=[])
     model = t.WhisperForConditionalGeneration(cfg)
 
     def inputs(g: torch.Generator) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from conftest import (
     assert_grads_match,
     assert_params_match,
     devices,
+    mlp_and_reference,
     mlp_of_blocks,
-    param_bytes,
     reference_then_offload,
     tolerances,
 )
@@ -38,10 +38,7 @@ def _penalized_loss(model, x, y):
 @pytest.mark.parametrize("checkpoint", [None, "non_reentrant"])
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 def test_gradient_penalty_trains_like_unwrapped_model(device, split, checkpoint, overlapped):
-    model = mlp_of_blocks(n_blocks=3)
-    policy = offtensor.Policy(max_scope_bytes=param_bytes(model.blocks[0]) // 2) if split else None
-    reference = reference_then_offload(model, device, policy=policy)
-    model.checkpoint = reference.checkpoint = checkpoint
+    model, reference = mlp_and_reference(device, split=split, checkpoint=checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     tol = tolerances(device)

@@ -28,7 +28,7 @@ import pytest
 import tiers
 import torch
 import torch.nn.functional as F
-from conftest import assert_all_scopes_offloaded, assert_grads_match, assert_params_match, mlp_of_blocks, param_bytes
+from conftest import assert_all_scopes_offloaded, assert_grads_match, assert_params_match, mlp_of_blocks, split_policy
 
 import offtensor
 from offtensor import _param
@@ -139,9 +139,8 @@ VARIANTS = {
 
 
 def _build(split: bool = False, checkpoint: str | None = None):
-    model = mlp_of_blocks(n_blocks=3)
-    model.checkpoint = checkpoint
-    policy = offtensor.Policy(max_scope_bytes=param_bytes(model.blocks[0]) // 2) if split else None
+    model = mlp_of_blocks(n_blocks=3, checkpoint=checkpoint)
+    policy = split_policy(model) if split else None
     offtensor.wrap(model, device="cpu", policy=policy)
     return model
 

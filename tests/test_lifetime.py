@@ -251,8 +251,7 @@ def test_keyboard_interrupt_in_a_recompute_in_backward_is_forgotten(checkpoint, 
     """Ctrl-C while backward recomputes a checkpointed block. torch.device("cpu") only: on CUDA the autograd
     engine runs the recompute on its own thread, and Python delivers Ctrl-C to the main thread
     only once backward has returned. The recompute's frames are shallower than the forward's."""
-    model = mlp_of_blocks()
-    model.checkpoint = checkpoint
+    model = mlp_of_blocks(checkpoint=checkpoint)
     reference = unwrapped_reference(model, "cpu")
     handle = _offload_model_or_blocks(model, "cpu", wrapped)
     x, y = random_batch("cpu")

@@ -67,6 +67,13 @@ def train(model, optimizer, batches, scheduler=None) -> torch.Tensor:
     return torch.stack(losses)
 
 
+@pytest.fixture
+def model_and_reference(device: str, dtype: torch.dtype):
+    """A 3-block MLP in ``dtype``, offloaded on ``device``, and its unwrapped reference."""
+    model = mlp_of_blocks(dtype=dtype)
+    return model, reference_then_offload(model, device)
+
+
 # --------------------------------------------------------------------------------------------
 # Forward and backward
 # --------------------------------------------------------------------------------------------
@@ -74,9 +81,8 @@ def train(model, optimizer, batches, scheduler=None) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", dtypes)
 @pytest.mark.parametrize("device", devices)
-def test_outputs_match_unwrapped_model_under_no_grad(device, dtype):
-    model = mlp_of_blocks(dtype=dtype)
-    reference = reference_then_offload(model, device)
+def test_outputs_match_unwrapped_model_under_no_grad(device, dtype, model_and_reference):
+    model, reference = model_and_reference
     x = torch.randn(4, 8).to(device, dtype)
 
     with torch.no_grad():
@@ -90,9 +96,8 @@ def test_outputs_match_unwrapped_model_under_no_grad(device, dtype):
 
 @pytest.mark.parametrize("dtype", dtypes)
 @pytest.mark.parametrize("device", devices)
-def test_outputs_match_unwrapped_model_with_grad_enabled(device, dtype):
-    model = mlp_of_blocks(dtype=dtype)
-    reference = reference_then_offload(model, device)
+def test_outputs_match_unwrapped_model_with_grad_enabled(device, dtype, model_and_reference):
+    model, reference = model_and_reference
     x = torch.randn(4, 8).to(device, dtype)
 
     expected = reference(x)
@@ -104,9 +109,8 @@ def test_outputs_match_unwrapped_model_with_grad_enabled(device, dtype):
 
 @pytest.mark.parametrize("dtype", dtypes)
 @pytest.mark.parametrize("device", devices)
-def test_grads_match_unwrapped_model(device, dtype):
-    model = mlp_of_blocks(dtype=dtype)
-    reference = reference_then_offload(model, device)
+def test_grads_match_unwrapped_model(device, dtype, model_and_reference):
+    model, reference = model_and_reference
     ((x, y),) = make_batches(1, device, dtype)
 
     loss_fn(reference, x, y).backward()
@@ -137,10 +141,9 @@ def test_eval_mode_outputs_match_unwrapped_model(device):
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("dtype", dtypes)
 @pytest.mark.parametrize("device", devices)
-def test_five_training_steps_match_unwrapped_model(device, dtype, optimizer):
+def test_five_training_steps_match_unwrapped_model(device, dtype, optimizer, model_and_reference):
     make_optimizer = OPTIMIZERS[optimizer]
-    model = mlp_of_blocks(dtype=dtype)
-    reference = reference_then_offload(model, device)
+    model, reference = model_and_reference
     batches = make_batches(5, device, dtype)
     tol = tolerances(device, dtype)
 

@@ -22,6 +22,7 @@ from conftest import (
     offloaded_parameters,
     reference_then_offload,
     small_llama,
+    step_both,
     tolerances,
     unwrapped_reference,
 )
@@ -68,11 +69,7 @@ def test_compute_dtype_matches_a_reference_that_casts_by_hand(device, cast):
         F.mse_loss(ref_out.float(), y.float()).backward()
         for _, p in offloaded_parameters(model):
             assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
-        assert_grads_match(model, reference, **tol)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        step_both(model, reference, opt, ref_opt, tol)
     assert_params_match(model, reference, **tol)
     assert_all_scopes_offloaded(model)
 
@@ -127,8 +124,7 @@ def test_backward_and_step_equals_backward_then_step_with_grad_accumulation(devi
     gradient lands, before its scope's backward ends (Note [early handover])."""
     if pieces == "per_param":
         monkeypatch.setattr(offtensor._overlap, "STEP_PIECE_BYTES", 1)
-    model = mlp_of_blocks(n_blocks=4)
-    model.checkpoint = checkpoint
+    model = mlp_of_blocks(n_blocks=4, checkpoint=checkpoint)
     reference = reference_then_offload(model, device)
     fused_ok = fused and device == "cpu"  # CUDA reference: fused kernels differ from CPU ones
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused_ok or None)
@@ -471,8 +467,7 @@ def _pending(model: nn.Module) -> int:
 @pytest.mark.parametrize("checkpoint", [None, "reentrant", "non_reentrant"])
 @pytest.mark.parametrize("device", devices)
 def test_deferred_steps_finish_before_the_next_forward_uses_the_weights(device, checkpoint):
-    model = mlp_of_blocks(n_blocks=4)
-    model.checkpoint = checkpoint
+    model = mlp_of_blocks(n_blocks=4, checkpoint=checkpoint)
     reference = reference_then_offload(model, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -562,8 +557,7 @@ def test_two_forwards_before_one_backward_and_step_give_the_full_gradient_step(c
     contributions; nothing may be stepped before both."""
     if pieces == "per_param":
         monkeypatch.setattr(offtensor._overlap, "STEP_PIECE_BYTES", 1)
-    model = mlp_of_blocks()
-    model.checkpoint = checkpoint
+    model = mlp_of_blocks(checkpoint=checkpoint)
     reference = reference_then_offload(model, "cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
