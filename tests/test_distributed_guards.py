@@ -91,7 +91,8 @@ def test_error_at_first_forward_if_ddp_skipped_its_init_sync(process_group, opti
     ddp = DDP(model, init_sync=False, **options)
     x, _ = _batch()
 
-    with pytest.raises(RuntimeError, match="the model given to offtensor.wrap is run by a DistributedDataParallel") as e:
+    with pytest.raises(RuntimeError,
+                       match="the model given to offtensor.wrap is run by a DistributedDataParallel") as e:
         ddp(x)
 
     assert f"find_unused_parameters={options.get('find_unused_parameters', False)}" in str(e.value)
@@ -130,7 +131,8 @@ def test_error_at_first_forward_if_fully_shard_follows_wrap(process_group, targe
     model = offtensor.wrap(mlp_of_blocks(), device="cpu")
     fully_shard(model.get_submodule(target) if target != "model" else model)
 
-    with pytest.raises(RuntimeError, match=r"offloaded parameter 'blocks\.\d\.\S+' of scope 'blocks\.\d' is no longer registered") as e:
+    with pytest.raises(RuntimeError, match=r"offloaded parameter 'blocks\.\d\.\S+' of scope 'blocks\.\d' "
+                                           r"is no longer registered") as e:
         model(_batch()[0])
 
     msg = str(e.value)
@@ -159,7 +161,8 @@ def test_error_if_wrap_is_given_dtensor_parameters(process_group):
 
     model = mlp_of_blocks()
     mesh = init_device_mesh("cpu", (1,))
-    model.blocks[2].fc1.weight = nn.Parameter(distribute_tensor(model.blocks[2].fc1.weight.detach(), mesh, [Replicate()]))
+    replicated = distribute_tensor(model.blocks[2].fc1.weight.detach(), mesh, [Replicate()])
+    model.blocks[2].fc1.weight = nn.Parameter(replicated)
 
     with pytest.raises(TypeError, match=r"parameter 'blocks\.2\.fc1\.weight' is a DTensor"):
         offtensor.wrap(model, device="cpu")

@@ -82,7 +82,7 @@ def test_summary_has_one_row_per_scope(device):
 
     assert torch.device(summary.device).type == device
     assert [s.name for s in summary.scopes] == ["blocks.0", "blocks.1", "blocks.2"]
-    for s, block in zip(summary.scopes, model.blocks):
+    for s, block in zip(summary.scopes, model.blocks, strict=True):
         params = list(block.parameters())
         assert s.state == offtensor.ScopeState.OFFLOADED
         assert s.num_params == sum(p.numel() for p in params)  # elements, not tensors
@@ -312,7 +312,7 @@ def test_a_copy_of_a_wrapped_model_is_a_plain_cpu_model_and_the_original_stays_w
         buffer.seek(0)
         copied = torch.load(buffer, weights_only=False)
     assert not offtensor.is_wrapped(copied)
-    for (name, p), (_, q) in zip(copied.named_parameters(), model.named_parameters()):
+    for (name, p), (_, q) in zip(copied.named_parameters(), model.named_parameters(), strict=True):
         assert type(p) is nn.Parameter, name
         torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=0, atol=0)
         assert p.untyped_storage().data_ptr() != q.untyped_storage().data_ptr(), name

@@ -214,7 +214,7 @@ def test_grad_accumulation_over_three_micro_batches_matches_unwrapped_model(devi
     expected = run(reference)
     got = run(model)
 
-    for step, (grads, expected_grads) in enumerate(zip(got, expected)):
+    for step, (grads, expected_grads) in enumerate(zip(got, expected, strict=True)):
         for name in expected_grads:
             torch.testing.assert_close(
                 grads[name],
@@ -322,7 +322,7 @@ def test_user_post_accumulate_grad_hook_fires_once_per_backward_with_the_cpu_gra
     assert names
     for name in names:
         assert len(seen[name]) == 2, f"{name}: hook fired {len(seen[name])} times in 2 backwards"
-        for (grad_device, grad), (_, expected_grad) in zip(seen[name], expected[name]):
+        for (grad_device, grad), (_, expected_grad) in zip(seen[name], expected[name], strict=True):
             assert grad_device == torch.device("cpu"), name
             # The hook sees the accumulated grad, as for a plain parameter.
             torch.testing.assert_close(grad, expected_grad, **tolerances(device))

@@ -143,7 +143,7 @@ def test_recompute_outside_the_module_hooks_uses_the_scope_copy_not_per_op_copie
         ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     assert temporaries == []
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), **tolerances(device))
     assert_all_scopes_offloaded(model)
 

@@ -394,12 +394,13 @@ def test_fused_adamw_steps_wrapped_parameters_like_plain_cpu_parameters(device):
     offload(model, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         q.grad = torch.randn_like(q)
         p.grad = q.grad.clone().to(p.device)
     opt.step()
     ref_opt.step()
-    for (name, p), q in zip(offloaded_parameters(model), [q for n, q in reference.named_parameters() if n.startswith("blocks.")]):
+    ref_blocks = [q for n, q in reference.named_parameters() if n.startswith("blocks.")]
+    for (name, p), q in zip(offloaded_parameters(model), ref_blocks, strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0, msg=name)
         assert type(opt.state[p]["exp_avg"]) is torch.Tensor
 
@@ -509,7 +510,7 @@ def test_everything_that_reads_a_master_waits_for_its_deferred_step():
             for k, v in reference.state_dict().items():
                 torch.testing.assert_close(got[k], v, rtol=0, atol=0)
         elif read == "grad":
-            for (_, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            for (_, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
                 torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
         elif read == "optimizer_state_dict":
             state = opt.state_dict()["state"]
@@ -517,7 +518,7 @@ def test_everything_that_reads_a_master_waits_for_its_deferred_step():
                 torch.testing.assert_close(state[i]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"],
                                            rtol=0, atol=0)
         elif read == "data":
-            for (_, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            for (_, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
                 torch.testing.assert_close(p.data.clone(), q.data, rtol=0, atol=0)
         else:  # a plain optimizer.step() by the user: after the deferred ones, so twice in all
             opt.step()
