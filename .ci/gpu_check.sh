@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one script to run on a GPU machine: the whole test suite (CUDA tests included), then the
-# benchmark, then a short summary. Run from anywhere; it works in the repository root.
+# The one script to run on a GPU machine: the whole test suite (the full tier, CUDA tests
+# included), then the benchmark, then a short summary. Run from anywhere; it works in the repository root.
 #
 #   .ci/gpu_check.sh                    # tests, then benchmark
 #   .ci/gpu_check.sh tests-only         # tests only
@@ -27,6 +27,9 @@ esac
 OUT=${OUT:-${TMPDIR:-/tmp}/offtensor_gpu_check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# Every case of every test matrix, CUDA cases included (tests/tiers.py); OFFTENSOR_TESTS=quick
+# in the environment runs the quick sample instead.
+export OFFTENSOR_TESTS=${OFFTENSOR_TESTS:-full}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 
 if [ "$mode" = all ]; then

@@ -11,21 +11,28 @@ Test modules import the helpers below with ``from conftest import ...``.
 from __future__ import annotations
 
 import copy
+import gc
+import os
 import random
 import re
 import sys
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from torch import nn
 import torch.utils.checkpoint
+from torch import nn
 
 # Test modules say ``from conftest import ...``. Under pytest's default ("prepend") import mode
 # this module already is ``conftest``; under ``--import-mode=importlib`` it gets a package-style
 # name, so make the plain name resolve to this same module object in both cases.
 sys.modules.setdefault("conftest", sys.modules[__name__])
+# The helper modules next to this file (tiers, master_guard) import by their plain names too.
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import tiers  # noqa: E402  (needs the path above)
 
 # --------------------------------------------------------------------------------------------
 # Markers and devices
@@ -36,6 +43,102 @@ def pytest_configure(config: pytest.Config) -> None:
     # Registered here rather than (only) in pyproject.toml so that `-m "not cuda"` and
     # `--strict-markers` work whatever configuration file the suite is run with.
     config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped when none is present")
+    config.addinivalue_line("markers", "every_case: the quick tier runs every parametrization of this test")
+    config.addinivalue_line("markers", "full_tier: runs only in the full tier (OFFTENSOR_TESTS=full)")
+    config.addinivalue_line("markers", "cover(keys): the quick tier runs cases until each key that "
+                                       "keys(params) gives for any case has run")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return tiers.header()
+
+
+# Note [freezing what outlives a module]
+# After collection the heap holds some 400k objects (torch, transformers, diffusers, and
+# torch._dynamo, which the first optimizer step imports), and every full garbage collection
+# scans all of them: 0.2 s each, whether Python's own (dozens in a run) or the explicit ones of
+# the benchmark and the interrupt fuzzer. So after collection and after each test module, what
+# is still alive after a collection is moved out of the collector's sight (gc.freeze). Garbage
+# is never frozen (a collection runs first); what a test makes is young and collected as
+# before, which is all that tests of object lifetimes (weakrefs, gc.collect) look at.
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _freeze_the_live_heap()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _freeze_what_outlives_a_module() -> Iterator[None]:
+    yield
+    _freeze_the_live_heap()
+
+
+def _freeze_the_live_heap() -> None:
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    gc.unfreeze()
+
+
+# --------------------------------------------------------------------------------------------
+# The quick tier's sample of parametrized tests
+# --------------------------------------------------------------------------------------------
+
+# Note [quick tier covers every parameter value]
+# In the quick tier (tiers.py) a test parametrized over two or more arguments runs only enough
+# of its cases that every value of every argument runs at least once: the zero_grad matrix runs
+# each placement of zero_grad, each checkpointing kind, split and whole scopes, step and
+# backward_and_step, but not every combination; the architecture matrix runs every
+# architecture once and every mode at least once. Which combinations run rotates with the
+# sample seed. A test over one argument runs all its cases (they are distinct checks, often
+# distinct error paths), as does a test marked ``every_case``. A test marked ``cover(keys)``
+# says itself what must be covered: ``keys(params)`` gives a case's keys (the architecture
+# matrix: its architecture's family and its mode). CUDA cases are sampled apart
+# from CPU ones, so that a value is never covered only by a case that the CPU machine skips.
+# A test marked ``full_tier`` runs only in the full tier (the two-process distributed test: two
+# fresh interpreters importing torch take longer than the rest of the quick tier's CPU tests).
+# The hook runs after ``-k``/``-m`` selection: whatever is selected by hand is sampled again
+# among itself, so ``-k "llama"`` still runs llama in every mode.
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if tiers.FULL:
+        return
+    dropped = {id(item) for item in items if item.get_closest_marker("full_tier") is not None}
+    groups: dict[tuple[str, bool], list[pytest.Item]] = defaultdict(list)
+    for item in items:
+        if id(item) in dropped:
+            continue
+        params = _sampled_params(item)
+        if params is not None and (len(params) >= 2 or item.get_closest_marker("cover") is not None):
+            groups[(item.nodeid.split("[")[0], item.get_closest_marker("cuda") is not None)].append(item)
+    for (name, on_cuda), group in groups.items():
+        kept = {id(item) for item in tiers.cover(group, _cover_keys, f"{name}:{on_cuda}")}
+        dropped.update(id(item) for item in group if id(item) not in kept)
+    if dropped:
+        config.hook.pytest_deselected(items=[item for item in items if id(item) in dropped])
+        items[:] = [item for item in items if id(item) not in dropped]
+
+
+def _sampled_params(item: pytest.Item) -> dict[str, object] | None:
+    """The parameters the quick tier samples over (``device`` apart), or None for a test that
+    runs in full."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or item.get_closest_marker("every_case") is not None:
+        return None
+    return {k: v for k, v in callspec.params.items() if k != "device"}
+
+
+def _cover_keys(item: pytest.Item) -> set[object]:
+    params = _sampled_params(item) or {}
+    marker = item.get_closest_marker("cover")
+    if marker is not None:
+        return set(marker.args[0](params))
+    # repr: parameter values may be unhashable (dicts of options); one object per value.
+    return {(k, repr(v)) for k, v in params.items()}
 
 
 HAS_CUDA = torch.cuda.is_available()
@@ -169,10 +272,14 @@ def mlp_of_blocks(
     in_features: int = 8,
     out_features: int = 4,
     dtype: torch.dtype = torch.float32,
+    checkpoint: str | None = None,
 ) -> BlockStack:
-    """An input Linear, ``n_blocks`` Linear/LayerNorm/GELU residual blocks, a Linear head."""
+    """An input Linear, ``n_blocks`` Linear/LayerNorm/GELU residual blocks, a Linear head;
+    ``checkpoint`` as :class:`BlockStack`'s (a reference deep-copied from it keeps it)."""
     blocks = [ResidualBlock(hidden) for _ in range(n_blocks)]
-    return BlockStack(blocks, in_features, hidden, out_features).to(dtype)
+    model = BlockStack(blocks, in_features, hidden, out_features).to(dtype)
+    model.checkpoint = checkpoint
+    return model
 
 
 def batchnorm_model(n_blocks: int = 3, hidden: int = 16, in_features: int = 8) -> BlockStack:
@@ -298,6 +405,22 @@ def reference_then_offload(model: nn.Module, device: str, predicate=None, **kwar
     return reference
 
 
+def split_policy(model: BlockStack):
+    """``Policy(max_scope_bytes=<half a block>)``: each block splits into a scope per child."""
+    import offtensor
+
+    return offtensor.Policy(max_scope_bytes=param_bytes(model.blocks[0]) // 2)
+
+
+def mlp_and_reference(device: str, *, split: bool = False, checkpoint: str | None = None,
+                      n_blocks: int = 3) -> tuple[BlockStack, BlockStack]:
+    """:func:`mlp_of_blocks` with ``checkpoint``, offloaded on ``device`` (with ``split``, in
+    scopes of half a block: :func:`split_policy`), and its unwrapped reference, made first."""
+    model = mlp_of_blocks(n_blocks=n_blocks, checkpoint=checkpoint)
+    reference = reference_then_offload(model, device, policy=split_policy(model) if split else None)
+    return model, reference
+
+
 def offloaded_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     import offtensor
 
@@ -321,20 +444,47 @@ def random_batch(device: str, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 8).to(device), torch.randn(n, 4).to(device)
 
 
-def train_adamw(model: nn.Module, batches, make_optimizer=None) -> torch.Tensor:
-    """One optimizer step per (x, y) batch (MSE loss, AdamW lr=1e-2 by default); the losses."""
-    import torch.nn.functional as F
+def mse_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``F.mse_loss(model(x), y)`` for an ``(x, y)`` batch: :func:`train_adamw`'s default."""
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
 
+
+def train_adamw(model: nn.Module, batches, make_optimizer=None, loss_fn=mse_loss) -> torch.Tensor:
+    """One optimizer step per batch (``loss_fn(model, batch)``, MSE of an (x, y) batch by
+    default; AdamW lr=1e-2 over the trainable parameters by default); the losses."""
     make_optimizer = make_optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
     losses = []
-    for x, y in batches:
+    for batch in batches:
         optimizer.zero_grad()
-        loss = F.mse_loss(model(x), y)
+        loss = loss_fn(model, batch)
         loss.backward()
         optimizer.step()
         losses.append(host(loss))
     return torch.stack(losses)
+
+
+def assert_trains_like(model: nn.Module, reference: nn.Module, batches, device: str, *,
+                       grads: bool = False, **train_kwargs) -> None:
+    """:func:`train_adamw` on the reference, then on ``model``: losses and parameters (and, with
+    ``grads``, the last gradients) match."""
+    expected = train_adamw(reference, batches, **train_kwargs)
+    losses = train_adamw(model, batches, **train_kwargs)
+    torch.testing.assert_close(losses, expected, **tolerances(device))
+    if grads:
+        assert_grads_match(model, reference, **tolerances(device))
+    assert_params_match(model, reference, **tolerances(device))
+
+
+def step_both(model: nn.Module, reference: nn.Module, opt: torch.optim.Optimizer,
+              ref_opt: torch.optim.Optimizer, tol: dict[str, float]) -> None:
+    """After both models' backward: gradients match, then both step and zero their grads."""
+    assert_grads_match(model, reference, **tol)
+    opt.step()
+    ref_opt.step()
+    opt.zero_grad()
+    ref_opt.zero_grad()
 
 
 def assert_params_match(model: nn.Module, reference: nn.Module, **tol) -> None:

@@ -31,7 +31,9 @@ every scope offloaded):
 - ``generate``: greedy ``generate()`` of a few tokens in eval mode (decoder LMs, T5, BART,
   Whisper), tokens equal.
 
-Device is a parameter (conftest ``devices``): the same matrix runs on CUDA where present.
+Device is a parameter (conftest ``devices``): the same matrix runs on CUDA where present. The
+full tier (``OFFTENSOR_TESTS=full``) runs every (architecture, mode) pair; the quick default runs
+each architecture family (``FAMILIES``) and each mode at least once, a rotating sample.
 """
 
 from __future__ import annotations
@@ -282,13 +284,18 @@ def build_t5() -> Arch:
     return _seq2seq(t.T5ForConditionalGeneration(cfg))
 
 
+#: BART and Whisper: sizes, no dropout, special tokens.
+_ENCODER_DECODER_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB, "d_model": 16, "encoder_layers": 2, "decoder_layers": 2,
+    "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 32,
+    "decoder_ffn_dim": 32, "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
 def build_bart() -> Arch:
     t = _transformers()
-    cfg = t.BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=2, decoder_layers=2,
-                       encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
-                       decoder_ffn_dim=32, max_position_embeddings=64, dropout=0.0,
-                       attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0,
-                       bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
+    cfg = t.BartConfig(**_ENCODER_DECODER_COMMON, max_position_embeddings=64, decoder_start_token_id=2,
                        forced_bos_token_id=None, forced_eos_token_id=None)
     return _seq2seq(_freeze_key_biases(t.BartForConditionalGeneration(cfg)))
 
@@ -343,12 +350,9 @@ def build_clip() -> Arch:
 
 def build_whisper() -> Arch:
     t = _transformers()
-    cfg = t.WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, d_model=16, encoder_layers=2,
-                          decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
-                          encoder_ffn_dim=32, decoder_ffn_dim=32, max_source_positions=8,
-                          max_target_positions=16, dropout=0.0, attention_dropout=0.0,
-                          activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                          decoder_start_token_id=1, suppress_tokens=[], begin_suppress_tokens=[])
+    cfg = t.WhisperConfig(**_ENCODER_DECODER_COMMON, num_mel_bins=8, max_source_positions=8,
+                          max_target_positions=16, decoder_start_token_id=1, suppress_tokens=[],
+                          begin_suppress_tokens=[])
     model = t.WhisperForConditionalGeneration(cfg)
 
     def inputs(g: torch.Generator) -> dict[str, Any]:
@@ -461,6 +465,20 @@ ARCHS: dict[str, Callable[[], Arch]] = {
     "autoencoder_kl": build_autoencoder_kl,
     "wan": build_wan,
 }
+
+#: What the quick tier covers (conftest, Note [quick tier covers every parameter value]): each
+#: family and each mode at least once, in a combination that rotates with the sample seed.
+FAMILIES = {
+    "decoder": ("llama", "llama_tied", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2",
+                "gpt_neox", "falcon"),
+    "mixture_of_experts": ("mixtral", "qwen2_moe"),
+    "state_space": ("mamba", "mamba2"),
+    "encoder_decoder": ("t5", "bart", "whisper"),
+    "encoder": ("bert", "vit", "clip"),
+    "diffusion_conv": ("unet2d_condition", "autoencoder_kl"),
+    "diffusion_transformer": ("flux", "sd3", "wan"),
+}
+FAMILY_OF = {name: family for family, names in FAMILIES.items() for name in names}
 
 GENERATES = {"llama", "llama_tied", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2",
              "gpt_neox", "falcon", "mixtral", "qwen2_moe", "t5", "bart", "whisper", "mamba",
@@ -722,6 +740,15 @@ def _cases():
             yield pytest.param(name, mode, id=f"{name}-{mode}")
 
 
+def _family_and_mode(params: dict[str, Any]) -> set[tuple[str, str]]:
+    return {("family", FAMILY_OF[params["name"]]), ("mode", params["mode"])}
+
+
+def test_every_architecture_has_a_family():
+    assert FAMILY_OF.keys() == ARCHS.keys()
+
+
+@pytest.mark.cover.with_args(_family_and_mode)  # with_args: the argument is a function
 @pytest.mark.parametrize("device", devices)
 @pytest.mark.parametrize("name,mode", list(_cases()))
 def test_architecture(name: str, mode: str, device: str) -> None:

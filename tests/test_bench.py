@@ -330,6 +330,7 @@ def test_profile_step_draws_the_device_lanes_on_cuda(tmp_path):
         assert lanes[(row, "")]["note"] == "", row
 
 
+@pytest.mark.full_tier  # eight layers, two scenarios, three peers: ~10 s on the CPU
 def test_the_budget_peer_keeps_half_the_layers_and_is_judged_against_the_streamed_row(tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = bench.main(["--quick", "--device", "cpu", "--layers", "8", "--scenarios", "infer-1x512", "train-4x2048",

@@ -11,18 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-import offtensor
 from conftest import (
     assert_all_scopes_offloaded,
     assert_grads_match,
-    assert_params_match,
+    assert_trains_like,
     devices,
-    host,
     mlp_of_blocks,
+    random_batch,
     reference_then_offload,
     tolerances,
 )
+
+import offtensor
 
 CHECKPOINTING = [
     pytest.param(None, id="no_checkpointing"),
@@ -31,22 +31,22 @@ CHECKPOINTING = [
 ]
 
 
-def checkpointed_model_and_reference(device: str, checkpoint: str | None):
-    model = mlp_of_blocks(n_blocks=3)
-    model.checkpoint = checkpoint
-    reference = reference_then_offload(model, device)
-    return model, reference
+def each_device_and_checkpointing(test):
+    """Parametrize ``test`` over every device and every kind of CHECKPOINTING."""
+    return pytest.mark.parametrize("checkpoint", CHECKPOINTING)(pytest.mark.parametrize("device", devices)(test))
 
 
-def batch(device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(4, 8).to(device), torch.randn(4, 4).to(device)
+@pytest.fixture
+def model_and_reference(device: str, checkpoint: str | None):
+    """A 3-block MLP with ``checkpoint``, offloaded on ``device``, and its unwrapped reference."""
+    model = mlp_of_blocks(n_blocks=3, checkpoint=checkpoint)
+    return model, reference_then_offload(model, device)
 
 
-@pytest.mark.parametrize("checkpoint", CHECKPOINTING)
-@pytest.mark.parametrize("device", devices)
-def test_outputs_and_grads_match_unwrapped_model(device, checkpoint):
-    model, reference = checkpointed_model_and_reference(device, checkpoint)
-    x, y = batch(device)
+@each_device_and_checkpointing
+def test_outputs_and_grads_match_unwrapped_model(device, model_and_reference):
+    model, reference = model_and_reference
+    x, y = random_batch(device)
 
     expected = reference(x)
     F.mse_loss(expected, y).backward()
@@ -57,49 +57,30 @@ def test_outputs_and_grads_match_unwrapped_model(device, checkpoint):
     assert_grads_match(model, reference, **tolerances(device))
 
 
-@pytest.mark.parametrize("checkpoint", CHECKPOINTING)
-@pytest.mark.parametrize("device", devices)
-def test_five_adamw_steps_match_unwrapped_model(device, checkpoint):
-    model, reference = checkpointed_model_and_reference(device, checkpoint)
-    batches = [batch(device) for _ in range(5)]
+@each_device_and_checkpointing
+def test_five_adamw_steps_match_unwrapped_model(device, model_and_reference):
+    model, reference = model_and_reference
+    batches = [random_batch(device) for _ in range(5)]
 
-    def train(m) -> torch.Tensor:
-        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        losses = []
-        for x, y in batches:
-            optimizer.zero_grad()
-            loss = F.mse_loss(m(x), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(host(loss))
-        return torch.stack(losses)
-
-    expected_losses = train(reference)
-    losses = train(model)
-
-    torch.testing.assert_close(losses, expected_losses, **tolerances(device))
-    assert_params_match(model, reference, **tolerances(device))
-    assert_grads_match(model, reference, **tolerances(device))
+    assert_trains_like(model, reference, batches, device, grads=True)
 
 
-@pytest.mark.parametrize("checkpoint", CHECKPOINTING)
-@pytest.mark.parametrize("device", devices)
-def test_no_scope_is_resident_after_backward(device, checkpoint):
-    model, _ = checkpointed_model_and_reference(device, checkpoint)
-    x, y = batch(device)
+@each_device_and_checkpointing
+def test_no_scope_is_resident_after_backward(device, model_and_reference):
+    model, _ = model_and_reference
+    x, y = random_batch(device)
 
     for _ in range(2):  # the second step also covers state left over by the first
         F.mse_loss(model(x), y).backward()
         assert_all_scopes_offloaded(model)
 
 
-@pytest.mark.parametrize("checkpoint", CHECKPOINTING)
-@pytest.mark.parametrize("device", devices)
-def test_no_scope_is_resident_after_forward(device, checkpoint):
+@each_device_and_checkpointing
+def test_no_scope_is_resident_after_forward(device, model_and_reference):
     # Under checkpointing the forward pass must not keep weights for the recompute: they are
     # loaded again when backward reaches the block.
-    model, _ = checkpointed_model_and_reference(device, checkpoint)
-    x, _ = batch(device)
+    model, _ = model_and_reference
+    x, _ = random_batch(device)
 
     out = model(x)
 
@@ -109,9 +90,9 @@ def test_no_scope_is_resident_after_forward(device, checkpoint):
 
 @pytest.mark.parametrize("checkpoint", ["reentrant", "non_reentrant"])
 @pytest.mark.parametrize("device", devices)
-def test_checkpointed_grads_land_on_cpu_master(device, checkpoint):
-    model, _ = checkpointed_model_and_reference(device, checkpoint)
-    x, y = batch(device)
+def test_checkpointed_grads_land_on_cpu_master(device, model_and_reference):
+    model, _ = model_and_reference
+    x, y = random_batch(device)
 
     F.mse_loss(model(x), y).backward()
 

@@ -21,15 +21,15 @@ import gc
 
 import pytest
 import torch
-from torch import nn
-
-import offtensor
 from conftest import (
     BlockStack,
     assert_all_scopes_offloaded,
     requires_cuda,
     unwrapped_reference,
 )
+from torch import nn
+
+import offtensor
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 

@@ -25,12 +25,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import ResidualBlock, host, mlp_of_blocks, only_blocks
 from torch import nn
 
 import offtensor
-from conftest import ResidualBlock, host, mlp_of_blocks, only_blocks
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+    pytest.mark.full_tier,  # spawned ranks: seconds of interpreter start-up each (conftest)
+]
 
 WORLD = 2
 STEPS = 3

@@ -11,9 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-import offtensor
 from conftest import (
     assert_all_scopes_offloaded,
     assert_grads_match,
@@ -22,6 +19,9 @@ from conftest import (
     reference_then_offload,
     tolerances,
 )
+from torch import nn
+
+import offtensor
 
 
 def _is_master(t: torch.Tensor, model: nn.Module) -> bool:

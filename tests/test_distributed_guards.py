@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import mlp_of_blocks, only_blocks, unwrapped_reference
 from torch import nn
 
 import offtensor
-from conftest import mlp_of_blocks, only_blocks, unwrapped_reference
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -92,7 +92,8 @@ def test_error_at_first_forward_if_ddp_skipped_its_init_sync(process_group, opti
     ddp = DDP(model, init_sync=False, **options)
     x, _ = _batch()
 
-    with pytest.raises(RuntimeError, match="the model given to offtensor.wrap is run by a DistributedDataParallel") as e:
+    with pytest.raises(RuntimeError,
+                       match="the model given to offtensor.wrap is run by a DistributedDataParallel") as e:
         ddp(x)
 
     assert f"find_unused_parameters={options.get('find_unused_parameters', False)}" in str(e.value)
@@ -131,7 +132,8 @@ def test_error_at_first_forward_if_fully_shard_follows_wrap(process_group, targe
     model = offtensor.wrap(mlp_of_blocks(), device="cpu")
     fully_shard(model.get_submodule(target) if target != "model" else model)
 
-    with pytest.raises(RuntimeError, match=r"offloaded parameter 'blocks\.\d\.\S+' of scope 'blocks\.\d' is no longer registered") as e:
+    with pytest.raises(RuntimeError, match=r"offloaded parameter 'blocks\.\d\.\S+' of scope 'blocks\.\d' "
+                                           r"is no longer registered") as e:
         model(_batch()[0])
 
     msg = str(e.value)
@@ -160,7 +162,8 @@ def test_error_if_wrap_is_given_dtensor_parameters(process_group):
 
     model = mlp_of_blocks()
     mesh = init_device_mesh("cpu", (1,))
-    model.blocks[2].fc1.weight = nn.Parameter(distribute_tensor(model.blocks[2].fc1.weight.detach(), mesh, [Replicate()]))
+    replicated = distribute_tensor(model.blocks[2].fc1.weight.detach(), mesh, [Replicate()])
+    model.blocks[2].fc1.weight = nn.Parameter(replicated)
 
     with pytest.raises(TypeError, match=r"parameter 'blocks\.2\.fc1\.weight' is a DTensor"):
         offtensor.wrap(model, device="cpu")
@@ -221,6 +224,7 @@ def _rank(rank: int, init_file: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.full_tier  # two spawned interpreters: ~7 s of CPU (conftest)
 def test_manual_all_reduce_on_two_ranks_matches_one_process_on_the_whole_batch(tmp_path):
     mp = pytest.importorskip("torch.multiprocessing")
     out = str(tmp_path / "params")

@@ -10,10 +10,18 @@ import re
 
 import pytest
 import torch
+from conftest import (
+    assert_grads_match,
+    devices,
+    mlp_of_blocks,
+    offload,
+    only_blocks,
+    requires_cuda,
+    unwrapped_reference,
+)
 from torch import nn
 
 import offtensor
-from conftest import assert_grads_match, devices, mlp_of_blocks, offload, only_blocks, requires_cuda, unwrapped_reference
 
 
 class NoModuleList(nn.Module):
@@ -191,7 +199,8 @@ def test_warning_if_a_selected_module_has_only_parameters_tied_to_another_scope(
         return name == "embed_tokens" or re.fullmatch(r"layers\.\d+", name) is not None
 
     model = TiedHead()
-    with pytest.warns(UserWarning, match=r"selected 'lm_head'.*tied to parameters of scope 'embed_tokens'.*keep_for_backward"):
+    with pytest.warns(UserWarning,
+                      match=r"selected 'lm_head'.*tied to parameters of scope 'embed_tokens'.*keep_for_backward"):
         offtensor.wrap(model, select, device="cpu")
     assert [s.name for s in offtensor.summary(model).scopes] == ["embed_tokens", "layers.0", "layers.1"]
 

@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import (
+    assert_all_scopes_offloaded,
+    assert_grads_match,
+    devices,
+    mlp_of_blocks,
+    reference_then_offload,
+    tolerances,
+)
 from torch.func import functional_call, grad, jacrev, vmap
-
-from conftest import assert_all_scopes_offloaded, assert_grads_match, devices, mlp_of_blocks, reference_then_offload, tolerances
 
 
 def _params(model, device):

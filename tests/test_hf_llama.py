@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import offtensor
 from conftest import (
     assert_all_scopes_offloaded,
     assert_grads_match,
     assert_params_match,
     devices,
-    host,
     offload,
     tolerances,
+    train_adamw,
     unwrapped_reference,
 )
+
+import offtensor
 
 transformers = pytest.importorskip("transformers")
 
@@ -112,15 +112,8 @@ def test_three_adamw_steps_match_unwrapped_model(device, checkpointing):
     batches = token_batches(3, device)
 
     def train(m: torch.nn.Module) -> torch.Tensor:
-        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        losses = []
-        for tokens in batches:
-            optimizer.zero_grad()
-            loss = m(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            optimizer.step()
-            losses.append(host(loss))
-        return torch.stack(losses)
+        return train_adamw(m, batches, make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                           loss_fn=lambda m, tokens: m(input_ids=tokens, labels=tokens).loss)
 
     expected = train(reference)
     losses = train(model)

@@ -10,18 +10,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-import offtensor
 from conftest import (
     assert_all_scopes_offloaded,
     assert_grads_match,
     assert_params_match,
     devices,
+    mlp_and_reference,
     mlp_of_blocks,
-    param_bytes,
     reference_then_offload,
     tolerances,
 )
+
+import offtensor
 
 
 def _penalized_loss(model, x, y):
@@ -38,10 +38,7 @@ def _penalized_loss(model, x, y):
 @pytest.mark.parametrize("checkpoint", [None, "non_reentrant"])
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 def test_gradient_penalty_trains_like_unwrapped_model(device, split, checkpoint, overlapped):
-    model = mlp_of_blocks(n_blocks=3)
-    policy = offtensor.Policy(max_scope_bytes=param_bytes(model.blocks[0]) // 2) if split else None
-    reference = reference_then_offload(model, device, policy=policy)
-    model.checkpoint = reference.checkpoint = checkpoint
+    model, reference = mlp_and_reference(device, split=split, checkpoint=checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     tol = tolerances(device)
@@ -92,8 +89,8 @@ def test_autograd_functional_matches_unwrapped_model(device, fn):
     tol = tolerances(device)
 
     def run(m):
-        scalar = lambda t: m(t.unsqueeze(0)).pow(2).sum()  # noqa: E731
-        vector = lambda t: m(t.unsqueeze(0)).squeeze(0)  # noqa: E731
+        scalar = lambda t: m(t.unsqueeze(0)).pow(2).sum()
+        vector = lambda t: m(t.unsqueeze(0)).squeeze(0)
         if fn == "hvp":
             return torch.autograd.functional.hvp(scalar, x, v)
         if fn == "vhp":

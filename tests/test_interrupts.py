@@ -25,12 +25,13 @@ from collections.abc import Callable
 from types import FrameType
 
 import pytest
+import tiers
 import torch
 import torch.nn.functional as F
+from conftest import assert_all_scopes_offloaded, assert_grads_match, assert_params_match, mlp_of_blocks, split_policy
 
 import offtensor
-from offtensor import _overlap, _slot
-from conftest import assert_all_scopes_offloaded, assert_grads_match, assert_params_match, mlp_of_blocks, param_bytes
+from offtensor import _slot
 
 OFFTENSOR_DIR = os.path.dirname(os.path.abspath(offtensor.__file__)) + os.sep
 # torch's grad-mode context managers: fuzzed where offtensor calls them (not where torch's
@@ -39,9 +40,13 @@ TORCH_CM_FILES = tuple(
     os.path.join(os.path.dirname(torch.__file__), *parts)
     for parts in (("autograd", "grad_mode.py"), ("utils", "_contextlib.py"))
 )
-# Interrupt points tried per variant, spread evenly over the step's events (every event would
-# take minutes on a 2-core machine); OFFTENSOR_INTERRUPT_TRIALS=150 for a deeper sweep.
+# Interrupt points tried per variant. The full tier (OFFTENSOR_TESTS=full, CI) spreads TRIALS
+# points evenly over the step's events (every event would take minutes on a 2-core machine); the
+# quick tier draws QUICK_TRIALS of all the events at random, a different draw for each sample
+# seed (tiers.py). OFFTENSOR_INTERRUPT_TRIALS=150 spreads that many, in either tier (a deeper
+# sweep).
 TRIALS = int(os.environ.get("OFFTENSOR_INTERRUPT_TRIALS", "12"))
+QUICK_TRIALS = 2
 
 
 def _in_scope(frame: FrameType) -> bool:
@@ -134,9 +139,8 @@ VARIANTS = {
 
 
 def _build(split: bool = False, checkpoint: str | None = None):
-    model = mlp_of_blocks(n_blocks=3)
-    model.checkpoint = checkpoint
-    policy = offtensor.Policy(max_scope_bytes=param_bytes(model.blocks[0]) // 2) if split else None
+    model = mlp_of_blocks(n_blocks=3, checkpoint=checkpoint)
+    policy = split_policy(model) if split else None
     offtensor.wrap(model, device="cpu", policy=policy)
     return model
 
@@ -168,6 +172,13 @@ def _check_step(model, x, y, overlap: bool) -> None:
     assert_all_scopes_offloaded(model)
 
 
+def _interrupt_points(variant: str, total: int) -> list[int]:
+    """Which of the step's ``total`` events to interrupt at (see TRIALS)."""
+    if tiers.FULL or "OFFTENSOR_INTERRUPT_TRIALS" in os.environ:
+        return list(range(1, total + 1, max(1, total // TRIALS)))
+    return sorted(tiers.rng(f"interrupts:{variant}").sample(range(1, total + 1), QUICK_TRIALS))
+
+
 def _fuzz(variant: str) -> tuple[int, list[str]]:
     """Interrupt a training step at spread-out points; (points tried, failures)."""
     options = dict(VARIANTS[variant])
@@ -192,8 +203,7 @@ def _fuzz(variant: str) -> tuple[int, list[str]]:
     offtensor.wait_for_steps()
     total = counter.events
     assert total > 100, f"only {total} traced events: is the tracer looking at offtensor's files?"
-    stride = max(1, total // TRIALS)
-    points = range(1, total + 1, stride)
+    points = _interrupt_points(variant, total)
     failures: list[str] = []
     for at in points:
         Interrupter(at).run(step)  # backward_and_step's event count varies: `at` may not come

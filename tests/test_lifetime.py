@@ -105,7 +105,7 @@ def test_summary_has_one_row_per_scope(device):
 
     assert torch.device(summary.device).type == device
     assert [s.name for s in summary.scopes] == ["blocks.0", "blocks.1", "blocks.2"]
-    for s, block in zip(summary.scopes, model.blocks):
+    for s, block in zip(summary.scopes, model.blocks, strict=True):
         params = list(block.parameters())
         assert s.state == offtensor.ScopeState.OFFLOADED
         assert s.num_params == sum(p.numel() for p in params)  # elements, not tensors
@@ -274,8 +274,7 @@ def test_keyboard_interrupt_in_a_recompute_in_backward_is_forgotten(checkpoint, 
     """Ctrl-C while backward recomputes a checkpointed block. torch.device("cpu") only: on CUDA the autograd
     engine runs the recompute on its own thread, and Python delivers Ctrl-C to the main thread
     only once backward has returned. The recompute's frames are shallower than the forward's."""
-    model = mlp_of_blocks()
-    model.checkpoint = checkpoint
+    model = mlp_of_blocks(checkpoint=checkpoint)
     reference = unwrapped_reference(model, "cpu")
     handle = _offload_model_or_blocks(model, "cpu", wrapped)
     x, y = random_batch("cpu")
@@ -336,7 +335,7 @@ def test_a_copy_of_a_wrapped_model_is_a_plain_cpu_model_and_the_original_stays_w
         buffer.seek(0)
         copied = torch.load(buffer, weights_only=False)
     assert not offtensor.is_wrapped(copied)
-    for (name, p), (_, q) in zip(copied.named_parameters(), model.named_parameters()):
+    for (name, p), (_, q) in zip(copied.named_parameters(), model.named_parameters(), strict=True):
         assert type(p) is nn.Parameter, name
         torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=0, atol=0)
         assert p.untyped_storage().data_ptr() != q.untyped_storage().data_ptr(), name

@@ -11,10 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch import nn
 import torch.nn.functional as F
-
-import offtensor
 from conftest import (
     assert_grads_match,
     assert_params_match,
@@ -28,6 +25,9 @@ from conftest import (
     tolerances,
     unwrapped_reference,
 )
+from torch import nn
+
+import offtensor
 
 OptimizerFactory = Callable[[object], torch.optim.Optimizer]
 
@@ -67,6 +67,13 @@ def train(model, optimizer, batches, scheduler=None) -> torch.Tensor:
     return torch.stack(losses)
 
 
+@pytest.fixture
+def model_and_reference(device: str, dtype: torch.dtype):
+    """A 3-block MLP in ``dtype``, offloaded on ``device``, and its unwrapped reference."""
+    model = mlp_of_blocks(dtype=dtype)
+    return model, reference_then_offload(model, device)
+
+
 # --------------------------------------------------------------------------------------------
 # Forward and backward
 # --------------------------------------------------------------------------------------------
@@ -74,9 +81,8 @@ def train(model, optimizer, batches, scheduler=None) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", dtypes)
 @pytest.mark.parametrize("device", devices)
-def test_outputs_match_unwrapped_model_under_no_grad(device, dtype):
-    model = mlp_of_blocks(dtype=dtype)
-    reference = reference_then_offload(model, device)
+def test_outputs_match_unwrapped_model_under_no_grad(device, dtype, model_and_reference):
+    model, reference = model_and_reference
     x = torch.randn(4, 8).to(device, dtype)
 
     with torch.no_grad():
@@ -90,9 +96,8 @@ def test_outputs_match_unwrapped_model_under_no_grad(device, dtype):
 
 @pytest.mark.parametrize("dtype", dtypes)
 @pytest.mark.parametrize("device", devices)
-def test_outputs_match_unwrapped_model_with_grad_enabled(device, dtype):
-    model = mlp_of_blocks(dtype=dtype)
-    reference = reference_then_offload(model, device)
+def test_outputs_match_unwrapped_model_with_grad_enabled(device, dtype, model_and_reference):
+    model, reference = model_and_reference
     x = torch.randn(4, 8).to(device, dtype)
 
     expected = reference(x)
@@ -104,9 +109,8 @@ def test_outputs_match_unwrapped_model_with_grad_enabled(device, dtype):
 
 @pytest.mark.parametrize("dtype", dtypes)
 @pytest.mark.parametrize("device", devices)
-def test_grads_match_unwrapped_model(device, dtype):
-    model = mlp_of_blocks(dtype=dtype)
-    reference = reference_then_offload(model, device)
+def test_grads_match_unwrapped_model(device, dtype, model_and_reference):
+    model, reference = model_and_reference
     ((x, y),) = make_batches(1, device, dtype)
 
     loss_fn(reference, x, y).backward()
@@ -137,10 +141,9 @@ def test_eval_mode_outputs_match_unwrapped_model(device):
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("dtype", dtypes)
 @pytest.mark.parametrize("device", devices)
-def test_five_training_steps_match_unwrapped_model(device, dtype, optimizer):
+def test_five_training_steps_match_unwrapped_model(device, dtype, optimizer, model_and_reference):
     make_optimizer = OPTIMIZERS[optimizer]
-    model = mlp_of_blocks(dtype=dtype)
-    reference = reference_then_offload(model, device)
+    model, reference = model_and_reference
     batches = make_batches(5, device, dtype)
     tol = tolerances(device, dtype)
 
@@ -211,7 +214,7 @@ def test_grad_accumulation_over_three_micro_batches_matches_unwrapped_model(devi
     expected = run(reference)
     got = run(model)
 
-    for step, (grads, expected_grads) in enumerate(zip(got, expected)):
+    for step, (grads, expected_grads) in enumerate(zip(got, expected, strict=True)):
         for name in expected_grads:
             torch.testing.assert_close(
                 grads[name],
@@ -319,7 +322,7 @@ def test_user_post_accumulate_grad_hook_fires_once_per_backward_with_the_cpu_gra
     assert names
     for name in names:
         assert len(seen[name]) == 2, f"{name}: hook fired {len(seen[name])} times in 2 backwards"
-        for (grad_device, grad), (_, expected_grad) in zip(seen[name], expected[name]):
+        for (grad_device, grad), (_, expected_grad) in zip(seen[name], expected[name], strict=True):
             assert grad_device == torch.device("cpu"), name
             # The hook sees the accumulated grad, as for a plain parameter.
             torch.testing.assert_close(grad, expected_grad, **tolerances(device))

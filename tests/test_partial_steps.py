@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import devices, mlp_of_blocks, offload
 
 import offtensor
-from conftest import devices, mlp_of_blocks, offload
 
 
 class FailingAdamW(torch.optim.AdamW):

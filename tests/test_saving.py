@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import offtensor
 from conftest import (
     BlockStack,
     MixedDtypeBlock,
@@ -23,6 +21,8 @@ from conftest import (
     small_llama,
     tolerances,
 )
+
+import offtensor
 
 st = pytest.importorskip("safetensors.torch")
 
@@ -75,7 +75,8 @@ def test_safetensors_save_model_and_load_model_round_trip(device, make, tmp_path
     st.save_file(changed, tmp_path / "changed.safetensors")
     st.load_model(model, tmp_path / "changed.safetensors", device=device)
     reference.load_state_dict(changed)
-    assert {n for n, _ in offloaded_parameters(model)} == {n for n, _ in model.named_parameters() if n.startswith("blocks.")}
+    blocks = {n for n, _ in model.named_parameters() if n.startswith("blocks.")}
+    assert {n for n, _ in offloaded_parameters(model)} == blocks
     assert_same_state(plain_state(model), plain_state(reference))
     x = torch.randn(3, 8, device=device)
     with torch.no_grad():

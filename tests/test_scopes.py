@@ -6,10 +6,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import offtensor
-from offtensor import ScopeState
-from offtensor._scope import Scope
 from conftest import (
     BlockStack,
     ResidualBlock,
@@ -26,6 +22,10 @@ from conftest import (
     tolerances,
     unwrapped_reference,
 )
+
+import offtensor
+from offtensor import ScopeState
+from offtensor._scope import Scope
 
 
 class ReusesItsWeight(nn.Module):
@@ -87,10 +87,7 @@ def test_model_trains_correctly_after_a_backward_that_raised(device):
     for p in model.parameters():
         p.grad = None
 
-    F.mse_loss(model(x), y).backward()
-    F.mse_loss(reference(x), y).backward()
-    assert_grads_match(model, reference, **tolerances(device))
-    assert_all_scopes_offloaded(model)
+    assert_backward_matches(model, model(x), reference, x, y, device)
 
 
 @pytest.mark.parametrize("device", devices)
@@ -146,7 +143,7 @@ def test_recompute_outside_the_module_hooks_uses_the_scope_copy_not_per_op_copie
         ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     assert temporaries == []
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), **tolerances(device))
     assert_all_scopes_offloaded(model)
 
@@ -206,8 +203,7 @@ def test_two_wrapped_models_in_one_process_keep_separate_scopes():
 @pytest.mark.parametrize("checkpoint", [None, "non_reentrant", "reentrant"])
 @pytest.mark.parametrize("device", devices)
 def test_split_scopes_train_like_unwrapped_model(device, checkpoint):
-    model = mlp_of_blocks(n_blocks=3)
-    model.checkpoint = checkpoint
+    model = mlp_of_blocks(n_blocks=3, checkpoint=checkpoint)
     reference = unwrapped_reference(model, device)
     block_bytes = param_bytes(model.blocks[0])
     offload(model, device, policy=offtensor.Policy(max_scope_bytes=block_bytes // 2))
@@ -246,10 +242,7 @@ def test_split_keeps_a_modules_own_parameters_in_a_scope_of_their_own(device):
     assert rows == {"blocks.0": 16, "blocks.0.fc1": 272, "blocks.0.fc2": 272,
                     "blocks.1": 16, "blocks.1.fc1": 272, "blocks.1.fc2": 272}, rows
     x, y = torch.randn(6, 8, device=device), torch.randn(6, 4, device=device)
-    F.mse_loss(model(x), y).backward()
-    F.mse_loss(reference(x), y).backward()
-    assert_grads_match(model, reference, **tolerances(device))
-    assert_all_scopes_offloaded(model)
+    assert_backward_matches(model, model(x), reference, x, y, device)
 
 
 @pytest.mark.parametrize("device", devices)
@@ -288,8 +281,7 @@ def test_after_the_first_step_every_load_is_issued_ahead_of_its_use(device, wrap
     (under checkpointing a split block is recomputed in forward order before its backward), and
     the forward of the wrapped model starts the first scope's load. When what was wrapped is
     not called itself (a ModuleList), the first scope loads when its own forward starts."""
-    model = mlp_of_blocks(n_blocks=4)
-    model.checkpoint = checkpoint
+    model = mlp_of_blocks(n_blocks=4, checkpoint=checkpoint)
     block_bytes = param_bytes(model.blocks[0])
     policy = offtensor.Policy(max_scope_bytes=block_bytes // 2 if split else None)
     if wrapped == "model":

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from conftest import (
     assert_grads_match,
     assert_params_match,
+    assert_trains_like,
     batchnorm_model,
     devices,
-    host,
     mlp_of_blocks,
     only_blocks,
     random_batch,
@@ -48,16 +48,12 @@ def test_frozen_parameters_get_no_grad(device, when):
         freeze(reference)
     batches = [random_batch(device) for _ in range(3)]
 
-    expected = train_adamw(reference, batches)
-    losses = train_adamw(model, batches)
+    assert_trains_like(model, reference, batches, device, grads=True)
 
     assert model.blocks[0].fc1.weight.grad is None
     assert model.blocks[1].fc1.weight.grad is None
     assert not model.blocks[1].fc1.weight.requires_grad
     assert model.input.weight.grad is not None, "grads must still flow through a frozen scope"
-    torch.testing.assert_close(losses, expected, **tolerances(device))
-    assert_grads_match(model, reference, **tolerances(device))
-    assert_params_match(model, reference, **tolerances(device))
 
 
 @pytest.mark.parametrize("device", devices)
@@ -90,20 +86,11 @@ def test_tied_embedding_and_head_train_like_unwrapped_model(device, tied_side):
     reference = reference_then_offload(model, device, tied_lm_predicate(tied_side))
     tokens = [torch.randint(0, 32, (2, 6)).to(device) for _ in range(3)]
 
-    def run(m: nn.Module) -> torch.Tensor:
-        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        losses = []
-        for t in tokens:
-            optimizer.zero_grad()
-            logits = m(t)
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), t[:, 1:].flatten())
-            loss.backward()
-            optimizer.step()
-            losses.append(host(loss))
-        return torch.stack(losses)
+    def next_token_loss(m: nn.Module, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(m(t)[:, :-1].flatten(0, 1), t[:, 1:].flatten())
 
-    expected = run(reference)
-    losses = run(model)
+    expected = train_adamw(reference, tokens, loss_fn=next_token_loss)
+    losses = train_adamw(model, tokens, loss_fn=next_token_loss)
 
     shared = model.embed.weight
     other = model.blocks[-1].proj.weight if tied_side == "head_in_block" else model.head.weight
@@ -122,13 +109,9 @@ def test_parameter_shared_by_two_scopes_trains_like_unwrapped_model(device):
     reference = reference_then_offload(model, device)
     batches = [random_batch(device) for _ in range(3)]
 
-    expected = train_adamw(reference, batches)
-    losses = train_adamw(model, batches)
+    assert_trains_like(model, reference, batches, device, grads=True)
 
     assert model.blocks[2].fc1.weight is model.blocks[0].fc1.weight
-    torch.testing.assert_close(losses, expected, **tolerances(device))
-    assert_grads_match(model, reference, **tolerances(device))
-    assert_params_match(model, reference, **tolerances(device))
 
 
 @pytest.mark.parametrize("device", devices)

@@ -10,10 +10,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.func import functional_call
-
-import offtensor
-from offtensor._scope import Scope
 from conftest import (
     BlockStack,
     ResidualBlock,
@@ -26,9 +22,14 @@ from conftest import (
     offloaded_parameters,
     reference_then_offload,
     small_llama,
+    step_both,
     tolerances,
     unwrapped_reference,
 )
+from torch.func import functional_call
+
+import offtensor
+from offtensor._scope import Scope
 
 
 def _batches(device: str, n: int, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -69,11 +70,7 @@ def test_compute_dtype_matches_a_reference_that_casts_by_hand(device, cast):
         F.mse_loss(ref_out.float(), y.float()).backward()
         for _, p in offloaded_parameters(model):
             assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
-        assert_grads_match(model, reference, **tol)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        step_both(model, reference, opt, ref_opt, tol)
     assert_params_match(model, reference, **tol)
     assert_all_scopes_offloaded(model)
 
@@ -128,8 +125,7 @@ def test_backward_and_step_equals_backward_then_step_with_grad_accumulation(devi
     gradient lands, before its scope's backward ends (Note [early handover])."""
     if pieces == "per_param":
         monkeypatch.setattr(offtensor._overlap, "STEP_PIECE_BYTES", 1)
-    model = mlp_of_blocks(n_blocks=4)
-    model.checkpoint = checkpoint
+    model = mlp_of_blocks(n_blocks=4, checkpoint=checkpoint)
     reference = reference_then_offload(model, device)
     fused_ok = fused and device == "cpu"  # CUDA reference: fused kernels differ from CPU ones
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused_ok or None)
@@ -430,12 +426,13 @@ def test_fused_adamw_steps_wrapped_parameters_like_plain_cpu_parameters(device):
     offload(model, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         q.grad = torch.randn_like(q)
         p.grad = q.grad.clone().to(p.device)
     opt.step()
     ref_opt.step()
-    for (name, p), q in zip(offloaded_parameters(model), [q for n, q in reference.named_parameters() if n.startswith("blocks.")]):
+    ref_blocks = [q for n, q in reference.named_parameters() if n.startswith("blocks.")]
+    for (name, p), q in zip(offloaded_parameters(model), ref_blocks, strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0, msg=name)
         assert type(opt.state[p]["exp_avg"]) is torch.Tensor
 
@@ -503,8 +500,7 @@ def _pending(model: nn.Module) -> int:
 @pytest.mark.parametrize("checkpoint", [None, "reentrant", "non_reentrant"])
 @pytest.mark.parametrize("device", devices)
 def test_deferred_steps_finish_before_the_next_forward_uses_the_weights(device, checkpoint):
-    model = mlp_of_blocks(n_blocks=4)
-    model.checkpoint = checkpoint
+    model = mlp_of_blocks(n_blocks=4, checkpoint=checkpoint)
     reference = reference_then_offload(model, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -546,7 +542,7 @@ def test_everything_that_reads_a_master_waits_for_its_deferred_step():
             for k, v in reference.state_dict().items():
                 torch.testing.assert_close(got[k], v, rtol=0, atol=0)
         elif read == "grad":
-            for (_, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            for (_, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
                 torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
         elif read == "optimizer_state_dict":
             state = opt.state_dict()["state"]
@@ -554,7 +550,7 @@ def test_everything_that_reads_a_master_waits_for_its_deferred_step():
                 torch.testing.assert_close(state[i]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"],
                                            rtol=0, atol=0)
         elif read == "data":
-            for (_, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            for (_, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
                 torch.testing.assert_close(p.data.clone(), q.data, rtol=0, atol=0)
         else:  # a plain optimizer.step() by the user: after the deferred ones, so twice in all
             opt.step()
@@ -594,14 +590,13 @@ def test_two_forwards_before_one_backward_and_step_give_the_full_gradient_step(c
     contributions; nothing may be stepped before both."""
     if pieces == "per_param":
         monkeypatch.setattr(offtensor._overlap, "STEP_PIECE_BYTES", 1)
-    model = mlp_of_blocks()
-    model.checkpoint = checkpoint
+    model = mlp_of_blocks(checkpoint=checkpoint)
     reference = reference_then_offload(model, "cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     for x, y in _batches("cpu", 3):
         def loss(m: nn.Module) -> torch.Tensor:
-            return F.mse_loss(m(x), y) + F.mse_loss(m(2 * x), y)  # noqa: B023
+            return F.mse_loss(m(x), y) + F.mse_loss(m(2 * x), y)
 
         offtensor.backward_and_step(loss(model), opt, zero_grad=True)
         loss(reference).backward()

@@ -72,8 +72,9 @@ def test_a_budget_that_holds_everything_keeps_every_scope():
 def test_a_budget_below_what_streaming_needs_says_what_it_needs():
     model = mlp_of_blocks(n_blocks=N_BLOCKS)
     need = 3 * _block_bytes(model)
-    with pytest.raises(ValueError, match=rf"Policy\(vram_budget=1000\) \(1000 bytes\) is below what streaming "
-                                         rf"needs, {need / 1024:.1f} KiB: 3 times the largest selected module.*prefetch=1"):
+    expected = (rf"Policy\(vram_budget=1000\) \(1000 bytes\) is below what streaming needs, "
+                rf"{need / 1024:.1f} KiB: 3 times the largest selected module.*prefetch=1")
+    with pytest.raises(ValueError, match=expected):
         offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=1000))
     assert not offtensor.is_wrapped(model)
 
@@ -118,7 +119,7 @@ def test_training_with_a_budget_matches_the_unwrapped_model(device, overlapped, 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     per_step = []
-    for step in range(4):
+    for _ in range(4):
         before = _loads(model)
         for micro in range(2):  # accumulation
             x, y = random_batch(device)

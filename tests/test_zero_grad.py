@@ -10,18 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-import offtensor
 from conftest import (
     assert_all_scopes_offloaded,
     assert_grads_match,
     assert_params_match,
     devices,
-    mlp_of_blocks,
-    param_bytes,
-    reference_then_offload,
+    mlp_and_reference,
     tolerances,
 )
+
+import offtensor
 
 WHERE = ["before_forward", "between_forward_and_backward", "after_step"]
 
@@ -51,10 +49,7 @@ def _train(model, optimizer, batches, *, where: str, set_to_none: bool, overlapp
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 @pytest.mark.parametrize("where", WHERE)
 def test_grads_match_unwrapped_wherever_zero_grad_is_called(device, where, split, checkpoint, overlapped):
-    model = mlp_of_blocks(n_blocks=3)
-    policy = offtensor.Policy(max_scope_bytes=param_bytes(model.blocks[0]) // 2) if split else None
-    reference = reference_then_offload(model, device, policy=policy)
-    model.checkpoint = reference.checkpoint = checkpoint
+    model, reference = mlp_and_reference(device, split=split, checkpoint=checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     tol = tolerances(device)
@@ -73,10 +68,7 @@ def test_grads_match_unwrapped_wherever_zero_grad_is_called(device, where, split
 @pytest.mark.parametrize("device", devices)
 def test_in_place_write_to_grad_between_forward_and_backward_is_seen(device):
     """Not only zero_grad: any in-place change of `p.grad` after the forward counts."""
-    model = mlp_of_blocks(n_blocks=3)
-    policy = offtensor.Policy(max_scope_bytes=param_bytes(model.blocks[0]) // 2)
-    reference = reference_then_offload(model, device, policy=policy)
-    model.checkpoint = reference.checkpoint = "reentrant"
+    model, reference = mlp_and_reference(device, split=True, checkpoint="reentrant")
     x, y = torch.randn(4, 8, device=device), torch.randn(4, 4, device=device)
     for m in (model, reference):
         F.mse_loss(m(x), y).backward()
