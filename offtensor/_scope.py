@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from . import _compile
 from ._api import Policy, ScopeState
 
 if TYPE_CHECKING:
@@ -242,10 +243,11 @@ class Scope:
         return sum(s.param.numel() for s in self.slots)
 
     def install_hooks(self) -> None:
-        self.handles.append(self.module.register_forward_pre_hook(Hook(self._pre_forward), with_kwargs=True))
-        self.handles.append(
-            self.module.register_forward_hook(Hook(self._post_forward), with_kwargs=True, always_call=True)
-        )
+        # Called from compiled code, the hooks also expose the device copies (Note [torch.compile]).
+        pre = Hook(self._pre_forward, functools.partial(_compile.pre_forward, self))
+        post = Hook(self._post_forward, functools.partial(_compile.post_forward, self))
+        self.handles.append(self.module.register_forward_pre_hook(pre, with_kwargs=True))
+        self.handles.append(self.module.register_forward_hook(post, with_kwargs=True, always_call=True))
 
     def remove_hooks(self) -> None:
         for h in self.handles:
@@ -308,12 +310,16 @@ class Scope:
 
 
 class Hook:
-    """A module hook calling `fn`; its copies do nothing (Note [copies of a wrapped model])."""
+    """A module hook calling `fn`, or `compiled_fn` outside dynamo when compiled code calls it
+    (Note [torch.compile] in _compile.py); its copies do nothing (Note [copies of a wrapped model])."""
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Any, compiled_fn: Any = None) -> None:
         self.fn = fn
+        self.compiled_fn = fn if compiled_fn is None else compiled_fn
 
     def __call__(self, *args: Any) -> Any:
+        if _compile.compiling():
+            return _compile.run_outside_dynamo(self.compiled_fn, *args)
         return self.fn(*args)
 
     def __deepcopy__(self, memo: dict) -> _InertHook:

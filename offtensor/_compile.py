@@ -1,0 +1,124 @@
+"""torch.compile of a wrapped model: scope hooks opaque to dynamo, device copies as graph inputs.
+
+# Note [torch.compile]
+Under `torch.compile(model)` or `block.compile()` dynamo traces a scope's module call, hooks
+included. Tracing offtensor's hooks or `OffloadedParameter.__torch_function__` cannot work: they
+keep Python state (scope states, counters, the learned orders, the thread) that dynamo would
+either guard on (a recompile at every call: the state changes every time) or fail to trace
+(threading, logging, events), and a compiled graph cannot wait per op for a chunk of a copy.
+So the two halves are kept apart:
+- The hooks run outside dynamo. `Hook.__call__` (in _scope.py) is traced; while dynamo traces it
+  (`torch.compiler.is_compiling()`, a constant of the trace) it calls the hook through
+  `run_outside_dynamo`, a function dynamo does not trace: a graph break at the scope boundary,
+  and on every run of the compiled code the hook runs eagerly, as in eager mode. Called by
+  compiled code, a scope's hooks also take `pre_forward`/`post_forward` below.
+- Inside the scope, dynamo sees plain device tensors. `pre_forward` makes the whole scope
+  resident (waiting for every chunk of its copy and every deferred optimizer step, as
+  `__torch_function__` would have op by op) and puts each parameter's device copy
+  (`ParamSlot.use_device_copy`, the leaf the eager path hands to ops) in its module's
+  `_parameters` in place of the OffloadedParameter; `post_forward` puts the parameters back
+  before the scope's release. The compiled forward therefore reads `self.weight` as a dense
+  device tensor, a graph input like any parameter: dynamo guards on its metadata (shape, dtype,
+  device, requires_grad), which do not change from call to call, so nothing recompiles, and
+  one graph serves every block of the same shape (`block.compile()` on each layer).
+- Gradients take the eager path (Note [gradient path] in _grads.py): autograd accumulates into
+  the device copy, a leaf whose post-accumulate-grad hook sends the gradient to the host `.grad`.
+- Backward reads what the compiled forward saved: the device copies themselves, or views of
+  them (AOTAutograd saves graph inputs as they are), which share the scope's device storage. The
+  scope is loaded again into that same storage before its backward (the output-gradient hook
+  registered by the eager post-forward hook, Note [backward triggers] in _scope.py), exactly as
+  in eager mode (Note [why storage is resized instead of reassigned]). Tensors the compiled
+  forward computed from the weights (a transposed or cast copy) are its own buffers, kept alive
+  by the graph. A checkpointed region traced inside a compiled graph recomputes from those saved
+  inputs inside the compiled backward, after the scope's pre-backward load; a checkpoint that
+  runs eagerly calls the module (and its hooks) again, or its `forward` (transformers' layers:
+  the hooks stay outside), whose ops then reach the scope's device copy through
+  `__torch_function__` (the scope whose backward runs).
+- Progressive loads (Note [progressive loads]) do not apply: a compiled graph has no per-op hook
+  to wait in, so the first op waits for the whole scope.
+A parameter read outside its own scope in a compiled region (a tied weight read by another
+module) is still an OffloadedParameter there; `__torch_function__` then breaks the graph at that
+op (`outside_scope_op`) and runs it eagerly, with a temporary device copy as in eager mode.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from ._scope import ParamSlot, Scope
+
+
+def _call(fn: Any, *args: Any) -> Any:
+    return fn(*args)
+
+
+# Dynamo neither traces this nor what it calls: a call from traced code is a graph break, and
+# the compiled code calls it on every run (Note [torch.compile]). torch._disable_dynamo imports
+# dynamo on the first call only.
+run_outside_dynamo = torch._disable_dynamo(_call)
+
+
+def compiling() -> bool:
+    """Dynamo is tracing the code that calls this (a constant of the trace)."""
+    return torch.compiler.is_compiling()
+
+
+# Per scope whose device copies a compiled call exposes: where each was put, as
+# (module._parameters, key, slot), to be put back by `hide`.
+_exposed: weakref.WeakKeyDictionary[Scope, list[tuple[dict[str, Any], str, ParamSlot]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def homes(scope: Scope) -> list[tuple[dict[str, Any], str, ParamSlot]]:
+    """Where the scope's offloaded parameters are registered: (module._parameters, key, slot)."""
+    ours = {id(slot.param): slot for slot in scope.slots}
+    return [(m._parameters, k, ours[id(p)]) for m in scope.module.modules()
+            for k, p in m._parameters.items() if p is not None and id(p) in ours]
+
+
+def pre_forward(scope: Scope, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """The scope's forward pre-hook when compiled code calls the module: the eager hook, then
+    the whole scope resident and its device copies in place of the parameters."""
+    scope._pre_forward(module, args, kwargs)
+    expose(scope)
+
+
+def post_forward(scope: Scope, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    """The scope's forward hook when compiled code calls the module: the parameters back, then
+    the eager hook (which may release the scope)."""
+    if scope.active_calls <= 1:
+        hide(scope)
+    scope._post_forward(module, args, kwargs, output)
+
+
+def expose(scope: Scope) -> None:
+    """Make the scope resident and register its device copies where its parameters are."""
+    if scope.engine.foreign_thread():
+        return
+    scope.engine.make_resident(scope)
+    if scope in _exposed:
+        return  # a nested call of the same scope
+    places = homes(scope)
+    _exposed[scope] = places
+    for params, key, slot in places:
+        leaf = slot.use_device_copy()
+        if type(leaf) is not torch.Tensor:
+            # A DeviceCopy (its repr guards against printing released storage) becomes a
+            # plain tensor for good: parts of torch.compile (aot_eager's analysis of the
+            # first run) refuse tensor subclasses among the graph inputs.
+            leaf.__class__ = torch.Tensor
+        params[key] = leaf
+
+
+def hide(scope: Scope) -> None:
+    """Put the OffloadedParameters back where `expose` put device copies."""
+    places = _exposed.pop(scope, None)
+    if places is None:
+        return
+    for params, key, slot in places:
+        params[key] = slot.param
