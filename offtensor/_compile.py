@@ -63,8 +63,9 @@ run_outside_dynamo = torch._disable_dynamo(_call)
 
 
 def compiling() -> bool:
-    """Dynamo is tracing the code that calls this (a constant of the trace)."""
-    return torch.compiler.is_compiling()
+    """Dynamo traces the code calling this (a constant True of the trace), or the compiler runs
+    it (its metadata queries while it builds fake tensors)."""
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
 
 
 # Per scope whose device copies a compiled call exposes: where each was put, as
