@@ -47,12 +47,13 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from ._scope import ParamSlot, Scope
 
 
-def _call(fn: Any, *args: Any) -> Any:
+def _call(fn: Any, args: tuple) -> Any:
     return fn(*args)
 
 
@@ -60,6 +61,20 @@ def _call(fn: Any, *args: Any) -> Any:
 # the compiled code calls it on every run (Note [torch.compile]). torch._disable_dynamo imports
 # dynamo on the first call only.
 run_outside_dynamo = torch._disable_dynamo(_call)
+
+
+def in_compiled_region() -> bool:
+    """Called from code that dynamo traces or runs: `compiling()`, or a frame that dynamo runs
+    without compiling it (a graph break, the recompile limit) while compiled code is running
+    (its frame-evaluation callback is installed on this thread)."""
+    return torch.compiler.is_compiling() or _eval_frame_callback() is not None
+
+
+def _no_callback() -> None:
+    return None
+
+
+_eval_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", _no_callback)
 
 
 def compiling() -> bool:
@@ -108,11 +123,12 @@ def expose(scope: Scope) -> None:
     _exposed[scope] = places
     for params, key, slot in places:
         leaf = slot.use_device_copy()
-        if type(leaf) is not torch.Tensor:
-            # A DeviceCopy (its repr guards against printing released storage) becomes a
-            # plain tensor for good: parts of torch.compile (aot_eager's analysis of the
-            # first run) refuse tensor subclasses among the graph inputs.
-            leaf.__class__ = torch.Tensor
+        if type(leaf) is not nn.Parameter:
+            # A DeviceCopy (whose repr guards against printing released storage) becomes an
+            # nn.Parameter for good: parts of torch.compile refuse other tensor subclasses
+            # among the graph inputs (aot_eager's analysis of the first run), and module code
+            # may check `isinstance(self.weight, nn.Parameter)`. Same object, same hooks.
+            leaf.__class__ = nn.Parameter
         params[key] = leaf
 
 

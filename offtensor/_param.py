@@ -44,7 +44,7 @@ class OffloadedParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         if _compile.compiling():  # an op outside the parameter's scope: Note [torch.compile]
-            return _compile.run_outside_dynamo(_compiled_region_op, func, args, kwargs or {})
+            return _compile.run_outside_dynamo(_compiled_region_op, (func, args, kwargs or {}))
         return without_subclass_dispatch(_torch_function, func, args, kwargs or {})
 
     def __repr__(self) -> str:  # type: ignore[override]

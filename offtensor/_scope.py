@@ -271,6 +271,8 @@ class Scope:
         interrupted = self.calls.enter()
         if interrupted:
             self.engine.forget_calls(self, interrupted)
+        if self.active_calls == 0:
+            _compile.hide(self)  # an interrupted compiled call left its device copies exposed
         tensors = _tensors(args, kwargs)
         self.engine.pre_forward(self, tensors)
         if torch.is_grad_enabled():
@@ -318,8 +320,8 @@ class Hook:
         self.compiled_fn = fn if compiled_fn is None else compiled_fn
 
     def __call__(self, *args: Any) -> Any:
-        if _compile.compiling():
-            return _compile.run_outside_dynamo(self.compiled_fn, *args)
+        if _compile.in_compiled_region():
+            return _compile.run_outside_dynamo(self.compiled_fn, args)
         return self.fn(*args)
 
     def __deepcopy__(self, memo: dict) -> _InertHook:

@@ -14,7 +14,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "offtensor"
 
 # Bottom to top. A module may import any module before it in this list, none after it.
-LAYERS = ["_api", "_host_memory", "_distributed", "_compile", "_param", "_scope", "_grads", "_overlap", "_transfer", "_wrap"]
+LAYERS = ["_api", "_host_memory", "_distributed", "_compile", "_param", "_scope", "_grads", "_overlap", "_transfer",
+          "_wrap"]
 
 
 def _runtime_imports(module: str) -> set[str]:
