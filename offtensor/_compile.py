@@ -3,42 +3,58 @@
 # Note [torch.compile]
 Under `torch.compile(model)` or `block.compile()` dynamo traces a scope's module call, hooks
 included. Tracing offtensor's hooks or `OffloadedParameter.__torch_function__` cannot work: they
-keep Python state (scope states, counters, the learned orders, the thread) that dynamo would
+keep Python state (scope states, call counts, the learned orders, the thread) that dynamo would
 either guard on (a recompile at every call: the state changes every time) or fail to trace
-(threading, logging, events), and a compiled graph cannot wait per op for a chunk of a copy.
-So the two halves are kept apart:
-- The hooks run outside dynamo. `Hook.__call__` (in _scope.py) is traced; while dynamo traces it
-  (`torch.compiler.is_compiling()`, a constant of the trace) it calls the hook through
-  `run_outside_dynamo`, a function dynamo does not trace: a graph break at the scope boundary,
-  and on every run of the compiled code the hook runs eagerly, as in eager mode. Called by
-  compiled code, a scope's hooks also take `pre_forward`/`post_forward` below.
-- Inside the scope, dynamo sees plain device tensors. `pre_forward` makes the whole scope
-  resident (waiting for every chunk of its copy and every deferred optimizer step, as
-  `__torch_function__` would have op by op) and puts each parameter's device copy
+(threading, logging, events), and a compiled graph has no per-op point at which to wait for a
+chunk of a copy or a deferred optimizer step. So the two halves are kept apart:
+- The hooks run outside dynamo. `Hook.__call__` (_scope.py) checks `in_compiled_region()`:
+  traced, `torch.compiler.is_compiling()` is a constant True; run natively by compiled code
+  (dynamo compiles or skips the hook's frame after the graph break, or runs it eagerly past the
+  recompile limit) the frame-evaluation callback of dynamo is installed on the thread, which it
+  never is in eager mode (nor in backward, which autograd runs outside the compiled call). It
+  then calls the hook through `run_outside_dynamo`, which dynamo does not trace: one graph break
+  at each scope boundary, and on every run of the compiled code the hook runs eagerly, as in
+  eager mode. Deciding by the callback, not by whether dynamo traced the hook, matters: past the
+  recompile limit a hook frame runs eagerly while the block's forward may still be compiled.
+- Inside the scope, dynamo sees plain device tensors. In a compiled region a scope's hooks are
+  `pre_forward`/`post_forward` below. `pre_forward` runs the eager hook, makes the whole scope
+  resident (waiting for every chunk of its copy and every deferred optimizer step, which
+  `__torch_function__` would have done op by op) and registers each parameter's device copy
   (`ParamSlot.use_device_copy`, the leaf the eager path hands to ops) in its module's
-  `_parameters` in place of the OffloadedParameter; `post_forward` puts the parameters back
-  before the scope's release. The compiled forward therefore reads `self.weight` as a dense
-  device tensor, a graph input like any parameter: dynamo guards on its metadata (shape, dtype,
-  device, requires_grad), which do not change from call to call, so nothing recompiles, and
-  one graph serves every block of the same shape (`block.compile()` on each layer).
+  `_parameters` in place of the OffloadedParameter (`expose`); `post_forward` puts the
+  parameters back (`hide`) before the eager hook, which may release the scope. The compiled
+  forward reads `self.weight` as a device `nn.Parameter`, a graph input like any parameter:
+  dynamo guards on its metadata (type, shape, dtype, device, requires_grad), which do not change
+  from call to call, so nothing recompiles, and one graph serves every block of the same code
+  and shapes. The device copies are made `nn.Parameter`s (their class changes in place, hooks
+  kept): AOTAutograd's first-run analysis (aot_eager) refuses other tensor subclasses as inputs.
+  A call interrupted before `post_forward` (KeyboardInterrupt) leaves them registered; the
+  scope's next call puts the parameters back first (Scope._pre_forward).
 - Gradients take the eager path (Note [gradient path] in _grads.py): autograd accumulates into
   the device copy, a leaf whose post-accumulate-grad hook sends the gradient to the host `.grad`.
 - Backward reads what the compiled forward saved: the device copies themselves, or views of
-  them (AOTAutograd saves graph inputs as they are), which share the scope's device storage. The
-  scope is loaded again into that same storage before its backward (the output-gradient hook
-  registered by the eager post-forward hook, Note [backward triggers] in _scope.py), exactly as
-  in eager mode (Note [why storage is resized instead of reassigned]). Tensors the compiled
-  forward computed from the weights (a transposed or cast copy) are its own buffers, kept alive
-  by the graph. A checkpointed region traced inside a compiled graph recomputes from those saved
-  inputs inside the compiled backward, after the scope's pre-backward load; a checkpoint that
-  runs eagerly calls the module (and its hooks) again, or its `forward` (transformers' layers:
-  the hooks stay outside), whose ops then reach the scope's device copy through
-  `__torch_function__` (the scope whose backward runs).
+  them (AOTAutograd saves graph inputs as they are), which share the scope's device storage.
+  The scope is loaded again into that same storage before its backward runs (the output-gradient
+  hook that the eager post-forward hook registers on the block's outputs, Note [backward
+  triggers] in _scope.py), exactly as in eager mode (Note [why storage is resized instead of
+  reassigned]); the release follows the input gradients, which the compiled backward computes in
+  the same node as the weight gradients. Tensors the compiled forward computed from the weights
+  (a transposed or cast copy) are its own buffers, kept alive by the graph. A checkpoint traced
+  into a block's graph (transformers checkpoints a layer's `forward`, inside its hooks)
+  recomputes from those saved inputs inside the compiled backward, after the scope's
+  pre-backward load; a checkpoint dynamo does not trace (reentrant, or around the module call)
+  runs eagerly and calls the module, hooks included, again in backward, where no compiled region
+  is active: the recompute runs in eager mode. tests/test_compile.py checks with a backend whose
+  compiled backward fails on any input with released storage.
 - Progressive loads (Note [progressive loads]) do not apply: a compiled graph has no per-op hook
-  to wait in, so the first op waits for the whole scope.
-A parameter read outside its own scope in a compiled region (a tied weight read by another
-module) is still an OffloadedParameter there; `__torch_function__` then breaks the graph at that
-op (`outside_scope_op`) and runs it eagerly, with a temporary device copy as in eager mode.
+  to wait in, so the first op of a block waits for the whole scope.
+A parameter read outside its own scope in compiled code (a tied weight read by another module)
+is still an OffloadedParameter there: its `__torch_function__` calls `run_outside_dynamo`, so
+the graph breaks at that op, which runs eagerly with a temporary device copy as in eager mode.
+The compiler's own metadata queries on such a parameter while it builds fake tensors
+(`p._is_view()`) run natively with `compiling()` true and read the master: nothing is copied.
+CUDA graphs (`mode="reduce-overhead"`) assume parameters keep their addresses; a scope's device
+storage is allocated anew at each load, so they are not supported.
 """
 
 from __future__ import annotations
@@ -83,18 +99,24 @@ def compiling() -> bool:
     return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
 
 
-# Per scope whose device copies a compiled call exposes: where each was put, as
-# (module._parameters, key, slot), to be put back by `hide`.
-_exposed: weakref.WeakKeyDictionary[Scope, list[tuple[dict[str, Any], str, ParamSlot]]] = (
-    weakref.WeakKeyDictionary()
-)
+Home = tuple[dict[str, Any], str, "ParamSlot"]  # (module._parameters, key, slot)
+
+# Per scope whose device copies a compiled call exposes: where each was put, for `hide`.
+_exposed: weakref.WeakKeyDictionary[Scope, list[Home]] = weakref.WeakKeyDictionary()
+# Per scope, where its offloaded parameters are registered (computed at its first compiled call).
+_homes: weakref.WeakKeyDictionary[Scope, list[Home]] = weakref.WeakKeyDictionary()
 
 
-def homes(scope: Scope) -> list[tuple[dict[str, Any], str, ParamSlot]]:
-    """Where the scope's offloaded parameters are registered: (module._parameters, key, slot)."""
-    ours = {id(slot.param): slot for slot in scope.slots}
-    return [(m._parameters, k, ours[id(p)]) for m in scope.module.modules()
-            for k, p in m._parameters.items() if p is not None and id(p) in ours]
+def homes(scope: Scope) -> list[Home]:
+    """Where the scope's offloaded parameters are registered: (module._parameters, key, slot),
+    a parameter shared by several modules of the scope once per module."""
+    places = _homes.get(scope)
+    if places is None or any(params.get(key) is not slot.param for params, key, slot in places):
+        ours = {id(slot.param): slot for slot in scope.slots}
+        places = [(m._parameters, k, ours[id(p)]) for m in scope.module.modules()
+                  for k, p in m._parameters.items() if p is not None and id(p) in ours]
+        _homes[scope] = places
+    return places
 
 
 def pre_forward(scope: Scope, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
