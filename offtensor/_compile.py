@@ -139,6 +139,13 @@ def expose(scope: Scope) -> None:
     if scope.engine.foreign_thread():
         return
     scope.engine.make_resident(scope)
+    if scope.copy_order is None:
+        # No op reports its first use in compiled code (Note [progressive loads]): copy in the
+        # parameters' order. Later loads are then progressive, so a prefetch enqueues what no
+        # deferred optimizer step holds back instead of waiting on the host for every step.
+        scope.copy_order = list(scope.slots)
+        for i, slot in enumerate(scope.copy_order):
+            slot.copy_index = i
     if scope in _exposed:
         return  # a nested call of the same scope
     places = homes(scope)

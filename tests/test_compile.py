@@ -230,6 +230,17 @@ def test_lora_with_offloaded_frozen_base_matches_compiled_unwrapped_model(device
     train_both(model, reference, batches, lm_loss, tolerances(device, "aot_eager"))
 
 
+@pytest.mark.parametrize("device", devices)
+def test_blocks_split_into_several_scopes_match_compiled_unwrapped_model(device):
+    """Policy(max_scope_bytes) makes each child of a block a scope: the block's graph breaks at
+    their boundaries, and the training still matches."""
+    model = mlp_of_blocks(n_blocks=2)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(max_scope_bytes=1))
+    assert len(offtensor.summary(model).scopes) > 2
+    compile_both(model, reference, "blocks", "aot_eager")
+    train_both(model, reference, mlp_batches(device), mse, tolerances(device, "aot_eager"))
+
+
 # --------------------------------------------------------------------------------------------
 # What the compiled graphs see
 # --------------------------------------------------------------------------------------------
