@@ -17,9 +17,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-import offtensor
 from conftest import (
     ResidualBlock,
     assert_all_scopes_offloaded,
@@ -32,6 +29,9 @@ from conftest import (
     reference_then_offload,
     small_llama,
 )
+from torch import nn
+
+import offtensor
 
 dynamo = pytest.importorskip("torch._dynamo")
 
