@@ -34,10 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _distributed
+from . import _compile, _distributed
 from ._engine import Engine, ModelForward
 from ._scope import Scope
-from ._slot import in_backward
+from ._slot import ParamSlot, in_backward
 
 
 class ScopeHooks:
@@ -54,11 +54,16 @@ class ScopeHooks:
         ours = {id(slot.param): slot for slot in scope.slots}
         self._homes = [(m._parameters, k, ours[id(p)]) for m in scope.module.modules()
                        for k, p in m._parameters.items() if id(p) in ours]
+        self._exposed: list[tuple[dict[str, Any], str, ParamSlot]] | None = None  # Note [torch.compile]
+        self._places: list[tuple[dict[str, Any], str, ParamSlot]] | None = None  # cache of _current_homes
 
     def install(self) -> None:
         module = self.scope.module
-        self.handles.append(module.register_forward_pre_hook(Hook(self._pre_forward), with_kwargs=True))
-        self.handles.append(module.register_forward_hook(Hook(self._post_forward), with_kwargs=True, always_call=True))
+        # Called from compiled code, the hooks also expose the device copies (Note [torch.compile]).
+        pre = Hook(self._pre_forward, self.compiled_pre_forward)
+        post = Hook(self._post_forward, self.compiled_post_forward)
+        self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        self.handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -78,6 +83,8 @@ class ScopeHooks:
         interrupted = self.calls.enter()
         if interrupted:
             engine.forget_calls(scope, interrupted)
+        if scope.running_calls == 0:
+            self._hide()  # an interrupted compiled call left its device copies exposed
         tensors = _tensors(args, kwargs)
         if not in_backward():
             if _distributed.active():
@@ -106,6 +113,63 @@ class ScopeHooks:
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         # Autograd runs a backward with grad mode set to its create_graph flag.
         self.engine.pre_backward(self.scope, create_graph=torch.is_grad_enabled())
+
+    # ---- torch.compile (Note [torch.compile] in _compile.py) -------------------------------
+
+    def compiled_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The forward pre-hook when compiled code calls the module: the eager hook, then the
+        whole scope resident and its device copies in place of the parameters."""
+        self._pre_forward(module, args, kwargs)
+        self._expose()
+
+    def compiled_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """The forward hook when compiled code calls the module: the parameters back, then the
+        eager hook (which may release the scope)."""
+        if self.scope.running_calls <= 1:
+            self._hide()
+        self._post_forward(module, args, kwargs, output)
+
+    def _expose(self) -> None:
+        """Make the scope resident and register its device copies where its parameters are."""
+        scope = self.scope
+        if self.engine.foreign_thread():
+            return
+        scope.make_resident()
+        if scope.copy_order is None:
+            # No op reports its first use in compiled code (Note [progressive loads]): copy in
+            # the parameters' order. Later loads are then progressive, so a prefetch enqueues
+            # what no deferred optimizer step holds back instead of waiting for every step.
+            scope.copy_order = list(scope.slots)
+            for i, slot in enumerate(scope.copy_order):
+                slot.copy_index = i
+        if self._exposed is not None:
+            return  # a nested call of the same scope
+        self._exposed = places = self._current_homes()
+        for params, key, slot in places:
+            leaf = slot.use_device_copy()
+            if type(leaf) is not nn.Parameter:
+                # A DeviceCopy (whose repr guards against printing released storage) becomes an
+                # nn.Parameter for good: parts of torch.compile refuse other tensor subclasses
+                # among the graph inputs (aot_eager's analysis of the first run), and module
+                # code may check `isinstance(self.weight, nn.Parameter)`. Same object and hooks.
+                leaf.__class__ = nn.Parameter
+            params[key] = leaf
+
+    def _hide(self) -> None:
+        """Put the OffloadedParameters back where `_expose` put device copies."""
+        places, self._exposed = self._exposed, None
+        for params, key, slot in places or ():
+            params[key] = slot.param
+
+    def _current_homes(self) -> list[tuple[dict[str, Any], str, ParamSlot]]:
+        """Where the scope's parameters are registered now (a parameter shared by several
+        modules of the scope once per module)."""
+        # Not self._homes: the DDP/fully_shard check compares against where they were at wrap.
+        if self._places is None or any(params.get(key) is not slot.param for params, key, slot in self._places):
+            ours = {id(slot.param): slot for slot in self.scope.slots}
+            self._places = [(m._parameters, k, ours[id(p)]) for m in self.scope.module.modules()
+                            for k, p in m._parameters.items() if p is not None and id(p) in ours]
+        return self._places
 
     def inputs_done(self) -> None:
         self.engine.post_backward(self.scope)
@@ -178,12 +242,16 @@ class ModelHooks:
 
 
 class Hook:
-    """A module hook calling `fn`; its copies do nothing (Note [copies of a wrapped model])."""
+    """A module hook calling `fn`, or `compiled_fn` outside dynamo when compiled code calls it
+    (Note [torch.compile] in _compile.py); its copies do nothing (Note [copies of a wrapped model])."""
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Any, compiled_fn: Any = None) -> None:
         self.fn = fn
+        self.compiled_fn = fn if compiled_fn is None else compiled_fn
 
     def __call__(self, *args: Any) -> Any:
+        if _compile.in_compiled_region():
+            return _compile.run_outside_dynamo(self.compiled_fn, args)
         return self.fn(*args)
 
     def __deepcopy__(self, memo: dict) -> _InertHook:

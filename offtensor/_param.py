@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import _distributed
+from . import _compile, _distributed
 from ._slot import ParamSlot, on_optimizer_worker
 
 _disabled_torch_function_impl = torch._C._disabled_torch_function_impl
@@ -42,6 +42,8 @@ class OffloadedParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if _compile.compiling():  # an op outside the parameter's scope: Note [torch.compile]
+            return _compile.run_outside_dynamo(_compiled_region_op, (func, args, kwargs or {}))
         return without_subclass_dispatch(_torch_function, func, args, kwargs or {})
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -87,6 +89,16 @@ def without_subclass_dispatch(fn: Any, *args: Any) -> Any:
     """`fn(*args)` with `__torch_function__` of tensor subclasses off (DisableTorchFunctionSubclass),
     turned back on in C whatever fn raises (Note [interrupts])."""
     return _disabled_torch_function_impl(fn, (), args)  # type: ignore[call-arg]
+
+
+def _compiled_region_op(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`__torch_function__` seen by torch.compile (Note [torch.compile] in _compile.py). Traced,
+    this function is a graph break: the compiled code calls it for the op, eagerly, as
+    `__torch_function__`. Called by the compiler itself (metadata queries while it builds fake
+    tensors: `p._is_view()`, `p.is_sparse`), the op reads the master: nothing is materialized."""
+    if _compile.compiling():
+        return without_subclass_dispatch(lambda: func(*args, **kwargs))
+    return without_subclass_dispatch(_torch_function, func, args, kwargs)
 
 
 def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:

@@ -80,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
                         "beside the plain optimizer step (measure_same_time; default: the current one)")
     p.add_argument("--overlap-rounds", type=int, default=3,
                    help="offtensor-overlap: rounds of measure_same_time (default 3)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile each decoder layer (layer.compile(), inductor) for the resident model and the "
+                        "offtensor peers alike; ratios are then against the compiled resident model, and the "
+                        "warm-up iterations compile")
     p.add_argument("--seed", type=int, default=0)
     return p
 

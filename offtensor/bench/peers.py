@@ -21,10 +21,32 @@ PEER_NAMES = ("resident", "offtensor", "offtensor-overlap", "offtensor-castdev",
 
 @dataclass(frozen=True)
 class PeerOptions:
-    """What --offtensor-* passes to `offtensor.Policy`."""
+    """What --offtensor-* passes to `offtensor.Policy`; --compile."""
 
     offtensor_prefetch: int | None = None
     offtensor_max_scope_mib: float | None = None
+    compile: bool = False  # block.compile() on each decoder layer (resident and offtensor peers)
+
+
+COMPILED_PEERS = ("resident", "offtensor", "offtensor-overlap", "offtensor-castdev", "offtensor-casthost")
+
+
+def compile_layers(built: BuiltModel, peer: str) -> str:
+    """--compile: `layer.compile()` (inductor) on each decoder layer, after the peer placed the
+    model, the same way for the resident model and offtensor; compiling happens in the warm-up
+    iterations. Dynamo's caches are reset first (a peer's layers must not count towards the
+    recompile limit of another's), and the limit is raised to the layer count: transformers'
+    layers differ by `layer_idx`, one compiled graph each."""
+    if peer not in COMPILED_PEERS:
+        return "not compiled"
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, max(8, 2 * len(built.layers)))
+    for layer in built.layers:
+        layer.compile()
+    return "layer.compile() on each decoder layer"
 
 
 def peer_plan(peer: str, scenario: Scenario) -> str | None:

@@ -22,7 +22,7 @@ from .optimizer import (
     measure_plain_adamw,
     measure_same_time,
 )
-from .peers import PEER_SETUP, PeerOptions, step_pcie_bytes
+from .peers import PEER_SETUP, PeerOptions, compile_layers, step_pcie_bytes
 from .results import Extras, Row, VariantBytes
 from .scenarios import ModelShape, Scenario
 from .workload import Workload, make_workload
@@ -184,6 +184,8 @@ def _build_and_place(peer: str, variant: str, shape: ModelShape, device: torch.d
         built.total_bytes, built.wrapped_bytes, built.wrapped_trainable_bytes, built.trainable,
         str(built.dtype).removeprefix("torch.")))
     how = PEER_SETUP[peer](built, device, opts)
+    if opts.compile:
+        how += "; " + compile_layers(built, peer)
     sync(device)
     info: dict[str, Any] = {"how": how, "build_s": t1 - t0, "setup_s": time.perf_counter() - t1,
                             "trainable": built.trainable}
@@ -213,7 +215,8 @@ class _PeerPass:
                  run: Run) -> None:
         self.peer, self.shape, self.device, self.args, self.run = peer, shape, device, args, run
         self.opts = PeerOptions(offtensor_prefetch=args.offtensor_prefetch,
-                                offtensor_max_scope_mib=args.offtensor_max_scope_mib)
+                                offtensor_max_scope_mib=args.offtensor_max_scope_mib,
+                                compile=getattr(args, "compile", False))
         self.built: BuiltModel | None = None
         self.rss0: int | None = None
         self.setup_failed: dict[str, str] = {}  # variant -> note

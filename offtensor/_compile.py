@@ -1,0 +1,95 @@
+"""torch.compile of a wrapped model: scope hooks opaque to dynamo, device copies as graph inputs.
+
+# Note [torch.compile]
+Under `torch.compile(model)` or `block.compile()` dynamo traces a scope's module call, hooks
+included. Tracing offtensor's hooks or `OffloadedParameter.__torch_function__` cannot work: they
+keep Python state (scope states, call counts, the learned orders, the thread) that dynamo would
+either guard on (a recompile at every call: the state changes every time) or fail to trace
+(threading, logging, events), and a compiled graph has no per-op point at which to wait for a
+chunk of a copy or a deferred optimizer step. So the two halves are kept apart:
+- The hooks run outside dynamo. `Hook.__call__` (_hooks.py) checks `in_compiled_region()`:
+  traced, `torch.compiler.is_compiling()` is a constant True; run natively by compiled code
+  (dynamo compiles or skips the hook's frame after the graph break, or runs it eagerly past the
+  recompile limit) the frame-evaluation callback of dynamo is installed on the thread, which it
+  never is in eager mode (nor in backward, which autograd runs outside the compiled call). It
+  then calls the hook through `run_outside_dynamo`, which dynamo does not trace: one graph break
+  at each scope boundary, and on every run of the compiled code the hook runs eagerly, as in
+  eager mode. Deciding by the callback, not by whether dynamo traced the hook, matters: past the
+  recompile limit a hook frame runs eagerly while the block's forward may still be compiled.
+- Inside the scope, dynamo sees plain device tensors. In a compiled region a scope's hooks are
+  `ScopeHooks.compiled_pre_forward`/`compiled_post_forward` (_hooks.py). The first runs the
+  eager hook, makes the whole scope
+  resident (waiting for every chunk of its copy and every deferred optimizer step, which
+  `__torch_function__` would have done op by op) and registers each parameter's device copy
+  (`ParamSlot.use_device_copy`, the leaf the eager path hands to ops) in its module's
+  `_parameters` in place of the OffloadedParameter (`expose`); the second puts the
+  parameters back (`hide`) before the eager hook, which may release the scope. The compiled
+  forward reads `self.weight` as a device `nn.Parameter`, a graph input like any parameter:
+  dynamo guards on its metadata (type, shape, dtype, device, requires_grad), which do not change
+  from call to call, so nothing recompiles, and one graph serves every block of the same code
+  and shapes. The device copies are made `nn.Parameter`s (their class changes in place, hooks
+  kept): AOTAutograd's first-run analysis (aot_eager) refuses other tensor subclasses as inputs.
+  A call interrupted before its post-hook (KeyboardInterrupt) leaves them registered; the
+  scope's next call puts the parameters back first (ScopeHooks._pre_forward).
+- Gradients take the eager path (Note [gradient path] in _grads.py): autograd accumulates into
+  the device copy, a leaf whose post-accumulate-grad hook sends the gradient to the host `.grad`.
+- Backward reads what the compiled forward saved: the device copies themselves, or views of
+  them (AOTAutograd saves graph inputs as they are), which share the scope's device storage.
+  The scope is loaded again into that same storage before its backward runs (the output-gradient
+  hook that the eager post-forward hook registers on the block's outputs, Note [backward
+  triggers] in _hooks.py), exactly as in eager mode (Note [why storage is resized instead of
+  reassigned] in _slot.py); the release follows the input gradients, which the compiled backward computes in
+  the same node as the weight gradients. Tensors the compiled forward computed from the weights
+  (a transposed or cast copy) are its own buffers, kept alive by the graph. A checkpoint traced
+  into a block's graph (transformers checkpoints a layer's `forward`, inside its hooks)
+  recomputes from those saved inputs inside the compiled backward, after the scope's
+  pre-backward load; a checkpoint dynamo does not trace (reentrant, or around the module call)
+  runs eagerly and calls the module, hooks included, again in backward, where no compiled region
+  is active: the recompute runs in eager mode. tests/test_compile.py checks with a backend whose
+  compiled backward fails on any input with released storage.
+- Progressive loads (Note [progressive loads]) do not apply: a compiled graph has no per-op hook
+  to wait in, so the first op of a block waits for the whole scope.
+A parameter read outside its own scope in compiled code (a tied weight read by another module)
+is still an OffloadedParameter there: its `__torch_function__` calls `run_outside_dynamo`, so
+the graph breaks at that op, which runs eagerly with a temporary device copy as in eager mode.
+The compiler's own metadata queries on such a parameter while it builds fake tensors
+(`p._is_view()`) run natively with `compiling()` true and read the master: nothing is copied.
+CUDA graphs (`mode="reduce-overhead"`) assume parameters keep their addresses; a scope's device
+storage is allocated anew at each load, so they are not supported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _call(fn: Any, args: tuple) -> Any:
+    return fn(*args)
+
+
+# Dynamo neither traces this nor what it calls: a call from traced code is a graph break, and
+# the compiled code calls it on every run (Note [torch.compile]). torch._disable_dynamo imports
+# dynamo on the first call only.
+run_outside_dynamo = torch._disable_dynamo(_call)
+
+
+def in_compiled_region() -> bool:
+    """Called from code that dynamo traces or runs: `compiling()`, or a frame that dynamo runs
+    without compiling it (a graph break, the recompile limit) while compiled code is running
+    (its frame-evaluation callback is installed on this thread)."""
+    return torch.compiler.is_compiling() or _eval_frame_callback() is not None
+
+
+def _no_callback() -> None:
+    return None
+
+
+_eval_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", _no_callback)
+
+
+def compiling() -> bool:
+    """Dynamo traces the code calling this (a constant True of the trace), or the compiler runs
+    it (its metadata queries while it builds fake tensors)."""
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
