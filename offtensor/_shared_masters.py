@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _shm
 from ._engine import Engine
@@ -218,6 +219,7 @@ class Sharding:
         # tensor's version then (what is sent: Note [one host copy per node]).
         self._reduced: dict[ParamSlot, tuple[weakref.ref, int]] = {}
         self._store = store
+        self.job = job  # names its shared memory (tests, debugging)
         self._prefix = f"{_STORE_PREFIX}/{job}/fence/"
         self.handles: list[Any] = []
 
@@ -285,7 +287,7 @@ class Sharding:
         backward; nothing when no offloaded parameter is trainable (the masters never change)."""
         if not self.owner:
             return
-        self.handles.append(torch.optim.optimizer.register_optimizer_step_post_hook(self._after_step))
+        self.handles.append(register_optimizer_step_post_hook(self._after_step))
         modules = [model, *(scope.module for engine in self.engines for scope in engine.scopes)]
         for module in dict.fromkeys(modules):  # prepended: before the engine's hooks load anything
             self.handles.append(module.register_forward_pre_hook(self._before_forward, prepend=True))
