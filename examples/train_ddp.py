@@ -3,6 +3,7 @@ its host copy, gradients averaged over the ranks (offtensor.data_parallel).
 
     torchrun --nproc-per-node 2 examples/train_ddp.py              # 2 GPUs (NCCL), or 2 CPU ranks (gloo)
     torchrun --nproc-per-node 2 examples/train_ddp.py --accumulate 4 --overlap
+    torchrun --nproc-per-node 2 examples/train_ddp.py --shard-optimizer --overlap
 
 The loop is standard PyTorch: a DistributedSampler gives each rank its slice of the data, the
 optimizer is torch.optim.AdamW, gradient checkpointing is on. `--accumulate N` runs N
@@ -65,6 +66,8 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--overlap", action="store_true", help="use offtensor.backward_and_step")
+    parser.add_argument("--shard-optimizer", action="store_true",
+                        help="one host copy of the masters per node, each parameter stepped by one rank")
     args = parser.parse_args()
 
     on_cuda = torch.cuda.is_available()
@@ -79,7 +82,7 @@ def main() -> None:
     model = TinyLM(args.layers, args.hidden, args.vocab)
     offtensor.wrap(model, device=device)  # each element of model.layers is offloaded
     model.to(device)  # the embedding, norm and head
-    offtensor.data_parallel(model)
+    offtensor.data_parallel(model, shard_optimizer=args.shard_optimizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
     # A learnable synthetic corpus: short repeating patterns.
@@ -116,7 +119,10 @@ def main() -> None:
                 print(f"step {step}: loss {loss.item() * args.accumulate:.4f}")
             if step == args.steps:
                 break
-    offtensor.wait_for_steps()
+    if args.shard_optimizer:
+        offtensor.sync_masters(model)  # every rank's deferred steps are in the shared masters
+    else:
+        offtensor.wait_for_steps()
 
     # Every rank took the same steps: the weights are equal everywhere.
     for name, p in model.named_parameters():

@@ -9,7 +9,7 @@ See README.md and docs/design.md.
 """
 
 from ._api import Policy, ScopeState, ScopeSummary, Summary, frozen_only
-from ._data_parallel import data_parallel, no_sync
+from ._data_parallel import data_parallel, no_sync, sync_masters
 from ._overlap import OverlapReport, backward_and_step, last_stepped, wait_for_steps
 from ._param import OffloadedParameter
 from ._wrap import is_wrapped, no_offload, set_prefetch, summary, unwrap, wrap
@@ -30,6 +30,7 @@ __all__ = [
     "no_sync",
     "set_prefetch",
     "summary",
+    "sync_masters",
     "unwrap",
     "wait_for_steps",
     "wrap",

@@ -59,6 +59,7 @@ from torch import nn
 from ._engine import Engine
 from ._overlap import wait_for_steps
 from ._param import OffloadedParameter
+from ._shared_masters import Sharding, new_job_id, plan_owners, row_bytes, sharding_of, share_masters, wait_on_d2h
 from ._slot import ParamSlot
 from ._wrap import _engine_of
 
@@ -78,27 +79,43 @@ class GradReducer:
         # Active no_sync() contexts; weak, so one whose __exit__ an interrupt skipped stops
         # counting once it is collected (as no_offload's holds, Note [interrupts]).
         self.holds: weakref.WeakSet[no_sync] = weakref.WeakSet()
-        self.reductions = 0  # all-reduces launched (tests, debugging)
+        self.reductions = 0  # all-reduces (or reduces to owners) launched (tests, debugging)
+        # With shard_optimizer: the owners, the reduce to them and the step fence
+        # (Note [one host copy per node] in _shared_masters.py).
+        self.sharding: Sharding | None = None
 
     def syncing(self) -> bool:
         return len(self.holds) == 0
 
-    def reduce(self, slot: ParamSlot, grad: torch.Tensor) -> torch.Tensor:
-        """An offloaded parameter's device gradient, averaged over the ranks; on CUDA the d2h
-        stream waits for the all-reduce (Note [data parallel]). Called by GradOffload."""
+    def keeps(self, slot: ParamSlot) -> bool:
+        """Whether this rank's host `p.grad` receives this gradient: always, except with
+        shard_optimizer outside no_sync on the ranks that do not own the parameter."""
+        return self.sharding is None or not self.syncing() or self.sharding.owns(slot)
+
+    def reduce(self, slot: ParamSlot, grad: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor | None:
+        """An offloaded parameter's device gradient `grad` plus its old host gradient `old` (on
+        the device, or None), averaged over the ranks; on CUDA the d2h stream waits for the
+        all-reduce (Note [data parallel]). None: another rank owns it (shard_optimizer). Called
+        by GradOffload."""
+        if self.sharding is not None:
+            out = self.sharding.reduce(slot, grad, old, self.syncing())
+            self.reductions += self.syncing()
+            return out
+        if old is not None:
+            grad = grad + old
         if not self.syncing():
             return grad
         # A tensor of our own: `grad` may be autograd's or a user hook's result.
         grad = (grad / self.world).contiguous()
         work = torch.distributed.all_reduce(grad, group=self.group, async_op=True)
         self.reductions += 1
-        engine = slot.scope.engine
-        if grad.device.type == "cuda":
-            with engine.streams.on(engine.streams.d2h()):
-                work.wait()
-        else:
-            work.wait()
+        wait_on_d2h(slot.scope.engine, work, grad.device)
         return grad
+
+    def written(self, slot: ParamSlot, buf: torch.Tensor) -> None:
+        """GradOffload enqueued the copy of this parameter's gradient into `buf`."""
+        if self.sharding is not None:
+            self.sharding.written(slot, buf, self.syncing())
 
     def reduce_resident(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook of a parameter that is not offloaded: average `p.grad`."""
@@ -118,6 +135,8 @@ class GradReducer:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        if self.sharding is not None:
+            self.sharding.close()
         for engine in self.engines:
             if engine.grads.reducer is self:
                 engine.grads.reducer = None
@@ -162,6 +181,7 @@ class no_sync:
 
 
 def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weights: bool = True,
+                  shard_optimizer: bool = False,
                   timeout: datetime.timedelta | float = DEFAULT_TIMEOUT) -> nn.Module:
     """Train a wrapped model data-parallel: one process per device, each on its slice of the
     batch, gradients averaged over the ranks in every backward (offtensor's replacement for
@@ -180,12 +200,28 @@ def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weig
     Every rank must compute gradients for the same parameters in the same order (as DDP without
     `find_unused_parameters`). `offtensor.unwrap(model)` ends the mode.
 
+    With `shard_optimizer=True` the ranks of the node keep one host copy of the offloaded
+    masters, in shared memory, and split the CPU optimizer work: each trainable offloaded
+    parameter has one owner rank (balanced by bytes), its averaged gradient goes to the owner's
+    `p.grad` only (None on the other ranks), so your optimizer, built over all parameters on
+    every rank, steps and keeps state for only the parameters its rank owns. Host RAM is then one
+    copy of the masters per node plus each rank's share of gradients and optimizer state. After
+    every `optimizer.step()`, and before the forward after a `backward_and_step`, the ranks pass
+    a fence so that each reads the masters the others stepped (`offtensor.sync_masters(model)`
+    does it by hand: before saving a checkpoint right after `backward_and_step`). Every rank must
+    run the same optimizer steps. All ranks must be on one node; global-norm clipping
+    (`clip_grad_norm_`) sees only the rank's own gradients.
+
     Args:
         model: a model that `offtensor.wrap` wrapped (or that contains one); its parameters that
             are not offloaded are averaged too.
         process_group: the group to average over; default the default (world) group.
         broadcast_weights: copy the group's first rank's parameters and buffers to every rank
-            first, as DDP's constructor does. False keeps each rank's own values.
+            first, as DDP's constructor does. False keeps each rank's own values (with
+            `shard_optimizer`, the offloaded masters are the first rank's in any case: there is
+            one copy).
+        shard_optimizer: one host copy of the masters per node and each offloaded parameter
+            stepped by one rank (above). Default False: each rank has its own copy and steps all.
         timeout: how long to wait for the other ranks at the agreement check (a `timedelta` or
             seconds). Collectives during training use the process group's own timeout.
 
@@ -229,17 +265,60 @@ def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weig
             f"the process group given (ranks {ranks}); pass a group this rank belongs to"
         )
     _check_backend(model, engines, group)
-    entries = _exchange(ranks, _describe(model, engines), timeout)
+    entries = _exchange(ranks, _describe(model, engines, shard_optimizer), timeout)
     _check_agreement(entries)
     if broadcast_weights:
-        _broadcast_weights(model, engines, group, src=ranks[0])
+        # With shard_optimizer the first rank's masters reach the others through shared memory.
+        _broadcast_weights(model, engines, group, src=ranks[0], with_masters=not shard_optimizer)
     reducer = GradReducer(group, len(ranks), engines)
+    if shard_optimizer:
+        reducer.sharding = _share(model, engines, group, ranks, entries, timeout)
     for p in _resident(model):
         if p.requires_grad:  # a frozen one has no gradient to average (hooks need requires_grad)
             reducer.handles.append(p.register_post_accumulate_grad_hook(reducer.reduce_resident))
     for engine in engines:
         engine.grads.reducer = reducer
     return model
+
+
+def sync_masters(model: nn.Module) -> None:
+    """Wait until the optimizer steps of every rank are in the shared masters of a model in
+    `data_parallel(model, shard_optimizer=True)` mode: this rank's deferred steps
+    (`backward_and_step`), then a fence of all ranks (Note [step fence] in _shared_masters.py).
+    Needed only to read the masters after `backward_and_step` and before the next forward (which
+    waits by itself), e.g. to save a checkpoint; every rank must call it.
+
+    Example::
+
+        offtensor.backward_and_step(loss, optimizer)
+        offtensor.sync_masters(model)                 # on every rank
+        if rank == 0:
+            torch.save(model.state_dict(), "checkpoint.pt")
+    """
+    sharding = sharding_of(model)
+    if sharding is None:
+        raise RuntimeError(
+            f"offtensor.sync_masters: this {type(model).__name__} is not in "
+            "data_parallel(model, shard_optimizer=True) mode; its masters are this rank's own, and "
+            "offtensor.wait_for_steps() waits for its deferred steps"
+        )
+    sharding.sync("offtensor.sync_masters")
+
+
+def _share(model: nn.Module, engines: list[Engine], group: Any, ranks: list[int],
+           entries: list[dict[str, Any]], timeout: datetime.timedelta) -> Sharding:
+    """shard_optimizer: the masters into the node's shared memory, and the owners (Note [one
+    host copy per node] in _shared_masters.py)."""
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    job = entries[0]["job"]  # the first rank's: one name for all
+    share_masters(engines, ranks, torch.distributed.get_rank(), job, store, timeout)
+    rows = [(name, row_bytes(shape, dtype), trains)
+            for _, params in entries[0]["scopes"] for name, shape, dtype, trains in params]
+    sharding = Sharding(engines, group, ranks, plan_owners(rows, ranks), job, store)
+    sharding.install(model)
+    return sharding
 
 
 def _engines_in(model: nn.Module) -> list[Engine]:
@@ -292,18 +371,19 @@ def _check_backend(model: nn.Module, engines: list[Engine], group: Any) -> None:
             )
 
 
-def _describe(model: nn.Module, engines: list[Engine]) -> dict[str, Any]:
+def _describe(model: nn.Module, engines: list[Engine], shard_optimizer: bool) -> dict[str, Any]:
     """What this rank wrapped and where it computes: what the ranks must agree on."""
     scopes = []
     for engine in engines:
         for scope in engine.scopes:
-            scopes.append([scope.name, [[s.name, list(s.master.shape), str(s.master.dtype)]
+            scopes.append([scope.name, [[s.name, list(s.master.shape), str(s.master.dtype), s.param.requires_grad]
                                         for s in scope.slots]])
     resident = [[n, list(p.shape), str(p.dtype), p.requires_grad]
                 for n, p in model.named_parameters() if not isinstance(p, OffloadedParameter)]
     devices = sorted({str(e.device) for e in engines})
     return {"rank": torch.distributed.get_rank(), "host": socket.gethostname(), "devices": devices,
-            "scopes": scopes, "resident": resident}
+            "scopes": scopes, "resident": resident, "shard_optimizer": shard_optimizer,
+            "job": new_job_id() if shard_optimizer else None}
 
 
 def _exchange(ranks: list[int], entry: dict[str, Any], timeout: datetime.timedelta) -> list[dict[str, Any]]:
@@ -339,6 +419,20 @@ def _check_agreement(entries: list[dict[str, Any]]) -> None:
     """The same verdict on every rank, from every rank's entry."""
     first = entries[0]
     for other in entries[1:]:
+        if other["shard_optimizer"] != first["shard_optimizer"]:
+            raise ValueError(
+                f"offtensor.data_parallel: rank {first['rank']} passed shard_optimizer="
+                f"{first['shard_optimizer']} but rank {other['rank']} shard_optimizer="
+                f"{other['shard_optimizer']}; pass the same on every rank"
+            )
+        if first["shard_optimizer"] and other["host"] != first["host"]:
+            raise ValueError(
+                f"offtensor.data_parallel: shard_optimizer=True shares the masters in one host's "
+                f"memory, but rank {first['rank']} runs on {first['host']!r} and rank "
+                f"{other['rank']} on {other['host']!r}; several nodes are not supported yet: "
+                "call offtensor.data_parallel without shard_optimizer, or pass a process group "
+                "of one node's ranks"
+            )
         _compare_scopes(first, other)
         if other["devices"] != first["devices"] and (
             {d.split(":")[0] for d in other["devices"]} != {d.split(":")[0] for d in first["devices"]}
@@ -382,7 +476,10 @@ def _compare_scopes(a: dict[str, Any], b: dict[str, Any]) -> None:
     for (name, params_a), (_, params_b) in zip(a["scopes"], b["scopes"], strict=True):
         if params_a != params_b:
             diff = next(((x, y) for x, y in zip(params_a, params_b, strict=False) if x != y), None)
-            what = (f"parameter {diff[0][0]!r} is {_shape(diff[0])} on rank {a['rank']} and "
+            frozen = diff is not None and diff[0][:3] == diff[1][:3]  # only requires_grad differs
+            what = (f"parameter {diff[0][0]!r} has requires_grad={diff[0][3]} on rank {a['rank']} and "
+                    f"{diff[1][3]} on rank {b['rank']}" if diff is not None and frozen else
+                    f"parameter {diff[0][0]!r} is {_shape(diff[0])} on rank {a['rank']} and "
                     f"{diff[1][0]!r} {_shape(diff[1])} on rank {b['rank']}" if diff is not None else
                     f"{len(params_a)} offloaded parameters on rank {a['rank']}, {len(params_b)} on "
                     f"rank {b['rank']}")
@@ -413,13 +510,14 @@ def _shape(row: list) -> str:
     return f"{tuple(row[1])} {row[2]}"
 
 
-def _broadcast_weights(model: nn.Module, engines: list[Engine], group: Any, src: int) -> None:
+def _broadcast_weights(model: nn.Module, engines: list[Engine], group: Any, src: int, with_masters: bool) -> None:
     """Copy rank `src`'s parameters and buffers to every rank of the group, through the compute
-    device (an NCCL group carries device tensors only), one collective per scope."""
+    device (an NCCL group carries device tensors only), one collective per scope; the offloaded
+    masters only if `with_masters`."""
     dist = torch.distributed
     receiving = dist.get_rank() != src
     wait_for_steps()  # a deferred optimizer step may still write the masters
-    for engine in engines:
+    for engine in engines if with_masters else []:
         for scope in engine.scopes:
             masters = [s.master for s in scope.slots]
             flat = torch.cat([m.reshape(-1).view(torch.uint8) for m in masters]).to(engine.device)

@@ -91,6 +91,10 @@ class GradOffload:
             out = hook(grad)
             if out is not None:
                 grad = out
+        reducer = self.reducer
+        if reducer is not None and not reducer.keeps(slot):
+            self._send_to_owner(slot, grad)  # another rank steps it (data_parallel, shard_optimizer)
+            return
         # Add to what the host gradient holds: this backward's earlier contributions, or the
         # `p.grad` of earlier backward calls (accumulation).
         accumulate = slot.grad_written
@@ -104,10 +108,10 @@ class GradOffload:
             if slot.grad_written and grad.device.type == "cuda":
                 streams.wait(streams.compute(), slot.last_d2h)
             old = buf.to(grad.device, non_blocking=True)
-        if old is not None:
+        if reducer is not None:  # averaged over the ranks, old included (Note [data parallel])
+            grad = reducer.reduce(slot, grad, old)
+        elif old is not None:
             grad = grad + old
-        if self.reducer is not None:  # averaged over the ranks (Note [data parallel])
-            grad = self.reducer.reduce(slot, grad)
         if grad.device.type == "cuda":
             d2h = streams.d2h()
             streams.wait(d2h, streams.record(torch.cuda.current_stream(grad.device)))
@@ -118,11 +122,28 @@ class GradOffload:
             self._inflight.append((slot.scope, slot.last_d2h, grad))
         else:
             buf.copy_(grad)
+        if reducer is not None:
+            reducer.written(slot, buf)
         if not slot.grad_written:
             self._written.append(slot)
         slot.grads_in_backward += 1
         if self.stepper is not None and slot.single_grad:
             self.stepper.grad_final(slot, slot.last_d2h if grad.device.type == "cuda" else None)
+
+    def _send_to_owner(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """Data parallel with a sharded optimizer: another rank owns this parameter's gradient.
+        Send this rank's part, with what it accumulated under no_sync, and keep none: `p.grad`
+        becomes None (Note [one host copy per node] in _shared_masters.py)."""
+        grad = grad.to(slot.param.dtype)
+        current = master_grad(slot.param)
+        old = slot.scope.take_old_grad(slot)
+        if old is None and current is not None:
+            slot.wait_for_step()
+            old = current.to(grad.device)  # not non_blocking: `current` may be freed below
+        self.reducer.reduce(slot, grad, old)
+        if current is not None:
+            without_subclass_dispatch(set_grads, [slot], [None])
+        slot.host_grad = None
 
     def _destination(self, slot: ParamSlot) -> tuple[torch.Tensor, bool]:
         """Where this backward's gradient for the slot goes, and whether it adds to what is

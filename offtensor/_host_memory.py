@@ -53,6 +53,15 @@ class HostBuffer:
         self._array = _host_array(nbytes, pin=pin)
         self.flat = torch.from_numpy(self._array)  # uint8, all the bytes: the bulk copies
 
+    @classmethod
+    def over(cls, array: np.ndarray) -> HostBuffer:
+        """A buffer over existing uint8 memory (shared memory: _shm.py), pinned or not by its
+        maker; its slices keep `array` (and what it maps) alive."""
+        buffer = cls.__new__(cls)
+        buffer._array = array
+        buffer.flat = torch.from_numpy(array)
+        return buffer
+
     def tensor(self, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
         """An uninitialized tensor at `offset` bytes, its storage exactly its own bytes."""
         nbytes = math.prod(shape) * dtype.itemsize
@@ -70,9 +79,15 @@ def _host_array(nbytes: int, *, pin: bool) -> np.ndarray:
     # A tensor's storage must begin at the registered address: `Tensor.is_pinned()` asks CUDA
     # about the storage's first byte, not the tensor's. Slices of this array keep `raw` alive.
     array = raw[start : start + nbytes]
-    if not pin:
-        return array
-    ptr = array.ctypes.data
+    if pin:
+        register_pinned(array, owner=raw)
+    return array
+
+
+def register_pinned(array: np.ndarray, owner: np.ndarray) -> None:
+    """Page-lock `array`'s (page-aligned) memory with cudaHostRegister, until `owner`, the array
+    that owns the memory, is freed. Registration is per process (shared memory: each maps it)."""
+    ptr, nbytes = array.ctypes.data, array.nbytes
     err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
         raise RuntimeError(
@@ -80,8 +95,7 @@ def _host_array(nbytes: int, *, pin: bool) -> np.ndarray:
             f"{int(err)}; the host may be out of lockable memory (check `ulimit -l`), or pass "
             "policy=offtensor.Policy(pin_memory=False) to keep masters in pageable memory (slower)"
         )
-    weakref.finalize(raw, _unregister, ptr)
-    return array
+    weakref.finalize(owner, _unregister, ptr)
 
 
 def _unregister(ptr: int) -> None:

@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 from ._api import Policy, ScopeState
-from ._param import master_grad
+from ._param import master_grad, without_subclass_dispatch
 from ._slot import ParamSlot
 from ._streams import Streams
 
@@ -226,6 +226,21 @@ class Scope:
             copy.requires_grad_(True)
             copy.register_post_accumulate_grad_hook(functools.partial(self.grad_sink, slot))
         return copy
+
+    def rehome_masters(self, buffer: Any) -> None:
+        """Point the masters at `buffer` (a HostBuffer with this scope's layout that already
+        holds their values: shared memory, Note [one host copy per node] in _shared_masters.py).
+        The parameter objects stay; their data moves, each master keeping a storage of its own
+        (Note [one storage per master] in _host_memory.py). Only while OFFLOADED with no
+        deferred step pending."""
+        assert self.state is ScopeState.OFFLOADED and not any(s.step_pending for s in self.slots)
+        for slot in self.slots:
+            p = slot.param
+            master = buffer.tensor(slot.offset, p.dtype, p.shape)
+            without_subclass_dispatch(_set_master, p, master)
+            slot.master = master
+        self.host_flat = buffer.flat
+        self.shadow_stale = True
 
 
     # ---- transitions (Note [scope states]) -----------------------------------------------
@@ -437,3 +452,9 @@ class Scope:
             return None
         self.streams.wait(self.streams.compute(), self.grads_ready)
         return g
+
+
+def _set_master(p: torch.Tensor, master: torch.Tensor) -> None:
+    """`p.data = master` itself (not OffloadedParameter's copy into the master); call with
+    subclass dispatch off."""
+    torch._C.TensorBase.data.__set__(p, master)  # type: ignore[attr-defined]

@@ -5,7 +5,9 @@ seconds, a scenario milliseconds) and saves each rank's parameters after K optim
 tests compare them with the plain, unwrapped model trained in this process on the whole batch.
 Rank 1 builds its model from another seed: `data_parallel` must copy rank 0's weights to it.
 The same job then runs the bad setups, which must raise the same error on every rank (never
-hang). CPU runs with gloo; the CUDA variant (NCCL, two GPUs) is skipped on fewer than two GPUs.
+hang). The scenarios run again with `shard_optimizer=True` (one host copy of the masters, each
+parameter stepped by its owner rank), and the job measures the host memory of both modes.
+CPU runs with gloo; the CUDA variant (NCCL, two GPUs) is skipped on fewer than two GPUs.
 Every wait is bounded: the job is killed after JOB_TIMEOUT_S, and data_parallel's own agreement
 check waits at most a few seconds here.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
+import os
 import re
 import time
 import traceback
@@ -29,6 +33,8 @@ from conftest import ResidualBlock, host, mlp_of_blocks, only_blocks
 from torch import nn
 
 import offtensor
+from offtensor import _shm
+from offtensor._shared_masters import MastersState, plan_owners
 
 pytestmark = [
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
@@ -79,6 +85,9 @@ class Scenario:
     overlap: bool = False  # the last micro-batch through offtensor.backward_and_step
     checkpoint: str | None = None  # BlockStack.checkpoint
     lora: bool = False  # frozen base weights offloaded (frozen_only), adapters resident
+    shard: bool = False  # data_parallel(shard_optimizer=True)
+    no_sync: bool = True  # the micro-batches before the last under no_sync (else all synchronised)
+    zero_to_none: bool = True  # optimizer.zero_grad(set_to_none=...)
 
 
 SCENARIOS = {
@@ -89,7 +98,18 @@ SCENARIOS = {
     "non_reentrant_checkpointing": Scenario(checkpoint="non_reentrant", predicate="blocks:1,2"),
     "frozen_base_with_lora": Scenario(lora=True),
     "backward_and_step_with_accumulation": Scenario(micro=2, overlap=True),
+    "sharded_all_blocks_offloaded": Scenario(shard=True),
+    "sharded_offloaded_and_resident_blocks": Scenario(predicate="blocks:0,2", shard=True),
+    "sharded_accumulation_with_no_sync": Scenario(micro=2, shard=True),
+    "sharded_accumulation_without_no_sync": Scenario(micro=2, no_sync=False, shard=True),
+    "sharded_accumulation_zero_grad_to_zeros": Scenario(micro=2, zero_to_none=False, shard=True),
+    "sharded_reentrant_checkpointing": Scenario(checkpoint="reentrant", shard=True),
+    "sharded_non_reentrant_checkpointing": Scenario(checkpoint="non_reentrant", predicate="blocks:1,2",
+                                                    shard=True),
+    "sharded_frozen_base_with_lora": Scenario(lora=True, shard=True),
+    "sharded_backward_and_step_with_accumulation": Scenario(micro=2, overlap=True, shard=True),
 }
+SHARDED = [name for name, scenario in SCENARIOS.items() if scenario.shard]
 
 
 def _build(scenario: Scenario, seed: int) -> nn.Module:
@@ -120,7 +140,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(model: nn.Module, scenario: Scenario, xs: torch.Tensor, ys: torch.Tensor, *,
-           data_parallel: bool, on_no_sync_grads: Any = None) -> None:
+           data_parallel: bool, on_no_sync_grads: Any = None, on_synced_grads: Any = None) -> torch.optim.Optimizer:
     """STEPS AdamW steps; with `data_parallel`, `scenario.micro` micro-batches per step, all but
     the last under no_sync (the whole batch at once otherwise: the reference)."""
     micro = scenario.micro if data_parallel else 1
@@ -129,7 +149,8 @@ def _train(model: nn.Module, scenario: Scenario, xs: torch.Tensor, ys: torch.Ten
         pairs = list(zip(xs[step].chunk(micro), ys[step].chunk(micro), strict=True))
         for i, (x, y) in enumerate(pairs):
             last = i == len(pairs) - 1
-            with contextlib.nullcontext() if last else offtensor.no_sync(model):
+            skip = not last and scenario.no_sync
+            with offtensor.no_sync(model) if skip else contextlib.nullcontext():
                 loss = F.mse_loss(model(x), y) / micro
                 if last and scenario.overlap and data_parallel:
                     offtensor.backward_and_step(loss, opt, zero_grad=True)
@@ -138,9 +159,12 @@ def _train(model: nn.Module, scenario: Scenario, xs: torch.Tensor, ys: torch.Ten
             if not last and step == 0 and on_no_sync_grads is not None:
                 on_no_sync_grads({n: host(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None})
         if not (scenario.overlap and data_parallel):
+            if on_synced_grads is not None:
+                on_synced_grads({n for n, p in model.named_parameters() if p.grad is not None})
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=scenario.zero_to_none)
     offtensor.wait_for_steps()
+    return opt
 
 
 # ---- the job each rank runs ----------------------------------------------------------------
@@ -154,23 +178,99 @@ def _error(fn: Any) -> str:
     return "no error"
 
 
+def _shared_mappings() -> list[tuple[int, int]]:
+    """Address ranges of this process mapping a /dev/shm file of offtensor's (already unlinked)."""
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "/dev/shm/offtensor-" in line:
+                start, end = (int(a, 16) for a in line.split()[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+def _in_shared_memory(model: nn.Module) -> dict[str, bool]:
+    ranges = _shared_mappings()
+    return {n: any(a <= p.data_ptr() < b for a, b in ranges)
+            for n, p in model.named_parameters() if isinstance(p, offtensor.OffloadedParameter)}
+
+
+def _pss_bytes() -> int:
+    """This process's proportional set size: shared pages count 1/k in each of k processes."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no Pss in /proc/self/smaps_rollup")
+
+
+class Big(nn.Module):
+    """Three 36 MiB blocks: each allocation above glibc's mmap threshold, so freed memory goes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(3072, 3072, bias=False) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+BIG_BYTES = 3 * 3072 * 3072 * 4
+
+
+def _host_memory(shard: bool, device: str) -> int:
+    """The growth of this rank's Pss from before building Big to after a forward of it in
+    data-parallel mode (measured while every rank holds its model)."""
+    gc.collect()
+    dist.barrier()
+    before = _pss_bytes()
+    with torch.device("meta"):
+        model = Big()
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for block in model.blocks:
+        nn.init.normal_(block.weight, std=0.02)
+    offtensor.wrap(model, device=device).to(device)
+    offtensor.data_parallel(model, shard_optimizer=shard, timeout=30)
+    with torch.no_grad():
+        model(torch.randn(1, 3072, device=device))
+    dist.barrier()
+    grown = _pss_bytes() - before
+    dist.barrier()  # every rank measured while the others still map the memory
+    offtensor.unwrap(model)
+    del model
+    gc.collect()
+    return grown
+
+
 def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
     device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=WORLD,
                             init_method=f"file://{init_file}", timeout=PG_TIMEOUT)
-    results: dict[str, Any] = {"params": {}, "no_sync_grads": {}, "errors": {}}
+    results: dict[str, Any] = {"params": {}, "no_sync_grads": {}, "errors": {}, "stateful": {}, "owners": {},
+                               "synced_grads": {}, "in_shm": {}, "shm_left": {}}
     try:
         xs, ys = _data()
         shard = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
         for name, scenario in SCENARIOS.items():
             model = _build(scenario, seed=0 if rank == 0 else 100 + rank)
             _wrap(model, scenario, device)
-            offtensor.data_parallel(model, timeout=30)
-            _train(model, scenario, xs[:, shard].to(device), ys[:, shard].to(device), data_parallel=True,
-                   on_no_sync_grads=lambda g, name=name: results["no_sync_grads"].__setitem__(name, g))
+            offtensor.data_parallel(model, timeout=30, shard_optimizer=scenario.shard)
+            if scenario.shard:
+                sharding = model._offtensor_engine.grads.reducer.sharding
+                results["owners"][name] = {slot.name: owner for slot, owner in sharding.owner.items()}
+                results["in_shm"][name] = _in_shared_memory(model)
+            opt = _train(model, scenario, xs[:, shard].to(device), ys[:, shard].to(device), data_parallel=True,
+                         on_no_sync_grads=lambda g, name=name: results["no_sync_grads"].__setitem__(name, g),
+                         on_synced_grads=lambda g, name=name: results["synced_grads"].__setitem__(name, g))
             results["params"][name] = {n: host(p).clone() for n, p in model.named_parameters()}
+            results["stateful"][name] = {n for n, p in model.named_parameters() if p in opt.state}
+            if scenario.shard:  # the fences of the steps ordered this after the first rank's unlink
+                results["shm_left"][name] = os.path.exists(f"/dev/shm/offtensor-{sharding.job}")
             offtensor.unwrap(model)
 
         # One scope whose masters mix dtypes at offsets a wider dtype cannot view (6 bytes of
@@ -180,6 +280,8 @@ def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
         offtensor.wrap(mixed, device=device).to(device)
         offtensor.data_parallel(mixed, timeout=30)
         results["mixed_dtypes"] = {n: host(p).clone() for n, p in mixed.named_parameters()}
+
+        results["host_memory"] = {shard: _host_memory(shard, device) for shard in (False, True)}
 
         errors = results["errors"]
 
@@ -204,6 +306,21 @@ def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
         if device_type == "cuda":
             model = wrapped(on="cuda:0")
             errors["two_ranks_on_one_gpu"] = _error(lambda: offtensor.data_parallel(model, timeout=10))
+        model = wrapped()
+        errors["different_shard_optimizer"] = _error(
+            lambda: offtensor.data_parallel(model, timeout=10, shard_optimizer=rank == 0))
+        model = wrapped()
+        model.blocks[0].requires_grad_(False)
+        offtensor.data_parallel(model, timeout=10, shard_optimizer=True)
+        model.blocks[0].requires_grad_(True)
+        x = torch.randn(2, 8, device=device)
+        errors["unfrozen_after_data_parallel"] = _error(lambda: model(x).sum().backward())
+        # An owner's averaged gradient, not zeroed, then a no_sync backward adding to it.
+        model = wrapped()
+        offtensor.data_parallel(model, timeout=10, shard_optimizer=True)
+        model(x).sum().backward()
+        with offtensor.no_sync(model):
+            errors["no_sync_onto_an_averaged_gradient"] = _error(lambda: model(x).sum().backward())
         model = wrapped()
         errors["ddp_around_a_wrapped_model"] = _error(lambda: nn.parallel.DistributedDataParallel(model))
         # Last: rank 1 never calls data_parallel, so rank 0 must give up after its timeout.
@@ -301,6 +418,58 @@ def test_no_sync_leaves_each_rank_its_own_gradients(job):
                            results[1]["no_sync_grads"]["accumulation_with_no_sync"]["head.weight"])
 
 
+@pytest.mark.parametrize("name", SHARDED)
+def test_sharded_ranks_hold_the_same_masters_in_shared_memory(job, name):
+    # After the steps every rank reads the same bytes (each stepped only its own parameters),
+    # the masters lie in a mapping of the node's shared-memory file, and the file is unlinked.
+    _, results = job
+    for n, value in results[0]["params"][name].items():
+        assert torch.equal(value, results[1]["params"][name][n]), n
+    for rank, res in enumerate(results):
+        assert res["in_shm"][name] and all(res["in_shm"][name].values()), f"rank {rank}: {res['in_shm'][name]}"
+        assert not res["shm_left"][name], f"rank {rank}: the /dev/shm file was not unlinked"
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_each_rank_steps_and_keeps_optimizer_state_only_for_the_parameters_it_owns(job, name):
+    _, results = job
+    owners = results[0]["owners"][name]
+    assert owners == results[1]["owners"][name], "every rank computes the same owners"
+    offloaded = set(results[0]["in_shm"][name])
+    trainable = {n for n in offloaded if n in results[0]["stateful"][name] | results[1]["stateful"][name]}
+    assert set(owners) == trainable, "owners for exactly the trainable offloaded parameters"
+    if SCENARIOS[name].lora:
+        assert owners == {}, "frozen masters need no owner"
+    else:
+        assert set(owners.values()) == {0, 1}, "both ranks own a share"
+    for rank, res in enumerate(results):
+        mine = {n for n, r in owners.items() if r == rank}
+        assert res["stateful"][name] & offloaded == mine, f"rank {rank}"
+        resident = res["stateful"][name] - offloaded
+        assert resident and resident == results[0]["stateful"][name] - offloaded, "the others: every rank"
+        if name in res["synced_grads"]:  # after the synchronised backward, before the step
+            assert res["synced_grads"][name] & offloaded == mine, f"rank {rank}: p.grad only on the owner"
+
+
+def test_owners_balance_the_bytes(job):
+    _, results = job
+    owners = results[0]["owners"]["sharded_all_blocks_offloaded"]
+    sizes = {n: v.numel() * v.element_size() for n, v in results[0]["params"]["sharded_all_blocks_offloaded"].items()}
+    load = [sum(sizes[n] for n, r in owners.items() if r == rank) for rank in range(WORLD)]
+    assert abs(load[0] - load[1]) <= max(sizes[n] for n in owners), load
+
+
+def test_one_host_copy_of_the_masters_per_node(job):
+    # Pss counts a page shared by k processes 1/k in each: the ranks' sum is the node's RAM.
+    # Plain data parallel holds a copy per rank; shard_optimizer one for the node.
+    _, results = job
+    plain = sum(res["host_memory"][False] for res in results)
+    shared = sum(res["host_memory"][True] for res in results)
+    assert plain > 1.8 * BIG_BYTES, f"plain data parallel: {plain / 2**20:.0f} MiB for 2 ranks"
+    assert shared < 1.2 * BIG_BYTES, (f"shard_optimizer: {shared / 2**20:.0f} MiB for 2 ranks, masters "
+                                      f"{BIG_BYTES / 2**20:.0f} MiB")
+
+
 BAD_SETUPS = {
     "different_selection": r"ValueError: offtensor.data_parallel: rank 0 wrapped 3 scopes and rank 1 2 "
                            r"\(scope 'blocks.2' only on rank 0\); every rank must call offtensor.wrap",
@@ -310,6 +479,14 @@ BAD_SETUPS = {
     "different_frozen_parameters": r"ValueError: offtensor.data_parallel: parameter 'head.weight', which is "
                                    r"not offloaded, is \(4, 16\) torch.float32, requires_grad=True on rank 0 but "
                                    r"\(4, 16\) torch.float32, requires_grad=False on rank 1",
+    "different_shard_optimizer": r"ValueError: offtensor.data_parallel: rank 0 passed shard_optimizer=True but "
+                                 r"rank 1 shard_optimizer=False; pass the same on every rank",
+    "unfrozen_after_data_parallel": r"RuntimeError: offtensor.data_parallel\(shard_optimizer=True\): offloaded "
+                                    r"parameter 'blocks.0.\S+' got a gradient, but it was frozen when data_parallel "
+                                    r"assigned .* Unfreeze parameters before",
+    "no_sync_onto_an_averaged_gradient": r"RuntimeError: offtensor.no_sync: parameter 'blocks.\S+' already holds "
+                                         r"the averaged gradient of an earlier synchronised backward .*Zero the "
+                                         r"gradients \(optimizer.zero_grad\(\)\) after each optimizer step",
     "ddp_around_a_wrapped_model": r"RuntimeError: offtensor: DistributedDataParallel was given a model with "
                                   r"offloaded parameters .*offtensor.data_parallel\(model\)",
 }
@@ -412,12 +589,13 @@ def test_unwrap_ends_data_parallel_mode(one_rank_group):
     assert reducer.reductions == launched, "no hook of the data-parallel mode is left"
 
 
-def test_one_rank_group_trains_like_the_plain_model(one_rank_group):
+@pytest.mark.parametrize("shard", [False, True], ids=["plain", "shard_optimizer"])
+def test_one_rank_group_trains_like_the_plain_model(one_rank_group, shard):
     scenario = SCENARIOS["offloaded_and_resident_blocks"]
     reference = _reference(scenario, "cpu")
     model = _build(scenario, seed=0)
     _wrap(model, scenario, "cpu")
-    offtensor.data_parallel(model, timeout=5)
+    offtensor.data_parallel(model, timeout=5, shard_optimizer=shard)
     xs, ys = _data()
 
     _train(model, scenario, xs, ys, data_parallel=True)
@@ -425,3 +603,65 @@ def test_one_rank_group_trains_like_the_plain_model(one_rank_group):
     # a world of one divides by one and sums one tensor: bit-identical
     for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         torch.testing.assert_close(host(p), host(q), rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_owners_are_balanced_by_bytes_largest_first_and_frozen_parameters_have_none():
+    rows = [("a", 10, True), ("b", 40, True), ("c", 30, True), ("frozen", 100, False), ("d", 20, True)]
+
+    owners = plan_owners(rows, [0, 1])
+
+    # b (40) -> 0, c (30) -> 1, d (20) -> 1 (30 < 40), a (10) -> 0 (40 < 50)
+    assert owners == {"b": 0, "c": 1, "d": 1, "a": 0}
+    assert plan_owners(rows, [0, 1]) == owners
+    assert plan_owners(rows, [3, 5, 7]) == {"b": 3, "c": 5, "d": 7, "a": 7}
+
+
+def test_shard_optimizer_masters_live_in_unlinked_shared_memory(one_rank_group):
+    model = offtensor.wrap(mlp_of_blocks(), device="cpu")
+    values = {n: host(p).clone() for n, p in model.named_parameters()}
+
+    offtensor.data_parallel(model, timeout=5, shard_optimizer=True)
+
+    sharding = model._offtensor_engine.grads.reducer.sharding
+    assert not os.path.exists(f"/dev/shm/offtensor-{sharding.job}")
+    assert all(_in_shared_memory(model).values())
+    for n, p in model.named_parameters():  # the same values, each master a storage of its own
+        torch.testing.assert_close(host(p), values[n], rtol=0, atol=0)
+        if isinstance(p, offtensor.OffloadedParameter):
+            assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), n
+    offtensor.unwrap(model)
+    assert not any(_in_shared_memory(model).values()), "unwrap gives private copies"
+
+
+def test_sync_masters_waits_for_the_deferred_steps_then_fences(one_rank_group):
+    model = offtensor.wrap(mlp_of_blocks(), device="cpu")
+    offtensor.data_parallel(model, timeout=5, shard_optimizer=True)
+    sharding = model._offtensor_engine.grads.reducer.sharding
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 8)
+
+    offtensor.backward_and_step(model(x).sum(), opt)
+    offtensor.sync_masters(model)
+
+    assert sharding.fences == 1 and sharding.state is MastersState.AGREED
+    model(x)  # no synchronised backward since the fence: no other
+    opt.step()  # a step of an optimizer holding the shared masters fences
+    assert sharding.fences == 2
+
+
+def test_error_if_sync_masters_is_given_a_model_without_shard_optimizer(one_rank_group):
+    model = offtensor.data_parallel(offtensor.wrap(mlp_of_blocks(), device="cpu"), timeout=5)
+
+    with pytest.raises(RuntimeError, match=r"offtensor.sync_masters: this BlockStack is not in "
+                                           r"data_parallel\(model, shard_optimizer=True\) mode"):
+        offtensor.sync_masters(model)
+
+
+def test_error_if_shared_memory_is_too_small(one_rank_group, monkeypatch):
+    monkeypatch.setattr(_shm, "_free_bytes", lambda: 1000)
+    model = offtensor.wrap(mlp_of_blocks(), device="cpu")
+
+    with pytest.raises(RuntimeError, match=r"shard_optimizer=True\): the masters need \d+\.\d MiB of shared "
+                                           r"memory but /dev/shm has 0\.0 MiB free; enlarge it \(in Docker: "
+                                           r"--shm-size\)"):
+        offtensor.data_parallel(model, timeout=5, shard_optimizer=True)
