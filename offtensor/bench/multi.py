@@ -27,7 +27,7 @@ from .peers import PeerOptions, setup_offtensor
 from .report import environment, write_json
 from .results import MultiRow, RankResult, Row
 from .run import iterations, run_scenario
-from .scenarios import ModelShape, Scenario
+from .scenarios import QUICK_SHAPE, ModelShape, Scenario
 from .workload import make_workload
 
 
@@ -142,6 +142,16 @@ class _Rank:
         return {"median_ms": row.median_ms, "tokens_per_s": tokens_per_s(s.batch, s.seq, row.median_ms),
                 "peak_vram_bytes": row.peak_vram_bytes, "times_ms": row.times_ms, "note": row.note}
 
+    def warm_up(self) -> None:
+        """A forward of a one-layer quick model on every rank: the one-time host allocations
+        (transformers' model code, kernels' first use) then count in no peer's host memory."""
+        built = build_model(dataclasses.replace(QUICK_SHAPE, layers=1), "base", self.device, self.args.seed)
+        built.model.to(self.device)
+        with torch.no_grad():
+            built.model(input_ids=torch.zeros(1, 8, dtype=torch.long, device=self.device), use_cache=False)
+        del built
+        free_memory(self.device)
+
     def measure(self, peer: str, s: Scenario) -> RankResult:
         """`peer` in `s` on this rank, while every other rank does the same."""
         result = RankResult(self.env.rank, self.env.node)
@@ -231,6 +241,7 @@ def _run(rank: _Rank) -> None:
     rank.nodes = rank.everyone(rank.env.node)
     rank.say(f"bench: {rank.env.world} ranks, {rank.shape}, peers {args.peers}, scenarios "
              f"{[s.name for s in scenarios]} (per rank)")
+    rank.warm_up()
     bw = rank.bandwidth()
     baseline, source = rank.baseline(scenarios)
     rows: list[MultiRow] = []

@@ -161,7 +161,7 @@ def format_head(info: dict[str, Any]) -> str:
                      f"rank at once: {', '.join(f'{x / 1e9:.1f}' for x in at_once)} GB/s "
                      f"(sum {sum(at_once) / 1e9:.1f})")
     if info.get("floor_ms"):
-        lines.append(f"single-GPU PCIe floor of a forward: W = {info['wrapped_bytes'] / 1e9:.2f} GB / H2D alone = "
+        lines.append(f"single-GPU PCIe floor of a forward: W = {info['wrapped_bytes'] / 2**20:,.1f} MiB / H2D alone = "
                      f"{info['floor_ms']:.1f} ms")
     lines.append(f"1-GPU baseline (offtensor, same per-rank shape): {info['baseline_source']}: " + (", ".join(
         f"{s} {_fmt(b.get('median_ms'), '.1f')} ms, {_fmt(b.get('tokens_per_s'), ',.0f')} tokens/s"
