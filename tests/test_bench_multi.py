@@ -40,7 +40,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     """`python -m offtensor.bench --quick --device cpu --nproc 2` once: its JSON and output."""
     out = tmp_path_factory.mktemp("bench-multi") / "multi.json"
     cmd = [sys.executable, "-m", "offtensor.bench", "--quick", "--device", "cpu", "--nproc", "2",
-           "--peers", *PEERS, "--warmup", "1", "--iters", "2", "--json", str(out)]
+           "--peers", *PEERS, "--warmup", "1", "--iters", "2", "--layers", "1", "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
