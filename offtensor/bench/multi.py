@@ -27,7 +27,7 @@ from .peers import PeerOptions, setup_offtensor
 from .report import environment, write_json
 from .results import MultiRow, RankResult, Row
 from .run import iterations, run_scenario
-from .scenarios import QUICK_SHAPE, ModelShape, Scenario
+from .scenarios import MULTI_SCENARIOS, QUICK_SHAPE, ModelShape, Scenario, quick
 from .workload import make_workload
 
 
@@ -212,8 +212,6 @@ class _Rank:
 
 
 def _scenarios(args: argparse.Namespace) -> list[Scenario]:
-    from .scenarios import MULTI_SCENARIOS, quick
-
     chosen = [MULTI_SCENARIOS[n] for n in MULTI_SCENARIOS if n in args.scenarios]
     return [quick(s) for s in chosen] if args.quick else chosen
 
@@ -224,16 +222,35 @@ def _plain(v: Any) -> Any:
     return [_plain(x) for x in v] if isinstance(v, list) else v
 
 
-def _info(rank: _Rank, bw: dict[str, Any], baseline: dict[str, Any], source: str) -> dict[str, Any]:
-    """What the JSON and the head of the table say about the run."""
-    s = next((s for s in _scenarios(rank.args) if s.kind == "infer"), None)
-    floor = rank.wrapped_bytes / bw["alone"]["h2d"] * 1e3 if s and rank.wrapped_bytes and bw.get("alone") else None
-    env = environment(rank.device)
-    return {"environment": env, "args": {k: _plain(v) for k, v in vars(rank.args).items() if k != "baseline_data"},
-            "world": rank.env.world, "nodes": sorted(set(rank.nodes)), "backend": str(
-                torch.distributed.get_backend()), "threads_per_rank": rank.threads,
-            "model": dataclasses.asdict(rank.shape), "wrapped_bytes": rank.wrapped_bytes, "bandwidth": bw,
-            "floor_ms": floor, "baseline": baseline, "baseline_source": source}
+class _Table:
+    """Rank 0's rows, and what the JSON and the head of the table say about the run; the JSON
+    is rewritten after every row, so a run stopped part-way leaves what it measured."""
+
+    def __init__(self, rank: _Rank, bw: dict[str, Any], baseline: dict[str, Any], source: str) -> None:
+        self.rows: list[MultiRow] = []
+        self.json_path: str | None = rank.args.json
+        self.has_infer = any(s.kind == "infer" for s in _scenarios(rank.args))
+        self.info: dict[str, Any] = {
+            "environment": environment(rank.device),
+            "args": {k: _plain(v) for k, v in vars(rank.args).items() if k != "baseline_data"},
+            "world": rank.env.world, "nodes": sorted(set(rank.nodes)), "backend": str(torch.distributed.get_backend()),
+            "threads_per_rank": rank.threads, "model": dataclasses.asdict(rank.shape), "wrapped_bytes": 0,
+            "bandwidth": bw, "floor_ms": None, "baseline": baseline, "baseline_source": source}
+
+    def add(self, peer: str, s: Scenario, results: list[RankResult]) -> None:
+        info = self.info
+        if not info["wrapped_bytes"] and any(r.wrapped_bytes for r in results):
+            info["wrapped_bytes"] = max(r.wrapped_bytes for r in results)
+            alone = info["bandwidth"].get("alone")
+            if self.has_infer and alone:
+                info["floor_ms"] = info["wrapped_bytes"] / alone["h2d"] * 1e3
+        self.rows.append(make_row(peer, s, results, baseline=info["baseline"].get(s.name),
+                                  floor_ms=info["floor_ms"], judged=MULTI_PEERS[peer].offtensor))
+        self.write()
+
+    def write(self) -> None:
+        if self.json_path:
+            write_json(self.json_path, multi_json(self.info, self.rows))
 
 
 def _run(rank: _Rank) -> None:
@@ -243,30 +260,25 @@ def _run(rank: _Rank) -> None:
              f"{[s.name for s in scenarios]} (per rank)")
     rank.warm_up()
     bw = rank.bandwidth()
-    baseline, source = rank.baseline(scenarios)
-    rows: list[MultiRow] = []
+    baseline, source = rank.baseline(scenarios)  # every rank: the others wait while rank 0 measures
+    table = _Table(rank, bw, baseline, source) if rank.env.rank == 0 else None
     for peer in args.peers:
         why = rank.from_rank0(multi_peer_unavailable(peer))
         for s in scenarios:
             if why is not None:
-                rows.append(MultiRow(s.name, peer, "skipped", why, batch=s.batch, seq=s.seq, world=rank.env.world))
+                if table is not None:
+                    table.rows.append(MultiRow(s.name, peer, "skipped", why, batch=s.batch, seq=s.seq,
+                                               world=rank.env.world))
                 continue
             rank.say(f"bench: {peer}/{s.name}")
             results: list[RankResult] = rank.gather(rank.measure(peer, s))
-            if rank.env.rank != 0:
-                continue
-            rank.wrapped_bytes = rank.wrapped_bytes or max(r.wrapped_bytes for r in results)
-            info = _info(rank, bw, baseline, source)
-            rows.append(make_row(peer, s, results, baseline=baseline.get(s.name), floor_ms=info["floor_ms"],
-                                 judged=MULTI_PEERS[peer].offtensor))
-            if args.json:  # after every row: a run stopped part-way leaves what it measured
-                write_json(args.json, multi_json(info, rows))
-    if rank.env.rank == 0:
-        info = _info(rank, bw, baseline, source)
+            if table is not None:
+                table.add(peer, s, results)
+    if table is not None:
+        table.write()
         if args.json:
-            write_json(args.json, multi_json(info, rows))
             print(f"bench: wrote {args.json}", flush=True)
-        print_multi(info, rows, args.quick)
+        print_multi(table.info, table.rows, args.quick)
 
 
 def rank_main(args: argparse.Namespace) -> None:
