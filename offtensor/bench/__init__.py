@@ -8,6 +8,7 @@ memory and host memory growth. docs/benchmarks.md defines every column.
     python -m offtensor.bench --layers 16 --peers resident offtensor --json out.json
     python -m offtensor.bench --scenarios step-4x2048 --peers resident offtensor offtensor-overlap
     python -m offtensor.bench --quick --device cpu     # smoke test: tiny model, no GPU needed
+    python -m offtensor.bench --nproc 2                # data-parallel on 2 GPUs, FSDP2 and DDP as peers
     python -m offtensor.bench profile-step --help      # the investigations: see --help
 
 Peers other than offtensor are optional: one that is not installed, or that fails, is reported
@@ -18,7 +19,9 @@ Modules, bottom up: measure (timing, memory, bandwidth), scenarios (what runs), 
 Llama), optimizer (the CPU AdamW measurements), peers (placing the model), results (rows),
 workload (one scenario's callables), run (timing a scenario, a peer's pass), rooflines (and
 targets), report (printing, JSON), plots (the pictures, with matplotlib), cli; the subcommands
-in profiling, host_memory and plots.
+in profiling, host_memory and plots. Several GPUs (`--nproc N`): launch (the ranks, their process
+groups), multi_peers (placing the model on each rank), multi_report (rows over the ranks, the
+table), multi (what each rank runs).
 """
 
 from .cli import main, parse_args

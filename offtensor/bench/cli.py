@@ -11,7 +11,10 @@ from typing import Any
 
 import torch
 
+from . import multi
+from .launch import launched_by_torchrun
 from .measure import measure_bandwidth
+from .multi_peers import MULTI_PEER_NAMES
 from .optimizer import WorkerSettings
 from .peers import PEER_NAMES, peer_plan, peer_unavailable
 from .plots import OVERLAP_PNG, RESULTS_PNG, missing_matplotlib, plot_results
@@ -19,7 +22,7 @@ from .report import environment, json_result, print_summary, write_json
 from .results import Row
 from .rooflines import compute_rooflines
 from .run import Run, run_peer
-from .scenarios import FULL_SHAPE, QUICK_SHAPE, SCENARIOS, ModelShape, Scenario, quick
+from .scenarios import FULL_SHAPE, MULTI_SCENARIOS, QUICK_SHAPE, SCENARIOS, ModelShape, Scenario, quick
 
 DESCRIPTION = ("Benchmark offtensor against the whole model on the device and against other "
                "offloading libraries (docs/benchmarks.md).")
@@ -50,10 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m offtensor.bench", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; 2 with --quick)")
-    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS),
-                   help=f"any of {list(SCENARIOS)} (space or comma separated; default all)")
-    p.add_argument("--peers", nargs="+", default=list(PEER_NAMES),
-                   help=f"any of {list(PEER_NAMES)} (default all; resident always runs first)")
+    p.add_argument("--scenarios", nargs="+", default=None,
+                   help=f"any of {list(SCENARIOS)} (space or comma separated; default all); with --nproc "
+                        f"any of {list(MULTI_SCENARIOS)}")
+    p.add_argument("--peers", nargs="+", default=None,
+                   help=f"any of {list(PEER_NAMES)} (default all; resident always runs first); with --nproc "
+                        f"any of {list(MULTI_PEER_NAMES)}")
     p.add_argument("--json", default=None, help="write every number to this JSON file")
     p.add_argument("--plot", default=None, metavar="DIR",
                    help=f"draw the results into DIR/{RESULTS_PNG} (and {OVERLAP_PNG} when offtensor-overlap "
@@ -85,7 +90,24 @@ def _parser() -> argparse.ArgumentParser:
                         "offtensor peers alike; ratios are then against the compiled resident model, and the "
                         "warm-up iterations compile")
     p.add_argument("--seed", type=int, default=0)
+    _multi_arguments(p.add_argument_group("several GPUs (docs/benchmarks.md, Several GPUs)"))
     return p
+
+
+def _multi_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="run N ranks, one per GPU (NCCL; gloo with --device cpu), data-parallel peers; "
+                        "under torchrun --nproc-per-node N the ranks are torchrun's")
+    g.add_argument("--baseline", default="measure", metavar="measure|skip|FILE",
+                   help="the 1-GPU offtensor numbers the --nproc rows compare with: measured on rank 0 alone "
+                        "first (default), or the offtensor rows of a single-GPU --json FILE")
+    g.add_argument("--threads-per-rank", type=int, default=None,
+                   help="CPU threads per rank (default: this machine's CPUs / ranks per node)")
+    g.add_argument("--fsdp2-offload-root", action="store_true",
+                   help="fsdp2-cpu-offload: offload the embeddings, final norm and head too (default: "
+                        "sharded on the device, where the offtensor peers keep them)")
+    g.add_argument("--collective-timeout-s", type=float, default=600.0,
+                   help="timeout of the peers' collectives (a rank that fails cannot hang the others)")
 
 
 def _worker_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -109,8 +131,16 @@ def _worker_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _parser()
     args = p.parse_args(argv)
-    args.scenarios = _names(args.scenarios, list(SCENARIOS), "scenario")
-    args.peers = _names(args.peers, PEER_NAMES, "peer")
+    args.multi = args.nproc is not None or launched_by_torchrun()
+    scenarios, peers = (MULTI_SCENARIOS, MULTI_PEER_NAMES) if args.multi else (SCENARIOS, PEER_NAMES)
+    args.scenarios = _names(args.scenarios or list(scenarios), list(scenarios), "scenario")
+    args.peers = _names(args.peers or list(peers), peers, "peer")
+    if args.nproc is not None and args.nproc < 1:
+        p.error("--nproc must be >= 1")
+    if args.multi and args.plot is not None:
+        p.error("--plot draws the single-GPU results; it does not take --nproc")
+    if args.threads_per_rank is not None and args.threads_per_rank < 1:
+        p.error("--threads-per-rank must be >= 1")
     if args.warmup is not None and args.warmup < 1:
         p.error("--warmup must be >= 1")
     if args.iters is not None and args.iters < 1:
@@ -164,9 +194,11 @@ def _run_peers(peers: list[str], scenarios: list[Scenario], shape: ModelShape, d
 
 
 def _bench(args: argparse.Namespace) -> int:
-    device = _device(args.device)
     base = QUICK_SHAPE if args.quick else FULL_SHAPE
     shape = dataclasses.replace(base, layers=args.layers or base.layers)
+    if args.multi:
+        return multi.main(args, shape)
+    device = _device(args.device)
     scenarios = [SCENARIOS[n] for n in SCENARIOS if n in args.scenarios]  # canonical order
     if args.quick:
         scenarios = [quick(s) for s in scenarios]

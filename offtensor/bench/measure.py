@@ -47,6 +47,37 @@ def host_rss() -> int | None:
     return None
 
 
+def host_pss() -> tuple[int, str] | None:
+    """(bytes, 'pss') of this process's proportional set size, where a page shared by k
+    processes counts 1/k in each (so a node's sum counts a shared host copy once); else
+    (bytes, 'rss') of its resident set size; None when neither can be read."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024, "pss"
+    except OSError:
+        pass
+    rss = host_rss()
+    return None if rss is None else (rss, "rss")
+
+
+def node_used_bytes() -> int | None:
+    """Memory in use on this machine (MemTotal - MemAvailable in /proc/meminfo): counts what a
+    process's PSS may not, such as page-locked buffers a driver maps, but every process's too."""
+    fields: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                fields[name] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    if "MemTotal" not in fields or "MemAvailable" not in fields:
+        return None
+    return fields["MemTotal"] - fields["MemAvailable"]
+
+
 def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":

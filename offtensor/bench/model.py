@@ -149,7 +149,13 @@ def build_model(shape: ModelShape, variant: str, device: torch.device, seed: int
     )
 
 
+def _hf_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside a DistributedDataParallel (the ddp-resident peer), or `model`."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
 def checkpointing_on(model: nn.Module) -> bool:
+    model = _hf_model(model)
     # transformers 5.x renamed the property (the old name warns); older ones only have the old.
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
         if hasattr(type(model), name):
@@ -163,7 +169,7 @@ def enable_checkpointing(model: nn.Module) -> None:
         return
     # transformers 5.2x renamed gradient_checkpointing_enable to activation_checkpointing_enable.
     kwargs = {"use_reentrant": False}
-    hf_model: Any = model
+    hf_model: Any = _hf_model(model)
     if hasattr(hf_model, "activation_checkpointing_enable"):
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

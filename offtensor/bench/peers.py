@@ -65,7 +65,7 @@ def peer_plan(peer: str, scenario: Scenario) -> str | None:
     return "run"
 
 
-def _place_outside(model: nn.Module, layers: nn.ModuleList, device: torch.device) -> None:
+def place_outside(model: nn.Module, layers: nn.ModuleList, device: torch.device) -> None:
     """Move every parameter and buffer that is not in `layers` to `device`, in place.
 
     For peers whose hooks own the layers' placement, where a plain `model.to(device)` would
@@ -136,7 +136,7 @@ def setup_offtensor(built: BuiltModel, device: torch.device, opts: PeerOptions, 
 def _setup_accelerate(built: BuiltModel, device: torch.device, opts: PeerOptions) -> str:
     from accelerate import cpu_offload
 
-    _place_outside(built.model, built.layers, device)
+    place_outside(built.model, built.layers, device)
     for layer in built.layers:
         cpu_offload(layer, execution_device=device)
     return "accelerate.cpu_offload on each decoder layer"
@@ -146,7 +146,7 @@ def _setup_diffusers(built: BuiltModel, device: torch.device, opts: PeerOptions)
     from diffusers.hooks import apply_group_offloading
 
     use_stream = device.type == "cuda"  # diffusers refuses streams on the CPU
-    _place_outside(built.model, built.layers, device)
+    place_outside(built.model, built.layers, device)
     # Applied per decoder layer: diffusers traces the execution order from the forward of the
     # module it is given, and an nn.ModuleList has no forward, so giving it `layers` would
     # disable prefetching; per layer, each leaf prefetches the next one within the layer.

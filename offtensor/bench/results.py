@@ -60,3 +60,49 @@ class Extras:
     optimizer_speed: dict[str, Any] | None = None  # bf16, measured in the offtensor peer
     optimizer_speed_fp32: dict[str, Any] | None = None  # fp32 masters, in offtensor-castdev
     skipped_variants: dict[str, str] = field(default_factory=dict)  # variant -> why (too slow to build)
+
+
+@dataclass
+class RankResult:
+    """One rank's measurement of one scenario on one peer of the several-GPU benchmark,
+    gathered on rank 0."""
+
+    rank: int
+    node: str  # host name
+    status: str = "ok"  # ok | error | skipped
+    note: str = ""
+    how: str = ""  # the peer's setup, in words
+    times_ms: list[float] = field(default_factory=list)  # per timed step
+    peak_vram_bytes: int | None = None
+    host_growth_bytes: int | None = None  # PSS (else RSS) at the end minus before the build
+    host_measure: str | None = None  # 'pss' | 'rss'
+    node_used_growth_bytes: int | None = None  # the node's used memory, the same way (local rank 0 only)
+    grads_kept: float | None = None
+    wrapped_bytes: int = 0  # the decoder layers' bytes (what an offloader moves)
+
+
+@dataclass
+class MultiRow:
+    """One scenario on one peer over all the ranks (docs/benchmarks.md, Several GPUs)."""
+
+    scenario: str
+    peer: str
+    status: str
+    note: str = ""
+    batch: int = 0  # per rank
+    seq: int = 0
+    world: int = 1
+    how: str = ""
+    rank_median_ms: list[float | None] = field(default_factory=list)
+    step_ms: float | None = None  # the slowest rank's median step time
+    tokens_per_s: float | None = None  # all ranks: world * batch * seq / step_ms
+    speedup: float | None = None  # tokens_per_s / one GPU's with offtensor (same per-rank shape)
+    floor_ratio: float | None = None  # inference: step_ms / the single-GPU PCIe floor
+    target: str | None = None  # e.g. 'x 1 GPU >= 1.90'
+    verdict: str | None = None  # PASS | FAIL
+    host_growth_bytes: dict[str, int] = field(default_factory=dict)  # node -> its ranks' sum
+    host_measure: str | None = None
+    node_used_growth_bytes: dict[str, int] = field(default_factory=dict)  # node -> growth
+    peak_vram_bytes: list[int | None] = field(default_factory=list)  # per rank
+    grads_kept: float | None = None  # the least over the ranks
+    ranks: list[dict] = field(default_factory=list)  # each rank's RankResult

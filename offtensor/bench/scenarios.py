@@ -67,3 +67,7 @@ SCENARIOS: dict[str, Scenario] = {
 def quick(s: Scenario) -> Scenario:
     """The --quick shape of `s`: at most 2 sequences of 1/128 the length (at least 8 tokens)."""
     return Scenario(s.name, s.kind, min(s.batch, 2), max(8, s.seq // 128), s.micro_batches)
+
+
+# The several-GPU benchmark (--nproc N): the same shapes, per rank (issue 13's two targets).
+MULTI_SCENARIOS: dict[str, Scenario] = {n: SCENARIOS[n] for n in ("infer-1x512", "step-4x2048")}

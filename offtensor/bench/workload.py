@@ -93,14 +93,13 @@ def _how_stepped(overlap: bool, n_optimizers: int, autocast: bool) -> str:
 
 
 def _training_step(built: BuiltModel, scenario: Scenario, device: torch.device, ids: torch.Tensor, row: Row,
-                   peer: str, worker: WorkerSettings) -> Workload:
+                   overlap: bool, worker: WorkerSettings) -> Workload:
     import offtensor
 
     model = built.model
     model.train()
     enable_checkpointing(model)
     optimizers, row.optimizer = make_adamw([p for p in model.parameters() if p.requires_grad])
-    overlap = peer == "offtensor-overlap"
     # fp32 weights, bf16 compute: autocast on the forward (the recompute in backward
     # restores it). Wrapped layers already hold bf16 device copies; resident casts per op.
     autocast = scenario.kind == "step32"
@@ -137,10 +136,12 @@ def _training_step(built: BuiltModel, scenario: Scenario, device: torch.device, 
 
 
 def make_workload(built: BuiltModel, scenario: Scenario, device: torch.device, ids: torch.Tensor, row: Row,
-                  peer: str, worker: WorkerSettings) -> Workload:
-    """The callables of `scenario` on the placed model `built`, for `peer`."""
+                  peer: str, worker: WorkerSettings, overlap: bool | None = None) -> Workload:
+    """The callables of `scenario` on the placed model `built`, for `peer`; a training step
+    is `offtensor.backward_and_step` when `overlap` (default: for the offtensor-overlap peer)."""
     if scenario.has_optimizer:
-        return _training_step(built, scenario, device, ids, row, peer, worker)
+        overlap = peer == "offtensor-overlap" if overlap is None else overlap
+        return _training_step(built, scenario, device, ids, row, overlap, worker)
     if scenario.kind == "infer":
         return _infer(built, ids)
     return _accumulate(built, scenario, ids, row)
