@@ -245,7 +245,8 @@ class _Table:
             if self.has_infer and alone:
                 info["floor_ms"] = info["wrapped_bytes"] / alone["h2d"] * 1e3
         self.rows.append(make_row(peer, s, results, baseline=info["baseline"].get(s.name),
-                                  floor_ms=info["floor_ms"], judged=MULTI_PEERS[peer].offtensor))
+                                  floor_ms=info["floor_ms"], judged=MULTI_PEERS[peer].offtensor,
+                                  grads_sharded=MULTI_PEERS[peer].grads_sharded))
         self.write()
 
     def write(self) -> None:

@@ -36,14 +36,15 @@ class MultiPeer:
     module: str | None  # imported to check the peer can run here
     overlap: bool = False  # the step is offtensor.backward_and_step
     offtensor: bool = False  # offtensor's targets (docs/benchmarks.md, Several GPUs) apply
+    grads_sharded: bool = False  # each rank keeps the .grad of the parameters it steps only
 
 
-def _setup_offtensor_dp(built: BuiltModel, device: torch.device, opts: MultiOptions) -> str:
+def _setup_offtensor_dp(built: BuiltModel, device: torch.device, opts: MultiOptions, shared: bool = False) -> str:
     import offtensor
 
     how = setup_offtensor(built, device, opts.peer)
-    offtensor.data_parallel(built.model)
-    return f"{how}; offtensor.data_parallel(model)"
+    offtensor.data_parallel(built.model, shard_optimizer=shared)
+    return f"{how}; offtensor.data_parallel(model{', shard_optimizer=True' if shared else ''})"
 
 
 def _shard_mesh(device: torch.device) -> Any:
@@ -84,6 +85,9 @@ def _setup_ddp_resident(built: BuiltModel, device: torch.device, opts: MultiOpti
 MULTI_PEERS: dict[str, MultiPeer] = {
     "offtensor-dp": MultiPeer(_setup_offtensor_dp, "offtensor", offtensor=True),
     "offtensor-dp-overlap": MultiPeer(_setup_offtensor_dp, "offtensor", overlap=True, offtensor=True),
+    # One host copy per node, each parameter stepped by one rank (Note [one host copy per node]).
+    "offtensor-dp-shared": MultiPeer(lambda b, d, o: _setup_offtensor_dp(b, d, o, shared=True), "offtensor",
+                                     offtensor=True, grads_sharded=True),
     "fsdp2-cpu-offload": MultiPeer(_setup_fsdp2, "torch.distributed.fsdp"),
     "ddp-resident": MultiPeer(_setup_ddp_resident, None),
 }

@@ -77,7 +77,7 @@ def _judge(row: MultiRow, kind: str, judged: bool) -> None:
 
 
 def make_row(peer: str, s: Scenario, results: list[RankResult], *, baseline: dict[str, Any] | None,
-             floor_ms: float | None, judged: bool) -> MultiRow:
+             floor_ms: float | None, judged: bool, grads_sharded: bool = False) -> MultiRow:
     """The row of `peer` in `s` from every rank's result (rank order)."""
     bad = [r for r in results if r.status != "ok"]
     row = MultiRow(s.name, peer, bad[0].status if bad else "ok", batch=s.batch, seq=s.seq, world=len(results),
@@ -89,7 +89,8 @@ def make_row(peer: str, s: Scenario, results: list[RankResult], *, baseline: dic
     row.node_used_growth_bytes = _sum_by_node(results, "node_used_growth_bytes")
     row.peak_vram_bytes = [r.peak_vram_bytes for r in results]
     kept = [r.grads_kept for r in results if r.grads_kept is not None]
-    row.grads_kept = min(kept) if kept else None
+    # Sharded: each trainable parameter's .grad lives on its one owner rank, so the ranks' shares add up.
+    row.grads_kept = (sum(kept) if grads_sharded else min(kept)) if kept else None
     if bad:
         return row
     row.rank_median_ms = [statistics.median(r.times_ms) if r.times_ms else None for r in results]
