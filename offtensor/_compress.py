@@ -40,7 +40,7 @@ import torch
 
 MIN_NUMEL = 4096  # smaller tensors stay uncompressed (Note [compressed masters])
 _SCALE_ALIGN = 64  # bytes: the scales follow the values at this alignment
-_CHUNK_NUMEL = 2**20  # quantize this many elements at a time: the fp32 temporaries stay small
+_CHUNK_NUMEL = 2**18  # quantize this many elements at a time: the fp32 temporaries stay small
 
 
 class FrozenFormat(enum.Enum):
@@ -99,16 +99,18 @@ class PackedMaster:
         return cls(name, fmt, dtype, torch.Size(shape), carve(offset, fmt.dtype, torch.Size((rows, cols))),
                    carve(offset + _scale_offset(shape), dtype, torch.Size((rows,))))
 
-    def pack(self, value: torch.Tensor) -> None:
-        """Quantize `value` (any float dtype, CPU) into the values and scales, in row blocks."""
-        if tuple(value.shape) != tuple(self.shape):
+    def pack(self, value: torch.Tensor | RowReader) -> None:
+        """Quantize `value` (any float dtype, CPU; or a RowReader) into the values and scales,
+        in row blocks."""
+        if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(self.shape):
             raise ValueError(f"offtensor: cannot store a tensor of shape {tuple(value.shape)} in compressed "
                              f"parameter {self.name!r} of shape {tuple(self.shape)}")
         rows, cols = _rows_cols(self.shape)
-        flat = value.detach().reshape(rows, cols)
+        read = _reader(value)
         step = max(1, _CHUNK_NUMEL // max(cols, 1))
         for start in range(0, rows, step):
-            block = flat[start : start + step].to(device="cpu", dtype=torch.float32, copy=True)
+            stop = min(start + step, rows)
+            block = read(start, stop).reshape(stop - start, cols).to(device="cpu", dtype=torch.float32, copy=True)
             scale = _row_scale(block, self.format, self.dtype)
             self.scale[start : start + step].copy_(scale)
             q = block.div_(scale.float()[:, None]).clamp_(-self.format.max, self.format.max)
@@ -140,6 +142,30 @@ class PackedMaster:
     def placeholder(self) -> torch.Tensor:
         """The parameter's own tensor: no values (Note [compressed masters])."""
         return torch.full((), float("nan"), dtype=self.dtype).expand(self.shape)
+
+
+# Reads rows [start, stop) of a tensor (dim 0), in increasing order, each once: a tensor not in
+# memory, read a block at a time (offtensor.load, Note [loading scope by scope] in _load.py).
+RowReader = Callable[[int, int], torch.Tensor]
+
+
+def _reader(value: torch.Tensor | RowReader) -> RowReader:
+    if not isinstance(value, torch.Tensor):
+        return value
+    return lambda start, stop: value.detach()[start:stop]
+
+
+def copy_rows(dest: torch.Tensor, value: torch.Tensor | RowReader) -> None:
+    """`dest.copy_(value)`, a block of rows at a time when `value` is a RowReader (small
+    temporaries)."""
+    if isinstance(value, torch.Tensor) or dest.dim() == 0:
+        dest.copy_(value if isinstance(value, torch.Tensor) else value(0, 1))
+        return
+    rows, cols = _rows_cols(dest.shape)
+    step = max(1, _CHUNK_NUMEL // max(cols, 1))
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        dest[start:stop].copy_(value(start, stop))
 
 
 def _row_scale(block: torch.Tensor, fmt: FrozenFormat, dtype: torch.dtype) -> torch.Tensor:
