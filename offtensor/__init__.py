@@ -10,6 +10,7 @@ See README.md and docs/design.md.
 
 from ._api import Policy, ScopeState, ScopeSummary, Summary, frozen_only
 from ._data_parallel import data_parallel, no_sync, sync_masters
+from ._load import load
 from ._overlap import OverlapReport, backward_and_step, last_stepped, wait_for_steps
 from ._param import OffloadedParameter
 from ._wrap import is_wrapped, no_offload, set_prefetch, summary, unwrap, wrap
@@ -26,6 +27,7 @@ __all__ = [
     "frozen_only",
     "is_wrapped",
     "last_stepped",
+    "load",
     "no_offload",
     "no_sync",
     "set_prefetch",

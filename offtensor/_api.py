@@ -64,6 +64,15 @@ class Policy:
             training, once per step (an optimizer step changes their masters) instead of in
             forward and again in backward. `summary()` shows which. `None`: every scope
             streams. Model-wide: taken from the policy given to `wrap`.
+        frozen_format: `"fp8"` (float8 e4m3) or `"int8"`: keep frozen offloaded parameters
+            (requires_grad False at wrap: a LoRA base, every weight of a model for inference)
+            compressed on the host, one byte per element plus one scale per output row, and
+            dequantize them on the device into the compute dtype as they load: host RAM and
+            PCIe bytes about halve (from bf16). Matrices only; 1-D parameters (norms, biases)
+            and small tensors stay as they are. Lossy: the compressed values become the
+            parameter's values (`p`, `state_dict()` report them); writes through the parameter
+            requantize, and unfreezing it raises (Note [compressed masters] in _compress.py).
+            Not combinable with `cast="host"`. `None`: masters keep their dtype.
     """
 
     prefetch: int = 1
@@ -74,6 +83,7 @@ class Policy:
     compute_dtype: torch.dtype | None = None
     cast: Literal["device", "host"] = "device"
     vram_budget: int | None = None
+    frozen_format: Literal["fp8", "int8"] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -102,6 +112,14 @@ class Policy:
             )
         if self.cast not in ("device", "host"):
             raise ValueError(f"offtensor.Policy: cast must be 'device' or 'host', got {self.cast!r}")
+        if self.frozen_format not in (None, "fp8", "int8"):
+            raise ValueError(
+                f"offtensor.Policy: frozen_format must be 'fp8', 'int8' or None, got {self.frozen_format!r}")
+        if self.frozen_format is not None and self.cast == "host":
+            raise ValueError(
+                "offtensor.Policy: frozen_format and cast='host' do not combine: cast='host' keeps "
+                "a host copy in compute_dtype, which would undo the compression of frozen "
+                "masters. Use cast='device' (the default) with frozen_format")
 
 
 def frozen_only(name: str, param: nn.Parameter) -> bool:

@@ -257,6 +257,13 @@ def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weig
                 "offtensor.data_parallel: this model is already in data-parallel mode; call it "
                 "once per wrapped model (offtensor.unwrap(model) ends the mode)"
             )
+        packed = next((s for scope in engine.scopes for s in scope.slots if s.packed is not None), None)
+        if packed is not None:  # its broadcast reads and writes uncompressed masters
+            raise NotImplementedError(
+                f"offtensor.data_parallel: parameter {packed.name!r} is stored compressed "
+                "(Policy(frozen_format=...)), which data-parallel mode does not support yet; "
+                "wrap without frozen_format"
+            )
     group = process_group if process_group is not None else dist.group.WORLD
     ranks = list(dist.get_process_group_ranks(group))
     if dist.get_rank() not in ranks:

@@ -112,8 +112,9 @@ def is_page_locked(t: torch.Tensor) -> bool:
 class PinProgress:
     """Prints pinning progress on a terminal when pinning takes long (large models: minutes)."""
 
-    def __init__(self, total_bytes: int) -> None:
+    def __init__(self, total_bytes: int, label: str = "pinning host memory") -> None:
         self._total = total_bytes
+        self._label = label  # offtensor.load: "loading weights"
         self._done = 0
         self._start = time.perf_counter()
         self._shown = False
@@ -126,7 +127,7 @@ class PinProgress:
             self._shown = True
             rate = self._done / elapsed / 2**30
             sys.stderr.write(
-                f"\rofftensor: pinning host memory {self._done / 2**30:.1f}/"
+                f"\rofftensor: {self._label} {self._done / 2**30:.1f}/"
                 f"{self._total / 2**30:.1f} GiB ({rate:.1f} GiB/s)"
             )
             sys.stderr.flush()
@@ -135,4 +136,4 @@ class PinProgress:
         elapsed = time.perf_counter() - self._start
         if self._shown:
             sys.stderr.write("\n")
-        logger.debug("pinned %.2f GiB in %.1f s", self._total / 2**30, elapsed)
+        logger.debug("%s: %.2f GiB in %.1f s", self._label, self._total / 2**30, elapsed)

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _compile, _distributed
+from ._compress import packed_of, packed_torch_function
 from ._slot import ParamSlot, on_optimizer_worker
 
 _disabled_torch_function_impl = torch._C._disabled_torch_function_impl
@@ -52,7 +53,7 @@ class OffloadedParameter(nn.Parameter):
     def __deepcopy__(self, memo: dict) -> nn.Parameter:
         # A copy is a plain Parameter holding a copy of the master: it belongs to no scope.
         _await_steps([self])  # a deferred optimizer step may still write the master
-        result = without_subclass_dispatch(lambda p: nn.Parameter(p.detach().clone(), p.requires_grad), self)
+        result = without_subclass_dispatch(lambda p: nn.Parameter(master_values(p), p.requires_grad), self)
         memo[id(self)] = result
         return result
 
@@ -106,6 +107,10 @@ def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
     params = _find_params(args, kwargs)
     if not on_optimizer_worker():
         _await_steps(params)
+    if any(packed_of(p) is not None for p in params):  # Note [compressed masters] (_compress.py)
+        written = _written(args, kwargs) if _is_inplace(func) else set()
+        return packed_torch_function(func, args, kwargs, params, written, _MASTER_ONLY,
+                                     lambda: _dispatch(func, args, kwargs, params))
     name = getattr(func, "__name__", "")
     if name == "__set__" and getattr(func.__self__, "__name__", "") == "data":
         return _set_data(args[0], args[1])
@@ -133,7 +138,15 @@ def _repr(p: OffloadedParameter) -> str:
 
 
 def _reduce(p: OffloadedParameter) -> tuple:
-    return (torch._utils._rebuild_parameter, (p.detach(), p.requires_grad, {}))
+    packed = packed_of(p)  # Note [compressed masters] (_compress.py): its values, unpacked
+    return (torch._utils._rebuild_parameter, (packed.unpack() if packed else p.detach(), p.requires_grad, {}))
+
+
+def master_values(p: torch.Tensor) -> torch.Tensor:
+    """A copy of the master's values, with subclass dispatch off: a compressed master's are
+    unpacked (Note [compressed masters] in _compress.py)."""
+    packed = packed_of(p)
+    return packed.unpack() if packed is not None else p.detach().clone()
 
 
 def _await_steps(params: list[OffloadedParameter]) -> None:
@@ -177,6 +190,8 @@ def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter])
         if slot is None:
             continue
         replacement = slot.scope.engine.materialize(slot, op_device)
+        if replacement is None and slot.packed is not None:
+            replacement = slot.packed.unpack()  # the master's values (Note [compressed masters])
         if replacement is not None:
             subs[id(p)] = replacement
     if not subs:

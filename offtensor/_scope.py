@@ -212,13 +212,15 @@ class Scope:
         functional calls). Its gradient takes the same path as the scope's device copy."""
         master = slot.param
         dtype = slot.device_view.dtype
+        # A compressed master's values, unpacked on the host (Note [compressed masters]).
+        values = slot.packed.unpack() if slot.packed is not None else slot.master
         if op_device is None or op_device.type == "cpu":
-            copy = master.detach().to(dtype=dtype, copy=True)
+            copy = values.to(dtype=dtype, copy=True)
         else:
             copy = torch.empty(master.shape, dtype=dtype, device=op_device)
             # slot.master is detached: the copy is a leaf of its own, not a CopyBackwards of
             # the master, without grad mode (Note [interrupts]).
-            copy.copy_(slot.master, non_blocking=True)  # current stream: ordered with its use
+            copy.copy_(values, non_blocking=True)  # current stream: ordered with its use
             if op_device.type == "cuda":
                 self.streams.reads_masters(self.streams.record(torch.cuda.current_stream(op_device)))
         if needs_grad:
@@ -330,6 +332,9 @@ class Scope:
         staging.copy_(self.host_flat, non_blocking=True)
         for slot in self.slots:
             p = slot.param
+            if slot.packed is not None:  # Policy(frozen_format): Note [compressed masters]
+                slot.packed.unpack_into(slot.device_view, staging[slot.offset :])
+                continue
             n = p.numel() * p.element_size()
             slot.device_view.copy_(staging[slot.offset : slot.offset + n].view(p.dtype).view(p.shape))
 

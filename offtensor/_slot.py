@@ -31,6 +31,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ._compress import PackedMaster
+
 # ParamSlot.retired is written by the main thread (a retire) and by the optimizer worker (a
 # step of that master): both hold this lock.
 _retired_lock = threading.Lock()
@@ -118,6 +120,9 @@ class ParamSlot:
     copy_index: int = 0  # position in the scope's copy_order
     pending_step: StepFence | None = None  # a deferred optimizer step still has to write the master
     grad_hooks: OrderedDict = field(default_factory=OrderedDict)  # register_hook hooks, see Note [user gradient hooks]
+    # Policy(frozen_format): the master is stored compressed, `master` holds no values (Note
+    # [compressed masters] in _compress.py)
+    packed: PackedMaster | None = None
     post_hooks: OrderedDict = field(default_factory=OrderedDict)  # post-accumulate-grad hooks
     leaf_hooked: bool = False  # device_leaf has the post-accumulate-grad hook (hook_device_leaf)
     # Device copies of earlier storages that graphs of create_graph backwards may still read.

@@ -41,7 +41,7 @@ import logging
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import cast
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -49,13 +49,14 @@ from torch import nn
 
 from . import _engine
 from ._api import Policy, ScopeState, ScopeSummary, Summary
+from ._compress import FrozenFormat, PackedMaster, RowReader, compresses, copy_rows, packed_nbytes
 from ._distributed import check_model
 from ._engine import Engine
 from ._grads import new_host_grad
 from ._hooks import Hook, ModelHooks, ScopeHooks
 from ._host_memory import HostBuffer, PinProgress, host_empty
 from ._overlap import wait_for_steps
-from ._param import OffloadedParameter, without_subclass_dispatch
+from ._param import OffloadedParameter, master_values, without_subclass_dispatch
 from ._scope import ALIGN, Scope
 from ._slot import ParamSlot, device_copy, in_backward
 
@@ -106,23 +107,49 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward(); opt.step(); opt.zero_grad()
     """
+    return wrap_filling(model, predicate, device, policy, source=None)
+
+
+class ScopeSource(Protocol):
+    """Where the masters' values come from when they are not in the model (offtensor.load,
+    _load.py, hands one down): each scope in turn, `begin`, `value` per parameter, `end`."""
+
+    label: str  # for the progress line
+
+    def begin(self, name: str, params: list[tuple[str, nn.Parameter]]) -> None: ...
+
+    def value(self, qualified_name: str, p: nn.Parameter) -> torch.Tensor | RowReader: ...
+
+    def end(self) -> None: ...
+
+
+def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.device | str | None,
+                 policy: Policy | None, source: ScopeSource | None) -> nn.Module:
+    """`wrap`; with `source`, the masters' values come from it scope by scope, and parameters
+    on the meta device are accepted (Note [loading scope by scope] in _load.py)."""
     policy = policy if policy is not None else Policy()
     _check_arguments(model, predicate, policy)
     device = _resolve_device(device)
     selected = _select(model, predicate, policy)
-    _check_selection(model, selected)
+    _check_selection(model, selected, allow_meta=source is not None)
     pin = policy.pin_memory if policy.pin_memory is not None else device.type == "cuda"
     if pin and not torch.cuda.is_available():
         raise ValueError("offtensor.wrap: Policy(pin_memory=True) needs CUDA; this machine has none")
     plans = _plan_scopes(selected)
     _check_budget(plans, policy)
     engine = Engine(device, policy)
-    progress = PinProgress(sum(p.numel() * p.element_size() for *_, params, _ in plans for _, p in params))
+    progress = PinProgress(sum(p.numel() * p.element_size() for *_, params, _ in plans for _, p in params),
+                           *([source.label] if source is not None else []))
     try:
         for name, module, scope_policy, params, block in plans:
             scope = Scope(name, module, scope_policy, engine, pinned=pin, block=block)
-            _offload_params(scope, params, device)
-            progress.advance(scope.nbytes)
+            if source is None:
+                _offload_params(scope, params, device)
+            else:
+                source.begin(name, params)
+                _offload_params(scope, params, device, source.value)
+                source.end()
+            progress.advance(sum(p.numel() * p.element_size() for _, p in params))
             hooks = ScopeHooks(scope, engine)
             hooks.install()
             engine.scope_hooks.append(hooks)
@@ -254,7 +281,7 @@ def _restore_params(scope: Scope) -> None:
     for slot in scope.slots:
         p = slot.param
         grad = p.grad
-        data = p.detach().clone()
+        data = master_values(p)  # a compressed master: its values, unpacked
         p.grad = None
         del p._ot  # type: ignore[attr-defined]
         p.__class__ = nn.Parameter  # type: ignore[assignment]
@@ -439,7 +466,8 @@ def _split_large(selected: list[tuple[str, nn.Module, Policy]]) -> list[tuple[st
     return out
 
 
-def _check_selection(model: nn.Module, selected: list[tuple[str, nn.Module, Policy]]) -> None:
+def _check_selection(model: nn.Module, selected: list[tuple[str, nn.Module, Policy]], *,
+                     allow_meta: bool = False) -> None:
     if not selected:
         raise ValueError(
             f"offtensor.wrap: the predicate selected no module of this {type(model).__name__}. "
@@ -457,12 +485,13 @@ def _check_selection(model: nn.Module, selected: list[tuple[str, nn.Module, Poli
                     "select only one of them"
                 )
         for pname, p in module.named_parameters():
-            if p.is_meta:
+            if p.is_meta and not allow_meta:
                 qual = f"{name}.{pname}" if name else pname
                 raise ValueError(
-                    f"offtensor.wrap: parameter {qual!r} is on the meta device (no data). Load "
-                    "real weights before wrapping: e.g. model.to_empty(device='cpu') and "
-                    "load_state_dict(...), or from_pretrained without device_map='meta'"
+                    f"offtensor.wrap: parameter {qual!r} is on the meta device (no data). Use "
+                    "offtensor.load(model, weights=checkpoint_dir) to fill a meta model scope by "
+                    "scope, or load real weights before wrapping (model.to_empty(device='cpu') "
+                    "and load_state_dict(...), or from_pretrained without device_map='meta')"
                 )
             if isinstance(p, nn.parameter.UninitializedParameter):
                 qual = f"{name}.{pname}" if name else pname
@@ -514,13 +543,22 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} bytes"
 
 
-def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device: torch.device) -> None:
+def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device: torch.device,
+                    values: Callable[[str, nn.Parameter], torch.Tensor | RowReader] | None = None) -> None:
+    """Lay the scope's masters out in its host buffer and make each parameter offloaded.
+    `values(qualified_name, p)` gives each master's values (offtensor.load reads them from a
+    checkpoint); default: the parameter's own."""
     dtypes = _compute_dtypes(scope.policy, params)
-    offsets, scope.nbytes = _layout([p.numel() * p.element_size() for _, p in params])
+    # Policy(frozen_format): which masters are stored compressed (Note [compressed masters]).
+    fmt = FrozenFormat(scope.policy.frozen_format) if scope.policy.frozen_format else None
+    packs = [compresses(fmt, p) for _, p in params]
+    offsets, scope.nbytes = _layout([packed_nbytes(p.shape, p.dtype) if pk else p.numel() * p.element_size()
+                                     for (_, p), pk in zip(params, packs, strict=True)])
     dev_offsets, scope.device_nbytes = _layout(
         [p.numel() * dt.itemsize for (_, p), dt in zip(params, dtypes, strict=True)]
     )
-    scope.casts = any(dt != p.dtype for (_, p), dt in zip(params, dtypes, strict=True))
+    # A compressed master is dequantized on the device: loaded as a cast is (_copy_and_cast).
+    scope.casts = any(packs) or any(dt != p.dtype for (_, p), dt in zip(params, dtypes, strict=True))
     # Each master gets a storage of its own in the scope's one host allocation (Note [one
     # storage per master] in _host_memory.py); host_flat spans them all for the bulk copy.
     masters = HostBuffer(scope.nbytes, pin=scope.pinned)
@@ -531,17 +569,30 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     scope.device_flat = torch.empty(scope.device_nbytes, dtype=torch.uint8, device=device)
     # Plain tensors that do not require grad: autograd records none of these copies, without
     # grad mode (Note [interrupts]).
-    for (qual, p), offset, dev_offset, dt in zip(params, offsets, dev_offsets, dtypes, strict=True):
-        host = masters.tensor(offset, p.dtype, p.shape)
-        host.copy_(p.detach())
+    for (qual, p), offset, dev_offset, dt, pk in zip(params, offsets, dev_offsets, dtypes, packs, strict=True):
+        value = p.detach() if values is None else values(qual, p)
+        packed = None
+        if pk:
+            assert fmt is not None
+            packed = PackedMaster.on(masters.tensor, offset, qual, fmt, p.dtype, p.shape)
+            packed.pack(value)
+            host = packed.placeholder()
+        else:
+            host = masters.tensor(offset, p.dtype, p.shape)
+            copy_rows(host, value)  # a block at a time from a checkpoint (Note [loading scope by scope])
+        del value  # a weight read from a checkpoint goes now (Note [loading scope by scope])
         grad = p.grad
         p.grad = None
         leaf, view = device_copy(scope.device_flat, dev_offset, dt, p.shape, p.requires_grad)
-        p.data = host
+        if p.is_meta:  # offtensor.load: `p.data =` cannot change a meta tensor's device
+            torch.utils.swap_tensors(p, nn.Parameter(host, requires_grad=p.requires_grad))
+        else:
+            p.data = host
         p.__class__ = OffloadedParameter
         offloaded = cast(OffloadedParameter, p)
         slot = ParamSlot(param=offloaded, name=qual, scope=scope, offset=offset,
-                         device_offset=dev_offset, device_leaf=leaf, device_view=view, master=host)
+                         device_offset=dev_offset, device_leaf=leaf, device_view=view, master=host,
+                         packed=packed)
         offloaded._ot = slot
         slot.hook_device_leaf()
         if grad is not None:

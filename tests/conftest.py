@@ -554,7 +554,8 @@ def assert_all_scopes_offloaded(model: nn.Module) -> None:
             if scope.device_flat.is_cuda:
                 torch.cuda.synchronize()
             for slot in scope.slots:
-                fresh = slot.master.to(slot.device_view.dtype)
+                values = slot.packed.unpack() if slot.packed is not None else slot.master  # frozen_format
+                fresh = values.to(slot.device_view.dtype)
                 assert torch.equal(slot.device_view.cpu(), fresh), f"kept {slot.name}: device copy is stale"
             continue
         assert s.state == offtensor.ScopeState.OFFLOADED, f"{s.name} is {s.state} after the step"

@@ -356,3 +356,29 @@ def test_the_budget_keeps_half_the_decoder_layers():
                         torch.device("cpu"), 0)
     offtensor.wrap(built.model, device="cpu", policy=offtensor.Policy(vram_budget=budget_keeping_half(built, 1)))
     assert [s.kept for s in offtensor.summary(built.model).scopes] == [True] * 4 + [False] * 4
+
+
+def test_the_compressed_peers_run_inference_and_lora_judged_against_the_bf16_roofline(tmp_path):
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--quick", "--device", "cpu", "--scenarios", "infer-1x512", "lora-4x2048",
+                     "--peers", "resident", "offtensor", "offtensor-fp8", "offtensor-int8", "--warmup", "1",
+                     "--iters", "1", "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    rows = {(r["scenario"], r["peer"]): r for r in result["results"]}
+    for scenario in ("infer-1x512", "lora-4x2048"):
+        for peer in ("offtensor-fp8", "offtensor-int8"):
+            row = rows[(scenario, peer)]
+            assert row["status"] == "ok", row
+            # The bf16 roofline, the offtensor row's: fp8 is judged by how far below it goes.
+            assert row["roofline_ms"] == pytest.approx(rows[(scenario, "offtensor")]["roofline_ms"])
+    assert rows[("infer-1x512", "offtensor-fp8")]["target"] == 0.55
+    assert "frozen_format='fp8'" in result["setups"]["offtensor-fp8/base"]["how"]
+
+
+def test_compression_error_reports_layers_and_logits(capsys):
+    assert bench.main(["compression-error", "--quick", "--seq", "16", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    for fmt in ("fp8", "int8"):
+        line = next(x for x in out.splitlines() if x.strip().startswith(f"{fmt}:"))
+        assert "per-layer output error" in line and "final logits" in line and "host bytes 0.5" in line

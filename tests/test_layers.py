@@ -15,8 +15,9 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "offtensor"
 
 # Bottom to top. A module may import any module before it in this list, none after it.
-LAYERS = ["_api", "_host_memory", "_shm", "_distributed", "_compile", "_slot", "_param", "_streams", "_scope",
-          "_schedule", "_grads", "_engine", "_hooks", "_overlap", "_wrap", "_shared_masters", "_data_parallel"]
+LAYERS = ["_api", "_compress", "_host_memory", "_shm", "_distributed", "_compile", "_slot", "_param", "_streams",
+          "_scope", "_schedule", "_grads", "_engine", "_hooks", "_overlap", "_wrap", "_shared_masters",
+          "_data_parallel", "_load"]
 
 
 def _imports(module: str) -> set[str]:

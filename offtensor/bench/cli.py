@@ -34,6 +34,7 @@ COMMANDS = {
     "host-contention": ("host_memory", "the CPU AdamW step beside PCIe copies: host memory bandwidth"),
     "pinned-bandwidth": ("host_memory", "host-to-device bandwidth from three kinds of page-locked memory (CUDA)"),
     "adamw-memory-kinds": ("host_memory", "the CPU AdamW step on three kinds of host memory"),
+    "compression-error": ("compression", "the output and logit error of Policy(frozen_format=fp8|int8) against bf16"),
     "plot": ("plots", "draw the pictures of a --json file (or a step timeline) again (matplotlib)"),
 }
 

@@ -16,7 +16,7 @@ from .model import BuiltModel
 from .scenarios import Scenario
 
 PEER_NAMES = ("resident", "offtensor", "offtensor-overlap", "offtensor-castdev", "offtensor-casthost",
-              "offtensor-budget", "accelerate", "diffusers")
+              "offtensor-budget", "offtensor-fp8", "offtensor-int8", "accelerate", "diffusers")
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,8 @@ def peer_plan(peer: str, scenario: Scenario) -> str | None:
         return "run" if scenario.kind == "step32" else None
     if peer == "offtensor-budget":
         return "run" if scenario.kind in ("infer", "train") else None
+    if peer in ("offtensor-fp8", "offtensor-int8"):  # frozen weights only: inference, LoRA
+        return "run" if scenario.kind in ("infer", "frozen") else None
     if peer == "offtensor":
         return None if scenario.kind == "step32" else "run"  # fp32 masters: the -cast* peers
     if peer in ("accelerate", "diffusers") and scenario.has_optimizer:
@@ -117,7 +119,7 @@ def budget_keeping_half(built: BuiltModel, prefetch: int) -> int:
 
 
 def setup_offtensor(built: BuiltModel, device: torch.device, opts: PeerOptions, cast: str | None = None,
-                    budget: bool = False) -> str:
+                    budget: bool = False, frozen_format: str | None = None) -> str:
     """`offtensor.wrap` with the default predicate (every element of every nn.ModuleList: the
     decoder layers), then the rest of the model to the device. Returns the call, in words."""
     import offtensor
@@ -125,6 +127,12 @@ def setup_offtensor(built: BuiltModel, device: torch.device, opts: PeerOptions, 
     options = _offtensor_options(built, opts, cast)
     if budget:
         options["vram_budget"] = budget_keeping_half(built, options.get("prefetch", 1))
+    if frozen_format is not None:
+        # Compressed on the host, dequantized on the device (Note [compressed masters]). Only
+        # frozen weights are: this peer runs inference (the base model, frozen here) and LoRA.
+        options["frozen_format"] = frozen_format
+        if built.variant == "base":
+            built.layers.requires_grad_(False)
     policy = offtensor.Policy(**options) if options else None
     offtensor.wrap(built.model, device=device, policy=policy)
     built.model.to(device)  # embeddings, final norm, head, rotary buffers; masters stay on the host
@@ -163,11 +171,14 @@ PEER_SETUP: dict[str, Callable[[BuiltModel, torch.device, PeerOptions], str]] = 
     "offtensor-castdev": lambda b, d, o: setup_offtensor(b, d, o, cast="device"),
     "offtensor-casthost": lambda b, d, o: setup_offtensor(b, d, o, cast="host"),
     "offtensor-budget": lambda b, d, o: setup_offtensor(b, d, o, budget=True),
+    "offtensor-fp8": lambda b, d, o: setup_offtensor(b, d, o, frozen_format="fp8"),
+    "offtensor-int8": lambda b, d, o: setup_offtensor(b, d, o, frozen_format="int8"),
     "accelerate": _setup_accelerate,
     "diffusers": _setup_diffusers,
 }
 _PEER_MODULE = {"resident": None, "offtensor": "offtensor", "offtensor-overlap": "offtensor",
                 "offtensor-castdev": "offtensor", "offtensor-casthost": "offtensor", "offtensor-budget": "offtensor",
+                "offtensor-fp8": "offtensor", "offtensor-int8": "offtensor",
                 "accelerate": "accelerate", "diffusers": "diffusers.hooks"}
 
 

@@ -25,6 +25,9 @@ TARGETS: dict[tuple[str, str], float] = {
     # Against the all-streamed `offtensor` row of the same run, not a roofline (keeping half the
     # layers resident should about halve a transfer-bound pass).
     ("infer", "offtensor-budget"): 0.55,
+    # Against the bf16 roofline (the `offtensor` row's: its bytes are bf16): fp8 moves half the
+    # bytes, so a transfer-bound forward should take about half (issue 14).
+    ("infer", "offtensor-fp8"): 0.55,
 }
 # Peers whose ratio is to another peer's time in the same scenario, not to the roofline.
 RELATIVE_TO = {"offtensor-budget": "offtensor"}

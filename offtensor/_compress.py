@@ -1,0 +1,311 @@
+"""Frozen masters kept compressed on the host (`Policy(frozen_format="fp8" | "int8")`).
+
+# Note [compressed masters]
+A frozen offloaded parameter (requires_grad False when `wrap` runs: a LoRA base, every weight of
+a model wrapped for inference) is only ever read. With `Policy.frozen_format` its master is kept
+on the host as 1-byte values (fp8 e4m3 or int8) and one scale per output row (row-wise absmax,
+the scale stored in the parameter's dtype), about half the bytes of bf16. A load moves those
+bytes and dequantizes them on the copy stream into the scope's device buffer
+(`unpack_into`, from the staging buffer of `Scope._copy_and_cast`), so ops see an ordinary
+tensor of the compute dtype, and the PCIe bytes halve too.
+
+The compressed values ARE the parameter's values from then on. What the parameter reports is
+`unpack()`: `values.to(dtype) * scale[:, None]`, computed in the parameter's dtype (exact
+conversion of the 1-byte values, one rounding of the product), the very operation the device
+runs, so `p`, `state_dict()`, a temporary copy outside the scope and the scope's device copy are
+bit-identical (then cast to `compute_dtype` where it differs, as for any master). The
+parameter's own tensor holds no values (a NaN scalar expanded to its shape, so a read that
+bypassed offtensor would be visibly wrong rather than silently plausible); every read through
+the parameter gets the unpacked values (`packed_torch_function`). Writes through the parameter
+(`p.copy_`, `load_state_dict`, `nn.init`, `p.data = t`) compute on the unpacked values and
+requantize: afterwards `p` reports the requantized values, which is what the forward computes.
+Writes to a tensor taken from it (`p.data.add_()`, `p.detach().copy_()`) change a copy and are
+lost, as both `p` and the forward keep the stored values. A compressed parameter cannot be
+trained (the optimizer would step values that a requantization then rounds away): setting
+`requires_grad` on it raises, naming the parameter and the fix.
+
+Only matrices are compressed (2-D or more: rows are dim 0); 1-D parameters (norms, biases) and
+tensors below `MIN_NUMEL` elements stay in their dtype, costing little and often mattering most.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MIN_NUMEL = 4096  # smaller tensors stay uncompressed (Note [compressed masters])
+_SCALE_ALIGN = 64  # bytes: the scales follow the values at this alignment
+_CHUNK_NUMEL = 2**18  # quantize this many elements at a time: the fp32 temporaries stay small
+
+
+class FrozenFormat(enum.Enum):
+    """How frozen masters are stored on the host (Policy.frozen_format)."""
+
+    FP8 = "fp8"  # torch.float8_e4m3fn, per-row scale = absmax / 448
+    INT8 = "int8"  # torch.int8, per-row scale = absmax / 127, rounded to nearest
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self is FrozenFormat.FP8 else torch.int8
+
+    @property
+    def max(self) -> float:
+        return 448.0 if self is FrozenFormat.FP8 else 127.0
+
+
+def compresses(fmt: FrozenFormat | None, p: torch.Tensor) -> bool:
+    """Whether a parameter is stored compressed under `fmt` (Note [compressed masters])."""
+    return (fmt is not None and not p.requires_grad and p.is_floating_point() and p.dim() >= 2
+            and p.element_size() >= 2 and p.numel() >= MIN_NUMEL)
+
+
+def _rows_cols(shape: torch.Size) -> tuple[int, int]:
+    rows = shape[0]
+    return rows, math.prod(shape) // max(rows, 1)
+
+
+def packed_nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    """Host bytes of a compressed master: the 1-byte values, then one scale per row."""
+    rows, _ = _rows_cols(shape)
+    return _scale_offset(shape) + rows * dtype.itemsize
+
+
+def _scale_offset(shape: torch.Size) -> int:
+    return -(-math.prod(shape) // _SCALE_ALIGN) * _SCALE_ALIGN
+
+
+@dataclass(eq=False)
+class PackedMaster:
+    """A frozen parameter's master, compressed on the host (Note [compressed masters])."""
+
+    name: str  # qualified name, for errors
+    format: FrozenFormat
+    dtype: torch.dtype  # the parameter's dtype: what it reports, and the scales' dtype
+    shape: torch.Size
+    values: torch.Tensor  # host, format.dtype, (rows, cols)
+    scale: torch.Tensor  # host, dtype, (rows,)
+
+    @classmethod
+    def on(cls, carve: Callable[[int, torch.dtype, torch.Size], torch.Tensor], offset: int, name: str,
+           fmt: FrozenFormat, dtype: torch.dtype, shape: torch.Size) -> PackedMaster:
+        """Lay one out at `offset` bytes of a host buffer (`carve(offset, dtype, shape)` gives a
+        tensor there, as HostBuffer.tensor); its values are unset until `pack`."""
+        rows, cols = _rows_cols(shape)
+        return cls(name, fmt, dtype, torch.Size(shape), carve(offset, fmt.dtype, torch.Size((rows, cols))),
+                   carve(offset + _scale_offset(shape), dtype, torch.Size((rows,))))
+
+    def pack(self, value: torch.Tensor | RowReader) -> None:
+        """Quantize `value` (any float dtype, CPU; or a RowReader) into the values and scales,
+        in row blocks."""
+        if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(self.shape):
+            raise ValueError(f"offtensor: cannot store a tensor of shape {tuple(value.shape)} in compressed "
+                             f"parameter {self.name!r} of shape {tuple(self.shape)}")
+        rows, cols = _rows_cols(self.shape)
+        read = _reader(value)
+        step = max(1, _CHUNK_NUMEL // max(cols, 1))
+        for start in range(0, rows, step):
+            stop = min(start + step, rows)
+            block = read(start, stop).reshape(stop - start, cols).to(device="cpu", dtype=torch.float32, copy=True)
+            scale = _row_scale(block, self.format, self.dtype)
+            self.scale[start : start + step].copy_(scale)
+            q = block.div_(scale.float()[:, None]).clamp_(-self.format.max, self.format.max)
+            if self.format is FrozenFormat.INT8:
+                q.round_()
+            self.values[start : start + step].copy_(q)
+
+    def unpack(self) -> torch.Tensor:
+        """The parameter's values: a new host tensor of its dtype and shape."""
+        out = self.values.to(self.dtype)
+        out.mul_(self.scale[:, None])
+        return out.view(self.shape)
+
+    def unpack_into(self, out: torch.Tensor, packed: torch.Tensor) -> None:
+        """Dequantize on `out`'s device: `packed` holds this master's host bytes (uint8, on the
+        device), `out` is the device copy (contiguous, of the compute dtype). Bit-identical to
+        `unpack()` cast to out's dtype."""
+        rows, cols = _rows_cols(self.shape)
+        values = packed[: rows * cols].view(self.format.dtype).view(rows, cols)
+        start = _scale_offset(self.shape)
+        scale = packed[start : start + rows * self.dtype.itemsize].view(self.dtype)[:, None]
+        target = out.view(rows, cols)
+        if out.dtype == self.dtype:
+            target.copy_(values)  # exact: 1-byte values fit every float dtype of 2 bytes or more
+            target.mul_(scale)
+        else:
+            target.copy_(values.to(self.dtype).mul_(scale))
+
+    def placeholder(self) -> torch.Tensor:
+        """The parameter's own tensor: no values (Note [compressed masters])."""
+        return torch.full((), float("nan"), dtype=self.dtype).expand(self.shape)
+
+
+# Reads rows [start, stop) of a tensor (dim 0), in increasing order, each once: a tensor not in
+# memory, read a block at a time (offtensor.load, Note [loading scope by scope] in _load.py).
+RowReader = Callable[[int, int], torch.Tensor]
+
+
+def _reader(value: torch.Tensor | RowReader) -> RowReader:
+    if not isinstance(value, torch.Tensor):
+        return value
+    return lambda start, stop: value.detach()[start:stop]
+
+
+def copy_rows(dest: torch.Tensor, value: torch.Tensor | RowReader) -> None:
+    """`dest.copy_(value)`, a block of rows at a time when `value` is a RowReader (small
+    temporaries)."""
+    if isinstance(value, torch.Tensor) or dest.dim() == 0:
+        dest.copy_(value if isinstance(value, torch.Tensor) else value(0, 1))
+        return
+    rows, cols = _rows_cols(dest.shape)
+    step = max(1, _CHUNK_NUMEL // max(cols, 1))
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        dest[start:stop].copy_(value(start, stop))
+
+
+def _row_scale(block: torch.Tensor, fmt: FrozenFormat, dtype: torch.dtype) -> torch.Tensor:
+    """One scale per row, rounded to `dtype` (what is stored and what dequantization uses)."""
+    amax = block.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / fmt.max, torch.ones_like(amax)).to(dtype)
+    # A scale rounded down would put the row's largest value beyond the format's range (it is
+    # clamped: a small error), one rounded to zero would divide by zero: use the smallest
+    # normal number of the dtype there.
+    return torch.where(scale > 0, scale, torch.tensor(torch.finfo(dtype).tiny, dtype=dtype))
+
+
+# ---- what an op on a compressed parameter gets (Note [compressed masters]) -----------------
+
+# Queries about the parameter object and its storage, not its values: on the parameter.
+_ON_PARAMETER = {
+    torch.Tensor.data_ptr, torch.Tensor.untyped_storage, torch.Tensor.storage_offset,
+    torch.Tensor.is_pinned, torch.Tensor.is_shared, torch.Tensor.get_device, torch.Tensor.__hash__,
+    torch.Tensor.retain_grad, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.size,
+    torch.Tensor.dim, torch.Tensor.ndimension, torch.Tensor.element_size, torch.Tensor.__len__,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.is_signed,
+}
+# Layout queries: the parameter's own tensor is an expanded scalar; answer for a dense one.
+_ON_LAYOUT = {torch.Tensor.stride, torch.Tensor.is_contiguous}
+
+
+def packed_of(p: Any) -> PackedMaster | None:
+    slot = getattr(p, "_ot", None)
+    return getattr(slot, "packed", None) if slot is not None else None
+
+
+def _refuse_training(p: Any) -> None:
+    packed = packed_of(p)
+    assert packed is not None
+    raise RuntimeError(
+        f"offtensor: parameter {packed.name!r} is stored compressed on the host "
+        f"(Policy(frozen_format={packed.format.value!r})) and cannot be trained: an optimizer "
+        "step would be rounded away when it is requantized. Unfreeze it before offtensor.wrap, "
+        "or keep it uncompressed (offtensor.unwrap(model), then wrap without frozen_format, or "
+        "with a predicate returning a Policy without frozen_format for its module)"
+    )
+
+
+def packed_torch_function(func: Any, args: tuple, kwargs: dict, params: list[Any], written: set[int],
+                          master_only: set[Any], dispatch: Callable[[], Any]) -> Any:
+    """`__torch_function__` of an op or property access with compressed parameters among
+    `params` (subclass dispatch off). `written`: the ids of the parameters an in-place `func`
+    writes; `master_only`: the ops _param.py runs on the master; `dispatch()`: the usual path
+    (whose materialize gives unpacked values where it would give the master)."""
+    name = getattr(func, "__name__", "")
+    packed = [p for p in params if packed_of(p) is not None]
+    if name in ("__get__", "__set__", "__delete__"):
+        prop = getattr(func.__self__, "__name__", "")
+        if prop == "data" and name == "__get__":
+            return _unpacked(args[0])
+        if prop == "data" and name == "__set__":
+            _write(args[0], lambda v: v.copy_(args[1]))
+            return None
+        if prop == "requires_grad" and name == "__set__" and args[1]:
+            _refuse_training(args[0])
+        return dispatch()  # derived properties (`w.T`) are ops; the rest reads the parameter
+    if func is torch.Tensor.requires_grad_ and (args[1] if len(args) > 1 else kwargs.get("requires_grad", True)):
+        _refuse_training(args[0])
+    if func is torch.Tensor.detach:
+        return _unpacked(args[0])
+    if func in _ON_PARAMETER or func is torch.Tensor.requires_grad_:
+        return func(*args, **kwargs)
+    if func in _ON_LAYOUT:
+        return func(*_swap(args, packed, _dense_meta), **kwargs)
+    if func in master_only:  # value reads (`tolist`, `item`, `numpy`, `__bool__`): the values
+        return func(*_swap(args, packed, _unpacked), **kwargs)
+    targets = [p for p in packed if id(p) in written]
+    if targets:
+        return _write_op(func, args, kwargs, packed, targets)
+    return dispatch()
+
+
+def _unpacked(p: Any) -> torch.Tensor:
+    packed = packed_of(p)
+    assert packed is not None
+    return packed.unpack()
+
+
+def _dense_meta(p: Any) -> torch.Tensor:
+    return torch.empty(p.shape, dtype=p.dtype, device="meta")
+
+
+def _swap(args: tuple, params: list[Any], make: Callable[[Any], torch.Tensor]) -> tuple:
+    subs = {id(p): make(p) for p in params}
+
+    def one(a: Any) -> Any:
+        if isinstance(a, (list, tuple)):
+            return type(a)(subs.get(id(x), x) for x in a)
+        return subs.get(id(a), a)
+
+    return tuple(one(a) for a in args)
+
+
+def _write(p: Any, write: Callable[[torch.Tensor], Any]) -> None:
+    """Apply `write` to the unpacked values of `p` and requantize them."""
+    packed = packed_of(p)
+    assert packed is not None
+    p._ot.scope.engine.before_master_write(p._ot)  # no copy reads it; stale device copies go
+    values = packed.unpack()
+    write(values)
+    packed.pack(values)
+    torch.autograd.graph.increment_version(p)  # as an in-place write to a plain parameter
+
+
+def _write_op(func: Any, args: tuple, kwargs: dict, packed: list[Any], targets: list[Any]) -> Any:
+    """An in-place op writing compressed parameters (`targets`): it runs on the unpacked values
+    of every compressed parameter it names, and those it writes are requantized after (Note
+    [compressed masters])."""
+    for p in targets:
+        p._ot.scope.engine.before_master_write(p._ot)
+    subs = {id(p): p._ot.packed.unpack() for p in packed}
+
+    def one(a: Any) -> Any:
+        if isinstance(a, (list, tuple)):
+            return type(a)(subs.get(id(x), x) for x in a)
+        return subs.get(id(a), a)
+
+    result = func(*(one(a) for a in args), **{k: one(v) for k, v in kwargs.items()})
+    back = {}  # id(unpacked values) -> the parameter: an in-place op returns what it wrote
+    for p in targets:
+        p._ot.packed.pack(subs[id(p)])
+        torch.autograd.graph.increment_version(p)
+        back[id(subs[id(p)])] = p
+    if isinstance(result, (list, tuple)):
+        return type(result)(back.get(id(r), r) for r in result)
+    return back.get(id(result), result)
+
+
+def quantize_dequantize(t: torch.Tensor, fmt: FrozenFormat | str) -> torch.Tensor:
+    """The values `t` would have as a compressed master: what a model computes with under
+    `Policy(frozen_format=fmt)` (references for tests, the benchmark's error report)."""
+    fmt = FrozenFormat(fmt)
+    rows, cols = _rows_cols(t.shape)
+    packed = PackedMaster(
+        "tensor", fmt, t.dtype, t.shape, torch.empty(rows, cols, dtype=fmt.dtype),
+        torch.empty(rows, dtype=t.dtype))
+    packed.pack(t.detach().cpu())
+    return packed.unpack().to(t.device)

@@ -1,0 +1,290 @@
+"""offtensor.load: wrap a model built on the meta device, filling its host masters scope by scope
+from a safetensors checkpoint and/or an init function.
+
+# Note [loading scope by scope]
+A model whose full-precision weights do not fit in host RAM (a 70B model in bf16 is 140 GB) can
+still be offloaded compressed (Policy(frozen_format="fp8"): 70 GB), but only if it never exists
+in full precision on the host. So the model is built on the meta device (`with
+torch.device("meta"):` or accelerate's `init_empty_weights()`: shapes, no data), and `load`
+builds the scopes one after the other as `wrap` does, except that each master's values come from
+the source, one tensor at a time: `safe_open(file).get_tensor(key)` reads one tensor (the file
+is opened per tensor, so no mapping of a whole shard stays resident), it is copied or quantized
+into the scope's host buffer, and dropped. Quantization works in row blocks of bounded size.
+Host memory beyond the masters is then one tensor of the checkpoint plus small temporaries,
+whatever the model's size. An init function instead fills one scope's parameters at a time
+(allocated on the CPU, uninitialized), so the extra is one scope in full precision.
+
+The parts of the model that no scope offloads (embeddings, final norm, head, buffers still on
+the meta device) are then loaded the same way onto `rest_device`: directly on the compute
+device by default, without a host copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._api import Policy
+from ._compress import RowReader, copy_rows
+from ._wrap import Predicate, _find_engine, wrap_filling
+
+InitFn = Callable[[str, nn.Module], None]
+_INDEX = "model.safetensors.index.json"
+
+
+def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: Predicate | None = None, *,
+         init: InitFn | None = None, device: torch.device | str | None = None, policy: Policy | None = None,
+         rest_device: torch.device | str | None = None) -> nn.Module:
+    """`offtensor.wrap` a model built on the meta device, reading its weights scope by scope.
+
+    The model's parameters (all or some) are on the meta device: built under
+    `torch.device("meta")` or `accelerate.init_empty_weights()`. Each scope's host buffer is
+    filled from the source one tensor at a time, compressed on the fly under
+    `Policy(frozen_format=...)`, so the model never exists in full precision on the host: peak
+    host memory stays close to the offloaded bytes (Note [loading scope by scope]). The other
+    parameters and buffers on the meta device are then loaded onto `rest_device`. Parameters not
+    on the meta device keep their values. A transformers model's `tie_weights()` is called
+    first (a model built empty is not tied yet).
+
+    Args:
+        model: the model, modified in place; its meta parameters become real (offloaded ones
+            keep their identity; the others are new `nn.Parameter`s, tied ones stay tied).
+        weights: a Hugging Face checkpoint: a directory with `model.safetensors.index.json`
+            (sharded) or `model.safetensors`, or one `.safetensors` file. Keys are the model's
+            parameter names; a name that is not found is also tried without PEFT's `.base_layer`
+            and without leading components (`base_model.model.`).
+        predicate: as for `wrap`.
+        init: `init(module_name, module)` initializes, in place, the parameters that the
+            checkpoint lacks (all of them without `weights`): called once per module that
+            directly holds such parameters, after they were allocated uninitialized (on the
+            CPU for a scope, on `rest_device` for the rest), e.g. `lambda name, m:
+            model._init_weights(m)` for a transformers model, or random weights for a
+            benchmark. Buffers on the meta device that the checkpoint lacks are allocated
+            there too; `init` must fill them.
+        device: the compute device, as for `wrap`.
+        policy: as for `wrap`.
+        rest_device: where the parameters and buffers outside the scopes go. Default: `device`.
+
+    Returns:
+        `model`, wrapped.
+
+    Example::
+
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+        offtensor.load(model, path, policy=offtensor.Policy(frozen_format="fp8"))
+        out = model(input_ids.cuda())
+    """
+    if weights is None and init is None:
+        raise ValueError("offtensor.load: pass weights= (a safetensors checkpoint) or init= (an init function), "
+                         "or both")
+    if init is not None and not callable(init):
+        raise TypeError(f"offtensor.load: init must be callable as init(module_name, module), got "
+                        f"{type(init).__name__}")
+    checkpoint = Checkpoint(weights) if weights is not None else None
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):  # transformers ties on load; a model built empty is not tied yet
+        tie()
+    owners = _owners(model)
+    source = _ScopeFiller(checkpoint, init, owners)
+    wrap_filling(model, predicate, device, policy, source)
+    engine = _find_engine(model)
+    assert engine is not None
+    rest = torch.device(rest_device) if rest_device is not None else engine.device
+    _load_rest(model, checkpoint, init, rest)
+    return model
+
+
+class Checkpoint:
+    """The tensors of a safetensors checkpoint, by key, read one at a time."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        from safetensors import safe_open
+
+        self._safe_open = safe_open
+        path = Path(path)
+        self.files: dict[str, Path] = {}
+        if path.is_dir() and (path / _INDEX).is_file():
+            weight_map = json.loads((path / _INDEX).read_text())["weight_map"]
+            self.files = {key: path / name for key, name in weight_map.items()}
+        elif path.is_dir() and (path / "model.safetensors").is_file():
+            self._add_file(path / "model.safetensors")
+        elif path.is_file() and path.suffix == ".safetensors":
+            self._add_file(path)
+        else:
+            raise FileNotFoundError(
+                f"offtensor.load: {str(path)!r} is not a safetensors checkpoint: expected a directory "
+                f"holding {_INDEX} (sharded) or model.safetensors, or a .safetensors file")
+
+    def _add_file(self, file: Path) -> None:
+        with self._safe_open(str(file), framework="pt") as f:
+            self.files.update((key, file) for key in f.keys())
+
+    def find(self, names: list[str]) -> str | None:
+        """The checkpoint's key for a tensor known by `names` (its names in the model)."""
+        for name in names:
+            for candidate in (name, name.replace(".base_layer", "")):
+                parts = candidate.split(".")
+                for i in range(len(parts)):
+                    key = ".".join(parts[i:])
+                    if key in self.files:
+                        return key
+        return None
+
+    def rows(self, key: str, qual: str, like: torch.Tensor) -> _Rows:
+        """A RowReader of the tensor `key`, checked against `like` (parameter `qual`)."""
+        return _Rows(self._safe_open, self.files[key], key, qual, like)
+
+
+class _Rows:
+    """Reads one checkpoint tensor a block of rows at a time (a RowReader, _compress.py), in
+    `like`'s dtype. The file is open from the first block to the last: its mapping goes with the
+    handle (Note [loading scope by scope])."""
+
+    def __init__(self, safe_open: Any, file: Path, key: str, qual: str, like: torch.Tensor) -> None:
+        self.dtype = like.dtype
+        self.rows = like.shape[0] if like.dim() else 1
+        self._handle = safe_open(str(file), framework="pt")
+        self._file = self._handle.__enter__()
+        self._slice = self._file.get_slice(key)
+        shape = tuple(self._slice.get_shape())
+        if shape != tuple(like.shape):
+            self.close()
+            raise ValueError(
+                f"offtensor.load: checkpoint tensor {key!r} has shape {shape}, but parameter "
+                f"{qual!r} of the model has shape {tuple(like.shape)}; build the model from the "
+                "checkpoint's config")
+        self._key = key
+
+    def __call__(self, start: int, stop: int) -> torch.Tensor:
+        t = self._slice[start:stop] if self._slice.get_shape() else self._file.get_tensor(self._key)
+        if stop >= self.rows:
+            self.close()
+        return t.to(self.dtype)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.__exit__(None, None, None)
+            self._handle = self._file = self._slice = None
+
+    def read(self) -> torch.Tensor:
+        """The whole tensor (small ones: buffers)."""
+        out = torch.empty(self._slice.get_shape(), dtype=self.dtype)
+        copy_rows(out, self)
+        return out
+
+
+def _owners(model: nn.Module) -> dict[int, tuple[list[str], str, nn.Module]]:
+    """id(parameter) -> (its qualified names, the name of a module holding it, that module)."""
+    owners: dict[int, tuple[list[str], str, nn.Module]] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module._parameters.items():
+            if p is None:
+                continue
+            qual = f"{mname}.{pname}" if mname else pname
+            if id(p) in owners:
+                owners[id(p)][0].append(qual)
+            else:
+                owners[id(p)] = ([qual], mname, module)
+    return owners
+
+
+class _ScopeFiller:
+    """The values of one scope's masters at a time (wrap_filling's ScopeSource)."""
+
+    label = "loading weights into host memory"
+
+    def __init__(self, checkpoint: Checkpoint | None, init: InitFn | None,
+                 owners: dict[int, tuple[list[str], str, nn.Module]]) -> None:
+        self.checkpoint = checkpoint
+        self.init = init
+        self.owners = owners
+
+    def begin(self, name: str, params: list[tuple[str, nn.Parameter]]) -> None:
+        """Allocate (on the CPU) and initialize the scope's meta parameters the checkpoint lacks."""
+        missing = [(qual, p) for qual, p in params if p.is_meta and self._key(qual, p) is None]
+        if not missing:
+            return
+        if self.init is None:
+            qual = missing[0][0]
+            raise KeyError(
+                f"offtensor.load: the checkpoint has no tensor for parameter {qual!r} (nor "
+                f"{len(missing) - 1} other parameters of scope {name!r}); pass init= to initialize "
+                "the parameters a checkpoint lacks, or check the checkpoint's keys")
+        modules: dict[int, tuple[str, nn.Module]] = {}
+        for _, p in missing:
+            _, mname, module = self.owners[id(p)]
+            torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad))
+            modules[id(module)] = (mname, module)
+        for mname, module in modules.values():
+            self.init(mname, module)
+
+    def value(self, qual: str, p: nn.Parameter) -> torch.Tensor | RowReader:
+        if not p.is_meta:
+            return p.detach()  # kept, or allocated and initialized by `begin`
+        key = self._key(qual, p)
+        assert key is not None and self.checkpoint is not None  # else begin allocated it
+        return self.checkpoint.rows(key, qual, p)
+
+    def end(self) -> None:
+        pass
+
+    def _key(self, qual: str, p: nn.Parameter) -> str | None:
+        if self.checkpoint is None:
+            return None
+        names = self.owners[id(p)][0] if id(p) in self.owners else [qual]
+        return self.checkpoint.find([qual, *names])
+
+
+def _load_rest(model: nn.Module, checkpoint: Checkpoint | None, init: InitFn | None, device: torch.device) -> None:
+    """The parameters and buffers no scope offloaded, still on the meta device, onto `device`."""
+    done: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its replacement (tied weights)
+    owners = _owners(model)
+    to_init: dict[int, tuple[str, nn.Module]] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in done:
+                qual = f"{mname}.{pname}" if mname else pname
+                key = checkpoint.find(owners[id(p)][0]) if checkpoint is not None else None
+                if key is not None:
+                    assert checkpoint is not None
+                    value = torch.empty(p.shape, dtype=p.dtype, device=device)
+                    copy_rows(value, checkpoint.rows(key, qual, p))
+                elif init is not None:
+                    value = torch.empty(p.shape, dtype=p.dtype, device=device)
+                    to_init[id(module)] = (mname, module)
+                else:
+                    raise KeyError(
+                        f"offtensor.load: the checkpoint has no tensor for parameter {qual!r}; "
+                        "pass init= to initialize the parameters a checkpoint lacks")
+                done[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
+            module._parameters[pname] = done[id(p)]
+        for bname, b in list(module._buffers.items()):
+            if b is None or not b.is_meta:
+                continue
+            qual = f"{mname}.{bname}" if mname else bname
+            key = checkpoint.find([qual]) if checkpoint is not None else None
+            if key is not None:
+                assert checkpoint is not None
+                module._buffers[bname] = checkpoint.rows(key, qual, b).read().to(device)
+            elif init is not None:
+                module._buffers[bname] = torch.empty(b.shape, dtype=b.dtype, device=device)
+                to_init[id(module)] = (mname, module)
+            else:
+                raise KeyError(
+                    f"offtensor.load: buffer {qual!r} is on the meta device and not in the "
+                    "checkpoint (a non-persistent buffer, such as rotary embeddings' inv_freq); "
+                    "build the model under accelerate.init_empty_weights(), which keeps buffers "
+                    "real, or pass init= to fill it")
+    for mname, module in to_init.values():
+        assert init is not None
+        init(mname, module)

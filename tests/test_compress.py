@@ -1,0 +1,269 @@
+"""Policy(frozen_format="fp8" | "int8"): frozen masters compressed on the host, dequantized on
+the device (Note [compressed masters] in offtensor/_compress.py).
+
+The reference is the same model with its frozen matrices quantized and dequantized the same way
+(`quantize_dequantize`), computed resident: the offloaded model must match it exactly on the
+CPU. The error against the unquantized model is measured separately, and bounded.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import BlockStack, ResidualBlock, devices, host, tolerances
+from torch import nn
+
+import offtensor
+from offtensor._compress import MIN_NUMEL, quantize_dequantize
+from offtensor._wrap import _find_engine
+
+FORMATS = ["fp8", "int8"]
+HIDDEN = 64  # fc1 is 64 x 128: above MIN_NUMEL, compressed
+
+
+def _model(dtype: torch.dtype = torch.bfloat16, n_blocks: int = 3) -> BlockStack:
+    model = BlockStack([ResidualBlock(HIDDEN) for _ in range(n_blocks)], 8, HIDDEN, 4).to(dtype)
+    return model
+
+
+def _compressed_reference(model: nn.Module, fmt: str, device: str) -> nn.Module:
+    """A plain copy of `model` whose frozen block matrices hold their compressed values."""
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name.startswith("blocks.") and p.dim() >= 2 and not p.requires_grad and p.numel() >= MIN_NUMEL:
+                p.copy_(quantize_dequantize(p, fmt))
+    return reference.to(device)
+
+
+def _wrap(model: nn.Module, device: str, **policy) -> nn.Module:
+    offtensor.wrap(model, device=device, policy=offtensor.Policy(**policy))
+    return model.to(device)
+
+
+def _packed_slots(model: nn.Module) -> list:
+    return [s for scope in _find_engine(model).scopes for s in scope.slots if s.packed is not None]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("device", devices)
+def test_inference_matches_the_resident_model_with_the_same_compressed_weights(device, dtype, fmt):
+    model = _model(dtype).requires_grad_(False).eval()
+    reference = _compressed_reference(model, fmt, device)
+    _wrap(model, device, frozen_format=fmt)
+    assert len(_packed_slots(model)) == 6  # fc1 and fc2 of each block
+    x = torch.randn(5, 8, dtype=dtype, device=device)
+    with torch.no_grad():
+        out = model(x)
+        out2 = model(x)  # a second pass: learned order, prefetch
+        expected = reference(x)
+    torch.testing.assert_close(out, expected, **tolerances(device, dtype))
+    torch.testing.assert_close(out2, expected, **tolerances(device, dtype))
+    for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(host(p), host(r), rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("device", devices)
+def test_only_frozen_matrices_are_compressed(device, fmt):
+    model = _model()
+    model.blocks[1].requires_grad_(False)
+    _wrap(model, device, frozen_format=fmt)
+    packed = {s.name for s in _packed_slots(model)}
+    assert packed == {"blocks.1.fc1.weight", "blocks.1.fc2.weight"}  # not norms, biases, trainables
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("device", devices)
+def test_compute_dtype_casts_the_dequantized_values(device, fmt):
+    model = _model(torch.float32).requires_grad_(False)
+    reference = _compressed_reference(model, fmt, device)
+    reference.blocks.to(torch.bfloat16)  # fp32 masters cast to the compute dtype
+    _wrap(model, device, frozen_format=fmt, compute_dtype=torch.bfloat16)
+    x = torch.randn(5, 8, device=device)
+    with torch.no_grad():
+        # Only the blocks compute in bf16 here: run the reference's blocks the same way.
+        h = model.input(x).bfloat16()
+        for block in model.blocks:
+            h = block(h)
+        r = reference.input(x).bfloat16()
+        for block in reference.blocks:
+            r = block(r)
+    torch.testing.assert_close(h, r, **tolerances(device, torch.bfloat16))
+
+
+class _LoRALinear(nn.Module):
+    """A frozen base linear plus a trainable low-rank update."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.a = nn.Parameter(torch.randn(rank, base.in_features, dtype=base.weight.dtype) * 0.1)
+        self.b = nn.Parameter(torch.randn(base.out_features, rank, dtype=base.weight.dtype) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + F.linear(F.linear(x, self.a), self.b)
+
+
+def _lora_model(dtype: torch.dtype) -> BlockStack:
+    model = _model(dtype)
+    model.requires_grad_(False)
+    for block in model.blocks:
+        block.fc1 = _LoRALinear(block.fc1)
+        block.fc2 = _LoRALinear(block.fc2)
+    model.input.requires_grad_(True)  # (reentrant checkpointing needs inputs requiring grad)
+    return model
+
+
+def _lora_steps(model: nn.Module, device: str, dtype: torch.dtype, steps: int = 3) -> list[torch.Tensor]:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(4, 8, generator=gen).to(device, dtype)
+        y = torch.randn(4, 4, generator=gen).to(device, dtype)
+        opt.zero_grad()
+        loss = F.mse_loss(model(x).float(), y.float())
+        loss.backward()
+        losses.append(host(loss))
+        if len(losses) < steps:
+            opt.step()
+    return losses
+
+
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant", "reentrant"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("device", devices)
+def test_lora_training_matches_the_resident_model_with_the_same_compressed_base(device, fmt, checkpoint):
+    dtype = torch.bfloat16
+    model = _lora_model(dtype)
+    model.checkpoint = checkpoint
+    reference = _compressed_reference(model, fmt, device)
+    _wrap(model, device, frozen_format=fmt, param_filter=offtensor.frozen_only)
+    assert len(_packed_slots(model)) == 6
+    got = _lora_steps(model, device, dtype)
+    expected = _lora_steps(reference, device, dtype)
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected), **tolerances(device, dtype))
+    for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        if p.requires_grad:
+            torch.testing.assert_close(host(p.grad), host(r.grad), msg=name, **tolerances(device, dtype))
+        torch.testing.assert_close(host(p), host(r), msg=name, **tolerances(device, dtype))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_host_bytes_of_compressed_scopes_about_halve(fmt):
+    plain, compressed = _model(n_blocks=2).requires_grad_(False), _model(n_blocks=2).requires_grad_(False)
+    _wrap(plain, "cpu")
+    _wrap(compressed, "cpu", frozen_format=fmt)
+    ratio = offtensor.summary(compressed).host_bytes / offtensor.summary(plain).host_bytes
+    # The matrices take 1 byte per element plus a scale per row; norms and biases stay bf16.
+    matrices = sum(s.param.numel() for s in _packed_slots(compressed))
+    total = sum(p.numel() for p in compressed.blocks.parameters())
+    print(f"{fmt}: host bytes {ratio:.3f}x of bf16 ({matrices / total:.1%} of the elements compressed)")
+    assert ratio < 0.56
+
+
+def test_host_memory_of_a_large_compressed_scope_halves():
+    """The allocation itself, measured: a 64 MiB bf16 block takes about 32 MiB compressed."""
+    plain = nn.ModuleList([nn.Linear(4096, 8192, bias=False).bfloat16().requires_grad_(False)])
+    compressed = copy.deepcopy(plain)
+    offtensor.wrap(plain, device="cpu")
+    offtensor.wrap(compressed, device="cpu", policy=offtensor.Policy(frozen_format="fp8"))
+    sizes = [_find_engine(m).scopes[0].host_flat.untyped_storage().nbytes() for m in (plain, compressed)]
+    print(f"host buffer: bf16 {sizes[0] / 2**20:.1f} MiB, fp8 {sizes[1] / 2**20:.1f} MiB")
+    assert sizes[1] <= 0.51 * sizes[0]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_error_against_the_unquantized_model_is_bounded(fmt):
+    model = _model(torch.float32, n_blocks=4).requires_grad_(False)
+    exact = copy.deepcopy(model)
+    _wrap(model, "cpu", frozen_format=fmt)
+    x = torch.randn(64, 8)
+    with torch.no_grad():
+        err = (model(x) - exact(x)).norm() / exact(x).norm()
+        w, w_exact = model.blocks[0].fc1.weight, exact.blocks[0].fc1.weight
+        werr = (w - w_exact).norm() / w_exact.norm()
+    print(f"{fmt}: relative error of the output {err:.2e}, of a weight {werr:.2e}")
+    bound = 0.05 if fmt == "fp8" else 0.01  # e4m3 keeps 3 mantissa bits; int8 127 steps a row
+    assert werr < bound
+    assert err < bound
+    assert err > 0  # it is lossy: a test comparing to the exact model must see it
+
+
+@pytest.mark.parametrize("device", devices)
+def test_state_dict_and_reads_report_the_compressed_values(device):
+    model = _model().requires_grad_(False)
+    reference = _compressed_reference(model, "fp8", "cpu")
+    _wrap(model, device, frozen_format="fp8")
+    w = model.blocks[0].fc1.weight
+    expected = reference.blocks[0].fc1.weight
+    assert torch.equal(model.state_dict()["blocks.0.fc1.weight"], expected)
+    assert torch.equal(w.detach(), expected) and torch.equal(w.data, expected)
+    assert w.tolist() == expected.tolist()
+    assert torch.equal(w * 2, expected * 2) and torch.equal(w.T, expected.T)
+    assert w.is_contiguous() and w.stride() == expected.stride()
+    assert torch.equal(copy.deepcopy(model).blocks[0].fc1.weight, expected)
+    assert torch.equal(pickle.loads(pickle.dumps(model.blocks[0])).fc1.weight, expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("device", devices)
+def test_writes_through_the_parameter_requantize(device, fmt):
+    model = _model().requires_grad_(False)
+    _wrap(model, device, frozen_format=fmt)
+    x = torch.randn(3, 8, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        model(x)  # loaded once: a write must not leave a stale device copy
+    new = torch.randn(128, HIDDEN, dtype=torch.bfloat16)
+    w = model.blocks[0].fc1.weight
+    with torch.no_grad():
+        w.copy_(new)
+    assert torch.equal(w.detach(), quantize_dequantize(new, fmt))
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd["blocks.1.fc2.weight"] = torch.randn(HIDDEN, 128, dtype=torch.bfloat16)
+    model.load_state_dict(sd)
+    assert torch.equal(model.blocks[1].fc2.weight.detach(), quantize_dequantize(sd["blocks.1.fc2.weight"], fmt))
+    torch.nn.init.zeros_(model.blocks[2].fc1.weight)
+    assert not model.blocks[2].fc1.weight.detach().any()
+    model.blocks[2].fc2.weight.data = new.T.contiguous()
+    assert torch.equal(model.blocks[2].fc2.weight.detach(), quantize_dequantize(new.T, fmt))
+    # The forward computes with what the parameters report.
+    plain = copy.deepcopy(model).to(device)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x), **tolerances(device, torch.bfloat16))
+
+
+def test_unfreezing_a_compressed_parameter_raises_naming_it():
+    model = _model().requires_grad_(False)
+    _wrap(model, "cpu", frozen_format="fp8")
+    with pytest.raises(RuntimeError, match=r"'blocks.0.fc1.weight' is stored compressed .*frozen_format='fp8'"):
+        model.blocks[0].fc1.weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="cannot be trained"):
+        model.blocks[0].fc1.weight.requires_grad = True
+    with pytest.raises(RuntimeError, match="'blocks.0.fc1.weight' is stored compressed"):
+        model.requires_grad_(True)
+    model.blocks[0].fc1.weight.requires_grad_(False)  # fine
+
+
+def test_unwrap_gives_plain_parameters_with_the_compressed_values():
+    model = _model().requires_grad_(False)
+    reference = _compressed_reference(model, "int8", "cpu")
+    _wrap(model, "cpu", frozen_format="int8")
+    offtensor.unwrap(model)
+    for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        assert type(p) is nn.Parameter and p.is_contiguous()
+        assert torch.equal(p, r), name
+
+
+def test_policy_errors_name_the_option():
+    with pytest.raises(ValueError, match="frozen_format must be 'fp8', 'int8' or None, got 'fp4'"):
+        offtensor.Policy(frozen_format="fp4")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="frozen_format and cast='host' do not combine"):
+        offtensor.Policy(frozen_format="fp8", compute_dtype=torch.bfloat16, cast="host")

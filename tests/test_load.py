@@ -1,0 +1,217 @@
+"""offtensor.load: a model built on the meta device, its masters filled scope by scope from a
+safetensors checkpoint (sharded or not) or an init function (Note [loading scope by scope] in
+offtensor/_load.py), compared with the same model loaded normally."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import devices, tolerances
+
+import offtensor
+from offtensor._compress import MIN_NUMEL, quantize_dequantize
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+
+def _config(tied: bool = False):
+    return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                    tie_word_embeddings=tied)
+
+
+def _saved(tmp_path: Path, tied: bool = False, shard: str | None = "60KB"):
+    model = transformers.LlamaForCausalLM(_config(tied)).to(torch.bfloat16).eval()
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(tmp_path, safe_serialization=True, **kwargs)
+    return model
+
+
+def _meta_model(tied: bool = False):
+    with accelerate.init_empty_weights():  # parameters on meta; buffers (rotary inv_freq) real
+        model = transformers.LlamaForCausalLM(_config(tied)).to(torch.bfloat16)
+    return model.eval()
+
+
+def _ids(device: str) -> torch.Tensor:
+    return torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0)).to(device)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "one-file"])
+@pytest.mark.parametrize("device", devices)
+def test_load_from_a_checkpoint_matches_the_model_loaded_normally(tmp_path, device, sharded, tied):
+    reference = _saved(tmp_path, tied=tied, shard="60KB" if sharded else None).to(device)
+    assert (tmp_path / "model.safetensors.index.json").exists() == sharded
+    model = _meta_model(tied)
+    offtensor.load(model, tmp_path, device=device)
+    assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    assert offtensor.summary(model).scopes and len(offtensor.summary(model).scopes) == 3
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.device.type == torch.device(device).type  # the rest: on the device
+    with torch.no_grad():
+        got, expected = model(_ids(device)).logits, reference(_ids(device)).logits
+    torch.testing.assert_close(got, expected, **tolerances(device, torch.bfloat16))
+    for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), r.detach().cpu()), name
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("device", devices)
+def test_load_compresses_frozen_weights_on_the_fly(tmp_path, device, fmt):
+    reference = _saved(tmp_path)
+    with torch.no_grad():
+        for p in reference.model.layers.parameters():
+            if p.dim() >= 2 and p.numel() >= MIN_NUMEL:
+                p.copy_(quantize_dequantize(p, fmt))
+    reference.to(device)
+    model = _meta_model().requires_grad_(False)
+    offtensor.load(model, tmp_path, device=device, policy=offtensor.Policy(frozen_format=fmt))
+    with torch.no_grad():
+        got, expected = model(_ids(device)).logits, reference(_ids(device)).logits
+    torch.testing.assert_close(got, expected, **tolerances(device, torch.bfloat16))
+
+
+def _init(name: str, module: torch.nn.Module) -> None:
+    """Deterministic per-parameter values, whatever the order or device of the calls."""
+    for pname, p in module.named_parameters(recurse=False):
+        gen = torch.Generator().manual_seed(sum(map(ord, f"{name}.{pname}")))
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_load_with_an_init_function_fills_each_scope(device):
+    reference = transformers.LlamaForCausalLM(_config()).to(torch.bfloat16).eval()
+    for name, module in reference.named_modules():
+        _init(name, module)
+    reference.to(device)
+    model = _meta_model()
+    calls = []
+    offtensor.load(model, init=lambda n, m: (calls.append(n), _init(n, m)), device=device)
+    assert "model.layers.0.self_attn.q_proj" in calls and "model.embed_tokens" in calls
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids(device)).logits, reference(_ids(device)).logits,
+                                   **tolerances(device, torch.bfloat16))
+
+
+def test_load_puts_the_rest_where_asked(tmp_path):
+    _saved(tmp_path)
+    model = _meta_model()
+    offtensor.load(model, tmp_path, device="cpu", rest_device="cpu")
+    assert model.model.embed_tokens.weight.device.type == "cpu"
+    assert not isinstance(model.model.embed_tokens.weight, offtensor.OffloadedParameter)
+
+
+def test_load_errors_name_the_tensor_and_the_fix(tmp_path):
+    _saved(tmp_path, shard=None)
+    with pytest.raises(ValueError, match="pass weights= .* or init="):
+        offtensor.load(_meta_model())
+    with pytest.raises(FileNotFoundError, match="not a safetensors checkpoint"):
+        offtensor.load(_meta_model(), tmp_path / "nowhere")
+    model = _meta_model()
+    model.model.layers[1].mlp.down_proj = torch.nn.Linear(128, 32, bias=False, device="meta")
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.down_proj.weight' has shape \(64, 128\), but "
+                                         r"parameter 'model.layers.1.mlp.down_proj.weight' .* \(32, 128\)"):
+        offtensor.load(model, tmp_path)
+    model = _meta_model()
+    model.model.layers[2].extra = torch.nn.Linear(4, 4, device="meta")
+    with pytest.raises(KeyError, match="no tensor for parameter 'model.layers.2.extra.weight'.*pass init="):
+        offtensor.load(model, tmp_path)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(_config())  # buffers on meta too
+    with pytest.raises(KeyError, match="buffer 'model.rotary_emb.inv_freq' is on the meta device.*init_empty_weights"):
+        offtensor.load(model, tmp_path, device="cpu")
+    with pytest.raises(ValueError, match="is on the meta device .*offtensor.load"):
+        offtensor.wrap(_meta_model())
+
+
+def test_load_with_a_peft_model_finds_the_base_weights(tmp_path):
+    peft = pytest.importorskip("peft")
+    reference = _saved(tmp_path)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    gen = torch.manual_seed(3)
+    reference = peft.get_peft_model(reference, lora)
+    model = peft.get_peft_model(_meta_model(), copy.deepcopy(lora))
+
+    def init(name, module):  # the adapters: the reference's values
+        for pname, p in module.named_parameters(recurse=False):
+            with torch.no_grad():
+                p.copy_(reference.get_parameter(f"{name}.{pname}"))
+
+    del gen
+    policy = offtensor.Policy(param_filter=offtensor.frozen_only)
+    offtensor.load(model, tmp_path, init=init, device="cpu", policy=policy)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids("cpu")).logits, reference(_ids("cpu")).logits, rtol=0, atol=0)
+
+
+_RSS_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    from torch import nn
+    import offtensor
+
+    def rss(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+
+    class Stack(nn.Module):
+        def __init__(self, n, h):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(h, 2 * h, bias=False),
+                                                      nn.Linear(2 * h, h, bias=False)) for _ in range(n))
+
+    path, n, h, fmt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    with torch.device("meta"):
+        model = Stack(n, h).to(torch.bfloat16).requires_grad_(False)
+    open("/proc/self/clear_refs", "w").write("5")  # resets the peak (VmHWM) to the current RSS
+    before = rss("VmRSS:")
+    policy = offtensor.Policy(frozen_format=None if fmt == "none" else fmt)
+    offtensor.load(model, path, device="cpu", policy=policy)
+    peak = rss("VmHWM:")
+    device_scope = max(s.device_nbytes for s in offtensor._wrap._find_engine(model).scopes)
+    print(json.dumps({"growth": peak - before, "host": offtensor.summary(model).host_bytes,
+                      "device_scope": device_scope}))
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc peak RSS reset")
+@pytest.mark.parametrize("fmt", ["fp8", "none"])
+def test_peak_host_memory_of_a_load_stays_near_the_offloaded_bytes(tmp_path, fmt):
+    """In a fresh process: peak RSS growth while loading a 16-layer, 128 MiB bf16 checkpoint.
+
+    With device="cpu" the scope being built also allocates its "device" buffer in host memory
+    (on a GPU that is device memory): one scope's device bytes are taken off the growth. glibc
+    keeps freed blocks above its dynamic mmap threshold in its heap for reuse, which RSS counts
+    while nothing uses them; the threshold is fixed so that the peak measures live memory."""
+    from safetensors.torch import save_file
+
+    n, h = 16, 1024
+    tensors = {f"layers.{i}.{j}.weight": torch.randn(*((2 * h, h) if j == 0 else (h, 2 * h))).bfloat16()
+               for i in range(n) for j in range(2)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    del tensors
+    script = tmp_path / "measure.py"
+    script.write_text(_RSS_SCRIPT)
+    root = str(Path(offtensor.__file__).resolve().parent.parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "model.safetensors"), str(n), str(h), fmt],
+                         capture_output=True, text=True, env=env, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    growth = result["growth"] - result["device_scope"]
+    ratio = growth / result["host"]
+    print(f"{fmt}: peak RSS growth {growth / 2**20:.1f} MiB (less one scope's device buffer) for "
+          f"{result['host'] / 2**20:.1f} MiB of masters ({ratio:.3f}x)")
+    assert ratio <= 1.15
