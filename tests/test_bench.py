@@ -358,6 +358,7 @@ def test_the_budget_keeps_half_the_decoder_layers():
     assert [s.kept for s in offtensor.summary(built.model).scopes] == [True] * 4 + [False] * 4
 
 
+@pytest.mark.full_tier  # two peers, two scenarios: the full tier runs it
 def test_the_compressed_peers_run_inference_and_lora_judged_against_the_bf16_roofline(tmp_path):
     out = tmp_path / "bench.json"
     rc = bench.main(["--quick", "--device", "cpu", "--scenarios", "infer-1x512", "lora-4x2048",

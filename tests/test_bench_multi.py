@@ -28,7 +28,10 @@ from offtensor.bench.multi_report import format_multi_table, load_baseline, make
 from offtensor.bench.results import RankResult
 from offtensor.bench.scenarios import MULTI_SCENARIOS, QUICK_SHAPE, quick
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available"),
+    pytest.mark.full_tier,  # two spawned ranks: the full tier (CI) runs it
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 240

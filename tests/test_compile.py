@@ -149,6 +149,7 @@ def test_training_matches_compiled_unwrapped_model(device, backend, how):
     train_both(model, reference, mlp_batches(device), mse, tolerances(device, backend))
 
 
+@pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
 @pytest.mark.parametrize("how", ["model", "blocks"])
 @pytest.mark.parametrize("device", devices)
 def test_inference_matches_compiled_unwrapped_model(device, how):
@@ -161,6 +162,7 @@ def test_inference_matches_compiled_unwrapped_model(device, how):
         assert_all_scopes_offloaded(model)
 
 
+@pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
 @pytest.mark.parametrize("how", ["model", "blocks"])
 @pytest.mark.parametrize("device", devices)
 def test_hf_llama_training_matches_compiled_unwrapped_model(device, how):
@@ -171,6 +173,7 @@ def test_hf_llama_training_matches_compiled_unwrapped_model(device, how):
     train_both(model, reference, batches, lm_loss, tolerances(device, "aot_eager"))
 
 
+@pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
 @pytest.mark.parametrize("checkpoint", ["reentrant", "non_reentrant"])
 @pytest.mark.parametrize("device", devices)
 def test_checkpointed_blocks_match_compiled_unwrapped_model(device, checkpoint):
@@ -181,6 +184,7 @@ def test_checkpointed_blocks_match_compiled_unwrapped_model(device, checkpoint):
     train_both(model, reference, mlp_batches(device), mse, tolerances(device, "aot_eager"))
 
 
+@pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
 @pytest.mark.parametrize("how", ["model", "blocks"])
 @pytest.mark.parametrize("device", devices)
 def test_hf_gradient_checkpointing_matches_compiled_unwrapped_model(device, how):
@@ -191,6 +195,7 @@ def test_hf_gradient_checkpointing_matches_compiled_unwrapped_model(device, how)
     train_both(model, reference, batches, lm_loss, tolerances(device, "aot_eager"))
 
 
+@pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
 @pytest.mark.parametrize("device", devices)
 def test_backward_and_step_matches_compiled_unwrapped_model(device):
     model = mlp_of_blocks(n_blocks=3)
@@ -203,6 +208,7 @@ def test_backward_and_step_matches_compiled_unwrapped_model(device):
     train_both(model, reference, mlp_batches(device), mse, tolerances(device, "aot_eager"), step)
 
 
+@pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
 @pytest.mark.parametrize("device", devices)
 def test_gradient_accumulation_matches_compiled_unwrapped_model(device):
     model = mlp_of_blocks(n_blocks=3)
@@ -219,6 +225,7 @@ def test_gradient_accumulation_matches_compiled_unwrapped_model(device):
     train_both(model, reference, batches, three_micro_batches, tolerances(device, "aot_eager"))
 
 
+@pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
 @pytest.mark.parametrize("device", devices)
 def test_lora_with_offloaded_frozen_base_matches_compiled_unwrapped_model(device):
     peft = pytest.importorskip("peft")
@@ -231,6 +238,7 @@ def test_lora_with_offloaded_frozen_base_matches_compiled_unwrapped_model(device
     train_both(model, reference, batches, lm_loss, tolerances(device, "aot_eager"))
 
 
+@pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
 @pytest.mark.parametrize("device", devices)
 def test_blocks_split_into_several_scopes_match_compiled_unwrapped_model(device):
     """Policy(max_scope_bytes) makes each child of a block a scope: the block's graph breaks at
@@ -300,6 +308,7 @@ class TiedModel(nn.Module):
         return self.head(self.block(self.embed(tokens)))
 
 
+@pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
 @pytest.mark.parametrize("device", devices)
 def test_parameter_read_outside_its_scope_runs_eagerly_and_matches(device, monkeypatch):
     """The tied head reads the embedding's OffloadedParameter in compiled code: the op breaks
@@ -393,6 +402,7 @@ def test_compiled_backward_never_reads_a_released_device_copy(device, checkpoint
     assert check.released_reads == []
 
 
+@pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
 @pytest.mark.parametrize("device", devices)
 def test_compiled_backward_of_hf_checkpointing_never_reads_a_released_device_copy(device):
     """transformers checkpoints the layer's `forward`, inside its hooks: dynamo traces the

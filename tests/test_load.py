@@ -186,6 +186,7 @@ _RSS_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.full_tier  # a subprocess per format: the full tier runs it
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc peak RSS reset")
 @pytest.mark.parametrize("fmt", ["fp8", "none"])
 def test_peak_host_memory_of_a_load_stays_near_the_offloaded_bytes(tmp_path, fmt):
