@@ -78,6 +78,7 @@ def test_ratios_compare_with_the_one_gpu_baseline_and_the_pcie_floor(two_ranks):
     assert result["floor_ms"] == pytest.approx(result["wrapped_bytes"] / result["bandwidth"]["alone"]["h2d"] * 1e3)
     assert len(result["bandwidth"]["at_once_h2d"]) == 2
     for r in result["results"]:
+        assert r["status"] == "ok", (r["scenario"], r["peer"], r["note"])  # also checked above, per row
         one_gpu = baseline[r["scenario"]]["tokens_per_s"]
         assert one_gpu > 0
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / one_gpu)

@@ -44,7 +44,9 @@ def record_grads(row: Row, layers: nn.ModuleList, when: str) -> None:
         return
     grads = [p.grad for p in trainable if p.grad is not None]
     row.grads_kept = len(grads) / len(trainable)
-    row.grad_devices = sorted({str(g.device) + (" pinned" if g.is_pinned() else "") for g in grads})
+    # A sharded gradient (FSDP2's DTensor) has no is_pinned of its own: ask its local shard.
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    row.grad_devices = sorted({str(g.device) + (" pinned" if g.is_pinned() else "") for g in local})
     if row.grads_kept < 1.0:
         row.note = (f"only {row.grads_kept:.0%} of the trainable layer parameters had a .grad "
                     f"{when}: not a valid training step")
