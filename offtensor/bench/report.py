@@ -16,7 +16,7 @@ import torch
 from .measure import GiB, version
 from .optimizer import format_optimizer_speed
 from .results import Extras, Row
-from .rooflines import RELATIVE_TO
+from .rooflines import COMPRESSED_PEERS, RELATIVE_TO
 from .run import Run
 from .scenarios import ModelShape, Scenario
 
@@ -53,7 +53,8 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def _below_roofline(r: Row) -> bool:
-    return r.ratio is not None and r.ratio < 1.0 and r.peer != "resident" and r.peer not in RELATIVE_TO
+    return (r.ratio is not None and r.ratio < 1.0 and r.peer != "resident" and r.peer not in RELATIVE_TO
+            and r.peer not in COMPRESSED_PEERS)
 
 
 def _table_row(r: Row, shapes: dict[str, str]) -> tuple[str, ...]:

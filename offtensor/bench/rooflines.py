@@ -29,6 +29,9 @@ TARGETS: dict[tuple[str, str], float] = {
     # bytes, so a transfer-bound forward should take about half (issue 14).
     ("infer", "offtensor-fp8"): 0.55,
 }
+# Peers that move fewer bytes than the bf16 roofline counts (compressed weights): below 1 is
+# their point, not timing noise.
+COMPRESSED_PEERS = frozenset({"offtensor-fp8", "offtensor-int8"})
 # Peers whose ratio is to another peer's time in the same scenario, not to the roofline.
 RELATIVE_TO = {"offtensor-budget": "offtensor"}
 
