@@ -59,7 +59,16 @@ from torch import nn
 from ._engine import Engine
 from ._overlap import wait_for_steps
 from ._param import OffloadedParameter
-from ._shared_masters import Sharding, new_job_id, plan_owners, row_bytes, sharding_of, share_masters, wait_on_d2h
+from ._shared_masters import (
+    Sharding,
+    new_job_id,
+    plan_owners,
+    row_bytes,
+    sharding_of,
+    share_masters,
+    wait_for_ranks,
+    wait_on_d2h,
+)
 from ._slot import ParamSlot
 from ._wrap import _engine_of
 
@@ -404,17 +413,15 @@ def _exchange(ranks: list[int], entry: dict[str, Any], timeout: datetime.timedel
     prefix = f"{_STORE_PREFIX}/{'-'.join(map(str, ranks))}/{call}/"
     store.set(prefix + str(entry["rank"]), json.dumps(entry))
     keys = [prefix + str(r) for r in ranks]
-    try:
-        store.wait(keys, timeout)
-    except RuntimeError as e:  # DistStoreError is a RuntimeError
-        missing = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
+    missing = wait_for_ranks(store, keys, timeout, ranks)
+    if missing is not None:
         raise RuntimeError(
             f"offtensor.data_parallel: rank(s) {missing or '?'} did not call "
             f"offtensor.data_parallel within {timeout.total_seconds():g} s (rank "
             f"{entry['rank']} did, for the {_ordinal(call)} time on this group). Every rank must "
             "wrap the model and call offtensor.data_parallel(model); a rank that failed before "
             "shows its own error. Pass timeout= for slow model loading"
-        ) from e
+        )
     return [json.loads(store.get(k)) for k in keys]
 
 

@@ -179,17 +179,25 @@ def _attach_when_ready(name: str, total: int, leader: int, store: Any, prefix: s
     return _shm.attach(name, total)
 
 
-def _wait(store: Any, keys: list[str], timeout: Any, ranks: list[int], what: str) -> None:
-    """store.wait(keys, timeout), or an error naming the ranks whose keys are missing."""
+def wait_for_ranks(store: Any, keys: list[str], timeout: Any, ranks: list[int]) -> list[int] | None:
+    """store.wait(keys, timeout); None once every key is there, else the ranks whose keys are
+    missing at the timeout (a bounded wait: never a hang)."""
     try:
         store.wait(keys, timeout)
-    except RuntimeError as e:  # DistStoreError is a RuntimeError
-        missing = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
+    except RuntimeError:  # DistStoreError is a RuntimeError
+        return [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
+    return None
+
+
+def _wait(store: Any, keys: list[str], timeout: Any, ranks: list[int], what: str) -> None:
+    """store.wait(keys, timeout), or an error naming the ranks whose keys are missing."""
+    missing = wait_for_ranks(store, keys, timeout, ranks)
+    if missing is not None:
         raise RuntimeError(
             f"offtensor.data_parallel(shard_optimizer=True): rank(s) {missing or '?'} did not "
             f"arrive within {timeout.total_seconds():g} s {what}; every rank must do the same "
             "steps (see the other ranks' errors)"
-        ) from e
+        )
 
 
 # ---- owners and the fence ----------------------------------------------------------------------
