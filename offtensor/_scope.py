@@ -42,7 +42,7 @@ carries no graph) and raises.
 
 # Note [stale gradient fetches]
 When a backward will add to an existing `p.grad` (gradient accumulation), the old host gradient
-is fetched to the device together with the scope's weights (`_load_old_grads`), possibly before
+is fetched to the device together with the scope's weights (`_fetch_old_grads`), possibly before
 backward starts: at the end of the forward, a prefetch for backward. The user may change `p.grad`
 in between: `optimizer.zero_grad()` between forward and backward zeroes it in place or sets it to
 None. So each fetch remembers the tensor it copied and that tensor's version counter, and
