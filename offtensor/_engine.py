@@ -90,7 +90,6 @@ class Engine:
     def __init__(self, device: torch.device, policy: Policy) -> None:
         self.device = device
         self.policy = policy
-        self.is_cuda = device.type == "cuda"
         self.scopes: list[Scope] = []
         self.streams = Streams(device)
         self.live = LiveScopes()

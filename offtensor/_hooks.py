@@ -51,11 +51,9 @@ class ScopeHooks:
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         # Where the scope's parameters are registered: (module._parameters, key, slot), to
         # notice fully_shard replacing them (Note [data-parallel wrappers] in _distributed.py).
-        ours = {id(slot.param): slot for slot in scope.slots}
-        self._homes = [(m._parameters, k, ours[id(p)]) for m in scope.module.modules()
-                       for k, p in m._parameters.items() if id(p) in ours]
-        self._exposed: list[tuple[dict[str, Any], str, ParamSlot]] | None = None  # Note [torch.compile]
-        self._places: list[tuple[dict[str, Any], str, ParamSlot]] | None = None  # cache of _current_homes
+        self._homes = _homes(scope)
+        self._exposed: list[_Home] | None = None  # Note [torch.compile]
+        self._places: list[_Home] | None = None  # cache of _current_homes
 
     def install(self) -> None:
         module = self.scope.module
@@ -161,14 +159,12 @@ class ScopeHooks:
         for params, key, slot in places or ():
             params[key] = slot.param
 
-    def _current_homes(self) -> list[tuple[dict[str, Any], str, ParamSlot]]:
+    def _current_homes(self) -> list[_Home]:
         """Where the scope's parameters are registered now (a parameter shared by several
         modules of the scope once per module)."""
         # Not self._homes: the DDP/fully_shard check compares against where they were at wrap.
         if self._places is None or any(params.get(key) is not slot.param for params, key, slot in self._places):
-            ours = {id(slot.param): slot for slot in self.scope.slots}
-            self._places = [(m._parameters, k, ours[id(p)]) for m in self.scope.module.modules()
-                            for k, p in m._parameters.items() if p is not None and id(p) in ours]
+            self._places = _homes(self.scope)
         return self._places
 
     def inputs_done(self) -> None:
@@ -334,6 +330,17 @@ def _outside_offtensor(frame: FrameType | None) -> FrameType | None:
     while frame is not None and frame.f_globals.get("__name__", "").startswith("offtensor."):
         frame = frame.f_back
     return frame
+
+
+_Home = tuple[dict[str, Any], str, ParamSlot]
+
+
+def _homes(scope: Scope) -> list[_Home]:
+    """Where the scope's offloaded parameters are registered now: (module._parameters, key,
+    slot), a parameter shared by several modules of the scope once per module."""
+    ours = {id(slot.param): slot for slot in scope.slots}
+    return [(m._parameters, k, ours[id(p)]) for m in scope.module.modules()
+            for k, p in m._parameters.items() if p is not None and id(p) in ours]
 
 
 def _tensors(*trees: Any) -> list[torch.Tensor]:

@@ -62,6 +62,12 @@ TINY = 8  # see Note [prefetch order]
 ORDER_LIMIT = 16
 
 
+def streaming_bytes(largest_block: int, prefetch: int) -> int:
+    """Device bytes streaming needs beside a VRAM budget's kept scopes (Note [VRAM budget]): the
+    block computing, the one before it finishing its backward, `prefetch` in flight."""
+    return (2 + prefetch) * largest_block
+
+
 class Schedule:
     """The order in which scopes start their forward and first need their backward, learned
     from the passes so far, and which scopes to prefetch from it."""
@@ -107,7 +113,7 @@ class Schedule:
             for scope in self.scopes:
                 scope.kept = True
             return
-        streaming = 2 * largest_block + self.prefetch_bytes  # Note [VRAM budget]
+        streaming = streaming_bytes(largest_block, self._policy.prefetch)
         assert budget >= streaming  # wrap checked it (_check_budget) before anything moved
         room = budget - streaming
         for scope in self.scopes:

@@ -115,7 +115,10 @@ class LiveScopes:
             self._held_back.pop(scope, None)
 
     def pump(self) -> None:
-        """Enqueue the copies that waited for deferred steps now done (no host wait)."""
+        """Enqueue the copies that waited for deferred steps now done (no host wait). Called at
+        each op that waits for a chunk (make_resident): nothing held back costs no allocation."""
+        if not self._held_back:
+            return
         for scope in list(self._held_back):
             scope.copy_more(need=-1)
 
@@ -191,8 +194,13 @@ class Scope:
 
     def old_grad_bytes(self) -> int:
         """Bytes a load with_grads would fetch now: existing host gradients (accumulation)."""
-        return sum(g.nbytes for slot in self.slots if slot.old_grad is None and not slot.grad_written
-                   and (g := master_grad(slot.param)) is not None)
+        return sum(g.nbytes for _, g in self._old_grads_to_fetch())
+
+    def _old_grads_to_fetch(self) -> list[tuple[ParamSlot, torch.Tensor]]:
+        """(slot, its host `p.grad`) for each parameter whose existing gradient is not fetched
+        yet and not already added to in this backward."""
+        return [(slot, g) for slot in self.slots if slot.old_grad is None and not slot.grad_written
+                and (g := master_grad(slot.param)) is not None]
 
     def num_params(self) -> int:
         return sum(s.param.numel() for s in self.slots)
@@ -418,12 +426,7 @@ class Scope:
 
     def _fetch_old_grads(self) -> None:
         """Fetch existing host grads of the scope's parameters, for accumulation on the device."""
-        todo = []
-        for slot in self.slots:
-            if slot.old_grad is None and not slot.grad_written:
-                g = master_grad(slot.param)
-                if g is not None:
-                    todo.append((slot, g))
+        todo = self._old_grads_to_fetch()
         if not todo:
             return
         streams = self.streams

@@ -57,6 +57,7 @@ from ._hooks import Hook, ModelHooks, ScopeHooks
 from ._host_memory import HostBuffer, PinProgress, host_empty
 from ._overlap import wait_for_steps
 from ._param import OffloadedParameter, master_values, without_subclass_dispatch
+from ._schedule import streaming_bytes
 from ._scope import ALIGN, Scope
 from ._slot import ParamSlot, device_copy, in_backward
 
@@ -305,7 +306,7 @@ def summary(model: nn.Module) -> Summary:
                      s.loads_on_demand, s.kept)
         for s in engine.scopes if id(s.module) in inside
     ]
-    allocated = torch.cuda.memory_allocated(engine.device) if engine.is_cuda else None
+    allocated = torch.cuda.memory_allocated(engine.device) if engine.streams.is_cuda else None
     return Summary(str(engine.device), rows, allocated)
 
 
@@ -525,7 +526,7 @@ def _check_budget(plans: list[_Plan], policy: Policy) -> None:
         sizes = [p.numel() * dt.itemsize for (_, p), dt in zip(params, dtypes, strict=True)]
         blocks[block] = blocks.get(block, 0) + _layout(sizes)[1]
     total, largest = sum(blocks.values()), max(blocks.values())
-    streaming = (2 + policy.prefetch) * largest  # Note [VRAM budget]
+    streaming = streaming_bytes(largest, policy.prefetch)
     if budget < min(total, streaming):
         raise ValueError(
             f"offtensor.wrap: Policy(vram_budget={budget}) ({_size(budget)}) is below what "

@@ -434,6 +434,12 @@ def param_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
+def device_layout_bytes(module: nn.Module) -> int:
+    """The module's weights as a scope lays them out on the device (each parameter aligned to
+    256 bytes): what a block takes of Policy(vram_budget=...)."""
+    return max(256, sum(-(-p.numel() * p.element_size() // 256) * 256 for p in module.parameters()))
+
+
 def host(t: torch.Tensor) -> torch.Tensor:
     """A plain CPU tensor with the values of ``t`` (parameter, master or device tensor)."""
     return t.detach().to("cpu").as_subclass(torch.Tensor)

@@ -44,6 +44,7 @@ from conftest import (
     assert_all_scopes_offloaded,
     assert_grads_match,
     assert_params_match,
+    device_layout_bytes,
     host,
     mlp_of_blocks,
     param_bytes,
@@ -105,11 +106,6 @@ def _block_names(cfg: dict) -> list[str]:
     prefix = "model.layers" if cfg["model"] == "llama" else "blocks"
     n = 2 if cfg["model"] == "llama" else 3
     return [f"{prefix}.{i}" for i in range(n)]
-
-
-def _device_bytes(module) -> int:
-    """A module's weights as a scope lays them out on the device (each aligned to 256 bytes)."""
-    return max(256, sum(-(-p.numel() * p.element_size() // 256) * 256 for p in module.parameters()))
 
 
 def _draw_config(seed: int) -> tuple[random.Random, dict]:
@@ -406,7 +402,7 @@ def test_training_loop_fuzz(fuzz_seed):
     if cfg["frozen_only"]:
         policy_kwargs["param_filter"] = offtensor.frozen_only
     if cfg["budget_blocks"] is not None:
-        largest = max(_device_bytes(model.get_submodule(n)) for n in cfg["selected"])
+        largest = max(device_layout_bytes(model.get_submodule(n)) for n in cfg["selected"])
         policy_kwargs["vram_budget"] = (2 + cfg["prefetch"] + cfg["budget_blocks"]) * largest
     policy = offtensor.Policy(**policy_kwargs)
 

@@ -13,6 +13,7 @@ from conftest import (
     assert_all_scopes_offloaded,
     assert_grads_match,
     assert_params_match,
+    device_layout_bytes,
     devices,
     mlp_of_blocks,
     random_batch,
@@ -27,8 +28,7 @@ N_BLOCKS = 8
 
 
 def _block_bytes(model) -> int:
-    """A block's weights as its scope lays them out on the device (256-byte aligned)."""
-    return sum(-(-p.numel() * p.element_size() // 256) * 256 for p in model.blocks[0].parameters())
+    return device_layout_bytes(model.blocks[0])
 
 
 def _budget(model, kept: int, prefetch: int = 1) -> int:

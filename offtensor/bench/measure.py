@@ -15,6 +15,18 @@ import torch
 GiB = 2**30
 
 
+@contextlib.contextmanager
+def temporarily(get: Callable[[], Any], set_: Callable[[Any], None], value: Any) -> Any:
+    """`set_(value)` for the block, then back to what `get()` returned (torch's default dtype,
+    its intra-op thread count)."""
+    old = get()
+    set_(value)
+    try:
+        yield
+    finally:
+        set_(old)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

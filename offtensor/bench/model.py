@@ -4,24 +4,15 @@ lazily), its decoder layers, and the activation-checkpointing switches."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from .measure import temporarily
 from .scenarios import ModelShape
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 def _no_init_weights() -> contextlib.AbstractContextManager[Any]:
@@ -92,7 +83,7 @@ def _llama(shape: ModelShape, dtype: torch.dtype) -> nn.Module:
         use_cache=False,
         attn_implementation="sdpa",
     )
-    with _no_init_weights(), _default_dtype(dtype), torch.device("cpu"):
+    with _no_init_weights(), temporarily(torch.get_default_dtype, torch.set_default_dtype, dtype), torch.device("cpu"):
         return LlamaForCausalLM(config)
 
 

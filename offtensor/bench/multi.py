@@ -10,16 +10,23 @@ the host-memory numbers of one scenario free of another's."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .launch import RankEnv, init_groups, launched_by_torchrun, rank_env, spawn
-from .measure import free_memory, host_pss, measure_bandwidth, node_used_bytes, short_error, sync, timed
+from .measure import (
+    free_memory,
+    host_pss,
+    measure_bandwidth,
+    node_used_bytes,
+    short_error,
+    sync,
+    temporarily,
+    timed,
+)
 from .model import BuiltModel, build_model
 from .multi_peers import MULTI_PEERS, MultiOptions, multi_peer_unavailable
 from .multi_report import load_baseline, make_row, multi_json, print_multi, tokens_per_s
@@ -36,16 +43,6 @@ def cpu_threads() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _rank_device(env: RankEnv, name: str | None) -> torch.device:
@@ -116,7 +113,7 @@ class _Rank:
         threads = self.threads * self.env.local_world
         if self.env.rank == 0:
             self.say(f"bench: 1-GPU baseline: offtensor on rank 0 alone, {threads} threads")
-            with _threads(threads):
+            with temporarily(torch.get_num_threads, torch.set_num_threads, threads):
                 for s in scenarios:
                     out[s.name] = self._one_gpu(s)
         self.barrier()
