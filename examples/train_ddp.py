@@ -21,39 +21,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.utils.checkpoint import checkpoint
+from demo import TinyLM  # the demo's stand-in model (embedding, blocks, norm, head), next to this file
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import offtensor
-
-
-class Block(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.up = nn.Linear(hidden, 4 * hidden)
-        self.down = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
-
-
-class TinyLM(nn.Module):
-    """Embedding, a list of blocks (offloaded), a final norm and a head (on the device)."""
-
-    def __init__(self, layers: int, hidden: int, vocab: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(Block(hidden) for _ in range(layers))
-        self.norm = nn.LayerNorm(hidden)
-        self.head = nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = checkpoint(layer, x, use_reentrant=False) if self.training else layer(x)
-        return self.head(self.norm(x))
 
 
 def main() -> None:
@@ -80,6 +51,7 @@ def main() -> None:
 
     torch.manual_seed(rank)  # different on each rank: data_parallel copies rank 0's weights
     model = TinyLM(args.layers, args.hidden, args.vocab)
+    model.gradient_checkpointing_enable()  # non-reentrant, in training mode
     offtensor.wrap(model, device=device)  # each element of model.layers is offloaded
     model.to(device)  # the embedding, norm and head
     offtensor.data_parallel(model, shard_optimizer=args.shard_optimizer)
@@ -101,9 +73,7 @@ def main() -> None:
             last = micro == args.accumulate - 1
             # Only the last micro-batch of a step averages the gradients (all of them so far).
             with contextlib.nullcontext() if last else offtensor.no_sync(model):
-                logits = model(ids)
-                loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-                loss = loss / args.accumulate
+                loss = model(ids, labels=ids).loss / args.accumulate
                 if last and args.overlap:
                     offtensor.backward_and_step(loss, optimizer, zero_grad=True)
                 else:
