@@ -5,8 +5,8 @@ A frozen offloaded parameter (requires_grad False when `wrap` runs: a LoRA base,
 a model wrapped for inference) is only ever read. With `Policy.frozen_format` its master is kept
 on the host as 1-byte values (fp8 e4m3 or int8) and one scale per output row (row-wise absmax,
 the scale stored in the parameter's dtype), about half the bytes of bf16. A load moves those
-bytes and dequantizes them on the copy stream into the scope's device buffer
-(`unpack_into`, from the staging buffer of `Scope._copy_and_cast`), so ops see an ordinary
+bytes into a staging buffer and dequantizes them on the cast stream into the scope's device
+buffer (`unpack_into`, from `Scope._cast_chunk`), chunk by chunk as they land, so ops see an ordinary
 tensor of the compute dtype, and the PCIe bytes halve too.
 
 The compressed values ARE the parameter's values from then on. What the parameter reports is
@@ -117,6 +117,11 @@ class PackedMaster:
             if self.format is FrozenFormat.INT8:
                 q.round_()
             self.values[start : start + step].copy_(q)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in the host buffer: the values, then the scales."""
+        return packed_nbytes(self.shape, self.dtype)
 
     def unpack(self) -> torch.Tensor:
         """The parameter's values: a new host tensor of its dtype and shape."""

@@ -23,6 +23,13 @@ matmul of a block starts when its own weights have landed, not the whole block: 
 scope of a pass, which nothing can hide, this turns a whole-block stall into a one-matrix stall.
 Backward needs the whole scope before its first op (autograd reads the saved device copies
 directly), so pre_backward waits for every chunk.
+A load that converts (`Policy(cast="device")`, `Policy(frozen_format)`) is progressive too: the
+master bytes of each chunk cross into a staging buffer on the copy stream, and the cast stream
+converts that chunk into the device copies once its copy has landed; the chunk's event is
+recorded after its conversion. The conversions thus overlap the next chunks' copies instead of
+delaying them, and the first op waits for its own matrix's copy and conversion only (see Note
+[streams and events]). The staging buffer (host layout, the scope's `nbytes`) lives until the
+last conversion is enqueued; the allocator holds its memory until the cast stream is past it.
 
 # Note [higher-order gradients]
 `torch.autograd.grad(y, x, create_graph=True)` (gradient penalties, `hvp`, `hessian`) builds a
@@ -81,6 +88,10 @@ class LoadProgress:
     cursor: int = 0  # copy_order entries enqueued (a progressive load)
     end: int = 0  # len(copy_order) for a progressive load, else 0
     unmarked: int = 0  # bytes enqueued since the last chunk event
+    # A converting load: the masters' bytes on the device (host layout) until the last chunk's
+    # conversion is enqueued, and the parameters copied there since the last chunk event.
+    staging: torch.Tensor | None = None
+    to_convert: list[ParamSlot] = field(default_factory=list)
 
     @property
     def held_back(self) -> bool:
@@ -269,25 +280,29 @@ class Scope:
         self.device_storage.resize_(self.device_nbytes)
         streams.wait(h2d, streams.record(compute))  # alloc_done
         self.loading = loading = LoadProgress()
-        progressive = not self.casts and self.copy_order is not None
+        progressive = self.copy_order is not None and self.host_shadow is None
         if not progressive:
             for slot in self.slots:
                 slot.wait_for_step()
         if self.host_shadow is not None:  # Policy(cast="host")
             self._refresh_shadow()
         with streams.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
+            if self.casts and self.host_shadow is None:
+                loading.staging = self._staging()
             if progressive:
                 assert self.copy_order is not None
                 loading.end = len(self.copy_order)
                 self.copy_more(need=-1)
             else:
-                if not self.casts:
-                    self.device_flat.copy_(self.host_flat, non_blocking=True)
-                elif self.host_shadow is not None:  # Policy(cast="host")
+                if loading.staging is not None:
+                    loading.staging.copy_(self.host_flat, non_blocking=True)
+                    loading.to_convert.extend(self.slots)
+                elif self.host_shadow is not None:
                     self.device_flat.copy_(self.host_shadow, non_blocking=True)
                 else:
-                    self._copy_and_cast()
-                loading.chunk_ready = [streams.record(h2d)]
+                    self.device_flat.copy_(self.host_flat, non_blocking=True)
+                self._mark_chunk(h2d)
+                loading.staging = None
                 streams.reads_masters(self.weights_ready)
         if self.host_shadow is not None:
             self.shadow_read = self.weights_ready
@@ -296,6 +311,16 @@ class Scope:
         self.live.loaded(self)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("load %s (%.1f MiB)%s", self.name, self.nbytes / 2**20, streams.memory())
+
+    def _staging(self) -> torch.Tensor:
+        """The device buffer a converting load copies the masters' bytes into (allocated on the
+        copy stream, which writes it first). The cast stream reads it: recorded as a use of that
+        stream, its memory is not reused before the last conversion is done."""
+        staging = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device_flat.device)
+        cast = self.streams.cast()
+        if cast is not None:
+            staging.record_stream(cast)
+        return staging
 
     def copy_more(self, need: int) -> None:
         """Enqueue the next copies of a progressive load, in the order the forward first uses
@@ -306,6 +331,7 @@ class Scope:
         assert order is not None and loading is not None
         streams = self.streams
         h2d = streams.h2d()
+        staging = loading.staging
         i = start = loading.cursor
         with streams.on(h2d):
             while i < loading.end:
@@ -314,9 +340,16 @@ class Scope:
                     if i > need:
                         break
                     slot.wait_for_step()
-                slot.device_view.copy_(slot.master, non_blocking=True)
+                if staging is None:
+                    slot.device_view.copy_(slot.master, non_blocking=True)
+                    loading.unmarked += slot.device_view.nbytes
+                else:  # converted on the cast stream once its chunk has landed
+                    n = slot.host_nbytes
+                    staging[slot.offset : slot.offset + n].copy_(
+                        self.host_flat[slot.offset : slot.offset + n], non_blocking=True)
+                    loading.to_convert.append(slot)
+                    loading.unmarked += n
                 slot.chunk = len(loading.chunk_ready)
-                loading.unmarked += slot.device_view.nbytes
                 i += 1
                 if loading.unmarked >= CHUNK_BYTES or i == loading.end:
                     self._mark_chunk(h2d)
@@ -325,26 +358,40 @@ class Scope:
         if i > start:  # the copy stream runs in order: its last event covers the rest
             streams.reads_masters(loading.chunk_ready[-1])
         loading.cursor = i
+        if i == loading.end:
+            loading.staging = None  # every conversion is enqueued
         self.live.holding_back(self, loading.held_back)
 
     def _mark_chunk(self, h2d: Any) -> None:
-        assert self.loading is not None
-        self.loading.chunk_ready.append(self.streams.record(h2d))
-        self.loading.unmarked = 0
+        """Record the event compute waits on for the copies enqueued since the last one: after
+        their conversion, for a converting load (on the cast stream)."""
+        loading = self.loading
+        assert loading is not None
+        streams = self.streams
+        event = streams.record(h2d)
+        if loading.to_convert:
+            assert loading.staging is not None
+            cast = streams.cast()
+            streams.wait(cast, event)
+            with streams.on(cast):
+                for slot in loading.to_convert:
+                    self._convert(slot, loading.staging)
+            loading.to_convert.clear()
+            event = streams.record(cast)
+        loading.chunk_ready.append(event)
+        loading.unmarked = 0
 
-    def _copy_and_cast(self) -> None:
-        """Policy(cast="device"): master bytes cross PCIe into a staging buffer, cast on the
-        device. Runs on the copy stream; the staging buffer is allocated on that stream, so
-        freeing it right after enqueueing the casts is stream-ordered."""
-        staging = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device_flat.device)
-        staging.copy_(self.host_flat, non_blocking=True)
-        for slot in self.slots:
-            p = slot.param
-            if slot.packed is not None:  # Policy(frozen_format): Note [compressed masters]
-                slot.packed.unpack_into(slot.device_view, staging[slot.offset :])
-                continue
-            n = p.numel() * p.element_size()
-            slot.device_view.copy_(staging[slot.offset : slot.offset + n].view(p.dtype).view(p.shape))
+    @staticmethod
+    def _convert(slot: ParamSlot, staging: torch.Tensor) -> None:
+        """Write a parameter's device copy from its master's bytes in `staging` (host layout):
+        dequantized (Policy(frozen_format), Note [compressed masters]) or cast to the compute
+        dtype (Policy(cast="device"))."""
+        if slot.packed is not None:
+            slot.packed.unpack_into(slot.device_view, staging[slot.offset :])
+            return
+        master = slot.master
+        n = master.numel() * master.element_size()
+        slot.device_view.copy_(staging[slot.offset : slot.offset + n].view(master.dtype).view(master.shape))
 
     def _refresh_shadow(self) -> None:
         """Policy(cast="host"): re-cast the masters into the compute-dtype host copy after they

@@ -134,6 +134,13 @@ class ParamSlot:
         return self.grads_in_backward > 0
 
     @property
+    def host_nbytes(self) -> int:
+        """Bytes of the master in its scope's host buffer (compressed: values and scales)."""
+        if self.packed is not None:
+            return self.packed.nbytes
+        return self.master.numel() * self.master.element_size()
+
+    @property
     def step_pending(self) -> bool:
         return self.pending_step is not None
 

@@ -8,6 +8,11 @@ One `Streams` object per wrapped model owns every stream and event (created lazi
 - h2d ("copy stream"): host-to-device copies of weights (and of existing grads when
   accumulating), so the next scope loads while the current one computes.
 - d2h: device-to-host copies of gradients, on their own stream so both PCIe directions are used.
+- cast: the conversions of loads that change dtype (`Policy(cast="device")`, the dequantization
+  of `Policy(frozen_format)`). They are kernels: on the copy stream they would hold back the
+  next copy until they finish (the copy stream runs in order), so the PCIe link would idle
+  while they run. On a stream of their own, each chunk's conversion waits only for that
+  chunk's copy, and the copies go on back to back (Note [progressive loads] in _scope.py).
 A device buffer is allocated on compute, then the copy stream waits on an event recorded there
 (`alloc_done`): the memory may have just been freed by compute and still be read by queued
 kernels. Compute waits on `weights_ready` before the first use, and the release (resize to 0) is
@@ -35,6 +40,7 @@ class Streams:
         self.is_cuda = device.type == "cuda"
         self._h2d: Any = None
         self._d2h: Any = None
+        self._cast: Any = None
         self._unsynced_h2d: list[Any] = []  # events of copies that may still read host masters
         # The current stream before `on()` made a side stream current; None when none is
         # (Note [interrupts]).
@@ -52,6 +58,11 @@ class Streams:
         if self.is_cuda and self._d2h is None:
             self._d2h = torch.cuda.Stream(self.device)
         return self._d2h
+
+    def cast(self) -> Any:
+        if self.is_cuda and self._cast is None:
+            self._cast = torch.cuda.Stream(self.device)
+        return self._cast
 
     @staticmethod
     def record(stream: Any) -> Any:

@@ -267,3 +267,32 @@ def test_policy_errors_name_the_option():
         offtensor.Policy(frozen_format="fp4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="frozen_format and cast='host' do not combine"):
         offtensor.Policy(frozen_format="fp8", compute_dtype=torch.bfloat16, cast="host")
+
+
+@pytest.mark.parametrize("device", devices)
+def test_a_compressed_scope_loads_progressively_in_chunks(device, monkeypatch):
+    """After the first forward a compressed scope's load goes chunk by chunk (its dequantization
+    per chunk, Note [progressive loads]); the staging buffer is gone once every chunk is
+    enqueued, and the results are those of the resident compressed model."""
+    import offtensor._scope as scope_module
+
+    monkeypatch.setattr(scope_module, "CHUNK_BYTES", 4096)  # fc1 alone is 8 KiB of fp8
+    model = _model(torch.bfloat16).requires_grad_(False).eval()
+    reference = _compressed_reference(model, "fp8", device)
+    _wrap(model, device, frozen_format="fp8")
+    engine = _find_engine(model)
+    chunks = []
+    original = scope_module.Scope.copy_more
+
+    def spy(scope, need):
+        original(scope, need)
+        chunks.append((len(scope.loading.chunk_ready), scope.loading.staging))
+
+    monkeypatch.setattr(scope_module.Scope, "copy_more", spy)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(5, 8, dtype=torch.bfloat16, device=device)
+            torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    assert chunks, "no progressive load of a compressed scope"
+    assert all(n >= 2 and staging is None for n, staging in chunks)
+    assert all(scope.copy_order is not None for scope in engine.scopes)
