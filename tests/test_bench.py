@@ -344,6 +344,7 @@ def test_the_budget_peer_keeps_half_the_layers_and_is_judged_against_the_streame
         assert budget["roofline_ms"] == pytest.approx(streamed["median_ms"])  # relative to offtensor
         assert budget["ratio"] == pytest.approx(budget["median_ms"] / streamed["median_ms"])
     assert rows[("infer-1x512", "offtensor-budget")]["target"] == 0.55
+    assert rows[("train-4x2048", "offtensor-budget")]["target"] is None  # a bytes target: infer-1x512 only
     assert "offtensor-budget: its ratio is to the offtensor row's time" in capsys.readouterr().out
 
 
@@ -383,3 +384,18 @@ def test_compression_error_reports_layers_and_logits(capsys):
     for fmt in ("fp8", "int8"):
         line = next(x for x in out.splitlines() if x.strip().startswith(f"{fmt}:"))
         assert "per-layer output error" in line and "final logits" in line and "host bytes 0.5" in line
+
+
+def test_bytes_targets_judge_only_the_transfer_bound_scenario():
+    """fp8 and the VRAM budget move fewer bytes: their targets are the issues' infer-1x512 ones,
+    not the compute-bound infer-8x2048 (where fp8's dequantization costs a little)."""
+    from offtensor.bench.results import Row
+    from offtensor.bench.rooflines import _judge
+
+    for scenario, target in (("infer-1x512", 0.55), ("infer-8x2048", None)):
+        row = Row(scenario, "offtensor-fp8", "ok", median_ms=130.0)
+        _judge(row, "infer", 120.0)
+        assert row.target == target and row.verdict == (None if target is None else "FAIL")
+    row = Row("infer-8x2048", "offtensor", "ok", median_ms=121.0)
+    _judge(row, "infer", 120.0)
+    assert row.target == 1.03 and row.verdict == "PASS"
