@@ -138,7 +138,10 @@ class PackedMaster:
         start = _scale_offset(self.shape)
         scale = packed[start : start + rows * self.dtype.itemsize].view(self.dtype)[:, None]
         target = out.view(rows, cols)
-        if out.dtype == self.dtype:
+        if out.dtype == self.dtype and self.format is FrozenFormat.INT8:
+            torch.mul(values, scale, out=target)  # one kernel: int8 promotes to the scale's dtype
+        elif out.dtype == self.dtype:
+            # Two kernels: PyTorch does not promote float8 in arithmetic.
             target.copy_(values)  # exact: 1-byte values fit every float dtype of 2 bytes or more
             target.mul_(scale)
         else:
