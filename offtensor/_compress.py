@@ -41,6 +41,7 @@ import torch
 MIN_NUMEL = 4096  # smaller tensors stay uncompressed (Note [compressed masters])
 _SCALE_ALIGN = 64  # bytes: the scales follow the values at this alignment
 _CHUNK_NUMEL = 2**18  # quantize this many elements at a time: the fp32 temporaries stay small
+_DEVICE_CHUNK_NUMEL = 2**24  # the same on an accelerator, where each block costs a launch or two
 
 
 class FrozenFormat(enum.Enum):
@@ -100,23 +101,27 @@ class PackedMaster:
                    carve(offset + _scale_offset(shape), dtype, torch.Size((rows,))))
 
     def pack(self, value: torch.Tensor | RowReader) -> None:
-        """Quantize `value` (any float dtype, CPU; or a RowReader) into the values and scales,
-        in row blocks."""
+        """Quantize `value` (any float dtype; or a RowReader) into the values and scales, in
+        row blocks: on the value's device when it is a tensor on an accelerator (then only the
+        1-byte values and the scales cross to the host), else on the CPU. Both give the same
+        bytes (IEEE division and round-to-nearest casts on either)."""
         if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(self.shape):
             raise ValueError(f"offtensor: cannot store a tensor of shape {tuple(value.shape)} in compressed "
                              f"parameter {self.name!r} of shape {tuple(self.shape)}")
         rows, cols = _rows_cols(self.shape)
         read = _reader(value)
-        step = max(1, _CHUNK_NUMEL // max(cols, 1))
+        device = value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
+        numel = _CHUNK_NUMEL if device.type == "cpu" else _DEVICE_CHUNK_NUMEL
+        step = max(1, numel // max(cols, 1))
         for start in range(0, rows, step):
             stop = min(start + step, rows)
-            block = read(start, stop).reshape(stop - start, cols).to(device="cpu", dtype=torch.float32, copy=True)
+            block = read(start, stop).reshape(stop - start, cols).to(device=device, dtype=torch.float32, copy=True)
             scale = _row_scale(block, self.format, self.dtype)
-            self.scale[start : start + step].copy_(scale)
             q = block.div_(scale.float()[:, None]).clamp_(-self.format.max, self.format.max)
             if self.format is FrozenFormat.INT8:
                 q.round_()
-            self.values[start : start + step].copy_(q)
+            self.scale[start : start + step].copy_(scale)
+            self.values[start : start + step].copy_(q.to(self.format.dtype))
 
     @property
     def nbytes(self) -> int:

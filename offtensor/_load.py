@@ -12,7 +12,11 @@ is opened per tensor, so no mapping of a whole shard stays resident), it is copi
 into the scope's host buffer, and dropped. Quantization works in row blocks of bounded size.
 Host memory beyond the masters is then one tensor of the checkpoint plus small temporaries,
 whatever the model's size. An init function instead fills one scope's parameters at a time
-(allocated on the CPU, uninitialized), so the extra is one scope in full precision.
+(allocated uninitialized on the CPU, or on `init_device`), so the extra is one scope in full
+precision. Random weights for a benchmark of a 70B shape are 70 billion values: drawn on 16 CPU
+cores that takes minutes, on the GPU a few seconds, and compressing them there too means only the
+1-byte values and the scales cross to the host (PackedMaster.pack quantizes on the value's
+device).
 
 The parts of the model that no scope offloads (embeddings, final norm, head, buffers still on
 the meta device) are then loaded the same way onto `rest_device`: directly on the compute
@@ -40,7 +44,8 @@ _INDEX = "model.safetensors.index.json"
 
 def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: Predicate | None = None, *,
          init: InitFn | None = None, device: torch.device | str | None = None, policy: Policy | None = None,
-         rest_device: torch.device | str | None = None) -> nn.Module:
+         rest_device: torch.device | str | None = None,
+         init_device: torch.device | str | None = None) -> nn.Module:
     """`offtensor.wrap` a model built on the meta device, reading its weights scope by scope.
 
     The model's parameters (all or some) are on the meta device: built under
@@ -70,6 +75,9 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
         device: the compute device, as for `wrap`.
         policy: as for `wrap`.
         rest_device: where the parameters and buffers outside the scopes go. Default: `device`.
+        init_device: where a scope's parameters are allocated for `init` (default: the CPU).
+            The compute device makes a random init fast; the values then go to the host masters
+            (compressed on that device under `frozen_format`), one scope at a time.
 
     Returns:
         `model`, wrapped.
@@ -93,7 +101,8 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
     if callable(tie):  # transformers ties on load; a model built empty is not tied yet
         tie()
     owners = _owners(model)
-    source = _ScopeFiller(checkpoint, init, owners)
+    source = _ScopeFiller(checkpoint, init, owners,
+                          torch.device(init_device) if init_device is not None else torch.device("cpu"))
     wrap_filling(model, predicate, device, policy, source)
     engine = _find_engine(model)
     assert engine is not None
@@ -202,13 +211,14 @@ class _ScopeFiller:
     label = "loading weights into host memory"
 
     def __init__(self, checkpoint: Checkpoint | None, init: InitFn | None,
-                 owners: dict[int, tuple[list[str], str, nn.Module]]) -> None:
+                 owners: dict[int, tuple[list[str], str, nn.Module]], init_device: torch.device) -> None:
         self.checkpoint = checkpoint
         self.init = init
         self.owners = owners
+        self.init_device = init_device
 
     def begin(self, name: str, params: list[tuple[str, nn.Parameter]]) -> None:
-        """Allocate (on the CPU) and initialize the scope's meta parameters the checkpoint lacks."""
+        """Allocate (on init_device) and initialize the scope's meta parameters the checkpoint lacks."""
         missing = [(qual, p) for qual, p in params if p.is_meta and self._key(qual, p) is None]
         if not missing:
             return
@@ -221,7 +231,8 @@ class _ScopeFiller:
         modules: dict[int, tuple[str, nn.Module]] = {}
         for _, p in missing:
             _, mname, module = self.owners[id(p)]
-            torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad))
+            torch.utils.swap_tensors(
+                p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.init_device), p.requires_grad))
             modules[id(module)] = (mname, module)
         for mname, module in modules.values():
             self.init(mname, module)

@@ -105,6 +105,30 @@ def test_load_with_an_init_function_fills_each_scope(device):
                                    **tolerances(device, torch.bfloat16))
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int8", None], ids=["fp8", "int8", "bf16"])
+@pytest.mark.parametrize("init_device", devices)
+def test_an_init_on_the_device_gives_the_same_masters_as_on_the_cpu(init_device, fmt):
+    """init_device: the scope's parameters are initialized there and compressed there (only
+    the 1-byte values and scales cross to the host): the same bytes as the CPU path."""
+    policy = offtensor.Policy(frozen_format=fmt)
+    loaded = {}
+    for where in ("cpu", init_device):
+        model = _meta_model().requires_grad_(False)
+        devices_seen = set()
+
+        def init(name, module):
+            devices_seen.update(p.device.type for p in module.parameters(recurse=False))
+            _init(name, module)
+
+        offtensor.load(model, init=init, device="cpu", policy=policy, init_device=where)
+        assert "cpu" in devices_seen and (where == "cpu" or where in devices_seen)  # the rest: on the CPU
+        loaded[where] = {k: v.clone() for k, v in model.state_dict().items()}
+        for p in model.parameters():
+            assert p.device.type == "cpu"
+    for key, value in loaded["cpu"].items():
+        assert torch.equal(loaded[init_device][key], value), key
+
+
 def test_load_puts_the_rest_where_asked(tmp_path):
     _saved(tmp_path)
     model = _meta_model()
