@@ -399,3 +399,28 @@ def test_bytes_targets_judge_only_the_transfer_bound_scenario():
     row = Row("infer-8x2048", "offtensor", "ok", median_ms=121.0)
     _judge(row, "infer", 120.0)
     assert row.target == 1.03 and row.verdict == "PASS"
+
+
+def test_compile_time_is_the_first_call_less_a_steady_iteration():
+    from offtensor.bench.results import Row
+    from offtensor.bench.rooflines import compile_times
+
+    rows = [Row("train-4x2048", "resident", "ok", times_ms=[10.0, 10.0], median_ms=10.0, first_call_ms=1020.0,
+                per_iteration=2),
+            Row("train-4x2048", "offtensor", "ok", times_ms=[11.0, 11.0], median_ms=11.0, first_call_ms=1322.0,
+                per_iteration=2)]
+    (c,) = compile_times(rows)
+    assert c["resident_ms"] == 1000.0 and c["offtensor_ms"] == 1300.0
+    assert c["ratio"] == pytest.approx(1.3) and c["verdict"] == "FAIL"
+
+
+@pytest.mark.full_tier  # inductor compiles two layers for two peers: ~1 min on the CPU
+def test_the_compiled_run_reports_compile_times(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--quick", "--device", "cpu", "--scenarios", "infer-1x512", "--peers", "resident", "offtensor",
+                     "--compile", "--warmup", "2", "--iters", "1", "--json", str(out)])
+    assert rc == 0
+    rows = {r["peer"]: r for r in json.loads(out.read_text())["results"]}
+    for peer in ("resident", "offtensor"):
+        assert rows[peer]["status"] == "ok" and rows[peer]["first_call_ms"] > rows[peer]["median_ms"]
+    assert "compile time, offtensor/infer-1x512:" in capsys.readouterr().out

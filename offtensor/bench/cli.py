@@ -211,6 +211,7 @@ def _bench(args: argparse.Namespace) -> int:
           + (f", both at once {bw['bidirectional_total'] / 1e9:.1f} GB/s total"
              if bw.get("bidirectional_total") else "") + f" ({bw['method']})", flush=True)
     run = Run()
+    run.extras.compiled = bool(getattr(args, "compile", False))
     order = {s.name: i for i, s in enumerate(scenarios)}, {n: i for i, n in enumerate(peers)}
 
     def report(interrupted: bool) -> tuple[list[Row], dict[str, dict[str, Any]], dict[str, Any]]:

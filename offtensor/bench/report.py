@@ -16,7 +16,7 @@ import torch
 from .measure import GiB, version
 from .optimizer import format_optimizer_speed
 from .results import Extras, Row
-from .rooflines import COMPRESSED_PEERS, RELATIVE_TO
+from .rooflines import COMPRESSED_PEERS, RELATIVE_TO, compile_times
 from .run import Run
 from .scenarios import ModelShape, Scenario
 
@@ -164,6 +164,12 @@ def format_targets(rows: list[Row], extras: Extras, device: torch.device, quick:
                         ("optimizer_speed_fp32", extras.optimizer_speed_fp32)):
         if speed is not None:
             lines.append("  " + format_optimizer_speed(name, speed))
+    if extras.compiled:
+        for c in compile_times(rows):
+            ratio = "-" if c["ratio"] is None else f"{c['ratio']:.2f}"
+            lines.append(f"  compile time, offtensor/{c['scenario']}: {c['offtensor_ms'] / 1e3:.1f} s vs resident "
+                         f"{c['resident_ms'] / 1e3:.1f} s (first call less a steady one): ratio {ratio}, "
+                         f"target <= {c['target']}: {c['verdict']}")
     if not lines:
         return ""
     head = "targets:"

@@ -19,6 +19,8 @@ class Row:
     batch: int = 0
     seq: int = 0
     times_ms: list[float] = field(default_factory=list)  # per iteration (per micro-batch in training)
+    first_call_ms: float | None = None  # the first warm-up iteration, whole (with --compile: it compiles)
+    per_iteration: int = 1  # micro-batches per iteration (times_ms and median_ms are per micro-batch)
     median_ms: float | None = None
     peak_vram_bytes: int | None = None
     vram_before_bytes: int | None = None  # allocated when the scenario starts (weights at rest)
@@ -60,6 +62,7 @@ class Extras:
     optimizer_speed: dict[str, Any] | None = None  # bf16, measured in the offtensor peer
     optimizer_speed_fp32: dict[str, Any] | None = None  # fp32 masters, in offtensor-castdev
     skipped_variants: dict[str, str] = field(default_factory=dict)  # variant -> why (too slow to build)
+    compiled: bool = False  # --compile: the first calls compile, and their times are compared
 
 
 @dataclass

@@ -32,6 +32,30 @@ TARGETS: dict[tuple[str, str], float] = {
 # Peers that move fewer bytes than the bf16 roofline counts (compressed weights): below 1 is
 # their point, not timing noise.
 COMPRESSED_PEERS = frozenset({"offtensor-fp8", "offtensor-int8"})
+# --compile: the time to compile (the first call less a steady one) of offtensor against the
+# resident model's, per scenario (issue 12).
+COMPILE_TIME_TARGET = 1.2
+
+
+def compile_times(rows: list[Row]) -> list[dict[str, Any]]:
+    """Per scenario with a resident and an offtensor row: each one's compile time (its first
+    call less its median iteration, in ms) and offtensor's ratio to the resident model's."""
+    out = []
+    for r in rows:
+        if r.peer != "offtensor" or r.status != "ok" or r.first_call_ms is None or r.median_ms is None:
+            continue
+        resident = _ok_row(rows, r.scenario, "resident")
+        if resident is None or resident.first_call_ms is None or resident.median_ms is None:
+            continue
+        ours = r.first_call_ms - r.median_ms * r.per_iteration
+        theirs = resident.first_call_ms - resident.median_ms * resident.per_iteration
+        ratio = ours / theirs if theirs > 0 else None
+        out.append({"scenario": r.scenario, "offtensor_ms": ours, "resident_ms": theirs, "ratio": ratio,
+                    "target": COMPILE_TIME_TARGET,
+                    "verdict": None if ratio is None else "PASS" if ratio <= COMPILE_TIME_TARGET else "FAIL"})
+    return out
+
+
 # Peers whose ratio is to another peer's time in the same scenario, not to the roofline.
 RELATIVE_TO = {"offtensor-budget": "offtensor"}
 # Targets that are about moving fewer bytes: they hold for the transfer-bound scenario the

@@ -57,6 +57,7 @@ def _timed_iterations(work: Workload, device: torch.device, warmup: int, iters: 
                       row: Row) -> list[float]:
     """Seconds per micro-batch of each timed iteration, after `warmup` warm-up iterations."""
     last = timed(device, work.first_step)
+    row.first_call_ms, row.per_iteration = last * 1e3, work.per_step
     for _ in range(warmup - 1):
         last = timed(device, work.step)
     work.drain()
