@@ -49,15 +49,23 @@ def _hand_cast_forward(reference: nn.Module, x: torch.Tensor, dtype: torch.dtype
     return functional_call(reference, params, (x,))
 
 
+def _everything(name: str, module: nn.Module) -> bool:
+    return name in ("input", "head") or re.fullmatch(r"blocks\.\d+", name) is not None
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "backward_and_step"])
 @pytest.mark.parametrize("cast", ["device", "host"])
 @pytest.mark.parametrize("device", devices)
-def test_compute_dtype_matches_a_reference_that_casts_by_hand(device, cast):
+def test_compute_dtype_matches_a_reference_that_casts_by_hand(device, cast, overlap, monkeypatch):
+    """With backward_and_step, cast="device" loads convert chunk by chunk (Note [progressive
+    loads]) while deferred optimizer steps hold copies back: every load still reads the
+    stepped masters."""
+    import offtensor._scope as scope_module
+
+    monkeypatch.setattr(scope_module, "CHUNK_BYTES", 512)  # a chunk per matrix or two
     model = mlp_of_blocks()
     reference = unwrapped_reference(model, device)
-    def everything(name: str, module: nn.Module) -> bool:
-        return name in ("input", "head") or re.fullmatch(r"blocks\.\d+", name) is not None
-
-    offload(model, device, everything, policy=offtensor.Policy(compute_dtype=torch.bfloat16, cast=cast))
+    offload(model, device, _everything, policy=offtensor.Policy(compute_dtype=torch.bfloat16, cast=cast))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     tol = tolerances(device, torch.bfloat16)
@@ -66,40 +74,16 @@ def test_compute_dtype_matches_a_reference_that_casts_by_hand(device, cast):
         ref_out = _hand_cast_forward(reference, x, torch.bfloat16)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out, ref_out, **tol)
-        F.mse_loss(out.float(), y.float()).backward()
         F.mse_loss(ref_out.float(), y.float()).backward()
+        if overlap:
+            offtensor.backward_and_step(F.mse_loss(out.float(), y.float()), opt, zero_grad=True)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            continue
+        F.mse_loss(out.float(), y.float()).backward()
         for _, p in offloaded_parameters(model):
             assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
         step_both(model, reference, opt, ref_opt, tol)
-    assert_params_match(model, reference, **tol)
-    assert_all_scopes_offloaded(model)
-
-
-@pytest.mark.parametrize("device", devices)
-def test_compute_dtype_with_overlapped_steps_matches_a_reference_that_casts_by_hand(device, monkeypatch):
-    """cast="device" loads convert chunk by chunk (Note [progressive loads]) while deferred
-    optimizer steps hold copies back: every step still reads the stepped masters."""
-    import offtensor._scope as scope_module
-
-    monkeypatch.setattr(scope_module, "CHUNK_BYTES", 512)  # a chunk per matrix or two
-    model = mlp_of_blocks()
-    reference = unwrapped_reference(model, device)
-
-    def everything(name: str, module: nn.Module) -> bool:
-        return name in ("input", "head") or re.fullmatch(r"blocks\.\d+", name) is not None
-
-    offload(model, device, everything, policy=offtensor.Policy(compute_dtype=torch.bfloat16, cast="device"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    tol = tolerances(device, torch.bfloat16)
-    for x, y in _batches(device, 4, torch.bfloat16):
-        out = model(x)
-        ref_out = _hand_cast_forward(reference, x, torch.bfloat16)
-        torch.testing.assert_close(out, ref_out, **tol)
-        offtensor.backward_and_step(F.mse_loss(out.float(), y.float()), opt, zero_grad=True)
-        F.mse_loss(ref_out.float(), y.float()).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
     offtensor.wait_for_steps()
     assert_params_match(model, reference, **tol)
     assert_all_scopes_offloaded(model)
