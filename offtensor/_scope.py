@@ -173,6 +173,10 @@ class Scope:
         self.loads = 0  # host-to-device loads of the weights, since wrap
         self.loads_on_demand = 0  # of which not prefetched: offloaded when the scope needed them
         self.kept = False  # resident by Policy.vram_budget: only a forced release offloads it
+        # Set by data_parallel(shard_loads=True): fills device_flat from host_flat in place of
+        # the whole-scope copy (`loader.copy(scope)`, on the copy stream; Note [sharded loads]
+        # in _sharded_loads.py). None: the copy below.
+        self.loader: Any = None
 
     @property
     def weights_ready(self) -> Any:
@@ -269,7 +273,7 @@ class Scope:
         self.device_storage.resize_(self.device_nbytes)
         streams.wait(h2d, streams.record(compute))  # alloc_done
         self.loading = loading = LoadProgress()
-        progressive = not self.casts and self.copy_order is not None
+        progressive = not self.casts and self.copy_order is not None and self.loader is None
         if not progressive:
             for slot in self.slots:
                 slot.wait_for_step()
@@ -281,7 +285,9 @@ class Scope:
                 loading.end = len(self.copy_order)
                 self.copy_more(need=-1)
             else:
-                if not self.casts:
+                if self.loader is not None:
+                    self.loader.copy(self)
+                elif not self.casts:
                     self.device_flat.copy_(self.host_flat, non_blocking=True)
                 elif self.host_shadow is not None:  # Policy(cast="host")
                     self.device_flat.copy_(self.host_shadow, non_blocking=True)
