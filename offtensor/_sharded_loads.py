@@ -45,10 +45,17 @@ on the H200 machine). PCIe bytes per rank drop N-fold.
   sharded load first meets the other ranks through the store, bounded by the same timeout, and
   then all of them load through a new process group with fresh counts: after the other ranks
   have raised too, the model works again.
+- *What the ranks learn.* Which loads a pass issues also depends on what the engine learned from
+  the passes before (the forward and backward orders that drive the prefetch, whether a backward
+  is expected): ranks that ran the same passes learned the same. So data_parallel starts every
+  rank from nothing learned, a failure (DESYNCED) forgets it again on the rank that failed (the
+  others forget theirs when their own load fails), and `local_loads` puts back on exit what the
+  engine had learned before the local pass.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import enum
 import os
@@ -59,7 +66,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._engine import Engine
+from ._engine import Engine, TrainingState
 from ._scope import ALIGN, Scope
 from ._shared_masters import wait_for_ranks
 from ._wrap import _engine_of
@@ -144,6 +151,8 @@ class ShardedLoads:
         self.gathers = 0
 
     def install(self) -> None:
+        for engine in self.engines:
+            _forget_learned(engine)
         for scope in self.plans:
             scope.loader = self
         for engine in self.engines:
@@ -160,8 +169,11 @@ class ShardedLoads:
 
     def desync(self) -> None:
         """A forward failed on this rank (Engine.abort): the other ranks may be waiting in, or
-        past, loads this rank will never issue."""
+        past, loads this rank will never issue; and its learned orders may now differ from
+        theirs (Note [sharded loads])."""
         self.state = LoadsState.DESYNCED
+        for engine in self.engines:
+            _forget_learned(engine)
 
     # ---- the load (Scope._start_load calls it on the copy stream) ------------------------------
 
@@ -178,7 +190,7 @@ class ShardedLoads:
                 self._resync(scope)
             self._gather(scope, plan)
         except BaseException:
-            self.state = LoadsState.DESYNCED
+            self.desync()
             _undo_load(scope)
             raise
 
@@ -244,12 +256,14 @@ class ShardedLoads:
         n = self.resyncs + 1
         keys = [f"{self._prefix}resync/{n}/{r}" for r in self.ranks]
         self._store.set(keys[self.position], "1")
-        missing = wait_for_ranks(self._store, keys, self.timeout, self.ranks)
+        # Twice the timeout: a rank whose pass failed arrives here first, the others only once
+        # their next collective has timed out and they call the model again.
+        missing = wait_for_ranks(self._store, keys, 2 * self.timeout, self.ranks)
         if missing is not None:
             raise RuntimeError(
                 f"offtensor.data_parallel(shard_loads=True): rank {self.rank} loads scope "
                 f"{scope.name!r} after a forward or a load failed on it, and waited "
-                f"{self.timeout.total_seconds():g} s for rank(s) {missing or '?'} to resynchronise "
+                f"{2 * self.timeout.total_seconds():g} s for rank(s) {missing or '?'} to resynchronise "
                 "the sharded loads. The other ranks arrive here at their next load once their own "
                 "pass has failed (at the latest after the process group's timeout); call the "
                 "model again on every rank"
@@ -262,6 +276,31 @@ class ShardedLoads:
     def _new_group(self) -> Any:
         return torch.distributed.new_group(self.ranks, timeout=self.timeout, backend=self.backend,
                                            use_local_synchronization=True)
+
+
+def _forget_learned(engine: Engine) -> None:
+    """The engine's learned orders and training state back to a new model's (Note [sharded
+    loads])."""
+    schedule = engine.schedule
+    schedule.forget_order()
+    schedule.forget_backward()
+    schedule._bwd_order.clear()
+    schedule._next_begin.clear()
+    schedule.last_begin = None
+    engine.training = TrainingState.INFERENCE
+
+
+def _learned(engine: Engine) -> dict[str, Any]:
+    """What the engine learned from the passes so far, to put back after a local pass."""
+    saved = {name: copy.copy(value) for name, value in vars(engine.schedule).items()}
+    saved["training"] = engine.training
+    return saved
+
+
+def _put_back(engine: Engine, saved: dict[str, Any]) -> None:
+    saved = dict(saved)
+    engine.training = saved.pop("training")
+    vars(engine.schedule).update(saved)
 
 
 def _undo_load(scope: Scope) -> None:
@@ -300,14 +339,21 @@ class local_loads:
         _engine_of(model, "local_loads")  # raises if not wrapped
         self._loads = sharded_loads_of(model)
         self._depth = 0
+        self._saved: list[tuple[Engine, dict[str, Any]]] = []
 
     def __enter__(self) -> local_loads:
         self._depth += 1
-        if self._loads is not None:
-            self._loads.holds.add(self)
+        loads = self._loads
+        if loads is not None and self._depth == 1:
+            # What the local pass teaches the engine, the other ranks do not learn.
+            self._saved = [(engine, _learned(engine)) for engine in loads.engines]
+            loads.holds.add(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._depth -= 1
         if self._depth == 0 and self._loads is not None:
             self._loads.holds.discard(self)
+            for engine, saved in self._saved:
+                _put_back(engine, saved)
+            self._saved = []
