@@ -174,8 +174,9 @@ class Scope:
         self.loads_on_demand = 0  # of which not prefetched: offloaded when the scope needed them
         self.kept = False  # resident by Policy.vram_budget: only a forced release offloads it
         # Set by data_parallel(shard_loads=True): fills device_flat from host_flat in place of
-        # the whole-scope copy (`loader.copy(scope)`, on the copy stream; Note [sharded loads]
-        # in _sharded_loads.py). None: the copy below.
+        # the whole-scope copy (`loader.copy(scope)`, on the copy stream; it may return the
+        # event that follows its work; Note [sharded loads] in _sharded_loads.py). None: the
+        # plain copy.
         self.loader: Any = None
 
     @property
@@ -285,15 +286,16 @@ class Scope:
                 loading.end = len(self.copy_order)
                 self.copy_more(need=-1)
             else:
+                ready = None  # an event the loader hands back, after its copy (CUDA)
                 if self.loader is not None:
-                    self.loader.copy(self)
+                    ready = self.loader.copy(self)
                 elif not self.casts:
                     self.device_flat.copy_(self.host_flat, non_blocking=True)
                 elif self.host_shadow is not None:  # Policy(cast="host")
                     self.device_flat.copy_(self.host_shadow, non_blocking=True)
                 else:
                     self._copy_and_cast()
-                loading.chunk_ready = [streams.record(h2d)]
+                loading.chunk_ready = [ready if ready is not None else streams.record(h2d)]
                 streams.reads_masters(self.weights_ready)
         if self.host_shadow is not None:
             self.shadow_read = self.weights_ready

@@ -17,10 +17,12 @@ on the H200 machine). PCIe bytes per rank drop N-fold.
   scopes' alignment, the same on every rank; the few bytes after N slices (the tail) are copied
   by every rank. On CUDA the all-gather is in place (the rank's slice of the device buffer is
   its input): NCCL's stream waits for the copy stream (current when it is issued, so after the
-  slice copy), and `work.wait()` makes the copy stream wait for NCCL, so the event `_start_load`
-  records after the loader (`weights_ready`) follows the whole scope: make_resident, release and
-  the master-read fence work unchanged. The host never waits. On the CPU (gloo) the call returns
-  when the slices are there.
+  slice copy), and `work.wait()` makes the loader's own `gathered` stream wait for NCCL; the
+  event recorded there is the load's `weights_ready`, which follows the whole scope (and every
+  read of the masters): make_resident, release and the master-read fence work unchanged. The
+  copy stream itself does not wait for the all-gather, so the next scope's slice crosses PCIe
+  while this one's slices cross NVLink. The host never waits. On the CPU (gloo) the call
+  returns when the slices are there.
 - *Which scopes.* Those whose load is a plain byte copy: a scope that casts (`Policy(cast=...)`
   with another compute dtype) or holds compressed masters stays on the plain path, as does a
   scope too small for one aligned slice per rank.
@@ -149,6 +151,9 @@ class ShardedLoads:
         # the sharded scopes, and the all-gathers launched.
         self.host_bytes = 0
         self.gathers = 0
+        # CUDA: the stream that waits for the all-gathers, where each load's weights_ready is
+        # recorded, so that the copy stream goes on with the next slice (Note [sharded loads]).
+        self._gathered: Any = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def install(self) -> None:
         for engine in self.engines:
@@ -177,24 +182,25 @@ class ShardedLoads:
 
     # ---- the load (Scope._start_load calls it on the copy stream) ------------------------------
 
-    def copy(self, scope: Scope) -> None:
+    def copy(self, scope: Scope) -> Any:
         """Fill the scope's device buffer from its masters: this rank's slice over its own link,
-        the others from the other ranks (Note [sharded loads])."""
+        the others from the other ranks (Note [sharded loads]). Returns, on CUDA, the event
+        after it all (None: the copy stream's next event follows it)."""
         plan = self.plans[scope]
         if self.holds:  # local_loads(): a pass of this rank alone
             scope.device_flat.copy_(scope.host_flat, non_blocking=True)
             self.host_bytes += scope.nbytes
-            return
+            return None
         try:
             if self.state is LoadsState.DESYNCED:
                 self._resync(scope)
-            self._gather(scope, plan)
+            return self._gather(scope, plan)
         except BaseException:
             self.desync()
             _undo_load(scope)
             raise
 
-    def _gather(self, scope: Scope, plan: _Plan) -> None:
+    def _gather(self, scope: Scope, plan: _Plan) -> Any:
         self.counts[plan.index] += 1
         count = self.counts[plan.index]
         if self.checked:
@@ -207,9 +213,15 @@ class ShardedLoads:
         self.host_bytes += plan.slice + scope.nbytes - gathered
         # In place: the input is this rank's slice of the output (NCCL's in-place all-gather).
         try:
-            work = _all_gather(dst[:gathered], dst[lo:hi], self.group)
+            work = _all_gather(dst[:gathered], dst[lo:hi], self.group)  # after the copy stream's work
             self.gathers += 1
-            work.wait()  # CUDA: the copy stream (current) waits for NCCL's; gloo: the host waits
+            if self._gathered is None:
+                work.wait()  # gloo: the host waits
+                return None
+            streams = scope.streams
+            with streams.on(self._gathered):
+                work.wait()  # this stream waits for NCCL's; the copy stream goes on
+                return streams.record(self._gathered)
         except RuntimeError as e:
             raise RuntimeError(
                 f"{self._where(scope, count)} failed: {e}. The other ranks did not join it within "
