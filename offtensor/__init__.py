@@ -13,6 +13,7 @@ from ._data_parallel import data_parallel, no_sync, sync_masters
 from ._load import load
 from ._overlap import OverlapReport, backward_and_step, last_stepped, wait_for_steps
 from ._param import OffloadedParameter
+from ._sharded_loads import local_loads
 from ._wrap import is_wrapped, no_offload, set_prefetch, summary, unwrap, wrap
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "is_wrapped",
     "last_stepped",
     "load",
+    "local_loads",
     "no_offload",
     "no_sync",
     "set_prefetch",

@@ -59,6 +59,7 @@ from torch import nn
 from ._engine import Engine
 from ._overlap import wait_for_steps
 from ._param import OffloadedParameter
+from ._sharded_loads import ShardedLoads, shardable
 from ._shared_masters import (
     Sharding,
     new_job_id,
@@ -92,6 +93,8 @@ class GradReducer:
         # With shard_optimizer: the owners, the reduce to them and the step fence
         # (Note [one host copy per node] in _shared_masters.py).
         self.sharding: Sharding | None = None
+        # With shard_loads: the loader of the shardable scopes (Note [sharded loads]).
+        self.loads: ShardedLoads | None = None
 
     def syncing(self) -> bool:
         return len(self.holds) == 0
@@ -146,6 +149,8 @@ class GradReducer:
         self.handles.clear()
         if self.sharding is not None:
             self.sharding.close()
+        if self.loads is not None:
+            self.loads.close()
         for engine in self.engines:
             if engine.grads.reducer is self:
                 engine.grads.reducer = None
@@ -190,7 +195,7 @@ class no_sync:
 
 
 def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weights: bool = True,
-                  shard_optimizer: bool = False,
+                  shard_optimizer: bool = False, shard_loads: bool = False,
                   timeout: datetime.timedelta | float = DEFAULT_TIMEOUT) -> nn.Module:
     """Train a wrapped model data-parallel: one process per device, each on its slice of the
     batch, gradients averaged over the ranks in every backward (offtensor's replacement for
@@ -221,6 +226,16 @@ def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weig
     run the same optimizer steps. All ranks must be on one node; global-norm clipping
     (`clip_grad_norm_`) sees only the rank's own gradients.
 
+    With `shard_loads=True` each load of a scope copies only this rank's 1/N slice of it from
+    the host, over this rank's own link, and the ranks all-gather the other slices from each
+    other (over NVLink between GPUs): N ranks move N times fewer bytes over PCIe each. The
+    loads become collective: every rank must run the same forward and backward passes (as for
+    the gradients); a pass on some ranks only (evaluation on rank 0) goes inside
+    `offtensor.local_loads(model)`. Scopes whose load casts (`Policy(cast=...)` with another
+    compute dtype) are loaded as before. A failed forward on one rank makes the others' next
+    load raise after the process group's timeout (gloo; NCCL's watchdog ends the processes, as
+    for any collective that never completes), and the following loads resynchronise the ranks.
+
     Args:
         model: a model that `offtensor.wrap` wrapped (or that contains one); its parameters that
             are not offloaded are averaged too.
@@ -231,6 +246,9 @@ def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weig
             one copy).
         shard_optimizer: one host copy of the masters per node and each offloaded parameter
             stepped by one rank (above). Default False: each rank has its own copy and steps all.
+        shard_loads: each rank copies 1/N of every scope from the host and the ranks all-gather
+            the rest (above). Needs the masters to be equal on every rank: `broadcast_weights`
+            or `shard_optimizer`. Default False: each rank copies whole scopes.
         timeout: how long to wait for the other ranks at the agreement check (a `timedelta` or
             seconds). Collectives during training use the process group's own timeout.
 
@@ -259,6 +277,13 @@ def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weig
         )
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
+    if shard_loads and not (broadcast_weights or shard_optimizer):
+        raise ValueError(
+            "offtensor.data_parallel: shard_loads=True assembles each scope from slices that "
+            "different ranks copy from their own masters, so the masters must be equal on every "
+            "rank, but broadcast_weights=False keeps each rank's own values; pass "
+            "broadcast_weights=True (or shard_optimizer=True, one shared copy)"
+        )
     engines = _engines_in(model)
     for engine in engines:
         if engine.grads.reducer is not None:
@@ -281,7 +306,7 @@ def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weig
             f"the process group given (ranks {ranks}); pass a group this rank belongs to"
         )
     _check_backend(model, engines, group)
-    entries = _exchange(ranks, _describe(model, engines, shard_optimizer), timeout)
+    entries = _exchange(ranks, _describe(model, engines, shard_optimizer, shard_loads), timeout)
     _check_agreement(entries)
     if broadcast_weights:
         # With shard_optimizer the first rank's masters reach the others through shared memory.
@@ -289,6 +314,8 @@ def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weig
     reducer = GradReducer(group, len(ranks), engines)
     if shard_optimizer:
         reducer.sharding = _share(model, engines, group, ranks, entries, timeout)
+    if shard_loads:
+        reducer.loads = _shard_loads(engines, group, ranks, entries[0]["job"])
     for p in _resident(model):
         if p.requires_grad:  # a frozen one has no gradient to average (hooks need requires_grad)
             reducer.handles.append(p.register_post_accumulate_grad_hook(reducer.reduce_resident))
@@ -335,6 +362,22 @@ def _share(model: nn.Module, engines: list[Engine], group: Any, ranks: list[int]
     sharding = Sharding(engines, group, ranks, plan_owners(rows, ranks), job, store)
     sharding.install(model)
     return sharding
+
+
+def _shard_loads(engines: list[Engine], group: Any, ranks: list[int], job: str) -> ShardedLoads:
+    """shard_loads: every shardable scope's loads through a ShardedLoads (Note [sharded loads]
+    in _sharded_loads.py); its collectives use the process group's timeout."""
+    from torch.distributed import distributed_c10d
+
+    store: Any = distributed_c10d._get_default_store()
+    # What a rank holds resident (a VRAM budget's kept scopes, loaded before the broadcast) must
+    # not differ between the ranks: from here on their loads are collective.
+    wait_for_steps()
+    for engine in engines:
+        engine.release_all(force=True)
+    loads = ShardedLoads(engines, ranks, group, job, store, store.timeout)
+    loads.install()
+    return loads
 
 
 def _engines_in(model: nn.Module) -> list[Engine]:
@@ -387,7 +430,8 @@ def _check_backend(model: nn.Module, engines: list[Engine], group: Any) -> None:
             )
 
 
-def _describe(model: nn.Module, engines: list[Engine], shard_optimizer: bool) -> dict[str, Any]:
+def _describe(model: nn.Module, engines: list[Engine], shard_optimizer: bool,
+              shard_loads: bool = False) -> dict[str, Any]:
     """What this rank wrapped and where it computes: what the ranks must agree on."""
     scopes = []
     for engine in engines:
@@ -397,9 +441,13 @@ def _describe(model: nn.Module, engines: list[Engine], shard_optimizer: bool) ->
     resident = [[n, list(p.shape), str(p.dtype), p.requires_grad]
                 for n, p in model.named_parameters() if not isinstance(p, OffloadedParameter)]
     devices = sorted({str(e.device) for e in engines})
+    # The flat buffers' layouts: sharded loads exchange byte ranges of them.
+    layouts = [[scope.nbytes, scope.device_nbytes, [s.offset for s in scope.slots], shardable(scope)]
+               for engine in engines for scope in engine.scopes]
     return {"rank": torch.distributed.get_rank(), "host": socket.gethostname(), "devices": devices,
             "scopes": scopes, "resident": resident, "shard_optimizer": shard_optimizer,
-            "job": new_job_id() if shard_optimizer else None}
+            "shard_loads": shard_loads, "layouts": layouts,
+            "job": new_job_id() if shard_optimizer or shard_loads else None}
 
 
 def _exchange(ranks: list[int], entry: dict[str, Any], timeout: datetime.timedelta) -> list[dict[str, Any]]:
@@ -447,7 +495,15 @@ def _check_agreement(entries: list[dict[str, Any]]) -> None:
                 "call offtensor.data_parallel without shard_optimizer, or pass a process group "
                 "of one node's ranks"
             )
+        if other["shard_loads"] != first["shard_loads"]:
+            raise ValueError(
+                f"offtensor.data_parallel: rank {first['rank']} passed shard_loads="
+                f"{first['shard_loads']} but rank {other['rank']} shard_loads="
+                f"{other['shard_loads']}; pass the same on every rank"
+            )
         _compare_scopes(first, other)
+        if first["shard_loads"]:
+            _compare_layouts(first, other)
         if other["devices"] != first["devices"] and (
             {d.split(":")[0] for d in other["devices"]} != {d.split(":")[0] for d in first["devices"]}
         ):
@@ -498,6 +554,18 @@ def _compare_scopes(a: dict[str, Any], b: dict[str, Any]) -> None:
                     f"{len(params_a)} offloaded parameters on rank {a['rank']}, {len(params_b)} on "
                     f"rank {b['rank']}")
             raise ValueError(f"offtensor.data_parallel: scope {name!r} differs between ranks: {what}; {fix}")
+
+
+def _compare_layouts(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """shard_loads: the scopes' flat buffers must be laid out alike (the same Policy)."""
+    for (name, _), layout_a, layout_b in zip(a["scopes"], a["layouts"], b["layouts"], strict=True):
+        if layout_a != layout_b:
+            raise ValueError(
+                f"offtensor.data_parallel(shard_loads=True): scope {name!r} is laid out differently "
+                f"on rank {a['rank']} ({layout_a[0]} host bytes, {layout_a[1]} device bytes) and rank "
+                f"{b['rank']} ({layout_b[0]}, {layout_b[1]}); the ranks exchange byte ranges of it, so "
+                "wrap with the same Policy (compute_dtype, cast, frozen_format) on every rank"
+            )
 
 
 def _compare_resident(a: dict[str, Any], b: dict[str, Any]) -> None:

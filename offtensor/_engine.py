@@ -112,6 +112,9 @@ class Engine:
         # load_state_dict pre-hooks of Note [loading with assign=True] (_wrap.py).
         self.root: Callable[[], nn.Module | None] = lambda: None
         self.guard_handles: list[torch.utils.hooks.RemovableHandle] = []
+        # Called when a forward fails (abort): loads collective with other ranks are out of
+        # step with them (Note [sharded loads] in _sharded_loads.py).
+        self.on_abort: list[Callable[[], None]] = []
         engines.add(self)
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -382,6 +385,8 @@ class Engine:
         self.model_forward = ModelForward.OUTSIDE
         if not self.hold():
             self.release_all()
+        for callback in self.on_abort:
+            callback()
 
     def forget_calls(self, scope: Scope, n: int) -> None:
         """`n` calls of the scope never ended: a KeyboardInterrupt (or SystemExit) left them,

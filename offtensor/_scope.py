@@ -184,6 +184,11 @@ class Scope:
         self.loads = 0  # host-to-device loads of the weights, since wrap
         self.loads_on_demand = 0  # of which not prefetched: offloaded when the scope needed them
         self.kept = False  # resident by Policy.vram_budget: only a forced release offloads it
+        # Set by data_parallel(shard_loads=True): fills device_flat from host_flat in place of
+        # the whole-scope copy (`loader.copy(scope)`, on the copy stream; it may return the
+        # event that follows its work; Note [sharded loads] in _sharded_loads.py). None: the
+        # plain copy.
+        self.loader: Any = None
 
     @property
     def weights_ready(self) -> Any:
@@ -280,7 +285,7 @@ class Scope:
         self.device_storage.resize_(self.device_nbytes)
         streams.wait(h2d, streams.record(compute))  # alloc_done
         self.loading = loading = LoadProgress()
-        progressive = self.copy_order is not None and self.host_shadow is None
+        progressive = self.copy_order is not None and self.host_shadow is None and self.loader is None
         if not progressive:
             for slot in self.slots:
                 slot.wait_for_step()
@@ -293,6 +298,9 @@ class Scope:
                 assert self.copy_order is not None
                 loading.end = len(self.copy_order)
                 self.copy_more(need=-1)
+            elif self.loader is not None:  # data_parallel(shard_loads=True), whole-scope
+                ready = self.loader.copy(self)  # an event after its copy (CUDA), else None
+                loading.chunk_ready = [ready if ready is not None else streams.record(h2d)]
             else:
                 if loading.staging is not None:
                     loading.staging.copy_(self.host_flat, non_blocking=True)
@@ -303,6 +311,7 @@ class Scope:
                     self.device_flat.copy_(self.host_flat, non_blocking=True)
                 self._mark_chunk(h2d)
                 loading.staging = None
+            if not progressive:
                 streams.reads_masters(self.weights_ready)
         if self.host_shadow is not None:
             self.shadow_read = self.weights_ready

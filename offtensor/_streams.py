@@ -13,6 +13,9 @@ One `Streams` object per wrapped model owns every stream and event (created lazi
   next copy until they finish (the copy stream runs in order), so the PCIe link would idle
   while they run. On a stream of their own, each chunk's conversion waits only for that
   chunk's copy, and the copies go on back to back (Note [progressive loads] in _scope.py).
+- gathered: waits for the all-gathers of sharded loads (`data_parallel(shard_loads=True)`, Note
+  [sharded loads] in _sharded_loads.py); a load's `weights_ready` is recorded there, so the copy
+  stream goes on with the next scope's slice while NCCL gathers this one.
 A device buffer is allocated on compute, then the copy stream waits on an event recorded there
 (`alloc_done`): the memory may have just been freed by compute and still be read by queued
 kernels. Compute waits on `weights_ready` before the first use, and the release (resize to 0) is
@@ -41,6 +44,7 @@ class Streams:
         self._h2d: Any = None
         self._d2h: Any = None
         self._cast: Any = None
+        self._gathered: Any = None
         self._unsynced_h2d: list[Any] = []  # events of copies that may still read host masters
         # The current stream before `on()` made a side stream current; None when none is
         # (Note [interrupts]).
@@ -63,6 +67,11 @@ class Streams:
         if self.is_cuda and self._cast is None:
             self._cast = torch.cuda.Stream(self.device)
         return self._cast
+
+    def gathered(self) -> Any:
+        if self.is_cuda and self._gathered is None:
+            self._gathered = torch.cuda.Stream(self.device)
+        return self._gathered
 
     @staticmethod
     def record(stream: Any) -> Any:

@@ -35,7 +35,7 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 240
-PEERS = ("offtensor-dp", "offtensor-dp-shared", "fsdp2-cpu-offload")
+PEERS = ("offtensor-dp", "offtensor-dp-shared", "offtensor-dp-sharded", "fsdp2-cpu-offload")
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_ratios_compare_with_the_one_gpu_baseline_and_the_pcie_floor(two_ranks):
             assert r["floor_ratio"] == pytest.approx(r["step_ms"] / result["floor_ms"])
         else:
             assert r["floor_ratio"] is None
-        if r["peer"] in ("offtensor-dp", "offtensor-dp-shared"):  # offtensor's targets, with what they compare
+        if r["peer"].startswith("offtensor-dp"):  # offtensor's targets, with what they compare
             ratio, op, bound = ((r["floor_ratio"], "<=", 0.6) if r["scenario"] == "infer-1x512"
                                 else (r["speedup"], ">=", 1.9))
             assert r["verdict"] == ("PASS" if (ratio <= bound if op == "<=" else ratio >= bound) else "FAIL")
@@ -176,6 +176,7 @@ def test_error_if_the_baseline_file_ran_another_model_or_shape(tmp_path):
 def test_nproc_selects_the_several_gpu_peers_and_scenarios():
     args = bench.parse_args(["--nproc", "2"])
     assert args.multi and args.peers == ["offtensor-dp", "offtensor-dp-overlap", "offtensor-dp-shared",
+                                         "offtensor-dp-sharded", "offtensor-dp-shared-sharded",
                                          "fsdp2-cpu-offload", "ddp-resident"]
     assert args.scenarios == ["infer-1x512", "step-4x2048"]
     assert not bench.parse_args([]).multi and "resident" in bench.parse_args([]).peers

@@ -88,6 +88,7 @@ class Scenario:
     shard: bool = False  # data_parallel(shard_optimizer=True)
     no_sync: bool = True  # the micro-batches before the last under no_sync (else all synchronised)
     zero_to_none: bool = True  # optimizer.zero_grad(set_to_none=...)
+    loads: bool = False  # data_parallel(shard_loads=True)
 
 
 SCENARIOS = {
@@ -108,8 +109,20 @@ SCENARIOS = {
                                                     shard=True),
     "sharded_frozen_base_with_lora": Scenario(lora=True, shard=True),
     "sharded_backward_and_step_with_accumulation": Scenario(micro=2, overlap=True, shard=True),
+    "sharded_loads_all_blocks_offloaded": Scenario(loads=True),
+    "sharded_loads_offloaded_and_resident_blocks": Scenario(predicate="blocks:0,2", loads=True),
+    "sharded_loads_accumulation_with_no_sync": Scenario(micro=2, loads=True),
+    "sharded_loads_reentrant_checkpointing": Scenario(checkpoint="reentrant", loads=True),
+    "sharded_loads_non_reentrant_checkpointing": Scenario(checkpoint="non_reentrant", predicate="blocks:1,2",
+                                                          loads=True),
+    "sharded_loads_frozen_base_with_lora": Scenario(lora=True, loads=True),
+    "sharded_loads_backward_and_step_with_accumulation": Scenario(micro=2, overlap=True, loads=True),
+    "sharded_loads_and_optimizer": Scenario(shard=True, loads=True),
+    "sharded_loads_and_optimizer_accumulation_with_no_sync": Scenario(micro=2, shard=True, loads=True),
+    "sharded_loads_and_optimizer_backward_and_step": Scenario(micro=2, overlap=True, shard=True, loads=True),
 }
 SHARDED = [name for name, scenario in SCENARIOS.items() if scenario.shard]
+LOADS = [name for name, scenario in SCENARIOS.items() if scenario.loads]
 
 
 def _build(scenario: Scenario, seed: int) -> nn.Module:
@@ -245,6 +258,42 @@ def _host_memory(shard: bool, device: str) -> int:
     return grown
 
 
+def _poison_all_but_own_slices(model: nn.Module) -> None:
+    """Overwrite, behind offtensor's back, every byte of each sharded scope's host masters that
+    this rank's sharded loads should not read (the other ranks' slices) with 0xFF (NaN)."""
+    loader = model._offtensor_engine.grads.reducer.loads
+    for scope, plan in loader.plans.items():
+        own = scope.host_flat[plan.lo : plan.lo + plan.slice].clone()
+        scope.host_flat[: plan.slice * WORLD].fill_(0xFF)
+        scope.host_flat[plan.lo : plan.lo + plan.slice].copy_(own)
+
+
+def _sharded_inference(rank: int, device: str) -> dict[str, Any]:
+    """Outputs of inference forwards with shard_loads: one on rank 0 alone under local_loads
+    (no collective may be issued), then forwards on both ranks, the last one after each rank
+    poisoned the parts of its masters that other ranks copy (each rank must read only its own
+    slice). Rank 1 starts from other weights: the broadcast must reach the sharded loads."""
+    torch.manual_seed(0 if rank == 0 else 100 + rank)
+    model = mlp_of_blocks()
+    offtensor.wrap(model, device=device).to(device)
+    offtensor.data_parallel(model, timeout=30, shard_loads=True)
+    x = _data()[0][0].to(device)
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        if rank == 0:
+            with offtensor.local_loads(model):
+                out["local"] = host(model(x)).clone()
+        out["first"] = host(model(x)).clone()
+        _poison_all_but_own_slices(model)
+        out["poisoned"] = host(model(x)).clone()
+        out["poisoned_again"] = host(model(x)).clone()  # with the order learned: prefetches too
+    loader = model._offtensor_engine.grads.reducer.loads
+    out["gathers"] = loader.gathers
+    out["sharded"] = sorted(scope.name for scope in loader.plans)
+    offtensor.unwrap(model)
+    return out
+
+
 def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
     device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
     if device_type == "cuda":
@@ -252,14 +301,16 @@ def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=WORLD,
                             init_method=f"file://{init_file}", timeout=PG_TIMEOUT)
     results: dict[str, Any] = {"params": {}, "no_sync_grads": {}, "errors": {}, "stateful": {}, "owners": {},
-                               "synced_grads": {}, "in_shm": {}, "shm_left": {}}
+                               "synced_grads": {}, "in_shm": {}, "shm_left": {}, "loads": {}}
     try:
         xs, ys = _data()
         shard = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
         for name, scenario in SCENARIOS.items():
             model = _build(scenario, seed=0 if rank == 0 else 100 + rank)
             _wrap(model, scenario, device)
-            offtensor.data_parallel(model, timeout=30, shard_optimizer=scenario.shard)
+            offtensor.data_parallel(model, timeout=30, shard_optimizer=scenario.shard, shard_loads=scenario.loads)
+            engine = model._offtensor_engine
+            loads_before = {scope.name: scope.loads for scope in engine.scopes}
             if scenario.shard:
                 sharding = model._offtensor_engine.grads.reducer.sharding
                 results["owners"][name] = {slot.name: owner for slot, owner in sharding.owner.items()}
@@ -269,6 +320,12 @@ def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
                          on_synced_grads=lambda g, name=name: results["synced_grads"].__setitem__(name, g))
             results["params"][name] = {n: host(p).clone() for n, p in model.named_parameters()}
             results["stateful"][name] = {n for n, p in model.named_parameters() if p in opt.state}
+            if scenario.loads:
+                loader = engine.grads.reducer.loads
+                results["loads"][name] = {
+                    "gathers": loader.gathers, "host_bytes": loader.host_bytes,
+                    "scopes": {scope.name: (scope.loads - loads_before[scope.name], scope.nbytes, plan.slice)
+                               for scope, plan in loader.plans.items()}}
             if scenario.shard:  # the fences of the steps ordered this after the first rank's unlink
                 results["shm_left"][name] = os.path.exists(f"/dev/shm/offtensor-{sharding.job}")
             offtensor.unwrap(model)
@@ -282,6 +339,7 @@ def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
         results["mixed_dtypes"] = {n: host(p).clone() for n, p in mixed.named_parameters()}
 
         results["host_memory"] = {shard: _host_memory(shard, device) for shard in (False, True)}
+        results["inference"] = _sharded_inference(rank, device)
 
         errors = results["errors"]
 
@@ -309,6 +367,9 @@ def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
         model = wrapped()
         errors["different_shard_optimizer"] = _error(
             lambda: offtensor.data_parallel(model, timeout=10, shard_optimizer=rank == 0))
+        model = wrapped()
+        errors["different_shard_loads"] = _error(
+            lambda: offtensor.data_parallel(model, timeout=10, shard_loads=rank == 1))
         model = wrapped()
         model.blocks[0].requires_grad_(False)
         offtensor.data_parallel(model, timeout=10, shard_optimizer=True)
@@ -479,6 +540,8 @@ BAD_SETUPS = {
     "different_frozen_parameters": r"ValueError: offtensor.data_parallel: parameter 'head.weight', which is "
                                    r"not offloaded, is \(4, 16\) torch.float32, requires_grad=True on rank 0 but "
                                    r"\(4, 16\) torch.float32, requires_grad=False on rank 1",
+    "different_shard_loads": r"ValueError: offtensor.data_parallel: rank 0 passed shard_loads=False but "
+                             r"rank 1 shard_loads=True; pass the same on every rank",
     "different_shard_optimizer": r"ValueError: offtensor.data_parallel: rank 0 passed shard_optimizer=True but "
                                  r"rank 1 shard_optimizer=False; pass the same on every rank",
     "unfrozen_after_data_parallel": r"RuntimeError: offtensor.data_parallel\(shard_optimizer=True\): offloaded "
@@ -665,3 +728,230 @@ def test_error_if_shared_memory_is_too_small(one_rank_group, monkeypatch):
                                            r"memory but /dev/shm has 0\.0 MiB free; enlarge it \(in Docker: "
                                            r"--shm-size\)"):
         offtensor.data_parallel(model, timeout=5, shard_optimizer=True)
+
+
+# ---- sharded loads (Note [sharded loads]) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("name", LOADS)
+def test_every_load_of_a_sharded_scope_copies_one_slice_and_all_gathers_the_rest(job, name):
+    _, results = job
+    for rank, res in enumerate(results):
+        record = res["loads"][name]
+        scopes = record["scopes"]
+        assert scopes, f"rank {rank}: no scope is sharded"
+        loads = sum(n for n, _, _ in scopes.values())
+        assert loads > 0 and record["gathers"] == loads, f"rank {rank}: {record}"
+        # per load: its slice, plus the tail after WORLD aligned slices (copied by every rank)
+        assert record["host_bytes"] == sum(n * (nbytes - (WORLD - 1) * size) for n, nbytes, size in scopes.values())
+        assert all(0 < size * WORLD <= nbytes for _, nbytes, size in scopes.values())
+    assert results[0]["loads"][name] == results[1]["loads"][name], "the ranks load the same scopes"
+
+
+def test_sharded_loads_give_the_plain_models_outputs_reading_only_each_ranks_own_slice(job):
+    # Each rank overwrote the other ranks' slices of its own masters with NaNs before the last
+    # forwards: they still give the plain model's outputs, so no rank read those bytes.
+    device_type, results = job
+    device = "cuda:0" if device_type == "cuda" else "cpu"
+    torch.manual_seed(0)
+    reference = mlp_of_blocks().to(device)
+    with torch.no_grad():
+        expected = host(reference(_data()[0][0].to(device)))
+
+    for rank, res in enumerate(results):
+        out = res["inference"]
+        assert out["sharded"] == ["blocks.0", "blocks.1", "blocks.2"]
+        for key in ("first", "poisoned", "poisoned_again"):
+            torch.testing.assert_close(out[key], expected, msg=lambda m, key=key, rank=rank: f"rank {rank}, {key}: {m}")
+    # rank 0's pass under local_loads issued no collective (rank 1 ran no such pass)
+    torch.testing.assert_close(results[0]["inference"]["local"], expected)
+    assert results[0]["inference"]["gathers"] == results[1]["inference"]["gathers"] == 3 * 3
+
+
+FAILURE_PG_TIMEOUT = datetime.timedelta(seconds=3)
+
+
+def _failure_job(rank: int, device_type: str, init_file: str, out: str) -> None:
+    """Ranks that load different scopes, then (CPU) a forward that raises on rank 0 only; each
+    outcome recorded, then the model must work again on both ranks."""
+    from offtensor._sharded_loads import CHECK_ENV
+
+    device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        os.environ[CHECK_ENV] = "1"  # the tag check costs a host sync per load on CUDA
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=WORLD,
+                            init_method=f"file://{init_file}", timeout=FAILURE_PG_TIMEOUT)
+    results: dict[str, Any] = {}
+    try:
+        torch.manual_seed(0)
+        model = mlp_of_blocks()
+        offtensor.wrap(model, device=device).to(device)
+        offtensor.data_parallel(model, timeout=30, shard_loads=True)
+        x = _data()[0][0].to(device)
+
+        def attempt(key: str, fn: Any) -> None:
+            began = time.monotonic()
+            try:
+                with torch.no_grad():
+                    results[key] = host(fn()).clone()
+            except (ValueError, RuntimeError) as e:
+                results[key] = f"{type(e).__name__}: {e}"
+            results[f"{key} s"] = time.monotonic() - began
+
+        attempt("learn the order", lambda: model(x))
+        h = torch.randn(2, 16, device=device)
+        attempt("different scopes", lambda: model.blocks[1 + rank](h))
+        attempt("after different scopes", lambda: model(x))
+        if device_type == "cpu":  # NCCL's watchdog ends a process whose collective times out
+            def boom(*_: Any) -> None:
+                raise ValueError("boom on rank 0")
+
+            handle = model.blocks[1].register_forward_pre_hook(boom) if rank == 0 else None
+            attempt("rank 0 raises", lambda: model(x))
+            if handle is not None:
+                handle.remove()
+            attempt("after the failure", lambda: model(x))
+            if rank == 1:  # its load above timed out: the retry meets rank 0's resynchronisation
+                attempt("retry", lambda: model(x))
+            attempt("again", lambda: model(x))
+    except BaseException:
+        results["crash"] = traceback.format_exc()
+        raise
+    finally:
+        torch.save(results, f"{out}.{rank}")
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=devices)
+def failure_job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+    mp = pytest.importorskip("torch.multiprocessing")
+    device_type = request.param
+    tmp = tmp_path_factory.mktemp(f"dp-failures-{device_type}")
+    out = str(tmp / "results")
+    context = mp.start_processes(_failure_job, args=(device_type, str(tmp / "pg"), out), nprocs=WORLD,
+                                 join=False, start_method="spawn")
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    try:
+        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the two ranks did not finish within {JOB_TIMEOUT_S} s")
+    except mp.ProcessRaisedException as e:
+        pytest.fail(f"a rank raised:\n{e}")
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+    results = [torch.load(f"{out}.{r}") for r in range(WORLD)]
+    for r, res in enumerate(results):
+        assert "crash" not in res, f"rank {r} crashed:\n{res['crash']}"
+    return device_type, results
+
+
+def _plain_output(device_type: str) -> torch.Tensor:
+    torch.manual_seed(0)
+    device = "cuda:0" if device_type == "cuda" else "cpu"
+    with torch.no_grad():
+        return host(mlp_of_blocks().to(device)(_data()[0][0].to(device)))
+
+
+def test_error_on_every_rank_if_the_ranks_load_different_scopes_then_the_model_works_again(failure_job):
+    device_type, results = failure_job
+    for rank, res in enumerate(results):
+        other = 1 - rank
+        assert re.match(
+            rf"RuntimeError: offtensor.data_parallel\(shard_loads=True\): rank {rank}'s load of scope "
+            rf"'blocks.{1 + rank}' \(its 2nd sharded load\) was matched with rank {other}'s load of scope "
+            rf"'blocks.{1 + other}' for the 2nd time: the ranks' passes differ. Every rank must run the same "
+            r"forward and backward passes .*offtensor.local_loads\(model\)", res["different scopes"]), \
+            res["different scopes"]
+        torch.testing.assert_close(res["after different scopes"], _plain_output(device_type))
+
+
+def test_a_forward_raising_on_one_rank_gives_the_others_an_error_within_the_timeout_then_the_model_works(failure_job):
+    device_type, results = failure_job
+    if device_type != "cpu":
+        pytest.skip("a collective that times out ends the process under NCCL (its watchdog)")
+    expected = _plain_output(device_type)
+    first, second = results
+    assert first["rank 0 raises"] == "ValueError: boom on rank 0"
+    torch.testing.assert_close(second["rank 0 raises"], expected)  # its loads all matched rank 0's
+    # rank 1's next load waits for rank 0, which never issues it: an error after the timeout
+    assert re.match(r"RuntimeError: offtensor.data_parallel\(shard_loads=True\): rank 1's load of scope "
+                    r"'blocks.0' \(its \d+\w\w sharded load\): the other ranks did not join it within the "
+                    r"process group's timeout \(3 s\)", second["after the failure"]), second["after the failure"]
+    timeout = FAILURE_PG_TIMEOUT.total_seconds()
+    assert timeout <= second["after the failure s"] < 3 * timeout
+    # rank 0 resynchronised with rank 1's retry: both work again
+    torch.testing.assert_close(first["after the failure"], expected)
+    torch.testing.assert_close(second["retry"], expected)
+    for res in results:
+        torch.testing.assert_close(res["again"], expected)
+
+
+# ---- sharded loads in one process --------------------------------------------------------------
+
+
+def test_error_if_shard_loads_without_equal_masters(one_rank_group):
+    model = offtensor.wrap(mlp_of_blocks(), device="cpu")
+
+    with pytest.raises(ValueError, match=r"shard_loads=True assembles each scope from slices .* pass "
+                                         r"broadcast_weights=True \(or shard_optimizer=True"):
+        offtensor.data_parallel(model, timeout=5, broadcast_weights=False, shard_loads=True)
+
+
+def test_scopes_that_cast_are_loaded_whole(one_rank_group):
+    # bf16 compute from fp32 masters: the load casts, so it stays a plain load (the same outputs
+    # as the model wrapped alike without data_parallel).
+    policy = offtensor.Policy(compute_dtype=torch.bfloat16)
+    model = mlp_of_blocks()
+    reference = mlp_of_blocks()
+    reference.load_state_dict(model.state_dict())
+    offtensor.wrap(reference, device="cpu", policy=policy)
+    offtensor.wrap(model, device="cpu", policy=policy)
+    offtensor.data_parallel(model, timeout=5, shard_loads=True)
+    loader = model._offtensor_engine.grads.reducer.loads
+    x = torch.randn(4, 8)
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(x)
+        expected = reference(x)
+
+    assert loader.plans == {} and loader.gathers == 0
+    assert all(scope.loader is None for scope in model._offtensor_engine.scopes)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_unwrap_ends_sharded_loads(one_rank_group):
+    model = offtensor.data_parallel(offtensor.wrap(mlp_of_blocks(), device="cpu"), timeout=5, shard_loads=True)
+    engine = model._offtensor_engine
+    loader = engine.grads.reducer.loads
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        model(x)
+    gathers = loader.gathers
+    assert gathers == 3 and all(scope.loader is loader for scope in engine.scopes)
+
+    offtensor.unwrap(model)
+    model(x)
+
+    assert loader.gathers == gathers and engine.on_abort == []
+    assert all(scope.loader is None for scope in engine.scopes)
+
+
+def test_local_loads_copy_whole_scopes_without_collectives(one_rank_group):
+    model = offtensor.data_parallel(offtensor.wrap(mlp_of_blocks(), device="cpu"), timeout=5, shard_loads=True)
+    loader = model._offtensor_engine.grads.reducer.loads
+    x = torch.randn(4, 8)
+
+    with torch.no_grad(), offtensor.local_loads(model):
+        model(x)
+
+    assert loader.gathers == 0
+    assert loader.host_bytes == sum(scope.nbytes for scope in model._offtensor_engine.scopes)
+    assert not loader.holds
+
+
+def test_error_if_local_loads_is_given_a_model_that_is_not_wrapped():
+    with pytest.raises(ValueError, match="offtensor.local_loads: this BlockStack is not wrapped"):
+        offtensor.local_loads(mlp_of_blocks())

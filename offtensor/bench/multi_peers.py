@@ -39,12 +39,14 @@ class MultiPeer:
     grads_sharded: bool = False  # each rank keeps the .grad of the parameters it steps only
 
 
-def _setup_offtensor_dp(built: BuiltModel, device: torch.device, opts: MultiOptions, shared: bool = False) -> str:
+def _setup_offtensor_dp(built: BuiltModel, device: torch.device, opts: MultiOptions, shared: bool = False,
+                        sharded_loads: bool = False) -> str:
     import offtensor
 
     how = setup_offtensor(built, device, opts.peer)
-    offtensor.data_parallel(built.model, shard_optimizer=shared)
-    return f"{how}; offtensor.data_parallel(model{', shard_optimizer=True' if shared else ''})"
+    offtensor.data_parallel(built.model, shard_optimizer=shared, shard_loads=sharded_loads)
+    options = (", shard_optimizer=True" if shared else "") + (", shard_loads=True" if sharded_loads else "")
+    return f"{how}; offtensor.data_parallel(model{options})"
 
 
 def _shard_mesh(device: torch.device) -> Any:
@@ -88,6 +90,13 @@ MULTI_PEERS: dict[str, MultiPeer] = {
     # One host copy per node, each parameter stepped by one rank (Note [one host copy per node]).
     "offtensor-dp-shared": MultiPeer(lambda b, d, o: _setup_offtensor_dp(b, d, o, shared=True), "offtensor",
                                      offtensor=True, grads_sharded=True),
+    # Each rank copies 1/N of each layer from the host and the ranks all-gather the rest
+    # (Note [sharded loads]); alone, and with the one host copy per node.
+    "offtensor-dp-sharded": MultiPeer(lambda b, d, o: _setup_offtensor_dp(b, d, o, sharded_loads=True), "offtensor",
+                                      offtensor=True),
+    "offtensor-dp-shared-sharded": MultiPeer(
+        lambda b, d, o: _setup_offtensor_dp(b, d, o, shared=True, sharded_loads=True), "offtensor",
+        offtensor=True, grads_sharded=True),
     "fsdp2-cpu-offload": MultiPeer(_setup_fsdp2, "torch.distributed.fsdp"),
     "ddp-resident": MultiPeer(_setup_ddp_resident, None),
 }
