@@ -132,11 +132,14 @@ def budget_keeping_half(built: BuiltModel, prefetch: int) -> int:
     return (len(built.layers) // 2 + 2 + prefetch) * layer
 
 
-def layers_embeddings_and_head(built: BuiltModel) -> Callable[[str, nn.Module], bool]:
-    """A wrap predicate selecting each decoder layer, the input embeddings and the head (plain
-    nn.Embedding and nn.Linear modules; a tied head's weight goes with the embeddings' scope)."""
-    model: Any = built.model
-    chosen = {id(m) for m in built.layers} | {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
+def layers_embeddings_and_head(model: Any, layers: nn.ModuleList) -> Callable[[str, nn.Module], bool]:
+    """A wrap predicate selecting each decoder layer, the input embeddings and the head of a
+    transformers model (plain nn.Embedding and nn.Linear modules). A head tied to the embeddings
+    is not selected: its weight is the embeddings' scope's (wrap would warn that it is)."""
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    chosen = {id(m) for m in layers} | {id(embeddings)}
+    if head is not None and head.weight is not embeddings.weight:
+        chosen.add(id(head))
 
     def predicate(name: str, module: nn.Module) -> bool:
         return id(module) in chosen
@@ -188,7 +191,7 @@ def setup_offtensor(built: BuiltModel, device: torch.device, opts: PeerOptions, 
         if built.variant == "base":
             built.layers.requires_grad_(False)
     policy = offtensor.Policy(**options) if options else None
-    predicate = layers_embeddings_and_head(built) if offload_all else None
+    predicate = layers_embeddings_and_head(built.model, built.layers) if offload_all else None
     loaded = ""
     if built.fill is not None:
         loaded = "; " + _load(built, device, policy, predicate)
