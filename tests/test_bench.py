@@ -424,3 +424,186 @@ def test_the_compiled_run_reports_compile_times(tmp_path, capsys):
     for peer in ("resident", "offtensor"):
         assert rows[peer]["status"] == "ok" and rows[peer]["first_call_ms"] > rows[peer]["median_ms"]
     assert "compile time, offtensor/infer-1x512:" in capsys.readouterr().out
+
+
+# ---- --shape: real models' dimensions, meta build, scope-by-scope load ---------------------------
+
+
+def test_shape_quick_run_loads_each_peer_and_times_each_phase(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--quick", "--device", "cpu", "--shape", "8b", "--scenarios", "train-1x4096", "full-step-1x4096",
+                     "--peers", "resident", "offtensor", "offtensor-capped", "accelerate", "--warmup", "1",
+                     "--iters", "1", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    rows = {(r["scenario"], r["peer"]): r for r in result["results"]}
+    assert set(rows) == {("train-1x4096", p) for p in ("resident", "offtensor", "accelerate")} | {
+        ("full-step-1x4096", p) for p in ("resident", "offtensor", "offtensor-capped", "accelerate")}
+    for (scenario, peer), r in rows.items():
+        if peer == "accelerate":
+            assert r["status"] == "skipped" and "not run at --shape sizes" in r["note"]
+            continue
+        assert r["status"] == "ok", (scenario, peer, r["note"])
+        assert r["grads_kept"] == 1.0
+        phases = {"forward", "backward"} | ({"step"} if scenario == "full-step-1x4096" else set())
+        assert set(r["phases_ms"]) == phases and all(v > 0 for v in r["phases_ms"].values())
+    # The quick 8b shape: 3 layers, hidden 256, Llama-3's vocab-to-hidden kind of head.
+    assert (result["model"]["name"], result["model"]["layers"], result["model"]["vocab"]) == ("8b", 3, 2048)
+    train = result["scenarios"]["train-1x4096"]["rows"]["offtensor"]
+    ours = rows[("train-1x4096", "offtensor")]
+    # train-1x4096 is judged against the phase-aware roofline: the sum of the phases' bounds.
+    assert train["phase_roofline_ms"] == pytest.approx(sum(p["bound_ms"] for p in train["phases"].values()))
+    assert ours["roofline_ms"] == pytest.approx(train["phase_roofline_ms"]) and ours["target"] == 1.10
+    resident_phases = rows[("train-1x4096", "resident")]["phases_ms"]
+    assert train["phases"]["backward"]["resident_ms"] == pytest.approx(resident_phases["backward"])
+    # Backward reloads the weights (recompute) and sends every gradient home.
+    assert train["phases"]["backward"]["h2d_bytes"] == train["phases"]["forward"]["h2d_bytes"] == ours["moved_bytes"]
+    assert train["phases"]["backward"]["d2h_bytes"] == ours["moved_grad_bytes"] == ours["moved_bytes"]
+    capped = rows[("full-step-1x4096", "offtensor-capped")]
+    # Embeddings and head are scopes too: more bytes moved than the decoder layers alone.
+    assert capped["moved_bytes"] > rows[("full-step-1x4096", "offtensor")]["moved_bytes"]
+    assert capped["vram_cap_bytes"] == 8 * 2**30 and capped["verdict"] is None  # no VRAM on the CPU
+    assert "layers_embeddings_and_head" in result["setups"]["offtensor-capped/base"]["how"]
+    assert "VRAM cap of 8.0 GiB: not applied (no CUDA device)" in printed
+    assert "loaded in " in printed and "peak host RSS" in printed and "expected load time" in printed
+    assert "per-phase rooflines" in printed and "train-1x4096/offtensor: forward " in printed
+
+
+@pytest.mark.full_tier  # two shapes, three peers: the full tier runs it
+@pytest.mark.parametrize("shape", ["34b", "70b"])
+def test_large_shapes_run_inference_and_the_lora_step_on_one_load_per_peer(tmp_path, shape):
+    out = tmp_path / "bench.json"
+    assert bench.main(["--quick", "--device", "cpu", "--shape", shape, "--peers", "resident", "offtensor",
+                       "offtensor-fp8", "--warmup", "1", "--iters", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {(r["scenario"], r["peer"]): r for r in result["results"]}
+    assert set(rows) == {(s, p) for s in ("infer-1x512", "lora-step-1x4096")
+                         for p in ("resident", "offtensor", "offtensor-fp8")}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    assert set(result["setups"]) == {"resident/lora", "offtensor/lora", "offtensor-fp8/lora"}  # one load each
+    for scenario in ("infer-1x512", "lora-step-1x4096"):
+        fp8, bf16 = rows[(scenario, "offtensor-fp8")], rows[(scenario, "offtensor")]
+        assert fp8["moved_bytes"] < 0.6 * bf16["moved_bytes"]  # its own floor: the fp8 bytes
+        floors = result["scenarios"][scenario]["rows"]["offtensor-fp8"]
+        assert fp8["roofline_ms"] == pytest.approx(floors["floor_ms"]) and fp8["target"] == 1.05
+
+
+def test_resident_and_loaded_shape_models_get_the_same_random_weights():
+    """RandomFill seeds each module's generator from its name: the resident model filled in place
+    and the one offtensor.load fills scope by scope hold the same values, so they compute the same."""
+    from offtensor.bench.model import build_model
+    from offtensor.bench.peers import PeerOptions, setup_offtensor
+    from offtensor.bench.scenarios import QUICK_NAMED_SHAPES
+    from offtensor.bench.shapes import RandomFill
+
+    cpu = torch.device("cpu")
+    models = [build_model(QUICK_NAMED_SHAPES["8b"], "base", cpu, 0, fill=RandomFill(cpu, 0)) for _ in range(2)]
+    assert all(p.is_meta for p in models[0].model.parameters())
+    from offtensor.bench.peers import PEER_SETUP
+
+    PEER_SETUP["resident"](models[0], cpu, PeerOptions())
+    setup_offtensor(models[1], cpu, PeerOptions())
+    assert offtensor.is_wrapped(models[1].model)
+    for (name, p), (_, q) in zip(models[0].model.named_parameters(), models[1].model.named_parameters(), strict=True):
+        assert torch.equal(p.detach(), q.detach()), name
+    assert models[0].model.model.norm.weight.eq(1).all()
+    ids = torch.randint(0, 2048, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(models[1].model(input_ids=ids).logits, models[0].model(input_ids=ids).logits)
+
+
+@pytest.mark.filterwarnings("error::UserWarning")
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_full_step_with_embeddings_and_head_offloaded_matches_the_plain_model(tied):
+    """offtensor-capped's placement: decoder layers, embeddings and head are scopes; one
+    backward_and_step with AdamW gives the plain model's weights."""
+    import copy
+
+    import transformers
+
+    from offtensor.bench.model import decoder_layers
+    from offtensor.bench.peers import layers_embeddings_and_head
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=96, tie_word_embeddings=tied, use_cache=False)
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(config)
+    model = copy.deepcopy(plain)
+    offtensor.wrap(model, layers_embeddings_and_head(model, decoder_layers(model)), device="cpu")
+    scopes = [s.name for s in offtensor.summary(model).scopes]
+    assert "model.embed_tokens" in scopes and ("lm_head" in scopes) != tied  # tied: with the embeddings
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    assert isinstance(model.lm_head.weight, offtensor.OffloadedParameter)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, model)]
+    for _ in range(2):
+        plain(input_ids=ids, labels=ids).loss.backward()
+        opts[0].step()
+        opts[0].zero_grad()
+        offtensor.backward_and_step(model(input_ids=ids, labels=ids).loss, opts[1], zero_grad=True).wait()
+    for (name, p), (_, q) in zip(plain.named_parameters(), model.named_parameters(), strict=True):
+        torch.testing.assert_close(q.detach(), p.detach(), msg=name)
+
+
+def test_peers_that_do_not_fit_are_skipped_with_the_reason(monkeypatch):
+    """70B in bf16 needs more host memory than a 128 GiB host has; in fp8 it fits. The resident
+    70B LoRA step does not fit a 139 GiB GPU (checked here against host memory on the CPU)."""
+    from offtensor.bench import shapes
+    from offtensor.bench.model import build_model
+    from offtensor.bench.scenarios import NAMED_SHAPES, SHAPE_SCENARIOS
+
+    cpu = torch.device("cpu")
+    built = build_model(NAMED_SHAPES["70b"], "lora", cpu, 0, fill=shapes.RandomFill(cpu, 0))
+    assert 137e9 < built.wrapped_bytes < 139e9  # 80 layers of Llama-2-70B, bf16
+    monkeypatch.setattr(shapes, "available_host_bytes", lambda: 128 * 2**30)
+    infer, lora = SHAPE_SCENARIOS["70b"]["infer-1x512"], SHAPE_SCENARIOS["70b"]["lora-step-1x4096"]
+    why = shapes.fit_problem("offtensor", built, NAMED_SHAPES["70b"], infer, cpu)
+    assert why is not None and why.startswith("does not fit: needs about 129 GiB of host memory, 115 GiB available")
+    assert shapes.fit_problem("offtensor-fp8", built, NAMED_SHAPES["70b"], lora, cpu) is None
+    monkeypatch.setattr(shapes, "available_host_bytes", lambda: 150 * 2**30)  # as a 139 GiB GPU's 0.95
+    assert shapes.fit_problem("resident", built, NAMED_SHAPES["70b"], infer, cpu) is None
+    why = shapes.fit_problem("resident", built, NAMED_SHAPES["70b"], lora, cpu)
+    assert why is not None and "needs about 13" in why
+
+
+def test_the_overlapped_step_is_judged_in_turn_against_adamw_beside_the_copies():
+    """issue 15: backward_and_step <= 1.15x max(fwd+bwd, AdamW beside the step's copies), both
+    measured in turn (same_time), not the main timing against AdamW alone."""
+    same = {"rounds": 3, "steps": 3, "variants": [{"spare_threads": 1, "piece_mib": 64.0, "times_ms": [500.0],
+                                                   "median_ms": 500.0}],
+            "alone_ms": [300.0], "alone_median_ms": 300.0, "beside_ms": [460.0], "beside_median_ms": 460.0}
+    rows = [Row("step-4x2048", "resident", "ok", median_ms=200.0, fwd_bwd_ms=200.0, fwd_ms=60.0),
+            Row("step-4x2048", "offtensor-overlap", "ok", median_ms=520.0, grads_kept=1.0, same_time=same)]
+    bw = {"h2d": 1e12, "d2h": 1e12, "method": "test"}
+    extras = Extras(plain_adamw={"bfloat16": {"median_ms": 300.0}})
+    vb = {"base": VariantBytes(10**6, 10**6, 10**6, "all parameters")}
+    rooflines.compute_rooflines(rows, [SCENARIOS["step-4x2048"]], bw, vb, extras)
+    overlap = rows[1]
+    assert overlap.roofline_ms == pytest.approx(460.0) and overlap.ratio == pytest.approx(500.0 / 460.0)
+    assert (overlap.ratio_source, overlap.target, overlap.verdict) == ("in turn", 1.15, "PASS")
+    env = {"device": "cuda", "torch": torch.__version__}
+    table = report.format_table(rows, {**bw, "method": "test"}, env, bench.scenarios.FULL_SHAPE,
+                                [SCENARIOS["step-4x2048"]])
+    assert "1.09+" in table and "measured in turn with AdamW beside the step's copies" in table
+    without = Row("step-4x2048", "offtensor-overlap", "ok", median_ms=520.0, grads_kept=1.0,
+                  same_time={**same, "beside_median_ms": None, "beside_ms": []})
+    rooflines.compute_rooflines([rows[0], without], [SCENARIOS["step-4x2048"]], bw, vb, extras)
+    assert without.ratio_source is None and without.ratio == pytest.approx(520.0 / 300.0)  # AdamW alone, as before
+
+
+def test_vram_target_of_the_capped_full_step():
+    from offtensor.bench.scenarios import SHAPE_SCENARIOS
+
+    full = SHAPE_SCENARIOS["8b"]["full-step-1x4096"]
+    rows = [Row(full.name, "offtensor-capped", "ok", median_ms=1500.0, grads_kept=1.0, peak_vram_bytes=7 * 2**30,
+                vram_cap_bytes=8 * 2**30, moved_bytes=16 * 10**9, moved_grad_bytes=16 * 10**9),
+            Row(full.name, "offtensor-overlap", "ok", median_ms=1300.0, grads_kept=1.0, peak_vram_bytes=15 * 2**30,
+                moved_bytes=14 * 10**9, moved_grad_bytes=14 * 10**9)]
+    rooflines.compute_rooflines(rows, [full], {"h2d": 5e10, "d2h": 5e10, "method": "test"}, {}, Extras())
+    assert rows[0].verdict == "PASS" and rows[0].ratio is None and rows[1].verdict is None
+    rows[0].peak_vram_bytes = 8 * 2**30 + 1
+    rooflines.compute_rooflines(rows, [full], {"h2d": 5e10, "d2h": 5e10, "method": "test"}, {}, Extras())
+    assert rows[0].verdict == "FAIL"
+    lines = report.format_targets(rows, Extras(), torch.device("cuda"), quick=False)
+    assert "offtensor-capped/full-step-1x4096: peak VRAM 8.00 GiB, target < 8 GiB (the cap): FAIL" in lines

@@ -16,13 +16,24 @@ from .launch import launched_by_torchrun
 from .measure import measure_bandwidth
 from .multi_peers import MULTI_PEER_NAMES
 from .optimizer import WorkerSettings
-from .peers import PEER_NAMES, peer_plan, peer_unavailable
+from .peers import PEER_NAMES, SHAPE_PEER_NAMES, peer_plan, peer_unavailable
 from .plots import OVERLAP_PNG, RESULTS_PNG, missing_matplotlib, plot_results
 from .report import environment, json_result, print_summary, write_json
 from .results import Row
 from .rooflines import compute_rooflines
 from .run import Run, run_peer
-from .scenarios import FULL_SHAPE, MULTI_SCENARIOS, QUICK_SHAPE, SCENARIOS, ModelShape, Scenario, quick
+from .scenarios import (
+    FULL_SHAPE,
+    MULTI_SCENARIOS,
+    NAMED_SHAPES,
+    QUICK_NAMED_SHAPES,
+    QUICK_SHAPE,
+    SCENARIOS,
+    SHAPE_SCENARIOS,
+    ModelShape,
+    Scenario,
+    quick,
+)
 
 DESCRIPTION = ("Benchmark offtensor against the whole model on the device and against other "
                "offloading libraries (docs/benchmarks.md).")
@@ -53,13 +64,21 @@ def _names(values: list[str], known: tuple[str, ...] | list[str], what: str) -> 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m offtensor.bench", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; 2 with --quick)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; 2 with --quick; "
+                   "with --shape, the shape's)")
+    p.add_argument("--shape", choices=list(NAMED_SHAPES), default=None,
+                   help="a real model's dimensions (8b: Llama-3-8B, 34b: CodeLlama-34B, 70b: Llama-2-70B), built "
+                        "on the meta device and loaded scope by scope with random weights, with its own "
+                        "scenarios: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in SHAPE_SCENARIOS.items()))
     p.add_argument("--scenarios", nargs="+", default=None,
                    help=f"any of {list(SCENARIOS)} (space or comma separated; default all); with --nproc "
-                        f"any of {list(MULTI_SCENARIOS)}")
+                        f"any of {list(MULTI_SCENARIOS)}; with --shape, that shape's")
     p.add_argument("--peers", nargs="+", default=None,
                    help=f"any of {list(PEER_NAMES)} (default all; resident always runs first); with --nproc "
-                        f"any of {list(MULTI_PEER_NAMES)}")
+                        f"any of {list(MULTI_PEER_NAMES)}; with --shape, default {list(SHAPE_PEER_NAMES)}")
+    p.add_argument("--vram-cap-gib", type=float, default=8.0,
+                   help="offtensor-capped (--shape 8b full-step-1x4096): the VRAM cap, applied with "
+                        "torch.cuda.set_per_process_memory_fraction (default 8)")
     p.add_argument("--json", default=None, help="write every number to this JSON file")
     p.add_argument("--plot", default=None, metavar="DIR",
                    help=f"draw the results into DIR/{RESULTS_PNG} (and {OVERLAP_PNG} when offtensor-overlap "
@@ -133,9 +152,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _parser()
     args = p.parse_args(argv)
     args.multi = args.nproc is not None or launched_by_torchrun()
+    if args.multi and args.shape is not None:
+        p.error("--shape runs on one GPU; it does not take --nproc")
     scenarios, peers = (MULTI_SCENARIOS, MULTI_PEER_NAMES) if args.multi else (SCENARIOS, PEER_NAMES)
+    if args.shape is not None:
+        scenarios = SHAPE_SCENARIOS[args.shape]
     args.scenarios = _names(args.scenarios or list(scenarios), list(scenarios), "scenario")
-    args.peers = _names(args.peers or list(peers), peers, "peer")
+    default_peers = SHAPE_PEER_NAMES if args.shape is not None else peers
+    args.peers = _names(args.peers or list(default_peers), peers, "peer")
+    if args.vram_cap_gib <= 0:
+        p.error("--vram-cap-gib must be > 0")
     if args.nproc is not None and args.nproc < 1:
         p.error("--nproc must be >= 1")
     if args.multi and args.plot is not None:
@@ -195,12 +221,16 @@ def _run_peers(peers: list[str], scenarios: list[Scenario], shape: ModelShape, d
 
 
 def _bench(args: argparse.Namespace) -> int:
-    base = QUICK_SHAPE if args.quick else FULL_SHAPE
+    if args.shape is not None:
+        base = (QUICK_NAMED_SHAPES if args.quick else NAMED_SHAPES)[args.shape]
+    else:
+        base = QUICK_SHAPE if args.quick else FULL_SHAPE
     shape = dataclasses.replace(base, layers=args.layers or base.layers)
     if args.multi:
         return multi.main(args, shape)
     device = _device(args.device)
-    scenarios = [SCENARIOS[n] for n in SCENARIOS if n in args.scenarios]  # canonical order
+    known = SHAPE_SCENARIOS[args.shape] if args.shape is not None else SCENARIOS
+    scenarios = [known[n] for n in known if n in args.scenarios]  # canonical order
     if args.quick:
         scenarios = [quick(s) for s in scenarios]
     peers = sorted(args.peers, key=lambda n: n != "resident")  # resident first: it is the roofline

@@ -59,6 +59,85 @@ def host_rss() -> int | None:
     return None
 
 
+def reset_peak_rss() -> bool:
+    """Reset the kernel's record of this process's peak RSS (VmHWM), so that `peak_rss` reads
+    the peak from now on; False where the kernel does not allow it (not Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int | None:
+    """The peak resident set size of this process (VmHWM) in bytes, since it started or since
+    `reset_peak_rss`; None where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo: what this process could still allocate without swapping."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class PhaseClock:
+    """The phases of one timed iteration (forward, backward, step), without a host sync inside
+    it: CUDA events recorded on the current stream (the device's timeline: a phase's waits for
+    its copies count), read by `collect` after the iteration's sync; perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._marks: list[tuple[str, Any]] = []
+        self.samples: dict[str, list[float]] = {}  # phase -> ms per micro-batch, per iteration
+
+    def _now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        """The iteration starts; marks not collected (a warm-up iteration) are dropped."""
+        self._marks = [("", self._now())]
+
+    def mark(self, phase: str) -> None:
+        """`phase` ends now (it began at the previous mark)."""
+        if self._marks:
+            self._marks.append((phase, self._now()))
+
+    def collect(self, per_step: int = 1) -> None:
+        """Add the iteration's phases (summed over its micro-batches, divided by `per_step`)."""
+        sums: dict[str, float] = {}
+        for (_, a), (phase, b) in zip(self._marks, self._marks[1:], strict=False):
+            ms = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+            sums[phase] = sums.get(phase, 0.0) + ms
+        for phase, ms in sums.items():
+            self.samples.setdefault(phase, []).append(ms / per_step)
+        self._marks = []
+
+    def clear(self) -> None:
+        self._marks, self.samples = [], {}
+
+    def medians(self) -> dict[str, float] | None:
+        return {p: statistics.median(v) for p, v in self.samples.items()} or None
+
+
 def host_pss() -> tuple[int, str] | None:
     """(bytes, 'pss') of this process's proportional set size, where a page shared by k
     processes counts 1/k in each (so a node's sum counts a shared host copy once); else

@@ -4,7 +4,7 @@ lazily), its decoder layers, and the activation-checkpointing switches."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -65,9 +65,24 @@ class BuiltModel:
     wrapped_bytes: int  # decoder-layer parameters: what an offloader moves
     wrapped_trainable_bytes: int  # decoder-layer parameters that get a grad
     dtype: torch.dtype = torch.bfloat16  # of the parameters
+    # --shape: the parameters are on the meta device and this fills them, as offtensor.load's
+    # init (init(module_name, module)); the peers place the model by loading it (shapes.py).
+    fill: Callable[[str, nn.Module], None] | None = None
 
 
-def _llama(shape: ModelShape, dtype: torch.dtype) -> nn.Module:
+def _empty_weights() -> contextlib.AbstractContextManager[Any]:
+    """Parameters created on the meta device, buffers (rotary inv_freq) real: accelerate's
+    init_empty_weights (--shape needs accelerate)."""
+    try:
+        from accelerate import init_empty_weights
+    except ImportError as exc:
+        raise RuntimeError("bench: --shape builds the model on the meta device with accelerate's "
+                           "init_empty_weights; pip install accelerate") from exc
+    return init_empty_weights()
+
+
+def _llama(shape: ModelShape, dtype: torch.dtype, empty: bool = False) -> nn.Module:
+    """The Llama of `shape` in `dtype`; with `empty`, its parameters on the meta device."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     # attn_implementation is stored by the base config from **kwargs; typed stubs do not know it.
@@ -83,7 +98,9 @@ def _llama(shape: ModelShape, dtype: torch.dtype) -> nn.Module:
         use_cache=False,
         attn_implementation="sdpa",
     )
-    with _no_init_weights(), temporarily(torch.get_default_dtype, torch.set_default_dtype, dtype), torch.device("cpu"):
+    where = _empty_weights() if empty else contextlib.nullcontext()
+    with _no_init_weights(), temporarily(torch.get_default_dtype, torch.set_default_dtype, dtype), \
+            torch.device("cpu"), where:
         return LlamaForCausalLM(config)
 
 
@@ -114,8 +131,11 @@ def _nbytes(ps: Iterable[torch.Tensor]) -> int:
     return sum(p.numel() * p.element_size() for p in ps)
 
 
-def build_model(shape: ModelShape, variant: str, device: torch.device, seed: int) -> BuiltModel:
-    """A random-weight bf16 LlamaForCausalLM with SDPA attention, parameters on the CPU.
+def build_model(shape: ModelShape, variant: str, device: torch.device, seed: int,
+                fill: Callable[[str, nn.Module], None] | None = None) -> BuiltModel:
+    """A random-weight bf16 LlamaForCausalLM with SDPA attention, parameters on the CPU; with
+    `fill` (--shape), on the meta device, left for `fill` to initialize where each peer places
+    them (shapes.py).
 
     variant 'fp32': the same in fp32 (masters for step32-4x2048, which computes in bf16).
 
@@ -123,8 +143,9 @@ def build_model(shape: ModelShape, variant: str, device: torch.device, seed: int
     peft is installed, otherwise the input embeddings.
     """
     dtype = torch.float32 if variant == "fp32" else torch.bfloat16
-    model = _llama(shape, dtype)
-    _fill_random(model, device, seed)
+    model = _llama(shape, dtype, empty=fill is not None)
+    if fill is None:
+        _fill_random(model, device, seed)
     trainable = _make_lora(model) if variant == "lora" else "all parameters"
     layers = decoder_layers(model)
     return BuiltModel(
@@ -137,7 +158,28 @@ def build_model(shape: ModelShape, variant: str, device: torch.device, seed: int
         wrapped_bytes=_nbytes(layers.parameters()),
         wrapped_trainable_bytes=_nbytes(p for p in layers.parameters() if p.requires_grad),
         dtype=dtype,
+        fill=fill,
     )
+
+
+def materialize(model: nn.Module, device: torch.device, fill: Callable[[str, nn.Module], None]) -> None:
+    """The model's meta parameters allocated on `device` and initialized there by `fill`
+    (module by module, as offtensor.load calls it: the same values), tied ones kept tied; then
+    its buffers to `device`. The resident peer's placement of a --shape model: no host copy."""
+    done: dict[int, nn.Parameter] = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            created = False
+            for pname, p in module._parameters.items():
+                if p is None or not p.is_meta:
+                    continue
+                if id(p) not in done:
+                    done[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+                    created = True
+                module._parameters[pname] = done[id(p)]
+            if created:
+                fill(name, module)
+    model.to(device)
 
 
 def _hf_model(model: nn.Module) -> nn.Module:

@@ -4,6 +4,7 @@ Third-party offloaders are imported inside their setup, so that a missing one is
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -11,12 +12,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .measure import short_error
-from .model import BuiltModel
+from .measure import GiB, host_rss, peak_rss, reset_peak_rss, short_error
+from .model import BuiltModel, materialize
 from .scenarios import Scenario
+from .shapes import RandomFill, expected_load_s
 
 PEER_NAMES = ("resident", "offtensor", "offtensor-overlap", "offtensor-castdev", "offtensor-casthost",
-              "offtensor-budget", "offtensor-fp8", "offtensor-int8", "accelerate", "diffusers")
+              "offtensor-budget", "offtensor-fp8", "offtensor-int8", "offtensor-capped", "accelerate", "diffusers")
+# --shape's default peers: each run of a real shape must fit in minutes (every load counts).
+SHAPE_PEER_NAMES = ("resident", "offtensor", "offtensor-overlap", "offtensor-fp8", "offtensor-capped",
+                    "accelerate", "diffusers")
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,7 @@ class PeerOptions:
     offtensor_prefetch: int | None = None
     offtensor_max_scope_mib: float | None = None
     compile: bool = False  # block.compile() on each decoder layer (resident and offtensor peers)
+    vram_cap_gib: float = 8.0  # offtensor-capped: torch.cuda.set_per_process_memory_fraction
 
 
 COMPILED_PEERS = ("resident", "offtensor", "offtensor-overlap", "offtensor-castdev", "offtensor-casthost")
@@ -52,14 +58,19 @@ def compile_layers(built: BuiltModel, peer: str) -> str:
 def peer_plan(peer: str, scenario: Scenario) -> str | None:
     """'run'; or the note of a 'skipped' row; or None: the peer has no row for this scenario
     (the offtensor variants are only different from `offtensor` where they have a row)."""
+    if peer in ("accelerate", "diffusers") and scenario.at_shape:
+        return ("not run at --shape sizes: it needs the whole bf16 model built in host memory, "
+                "which these shapes are made to avoid")
+    if peer == "offtensor-capped":  # embeddings and head offloaded too, under the VRAM cap
+        return "run" if scenario.kind == "full" else None
     if peer == "offtensor-overlap":
-        return "run" if scenario.kind == "step" else None
+        return "run" if scenario.kind in ("step", "full") else None
     if peer in ("offtensor-castdev", "offtensor-casthost"):
         return "run" if scenario.kind == "step32" else None
     if peer == "offtensor-budget":
         return "run" if scenario.kind in ("infer", "train") else None
     if peer in ("offtensor-fp8", "offtensor-int8"):  # frozen weights only: inference, LoRA
-        return "run" if scenario.kind in ("infer", "frozen") else None
+        return "run" if scenario.kind in ("infer", "frozen", "frozen-step") else None
     if peer == "offtensor":
         return None if scenario.kind == "step32" else "run"  # fp32 masters: the -cast* peers
     if peer in ("accelerate", "diffusers") and scenario.has_optimizer:
@@ -87,6 +98,9 @@ def place_outside(model: nn.Module, layers: nn.ModuleList, device: torch.device)
 
 
 def _setup_resident(built: BuiltModel, device: torch.device, opts: PeerOptions) -> str:
+    if built.fill is not None:  # --shape: allocated and filled on the device, no host copy
+        materialize(built.model, device, built.fill)
+        return "whole model on the device (built on the meta device, filled there)"
     built.model.to(device)
     return "whole model on the device"
 
@@ -118,10 +132,53 @@ def budget_keeping_half(built: BuiltModel, prefetch: int) -> int:
     return (len(built.layers) // 2 + 2 + prefetch) * layer
 
 
+def layers_embeddings_and_head(model: Any, layers: nn.ModuleList) -> Callable[[str, nn.Module], bool]:
+    """A wrap predicate selecting each decoder layer, the input embeddings and the head of a
+    transformers model (plain nn.Embedding and nn.Linear modules). A head tied to the embeddings
+    is not selected: its weight is the embeddings' scope's (wrap would warn that it is)."""
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    chosen = {id(m) for m in layers} | {id(embeddings)}
+    if head is not None and head.weight is not embeddings.weight:
+        chosen.add(id(head))
+
+    def predicate(name: str, module: nn.Module) -> bool:
+        return id(module) in chosen
+
+    predicate.__name__ = "layers_embeddings_and_head"
+    return predicate
+
+
+def _load(built: BuiltModel, device: torch.device, policy: Any, predicate: Any) -> str:
+    """offtensor.load of a --shape model with its RandomFill: scope by scope, never the whole
+    model on the host. Prints the load time and the peak host RSS."""
+    import offtensor
+
+    assert isinstance(built.fill, RandomFill)
+    total = built.total_bytes if predicate is not None else built.wrapped_bytes
+    compressed = policy is not None and policy.frozen_format is not None
+    built.fill.start(total, total // max(len(built.layers), 1))
+    print(f"    loading {total / 1e9:.1f} GB of bf16 weights scope by scope"
+          f"{' (compressed to ' + policy.frozen_format + ' on the host)' if compressed else ''}; "
+          f"first guess {expected_load_s(total, compressed):.0f} s", flush=True)
+    rss0, t0 = host_rss(), time.perf_counter()
+    can_peak = reset_peak_rss()
+    offtensor.load(built.model, init=built.fill, predicate=predicate, device=device, policy=policy)
+    load_s = time.perf_counter() - t0
+    peak = peak_rss() if can_peak else None
+    held = offtensor.summary(built.model).host_bytes
+    print(f"    loaded in {load_s:.1f} s: host masters {held / GiB:.2f} GiB, peak host RSS "
+          + (f"{peak / GiB:.2f} GiB" if peak is not None else "unknown")
+          + (f" (before: {rss0 / GiB:.2f} GiB)" if rss0 is not None else ""), flush=True)
+    return f"offtensor.load in {load_s:.1f} s, peak host RSS " + (
+        f"{peak / GiB:.2f} GiB" if peak is not None else "unknown")
+
+
 def setup_offtensor(built: BuiltModel, device: torch.device, opts: PeerOptions, cast: str | None = None,
-                    budget: bool = False, frozen_format: str | None = None) -> str:
+                    budget: bool = False, frozen_format: str | None = None, offload_all: bool = False) -> str:
     """`offtensor.wrap` with the default predicate (every element of every nn.ModuleList: the
-    decoder layers), then the rest of the model to the device. Returns the call, in words."""
+    decoder layers; with `offload_all`, the embeddings and head too), then the rest of the
+    model to the device; a --shape model is loaded scope by scope instead (`_load`). Returns
+    the call, in words."""
     import offtensor
 
     options = _offtensor_options(built, opts, cast)
@@ -134,11 +191,18 @@ def setup_offtensor(built: BuiltModel, device: torch.device, opts: PeerOptions, 
         if built.variant == "base":
             built.layers.requires_grad_(False)
     policy = offtensor.Policy(**options) if options else None
-    offtensor.wrap(built.model, device=device, policy=policy)
+    predicate = layers_embeddings_and_head(built.model, built.layers) if offload_all else None
+    loaded = ""
+    if built.fill is not None:
+        loaded = "; " + _load(built, device, policy, predicate)
+    else:
+        offtensor.wrap(built.model, predicate, device=device, policy=policy)
     built.model.to(device)  # embeddings, final norm, head, rotary buffers; masters stay on the host
     shown = ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={getattr(v, '__name__', v)}"
                       for k, v in options.items())
-    return f"offtensor.wrap(model, device={str(device)!r}, policy=Policy({shown}))"
+    call = "offtensor.load(model, init=RandomFill" if built.fill is not None else "offtensor.wrap(model"
+    return (f"{call}{', ' + predicate.__name__ if predicate else ''}, device={str(device)!r}, "
+            f"policy=Policy({shown})){loaded}")
 
 
 def _setup_accelerate(built: BuiltModel, device: torch.device, opts: PeerOptions) -> str:
@@ -173,12 +237,15 @@ PEER_SETUP: dict[str, Callable[[BuiltModel, torch.device, PeerOptions], str]] = 
     "offtensor-budget": lambda b, d, o: setup_offtensor(b, d, o, budget=True),
     "offtensor-fp8": lambda b, d, o: setup_offtensor(b, d, o, frozen_format="fp8"),
     "offtensor-int8": lambda b, d, o: setup_offtensor(b, d, o, frozen_format="int8"),
+    # A full fine-tune under a VRAM cap (run.py applies it): the embeddings and head offloaded
+    # as scopes too; the step is backward_and_step.
+    "offtensor-capped": lambda b, d, o: setup_offtensor(b, d, o, offload_all=True),
     "accelerate": _setup_accelerate,
     "diffusers": _setup_diffusers,
 }
 _PEER_MODULE = {"resident": None, "offtensor": "offtensor", "offtensor-overlap": "offtensor",
                 "offtensor-castdev": "offtensor", "offtensor-casthost": "offtensor", "offtensor-budget": "offtensor",
-                "offtensor-fp8": "offtensor", "offtensor-int8": "offtensor",
+                "offtensor-fp8": "offtensor", "offtensor-int8": "offtensor", "offtensor-capped": "offtensor",
                 "accelerate": "accelerate", "diffusers": "diffusers.hooks"}
 
 
@@ -206,3 +273,14 @@ def step_pcie_bytes(built: BuiltModel, scenario: Scenario) -> tuple[int, int]:
     (step_roofline): weights in twice (forward, recompute), gradients out once."""
     h2d_per_byte = next(iter(STEP_PEERS[scenario.kind].values()))[0]
     return int(2 * built.wrapped_bytes * h2d_per_byte), built.wrapped_trainable_bytes
+
+
+def offloaded_bytes(model: nn.Module) -> tuple[int, int]:
+    """(host bytes of every scope, of them those of trainable parameters) of a wrapped model:
+    what one pass loads (compressed masters count their 1-byte values), and the gradients a
+    backward sends home."""
+    import offtensor
+
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters()
+                    if isinstance(p, offtensor.OffloadedParameter) and p.requires_grad)
+    return offtensor.summary(model).host_bytes, trainable

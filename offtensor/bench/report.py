@@ -59,8 +59,11 @@ def _below_roofline(r: Row) -> bool:
 
 def _table_row(r: Row, shapes: dict[str, str]) -> tuple[str, ...]:
     median = _fmt(r.median_ms, ".1f") if r.status == "ok" else r.status
-    ratio = _fmt(r.ratio, ".2f") + ("*" if _below_roofline(r) else "") + ("^" if r.peer in RELATIVE_TO else "")
+    ratio = (_fmt(r.ratio, ".2f") + ("*" if _below_roofline(r) else "") + ("^" if r.peer in RELATIVE_TO else "")
+             + ("+" if r.ratio_source == "in turn" else ""))
     target = f"<= {r.target:.2f} {r.verdict}" if r.target is not None and r.verdict else "-"
+    if r.vram_cap_bytes is not None and r.verdict:
+        target = f"VRAM < {r.vram_cap_bytes / GiB:.0f} GiB {r.verdict}"
     return (r.scenario, shapes.get(r.scenario, f"{r.batch}x{r.seq}"), r.peer, median, _fmt(r.roofline_ms, ".1f"),
             ratio, target, _fmt(None if r.peak_vram_bytes is None else r.peak_vram_bytes / GiB, ".2f"),
             _fmt(None if r.host_growth_bytes is None else r.host_growth_bytes / GiB, ".2f"))
@@ -70,7 +73,9 @@ def format_table(rows: list[Row], bw: dict[str, Any], env: dict[str, Any], shape
                  scenarios: list[Scenario]) -> str:
     """The results table: one line per row, with the batch x seq that ran (the scenario's name
     says the full-size one) and footnotes for what a cell leaves out."""
-    head = (f"{shape.layers} layers, hidden {shape.hidden}, bf16, on {env.get('gpu', env['device'])}, "
+    head = ((f"--shape {shape.name}: " if shape.name else "")
+            + f"{shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}, bf16, "
+            f"on {env.get('gpu', env['device'])}, "
             f"torch {env['torch']} | H2D {bw['h2d'] / 1e9:.1f} GB/s, D2H {bw['d2h'] / 1e9:.1f} GB/s "
             f"({bw['method']})")
     shapes = {s.name: s.shape for s in scenarios}
@@ -89,6 +94,9 @@ def format_table(rows: list[Row], bw: dict[str, Any], env: dict[str, Any], shape
         if any(r.peer == peer and r.ratio is not None for r in rows):
             foot.append(f"^ {peer}: its ratio is to the {other} row's time in the same scenario (the "
                         "'roofline ms' column shows that time), not to the roofline.")
+    if any(r.ratio_source == "in turn" for r in rows):
+        foot.append("+ its ratio is the overlapped step measured in turn with AdamW beside the step's copies, "
+                    "to max(fwd+bwd, that AdamW time) (the 'roofline ms' column): see 'measured in turn' above.")
     if any(_below_roofline(r) for r in rows):
         foot.append("* below 1: faster than the resident model, which bounds every peer; that is timing "
                     "noise (few iterations, a busy host), so the other ratios of this run are that noisy too.")
@@ -112,6 +120,27 @@ def format_step_breakdown(name: str, e: dict[str, Any]) -> str:
     phases = ", ".join(f"{p} {v['phase_roofline_ms']:.1f} ms" for p, v in peers.items() if v.get("phase_roofline_ms"))
     return f"  {name}: {', '.join(parts)} -> roofline {rl}" + (
         f"; forward and backward bounded each on its own: {phases}" if phases else "")
+
+
+def format_phases(name: str, e: dict[str, Any]) -> list[str]:
+    """Each offtensor row's phases: measured, and bounded on its own (Note [shape rooflines])."""
+    lines = []
+    for peer, f in e.get("rows", {}).items():
+        measured = f.get("measured_phases_ms") or {}
+        if not f["phases"] or not measured:
+            continue
+        parts = []
+        for phase, b in f["phases"].items():
+            copies = ", ".join(f"{what} {b[what + '_ms']:.1f}" for what in ("h2d", "d2h") if b[what + "_bytes"])
+            parts.append(f"{phase} {_fmt(measured.get(phase), '.1f')} ms (bound {b['bound_ms']:.1f}: resident "
+                         f"{_fmt(b['resident_ms'], '.1f')}" + (f", {copies}" if copies else "") + ")")
+        total = f.get("phase_roofline_ms")
+        got = sum(measured.get(p, 0.0) for p in f["phases"])
+        lines.append(f"  {name}/{peer}: " + "; ".join(parts)
+                     + (f" -> phase-aware roofline {total:.1f} ms, measured {got:.1f} ms = {got / total:.2f}x"
+                        if total else "")
+                     + f"; floor max(resident, copies {f['copies_ms']:.1f}) = {f['floor_ms']:.1f} ms")
+    return lines
 
 
 def format_same_time(r: Row, fwd_bwd_ms: float | None) -> str:
@@ -158,8 +187,13 @@ def format_timeline(r: Row) -> str:
 
 def format_targets(rows: list[Row], extras: Extras, device: torch.device, quick: bool) -> str:
     """Every target of docs/benchmarks.md this run measured, with its verdict."""
-    lines = [f"  {r.peer}/{r.scenario}: ratio {r.ratio:.2f}, target <= {r.target:.2f}: {r.verdict}"
+    lines = [f"  {r.peer}/{r.scenario}: ratio {r.ratio:.2f}"
+             + (" (measured in turn with AdamW beside the step's copies)" if r.ratio_source == "in turn" else "")
+             + f", target <= {r.target:.2f}: {r.verdict}"
              for r in rows if r.verdict is not None and r.ratio is not None and r.target is not None]
+    lines += [f"  {r.peer}/{r.scenario}: peak VRAM {r.peak_vram_bytes / GiB:.2f} GiB, target < "
+              f"{r.vram_cap_bytes / GiB:.0f} GiB (the cap): {r.verdict}"
+              for r in rows if r.vram_cap_bytes is not None and r.verdict and r.peak_vram_bytes is not None]
     for name, speed in (("optimizer_speed", extras.optimizer_speed),
                         ("optimizer_speed_fp32", extras.optimizer_speed_fp32)):
         if speed is not None:
@@ -219,6 +253,10 @@ def print_summary(table: list[Row], rooflines: dict[str, dict[str, Any]], run: R
     steps = [format_step_breakdown(s, e) for s, e in rooflines.items() if "peers" in e]
     if steps:
         print("step rooflines:\n" + "\n".join(steps))
+    phases = [line for s, e in rooflines.items() for line in format_phases(s, e)]
+    if phases:
+        print("per-phase rooflines (ms per micro-batch; bound = max(resident phase, its copies / bandwidth)):\n"
+              + "\n".join(phases))
     for r in table:
         if not r.overlap:
             continue

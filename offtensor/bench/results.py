@@ -32,6 +32,11 @@ class Row:
     fwd_ms: float | None = None  # resident, step scenarios: the forward (and loss) alone
     overlap: dict | None = None  # offtensor-overlap: the last step's OverlapReport, in ms
     same_time: dict | None = None  # offtensor-overlap: measure_same_time
+    phases_ms: dict[str, float] | None = None  # median ms per phase: forward, backward, step
+    moved_bytes: int | None = None  # offtensor peers: the scopes' host bytes (what a pass loads)
+    moved_grad_bytes: int | None = None  # of which trainable (gradients sent home in backward)
+    vram_cap_bytes: int | None = None  # offtensor-capped: the cap; its target is peak VRAM below it
+    ratio_source: str | None = None  # 'in turn': the ratio is measure_same_time's, not median/roofline
     roofline_ms: float | None = None  # None where it means nothing (see compute_rooflines)
     ratio: float | None = None
     target: float | None = None  # the ratio this peer should stay within (rooflines.TARGETS)

@@ -22,9 +22,10 @@ from .optimizer import (
     measure_plain_adamw,
     measure_same_time,
 )
-from .peers import PEER_SETUP, PeerOptions, compile_layers, step_pcie_bytes
+from .peers import PEER_SETUP, STEP_PEERS, PeerOptions, compile_layers, offloaded_bytes, step_pcie_bytes
 from .results import Extras, Row, VariantBytes
 from .scenarios import ModelShape, Scenario
+from .shapes import RandomFill, fit_problem, vram_cap
 from .workload import Workload, make_workload
 
 DEFAULT_WORKER = WorkerSettings()
@@ -65,7 +66,13 @@ def _timed_iterations(work: Workload, device: torch.device, warmup: int, iters: 
     if last * iters > max_seconds:
         iters = max(1, min(iters, int(max_seconds // max(last, 1e-9))))
         row.note = (row.note + f" iterations cut to {iters} (warm-up took {last:.1f} s)").strip()
-    times = [timed(device, work.step) / work.per_step for _ in range(iters)]
+    if work.clock is not None:
+        work.clock.clear()  # the warm-up's phases are not counted
+    times = []
+    for _ in range(iters):
+        times.append(timed(device, work.step) / work.per_step)
+        if work.clock is not None:
+            work.clock.collect(work.per_step)  # after timed()'s sync: its events are complete
     # Steps that finish in the background belong to the loop: the last one's rest is added to
     # the last iteration (the earlier ones ran inside the next iteration's time).
     times[-1] += timed(device, work.drain) / work.per_step
@@ -106,9 +113,12 @@ def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *,
         row.vram_before_bytes = torch.cuda.memory_allocated(device)
     row.times_ms = [t * 1e3 for t in _timed_iterations(work, device, warmup, iters, max_seconds, row)]
     row.median_ms = statistics.median(row.times_ms)
+    row.phases_ms = work.clock.medians() if work.clock is not None else None
     if device.type == "cuda":
         row.peak_vram_bytes = torch.cuda.max_memory_allocated(device)
-    if work.overlap_reports and work.step_with is not None:
+    # The same-time measurement copies the trainable masters as plain tensors: not at --shape
+    # sizes (a full fine-tune's 8B masters and AdamW state would need twice the host memory).
+    if work.overlap_reports and work.step_with is not None and scenario.kind in STEP_PEERS:
         row.overlap = overlap_record(work.overlap_reports[-1], worker)
         params = [p for p in built.layers.parameters() if p.requires_grad and p.device.type == "cpu"]
         try:
@@ -147,7 +157,11 @@ def _print_plain_adamw(dtype: str, m: dict[str, Any]) -> None:
 def measure_extras(peer: str, scenario: Scenario, built: BuiltModel, device: torch.device, seed: int,
                    extras: Extras, worker: WorkerSettings) -> None:
     """Before a step scenario: the plain-CPU AdamW time for its roofline (once per dtype), and
-    in the offtensor peers the wrapped-vs-plain optimizer microbenchmark."""
+    in the offtensor peers the wrapped-vs-plain optimizer microbenchmark. Not for the LoRA
+    step (its optimizer is on the device) nor the full fine-tune of a --shape model (plain
+    copies of its masters would not fit in host memory beside them)."""
+    if scenario.kind not in STEP_PEERS:
+        return
     dtype = str(built.dtype).removeprefix("torch.")
     if dtype not in extras.plain_adamw:
         params = [p for p in built.layers.parameters() if p.requires_grad]
@@ -174,16 +188,26 @@ class _SkipVariant(Exception):
     pass
 
 
-def _build_and_place(peer: str, variant: str, shape: ModelShape, device: torch.device, seed: int,
+class _DoesNotFit(Exception):
+    """This peer cannot run this scenario here (shapes.fit_problem): a skipped row."""
+
+
+def _build_and_place(peer: str, scenario: Scenario, shape: ModelShape, device: torch.device, seed: int,
                      opts: PeerOptions, run: Run) -> BuiltModel:
+    variant = scenario.variant
     t0 = time.perf_counter()
-    built = build_model(shape, variant, device, seed)
+    # --shape: built on the meta device; the peer's setup fills it where it goes (shapes.py).
+    fill = RandomFill(device, seed) if shape.name else None
+    built = build_model(shape, variant, device, seed, fill=fill)
     t1 = time.perf_counter()
     if variant == "fp32" and t1 - t0 > FP32_BUILD_LIMIT_S:
         raise _SkipVariant(f"building the fp32 model took {t1 - t0:.0f} s (limit {FP32_BUILD_LIMIT_S:.0f} s)")
     run.variant_bytes.setdefault(variant, VariantBytes(
         built.total_bytes, built.wrapped_bytes, built.wrapped_trainable_bytes, built.trainable,
         str(built.dtype).removeprefix("torch.")))
+    why = fit_problem(peer, built, shape, scenario, device) if shape.name else None
+    if why is not None:
+        raise _DoesNotFit(why)
     how = PEER_SETUP[peer](built, device, opts)
     if opts.compile:
         how += "; " + compile_layers(built, peer)
@@ -204,6 +228,8 @@ def _print_row(row: Row) -> None:
           + (f", peak VRAM {row.peak_vram_bytes / GiB:.2f} GiB" if row.peak_vram_bytes else "")
           + (f", host {row.host_growth_bytes / GiB:+.2f} GiB" if row.host_growth_bytes is not None else "")
           + (f", grads kept {row.grads_kept:.0%} {row.grad_devices}" if row.grads_kept is not None else "")
+          + ("".join(f", {p} {ms:.1f}" for p, ms in row.phases_ms.items()) + " ms"
+             if row.phases_ms and len(row.phases_ms) > 1 else "")
           + (f" ({row.note})" if row.note else ""),
           flush=True)
 
@@ -217,7 +243,8 @@ class _PeerPass:
         self.peer, self.shape, self.device, self.args, self.run = peer, shape, device, args, run
         self.opts = PeerOptions(offtensor_prefetch=args.offtensor_prefetch,
                                 offtensor_max_scope_mib=args.offtensor_max_scope_mib,
-                                compile=getattr(args, "compile", False))
+                                compile=getattr(args, "compile", False),
+                                vram_cap_gib=getattr(args, "vram_cap_gib", 8.0))
         self.built: BuiltModel | None = None
         self.rss0: int | None = None
         self.setup_failed: dict[str, str] = {}  # variant -> note
@@ -240,13 +267,21 @@ class _PeerPass:
             row.status, row.note = "error", self.setup_failed[scenario.variant]
             return None
         if self.built is not None:
+            why = fit_problem(self.peer, self.built, self.shape, scenario, self.device) if self.shape.name else None
+            if why is not None:
+                row.status, row.note = "skipped", why
+                print(f"  {self.peer}/{scenario.name}: skipped, {why}", flush=True)
+                return None
             return self.built
         free_memory(self.device)
         self.rss0 = host_rss()
         error: str | None = None
         try:
-            self.built = _build_and_place(self.peer, scenario.variant, self.shape, self.device, self.args.seed,
+            self.built = _build_and_place(self.peer, scenario, self.shape, self.device, self.args.seed,
                                           self.opts, self.run)
+        except _DoesNotFit as exc:
+            row.status, row.note = "skipped", str(exc)
+            print(f"  {self.peer}/{scenario.name}: skipped, {exc}", flush=True)
         except _SkipVariant as exc:
             extras.skipped_variants[scenario.variant] = str(exc)
             row.status, row.note = "skipped", str(exc)
@@ -288,6 +323,10 @@ class _PeerPass:
         rss = host_rss()
         if rss is not None and self.rss0 is not None:
             row.host_growth_bytes = rss - self.rss0
+        if self.peer.startswith("offtensor"):
+            row.moved_bytes, row.moved_grad_bytes = offloaded_bytes(built.model)
+        if self.peer == "offtensor-capped":
+            row.vram_cap_bytes = int(self.opts.vram_cap_gib * GiB)
         _print_row(row)
 
 
@@ -296,6 +335,10 @@ def run_peer(peer: str, scenarios: list[Scenario], shape: ModelShape, device: to
     """Every scenario for one peer, appended to `run.rows`: one fresh model per variant, and a
     fresh one again after a failed scenario (the peer's state may be half-updated)."""
     peer_pass = _PeerPass(peer, shape, device, args, run)
-    for scenario in scenarios:
-        peer_pass.scenario(scenario)
-    peer_pass._drop_model()
+    capped = peer == "offtensor-capped"
+    with vram_cap(device, int(peer_pass.opts.vram_cap_gib * GiB)) if capped else contextlib.nullcontext():
+        try:
+            for scenario in scenarios:
+                peer_pass.scenario(scenario)
+        finally:
+            peer_pass._drop_model()  # under the cap: what it held is freed before the cap goes

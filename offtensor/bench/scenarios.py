@@ -1,7 +1,9 @@
-"""What is run: the model's dimensions and the six workloads (scenarios)."""
+"""What is run: the model's dimensions and the six workloads (scenarios); with `--shape`, the
+real models' dimensions and their own workloads."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -15,6 +17,7 @@ class ModelShape:
     kv_heads: int
     vocab: int
     layers: int
+    name: str = ""  # the --shape it is ('8b', '34b', '70b'); "" for the default 8-layer model
 
 
 FULL_SHAPE = ModelShape(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=32000, layers=8)
@@ -25,24 +28,29 @@ QUICK_SHAPE = ModelShape(hidden=256, intermediate=688, heads=4, kv_heads=2, voca
 class Scenario:
     """One workload. kind: 'infer' (no_grad forward), 'train' (all params trainable),
     'frozen' (decoder layers frozen, a small trainable part), 'step' (a full training step:
-    forward, backward, fused AdamW step, zero_grad) or 'step32' (the same with fp32 masters and
-    bf16 compute). The name says the full-size shape; batch and seq are what runs (smaller
-    with --quick)."""
+    forward, backward, fused AdamW step, zero_grad), 'step32' (the same with fp32 masters and
+    bf16 compute), 'frozen-step' (a LoRA step: the frozen base, AdamW on the adapters) or
+    'full' (a full fine-tune step, every parameter trainable; --shape 8b). The name says the
+    full-size shape; batch and seq are what runs (smaller with --quick)."""
 
     name: str
     kind: str
     batch: int
     seq: int
     micro_batches: int = 1  # forward+backward passes per timed iteration (grad accumulation)
+    on_variant: str | None = None  # run on this variant's model instead of the kind's own
+    at_shape: bool = False  # a --shape scenario: judged by Note [shape rooflines] (rooflines.py)
 
     @property
     def variant(self) -> str:
         # Scenarios of the same variant share one freshly built model per peer.
-        return {"frozen": "lora", "step32": "fp32"}.get(self.kind, "base")
+        if self.on_variant is not None:
+            return self.on_variant
+        return {"frozen": "lora", "frozen-step": "lora", "step32": "fp32"}.get(self.kind, "base")
 
     @property
     def has_optimizer(self) -> bool:
-        return self.kind in ("step", "step32")
+        return self.kind in ("step", "step32", "frozen-step", "full")
 
     @property
     def shape(self) -> str:
@@ -66,7 +74,44 @@ SCENARIOS: dict[str, Scenario] = {
 
 def quick(s: Scenario) -> Scenario:
     """The --quick shape of `s`: at most 2 sequences of 1/128 the length (at least 8 tokens)."""
-    return Scenario(s.name, s.kind, min(s.batch, 2), max(8, s.seq // 128), s.micro_batches)
+    return dataclasses.replace(s, batch=min(s.batch, 2), seq=max(8, s.seq // 128))
+
+
+# ---- --shape: real models' dimensions, random weights (docs/benchmarks.md, Real shapes) ----------
+
+NAMED_SHAPES: dict[str, ModelShape] = {
+    # Llama-3-8B (untied embeddings and head)
+    "8b": ModelShape(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, layers=32, name="8b"),
+    # CodeLlama-34B
+    "34b": ModelShape(hidden=8192, intermediate=22016, heads=64, kv_heads=8, vocab=32000, layers=48, name="34b"),
+    # Llama-2-70B
+    "70b": ModelShape(hidden=8192, intermediate=28672, heads=64, kv_heads=8, vocab=32000, layers=80, name="70b"),
+}
+# --quick --shape: tiny, but the same code path (meta build, scope-by-scope load, the same
+# scenarios and rooflines); the ratios of ffn to hidden and of heads to KV heads are kept.
+QUICK_NAMED_SHAPES: dict[str, ModelShape] = {
+    "8b": ModelShape(hidden=256, intermediate=896, heads=8, kv_heads=2, vocab=2048, layers=3, name="8b"),
+    "34b": ModelShape(hidden=256, intermediate=688, heads=8, kv_heads=1, vocab=1024, layers=3, name="34b"),
+    "70b": ModelShape(hidden=256, intermediate=896, heads=8, kv_heads=1, vocab=1024, layers=4, name="70b"),
+}
+
+_INFER_512 = Scenario("infer-1x512", "infer", 1, 512, at_shape=True)
+# The 34B and 70B rows of one peer share one load (a 70B fp8 load takes about a minute): their
+# forward runs on the LoRA model, whose r=16 adapters (on the device) add under 1 % of the
+# forward's FLOPs and nothing to its copies.
+_INFER_512_ON_LORA = dataclasses.replace(_INFER_512, on_variant="lora")
+_LORA_STEP = Scenario("lora-step-1x4096", "frozen-step", 1, 4096, at_shape=True)
+SHAPE_SCENARIOS: dict[str, dict[str, Scenario]] = {
+    "8b": {s.name: s for s in (
+        _INFER_512,
+        Scenario("train-1x4096", "train", 1, 4096, at_shape=True),  # issue 15's phase balance
+        _LORA_STEP,
+        # A full fine-tune step, AdamW: offtensor-capped offloads embeddings and head too.
+        Scenario("full-step-1x4096", "full", 1, 4096, at_shape=True),
+    )},
+    "34b": {s.name: s for s in (_INFER_512_ON_LORA, _LORA_STEP)},
+    "70b": {s.name: s for s in (_INFER_512_ON_LORA, _LORA_STEP)},
+}
 
 
 # The several-GPU benchmark (--nproc N): the same shapes, per rank (issue 13's two targets).

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .measure import PhaseClock
 from .model import BuiltModel, enable_checkpointing
 from .optimizer import WorkerSettings, make_adamw
 from .results import Row
@@ -29,6 +30,7 @@ class Workload:
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     overlap_reports: list[Any] = field(default_factory=list)  # offtensor-overlap: each OverlapReport
     step_with: Callable[[WorkerSettings], None] | None = None  # offtensor-overlap: one step, these settings
+    clock: PhaseClock | None = None  # the phases (forward, backward, step) of each iteration
 
     def drain(self) -> None:
         """Wait for the deferred optimizer steps (offtensor-overlap) still running."""
@@ -52,25 +54,30 @@ def record_grads(row: Row, layers: nn.ModuleList, when: str) -> None:
                     f"{when}: not a valid training step")
 
 
-def _infer(built: BuiltModel, ids: torch.Tensor) -> Workload:
+def _infer(built: BuiltModel, ids: torch.Tensor, clock: PhaseClock) -> Workload:
     built.model.eval()
 
     def step() -> None:
+        clock.start()
         with torch.no_grad():
             built.model(input_ids=ids, use_cache=False)
+        clock.mark("forward")
 
-    return Workload(step=step, first_step=step)
+    return Workload(step=step, first_step=step, clock=clock)
 
 
-def _accumulate(built: BuiltModel, scenario: Scenario, ids: torch.Tensor, row: Row) -> Workload:
+def _accumulate(built: BuiltModel, scenario: Scenario, ids: torch.Tensor, row: Row, clock: PhaseClock) -> Workload:
     model = built.model
     model.train()
     enable_checkpointing(model)
 
     def backward_passes() -> None:
+        clock.start()
         for _ in range(scenario.micro_batches):
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            clock.mark("forward")
             loss.backward()
+            clock.mark("backward")
             del loss
 
     def step() -> None:
@@ -82,7 +89,7 @@ def _accumulate(built: BuiltModel, scenario: Scenario, ids: torch.Tensor, row: R
         record_grads(row, built.layers, "after backward")
         model.zero_grad(set_to_none=True)
 
-    return Workload(step=step, first_step=first_step, per_step=scenario.micro_batches)
+    return Workload(step=step, first_step=first_step, per_step=scenario.micro_batches, clock=clock)
 
 
 def _how_stepped(overlap: bool, n_optimizers: int, autocast: bool) -> str:
@@ -95,7 +102,7 @@ def _how_stepped(overlap: bool, n_optimizers: int, autocast: bool) -> str:
 
 
 def _training_step(built: BuiltModel, scenario: Scenario, device: torch.device, ids: torch.Tensor, row: Row,
-                   overlap: bool, worker: WorkerSettings) -> Workload:
+                   overlap: bool, worker: WorkerSettings, clock: PhaseClock) -> Workload:
     import offtensor
 
     model = built.model
@@ -113,7 +120,9 @@ def _training_step(built: BuiltModel, scenario: Scenario, device: torch.device, 
             return model(input_ids=ids, labels=ids, use_cache=False).loss
 
     def train_step(settings: WorkerSettings = worker, check: bool = False) -> None:
+        clock.start()
         loss = forward_loss()
+        clock.mark("forward")
         if overlap:
             # The offloaded scopes' steps finish in the background during the next forward
             # (zero_grad=True zeroes each grad after its step: no wait); the timing loop
@@ -121,10 +130,12 @@ def _training_step(built: BuiltModel, scenario: Scenario, device: torch.device, 
             reports.append(offtensor.backward_and_step(
                 loss, optimizers[0], zero_grad=not check, spare_threads=settings.spare_threads,
                 piece_bytes=settings.piece_bytes))
+            clock.mark("backward")
             for opt in optimizers[1:]:
                 opt.step()
         else:
             loss.backward()
+            clock.mark("backward")
             for opt in optimizers:
                 opt.step()
         del loss
@@ -132,18 +143,25 @@ def _training_step(built: BuiltModel, scenario: Scenario, device: torch.device, 
             record_grads(row, built.layers, "at the optimizer step")
         for opt in optimizers[1:] if overlap and not check else optimizers:
             opt.zero_grad(set_to_none=True)
+        clock.mark("step")
 
     return Workload(step=train_step, first_step=lambda: train_step(check=True), forward_loss=forward_loss,
-                    optimizers=optimizers, overlap_reports=reports, step_with=train_step if overlap else None)
+                    optimizers=optimizers, overlap_reports=reports, step_with=train_step if overlap else None,
+                    clock=clock)
+
+
+OVERLAP_PEERS = ("offtensor-overlap", "offtensor-capped")  # their steps are backward_and_step
 
 
 def make_workload(built: BuiltModel, scenario: Scenario, device: torch.device, ids: torch.Tensor, row: Row,
                   peer: str, worker: WorkerSettings, overlap: bool | None = None) -> Workload:
     """The callables of `scenario` on the placed model `built`, for `peer`; a training step
-    is `offtensor.backward_and_step` when `overlap` (default: for the offtensor-overlap peer)."""
+    is `offtensor.backward_and_step` when `overlap` (default: for the OVERLAP_PEERS). Each
+    iteration's phases are timed by the workload's PhaseClock."""
+    clock = PhaseClock(device)
     if scenario.has_optimizer:
-        overlap = peer == "offtensor-overlap" if overlap is None else overlap
-        return _training_step(built, scenario, device, ids, row, overlap, worker)
+        overlap = peer in OVERLAP_PEERS if overlap is None else overlap
+        return _training_step(built, scenario, device, ids, row, overlap, worker, clock)
     if scenario.kind == "infer":
-        return _infer(built, ids)
-    return _accumulate(built, scenario, ids, row)
+        return _infer(built, ids, clock)
+    return _accumulate(built, scenario, ids, row, clock)
