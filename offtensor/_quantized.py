@@ -50,6 +50,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._hooks import FailureCheck, Hook
+from ._param import without_subclass_dispatch
 from ._scope import Scope
 from ._slot import ParamSlot
 
@@ -106,8 +107,17 @@ class QuantizedWeight:
 
     def bind_host(self) -> None:
         """Point the host weight's inner tensors at the masters (after the scope is built)."""
-        for part in self.parts:
-            _set_path(self.host, part.path, part.typed(part.slot.master))
+        masters = {part.path: part.typed(part.slot.master) for part in self.parts}
+        if self.kind is QuantKind.BNB_4BIT:
+            for path, t in masters.items():
+                _set_path(self.host, path, t)
+            return
+        # A wrapper subclass reports the device it was made on: one quantized on the GPU is
+        # rebuilt on the masters and swapped into the same Python object (identity kept).
+        rebuilt = _unflatten(self.host, (), masters)
+        for key, value in self.host.__dict__.items():
+            rebuilt.__dict__.setdefault(key, value)  # `_is_param`, attributes set by the user
+        torch.utils.swap_tensors(self.host, rebuilt)
 
     def restore(self) -> None:
         """offtensor.unwrap: inner tensors on plain CPU memory of their own, copies of the masters."""
@@ -118,7 +128,7 @@ class QuantizedWeight:
     def twin(self, op_device: torch.device | None) -> torch.Tensor:
         """What the module's forward gets: the device twin, or the host weight where an op on a
         master would act on the master (Engine.materialize says None)."""
-        got = [part.slot.scope.engine.materialize(part.slot, op_device) for part in self.parts]
+        got = without_subclass_dispatch(_materialize, self.parts, op_device)
         if any(t is None for t in got):
             return self.host
         inner = {part.path: part.typed(t) for part, t in zip(self.parts, got, strict=True)}
@@ -128,6 +138,11 @@ class QuantizedWeight:
         if isinstance(self.host, nn.Parameter):
             twin._is_param = True  # type: ignore[attr-defined]  # isinstance(w, nn.Parameter), as the host
         return twin
+
+
+def _materialize(parts: list[Part], op_device: torch.device | None) -> list[torch.Tensor | None]:
+    """Each part's tensor for an op on `op_device`, as for an op on an offloaded parameter."""
+    return [part.slot.scope.engine.materialize(part.slot, op_device) for part in parts]
 
 
 # id(host weight) -> its QuantizedWeight while offloaded; weak, as the model's hooks and hidden

@@ -114,6 +114,20 @@ def test_input_grads_and_head_training_match(device, config):
     assert_all_scopes_offloaded(model)
 
 
+@pytest.mark.parametrize("policy", [{"frozen_format": "int8"}, {"max_scope_bytes": 4096}],
+                         ids=["frozen_format", "split_scopes"])
+def test_policies_leave_the_packed_bytes_alone(policy):
+    """Policy(frozen_format) does not requantize the packed parts (uint8 to it); a block split
+    into scopes per child streams each linear's parts with its scope."""
+    model = quantized_mlp("fp8")
+    reference = unwrapped_reference(model, "cpu")
+    _wrap(model, "cpu", **policy)
+    x = torch.randn(4, 8)
+    with torch.no_grad(), MasterGuard(model):
+        out = model(x)
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
+
+
 def test_host_buffers_hold_the_packed_bytes_not_dequantized_values():
     model = quantized_mlp("int8")
     packed = _packed_bytes(model.blocks)
@@ -199,6 +213,18 @@ def test_dtype_conversion_is_refused_and_moves_keep_the_packed_masters_on_the_ho
     model.to("cpu")
     model.to(torch.device("cpu"))
     assert model.blocks[0].fc1.weight is w
+
+
+def test_error_if_data_parallel_is_asked_for_a_model_with_quantized_weights(tmp_path):
+    dist = torch.distributed
+    model = quantized_mlp("int8")
+    _wrap(model, "cpu")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(NotImplementedError, match=r"'blocks\.0\.fc1\.weight' is an already-quantized weight"):
+            offtensor.data_parallel(model)
+    finally:
+        dist.destroy_process_group()
 
 
 class _Boom(Exception):
