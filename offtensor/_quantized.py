@@ -241,13 +241,18 @@ class QuantizedModuleHooks:
 
     def __init__(self, held: list[tuple[str, QuantizedWeight]]) -> None:
         self.held = held  # (key in module._parameters, weight)
-        self.calls = FailureCheck()  # calls in progress; an interrupted one never ran `post`
-        self.twins: list[torch.Tensor] = []  # registered by the outermost call in progress
+        self.calls = FailureCheck()  # tells which calls a KeyboardInterrupt ended without `post`
+        self.depth = 0  # calls in progress (post runs also when the forward or a pre-hook raises)
+        self.placed: dict[str, torch.Tensor] = {}  # the twins the outermost call registered, by key
 
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.calls.enter() and self.twins:
-            self._put_back(module)  # an interrupted call (KeyboardInterrupt) left its twins
-        if len(self.calls._calls) > 1:
+        interrupted = self.calls.enter()
+        if interrupted:
+            self.depth -= interrupted
+            if self.depth == 0:
+                self._put_back(module)  # the interrupted calls left their twins
+        self.depth += 1
+        if self.depth > 1:
             return  # a nested call of the same module: the outer call's twins serve
         device = _op_device((args, kwargs))
         for key, qw in self.held:
@@ -266,20 +271,20 @@ class QuantizedModuleHooks:
                 )
         params: dict[str, Any] = module._parameters
         for key, qw in self.held:
-            twin = qw.twin(device)
-            params[key] = twin
-            self.twins.append(twin)
+            params[key] = self.placed[key] = qw.twin(device)
 
     def post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         self.calls.failed()  # pops this call's record
-        if not self.calls._calls:
+        self.depth -= 1
+        if self.depth == 0:
             self._put_back(module)
 
     def _put_back(self, module: nn.Module) -> None:
-        self.twins.clear()
         params: dict[str, Any] = module._parameters
+        placed, self.placed = self.placed, {}
         for key, qw in self.held:
-            params[key] = qw.host
+            if key in placed and params.get(key) is placed[key]:  # not what the user put there since
+                params[key] = qw.host
 
 
 def _before_load(held: list[tuple[str, QuantizedWeight]], module: nn.Module, state_dict: dict, prefix: str,

@@ -252,6 +252,28 @@ def test_exception_mid_forward_puts_the_host_weights_back():
         torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
 
 
+def test_a_forward_after_a_keyboard_interrupt_puts_the_host_weights_back():
+    model = quantized_mlp("int8")
+    reference = unwrapped_reference(model, "cpu")
+    _wrap(model, "cpu")
+    w = model.blocks[0].fc1.weight
+
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt  # PyTorch runs no always_call hook for it
+
+    handle = model.blocks[0].fc1.register_forward_hook(interrupt, prepend=True)
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(2, 8))
+    handle.remove()
+    assert model.blocks[0].fc1.weight is not w  # the interrupted call's twin, until the next call
+    x = torch.randn(2, 8)
+    with torch.no_grad(), MasterGuard(model):
+        out = model(x)
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
+    assert model.blocks[0].fc1.weight is w
+    assert_all_scopes_offloaded(model)
+
+
 def test_load_state_dict_writes_the_masters_and_the_next_forward_uses_them():
     model = quantized_mlp("int8")
     other = quantized_mlp("int8")  # other values (a different random init)
@@ -412,7 +434,9 @@ def test_bnb_4bit_qlora_matches_the_resident_model(device):
 def _cuda_quantized(config: str) -> nn.Module:
     if config == "int4":  # Int4WeightOnlyConfig: CUDA only (tinygemm's tile-packed layout), bf16
         model = mlp_of_blocks(n_blocks=3, hidden=256).to(torch.bfloat16).cuda()
-        cfg = torchao_quant.Int4WeightOnlyConfig(group_size=64, int4_packing_format="tile_packed_to_4d")
+        from torchao.quantization.quantize_.workflows import Int4PackingFormat
+
+        cfg = torchao_quant.Int4WeightOnlyConfig(group_size=64, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D)
         torchao_quant.quantize_(model, cfg, filter_fn=_in_blocks)
         return model
     return quantized_mlp(config, "cuda")
@@ -444,14 +468,17 @@ def test_cuda_packed_bytes_are_offloaded_and_streamed(config):
         scope = next(s for s in engine.scopes if s.module is module)
         seen.append((scope.device_storage.nbytes(), scope.device_nbytes, scope.nbytes))
 
-    handles = [b.register_forward_hook(device_bytes) for b in model.blocks]
+    # prepend: before offtensor's own forward hook, which releases the scope.
+    handles = [b.register_forward_hook(device_bytes, prepend=True) for b in model.blocks]
     with torch.no_grad():
         out = model(x)
     for h in handles:
         h.remove()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    del out
     assert torch.cuda.memory_allocated() == baseline  # nothing left on the device
+    assert len(seen) == len(model.blocks)
     # What each load moved is the scope's layout of the packed bytes (plus biases and norms),
     # host and device alike: not the dequantized weights.
     dequantized = sum(p.numel() * 2 for p in model.blocks.parameters()  # even in bf16
