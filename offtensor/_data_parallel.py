@@ -59,6 +59,7 @@ from torch import nn
 from ._engine import Engine
 from ._overlap import wait_for_steps
 from ._param import OffloadedParameter
+from ._quantized import weights_of
 from ._sharded_loads import ShardedLoads, shardable
 from ._shared_masters import (
     Sharding,
@@ -297,6 +298,12 @@ def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weig
                 f"offtensor.data_parallel: parameter {packed.name!r} is stored compressed "
                 "(Policy(frozen_format=...)), which data-parallel mode does not support yet; "
                 "wrap without frozen_format"
+            )
+        quantized = next((w for scope in engine.scopes for w in weights_of(scope)), None)
+        if quantized is not None:  # sharing masters would leave the host weight on the old ones
+            raise NotImplementedError(
+                f"offtensor.data_parallel: parameter {quantized.name!r} is an already-quantized "
+                "weight (Note [quantized weights]), which data-parallel mode does not support yet"
             )
     group = process_group if process_group is not None else dist.group.WORLD
     ranks = list(dist.get_process_group_ranks(group))

@@ -41,7 +41,7 @@ import logging
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -57,6 +57,7 @@ from ._hooks import Hook, ModelHooks, ScopeHooks
 from ._host_memory import HostBuffer, PinProgress, host_empty
 from ._overlap import wait_for_steps
 from ._param import OffloadedParameter, master_values, without_subclass_dispatch
+from ._quantized import attach, offloaded_weight, quant_kind, quantized_parts, weights_of
 from ._schedule import streaming_bytes
 from ._scope import ALIGN, Scope
 from ._slot import ParamSlot, device_copy, in_backward
@@ -153,6 +154,7 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
             progress.advance(sum(p.numel() * p.element_size() for _, p in params))
             hooks = ScopeHooks(scope, engine)
             hooks.install()
+            engine.handles.extend(attach(scope))  # after the scope's hooks (Note [quantized weights])
             engine.scope_hooks.append(hooks)
             engine.scopes.append(scope)
     finally:
@@ -214,7 +216,8 @@ def _plan_scopes(selected: list[tuple[str, nn.Module, Policy]]) -> list[_Plan]:
                 tied.append((qual, owner[id(p)]))
             elif scope_policy.param_filter is None or _keep(scope_policy, qual, p):
                 owner[id(p)] = name
-                params.append((qual, p))
+                # A quantized weight: its inner tensors instead (Note [quantized weights]).
+                params.extend(quantized_parts(qual, p) if quant_kind(p) is not None else [(qual, p)])
         if params:
             plans.append((name, module, scope_policy, params, block))
         elif tied and name == block:
@@ -263,6 +266,8 @@ def unwrap(model: nn.Module) -> nn.Module:
     for hooks in engine.scope_hooks:
         hooks.remove()
     for scope in engine.scopes:
+        for weight in weights_of(scope):
+            weight.restore()
         without_subclass_dispatch(_restore_params, scope)
     root = engine.root()
     for top in (model, root):
@@ -609,7 +614,7 @@ def _guard_model_ops(model: nn.Module, engine: Engine) -> None:
     """Guard `_apply` (Note [moving a wrapped model]) and `load_state_dict(assign=True)` (Note
     [loading with assign=True]) on each module with offloaded parameters in its subtree."""
     for module in model.modules():
-        if any(isinstance(p, OffloadedParameter) for p in module.parameters()):
+        if any(isinstance(p, OffloadedParameter) or offloaded_weight(p) for p in module.parameters()):
             module._apply = functools.partial(_apply_keeping_masters, module)  # type: ignore[method-assign]
             engine.guard_handles.append(module.register_load_state_dict_pre_hook(Hook(_load_into_masters)))
 
@@ -632,10 +637,14 @@ def _shape_dtype_of(p: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
 def _apply_keeping_masters(module: nn.Module, fn, recurse: bool = True):
     """Module._apply that refuses dtype changes of offloaded masters before converting anything
     and leaves the masters alone; see Note [moving a wrapped model]."""
-    first_of_dtype: dict[torch.dtype, OffloadedParameter] = {}
+    first_of_dtype: dict[torch.dtype, str] = {}
     for _, p in _offloaded_in(module, recurse):
-        first_of_dtype.setdefault(without_subclass_dispatch(_dtype_of, p), p)
-    for dtype, p in first_of_dtype.items():
+        first_of_dtype.setdefault(without_subclass_dispatch(_dtype_of, p), p._ot.name)
+    for q in module.parameters(recurse=recurse):
+        weight = offloaded_weight(q)  # its logical dtype (Note [quantized weights])
+        if weight is not None:
+            first_of_dtype.setdefault(q.dtype, weight.name)
+    for dtype, name in first_of_dtype.items():
         try:
             probe = fn(torch.empty(0, dtype=dtype))
         except (RuntimeError, AssertionError, TypeError, ValueError):
@@ -644,13 +653,14 @@ def _apply_keeping_masters(module: nn.Module, fn, recurse: bool = True):
             continue
         if isinstance(probe, torch.Tensor) and probe.dtype != dtype:
             raise TypeError(
-                f"offtensor: cannot convert offloaded parameter {p._ot.name!r} from {dtype} "
+                f"offtensor: cannot convert offloaded parameter {name!r} from {dtype} "
                 f"to {probe.dtype}: the masters of a wrapped model keep their dtype, so nothing "
                 "was converted. Convert before offtensor.wrap(model), or call "
                 "offtensor.unwrap(model) first. (Device moves such as model.to('cuda') are "
                 "fine: they leave the masters on the host.)"
             )
-    masters = {k: p for k, p in module._parameters.items() if isinstance(p, OffloadedParameter)}
+    masters: dict[str, Any] = {k: p for k, p in module._parameters.items()
+                               if isinstance(p, OffloadedParameter) or offloaded_weight(p) is not None}
     for key in masters:
         module._parameters[key] = None
     try:
