@@ -162,7 +162,8 @@ def _load(built: BuiltModel, device: torch.device, policy: Any, predicate: Any) 
           f"first guess {expected_load_s(total, compressed):.0f} s", flush=True)
     rss0, t0 = host_rss(), time.perf_counter()
     can_peak = reset_peak_rss()
-    offtensor.load(built.model, init=built.fill, predicate=predicate, device=device, policy=policy)
+    offtensor.load(built.model, init=built.fill, predicate=predicate, device=device, policy=policy,
+                   init_device=built.fill.device)
     load_s = time.perf_counter() - t0
     peak = peak_rss() if can_peak else None
     held = offtensor.summary(built.model).host_bytes

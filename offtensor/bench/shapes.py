@@ -7,13 +7,13 @@ offtensor-capped's full fine-tune runs under a VRAM cap (`vram_cap`).
 # Note [random weights at real shapes]
 A 70B model in bf16 is 140 GB: more than the benchmark host's RAM, and generating its values on
 the CPU takes minutes (normal_ runs at about 0.15 G values/s per core). So `RandomFill` makes
-each module's values on the compute device (a CUDA generator: well under a second for all 70B)
-and copies them into the parameters offtensor.load allocated on the CPU for one scope at a
-time; offtensor.load then copies (or, fp8, quantizes) them into the scope's pinned buffer and
-frees them. The generator is seeded from the seed and the module's name, so every peer, and the
+each module's values on the compute device (a CUDA generator: well under a second for all 70B),
+in the parameters `offtensor.load(init_device=device)` allocated there for one scope at a time;
+offtensor.load then copies them into the scope's pinned buffer (or, fp8, quantizes them on the
+device and copies the 1-byte values and scales) and frees them. The generator is seeded from the seed and the module's name, so every peer, and the
 resident model filled on the device, gets the same weights. What is left of a load's time is
-the device-to-host copies, the quantization on the CPU (fp8: about 0.2 G values/s per core)
-and page-locking the host buffers: RandomFill prints the expected total after the first layers.
+the device-to-host copies and page-locking the host buffers: RandomFill prints the expected
+total after the first layers.
 """
 
 from __future__ import annotations
@@ -86,10 +86,9 @@ class RandomFill:
 
 def expected_load_s(nbytes: int, compressed: bool) -> float:
     """A first guess of a load's time, before it starts (RandomFill measures the real rate):
-    device-to-host copies and page-locking at about 4 GB/s, plus the fp8/int8 quantization at
-    about 2 G values/s on a 16-core host."""
-    values = nbytes / 2
-    return nbytes / 4e9 + (values / 2e9 if compressed else 0.0)
+    device-to-host copies and page-locking at about 4 GB/s of the bytes kept on the host (half
+    of them compressed: the quantization runs on the device)."""
+    return nbytes / (8e9 if compressed else 4e9)
 
 
 def activation_bytes(shape: ModelShape, s: Scenario) -> int:
