@@ -223,10 +223,11 @@ def _refuse_training(p: Any) -> None:
 
 
 def packed_torch_function(func: Any, args: tuple, kwargs: dict, params: list[Any], written: set[int],
-                          master_only: set[Any], dispatch: Callable[[], Any]) -> Any:
+                          master_only: set[Any], derived: frozenset[str], dispatch: Callable[[], Any]) -> Any:
     """`__torch_function__` of an op or property access with compressed parameters among
     `params` (subclass dispatch off). `written`: the ids of the parameters an in-place `func`
-    writes; `master_only`: the ops _param.py runs on the master; `dispatch()`: the usual path
+    writes; `master_only`: the ops _param.py runs on the master; `derived`: the properties that
+    compute a tensor from the values (`w.T`), dispatched as ops; `dispatch()`: the usual path
     (whose materialize gives unpacked values where it would give the master)."""
     name = getattr(func, "__name__", "")
     packed = [p for p in params if packed_of(p) is not None]
@@ -239,7 +240,12 @@ def packed_torch_function(func: Any, args: tuple, kwargs: dict, params: list[Any
             return None
         if prop == "requires_grad" and name == "__set__" and args[1]:
             _refuse_training(args[0])
-        return dispatch()  # derived properties (`w.T`) are ops; the rest reads the parameter
+        if name == "__get__" and prop in derived:
+            return dispatch()  # `w.T` is an op on the values
+        # The rest (`p.grad`, `p.shape`, `p.requires_grad`, ...) reads the parameter itself:
+        # unpacking the values for them would cost a host dequantization of the whole matrix
+        # at every `p.grad` read (the backward's gradient-accumulation check reads each one).
+        return func(*args, **kwargs)
     if func is torch.Tensor.requires_grad_ and (args[1] if len(args) > 1 else kwargs.get("requires_grad", True)):
         _refuse_training(args[0])
     if func is torch.Tensor.detach:

@@ -109,7 +109,7 @@ def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
         _await_steps(params)
     if any(packed_of(p) is not None for p in params):  # Note [compressed masters] (_compress.py)
         written = _written(args, kwargs) if _is_inplace(func) else set()
-        return packed_torch_function(func, args, kwargs, params, written, _MASTER_ONLY,
+        return packed_torch_function(func, args, kwargs, params, written, _MASTER_ONLY, _DERIVED_PROPERTIES,
                                      lambda: _dispatch(func, args, kwargs, params))
     name = getattr(func, "__name__", "")
     if name == "__set__" and getattr(func.__self__, "__name__", "") == "data":

@@ -296,3 +296,25 @@ def test_a_compressed_scope_loads_progressively_in_chunks(device, monkeypatch):
     assert chunks, "no progressive load of a compressed scope"
     assert all(n >= 2 and staging is None for n, staging in chunks)
     assert all(scope.copy_order is not None for scope in engine.scopes)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_steady_state_training_never_dequantizes_on_the_host(device, monkeypatch):
+    """A compressed master is dequantized on the device by its scope's load; reads of the
+    parameter's metadata (`p.grad`, read for every parameter by the backward's accumulation
+    check; `p.shape`, `p.requires_grad`) must not unpack the values on the host, which at a 70B
+    layer's size costs a second per backward."""
+    from offtensor._compress import PackedMaster
+
+    model = _lora_model(torch.bfloat16)
+    _wrap(model, device, frozen_format="fp8")
+    w = _packed_slots(model)[0].param
+    _lora_steps(model, device, torch.bfloat16, steps=1)  # warm-up: orders learned
+    unpacks = []
+    original = PackedMaster.unpack
+    monkeypatch.setattr(PackedMaster, "unpack", lambda self: (unpacks.append(self.name), original(self))[1])
+    _lora_steps(model, device, torch.bfloat16, steps=2)
+    assert w.grad is None and w.shape == w._ot.packed.shape and not w.requires_grad and w.is_leaf
+    assert unpacks == []
+    w.detach()  # a read of the values does unpack them
+    assert unpacks == [w._ot.name]

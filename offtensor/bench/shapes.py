@@ -10,8 +10,9 @@ the CPU takes minutes (normal_ runs at about 0.15 G values/s per core). So `Rand
 each module's values on the compute device (a CUDA generator: well under a second for all 70B),
 in the parameters `offtensor.load(init_device=device)` allocated there for one scope at a time;
 offtensor.load then copies them into the scope's pinned buffer (or, fp8, quantizes them on the
-device and copies the 1-byte values and scales) and frees them. The generator is seeded from the seed and the module's name, so every peer, and the
-resident model filled on the device, gets the same weights. What is left of a load's time is
+device and copies the 1-byte values and scales) and frees them. The generator is seeded from
+the seed and the module's name, so every peer, and the resident model filled on the device, gets
+the same weights. What is left of a load's time is
 the device-to-host copies and page-locking the host buffers: RandomFill prints the expected
 total after the first layers.
 """
