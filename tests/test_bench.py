@@ -561,6 +561,10 @@ def test_peers_that_do_not_fit_are_skipped_with_the_reason(monkeypatch):
     why = shapes.fit_problem("offtensor", built, NAMED_SHAPES["70b"], infer, cpu)
     assert why is not None and why.startswith("does not fit: needs about 129 GiB of host memory, 115 GiB available")
     assert shapes.fit_problem("offtensor-fp8", built, NAMED_SHAPES["70b"], lora, cpu) is None
+    # The same fp8 model once loaded (64 GiB held, 53 GiB left): its next scenario still fits.
+    monkeypatch.setattr(shapes, "available_host_bytes", lambda: 53 * 2**30)
+    assert shapes.fit_problem("offtensor-fp8", built, NAMED_SHAPES["70b"], lora, cpu, held=64 * 2**30) is None
+    assert shapes.fit_problem("offtensor-fp8", built, NAMED_SHAPES["70b"], lora, cpu) is not None
     monkeypatch.setattr(shapes, "available_host_bytes", lambda: 150 * 2**30)  # as a 139 GiB GPU's 0.95
     assert shapes.fit_problem("resident", built, NAMED_SHAPES["70b"], infer, cpu) is None
     why = shapes.fit_problem("resident", built, NAMED_SHAPES["70b"], lora, cpu)

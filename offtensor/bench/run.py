@@ -234,6 +234,15 @@ def _print_row(row: Row) -> None:
           flush=True)
 
 
+def _host_bytes_held(peer: str, built: BuiltModel) -> int:
+    """The host bytes an offtensor peer's placed model holds already (its masters)."""
+    if not peer.startswith("offtensor"):
+        return 0
+    import offtensor
+
+    return offtensor.summary(built.model).host_bytes
+
+
 class _PeerPass:
     """One peer's pass over its scenarios: the model it built last, and the variants whose
     setup failed (not retried)."""
@@ -267,7 +276,8 @@ class _PeerPass:
             row.status, row.note = "error", self.setup_failed[scenario.variant]
             return None
         if self.built is not None:
-            why = fit_problem(self.peer, self.built, self.shape, scenario, self.device) if self.shape.name else None
+            why = (fit_problem(self.peer, self.built, self.shape, scenario, self.device,
+                               held=_host_bytes_held(self.peer, self.built)) if self.shape.name else None)
             if why is not None:
                 row.status, row.note = "skipped", why
                 print(f"  {self.peer}/{scenario.name}: skipped, {why}", flush=True)

@@ -126,9 +126,12 @@ def offloaded_host_bytes(built: BuiltModel, peer: str, s: Scenario) -> int:
     return masters + per_trainable * trainable + layers // max(len(built.layers), 1)
 
 
-def fit_problem(peer: str, built: BuiltModel, shape: ModelShape, s: Scenario, device: torch.device) -> str | None:
+def fit_problem(peer: str, built: BuiltModel, shape: ModelShape, s: Scenario, device: torch.device,
+                held: int = 0) -> str | None:
     """Why `peer` cannot run `s` with this model on this machine (it would not fit in host or
-    device memory), or None. Checked before the model is placed, from its meta parameters."""
+    device memory), or None. Checked before the model is placed, from its meta parameters, or,
+    for a model already placed, with `held`: the host bytes it already holds (they are no longer
+    available, and count once)."""
     if peer == "resident":
         need = resident_bytes(built, shape, s)
         if device.type == "cuda":
@@ -142,7 +145,7 @@ def fit_problem(peer: str, built: BuiltModel, shape: ModelShape, s: Scenario, de
         return None
     if not peer.startswith("offtensor"):
         return None
-    need = offloaded_host_bytes(built, peer, s)
+    need = offloaded_host_bytes(built, peer, s) - held
     available = available_host_bytes()
     if available is not None and need > available * HOST_HEADROOM:
         return (f"does not fit: needs about {need / GiB:.0f} GiB of host memory, "
