@@ -425,7 +425,11 @@ def test_bnb_4bit_qlora_matches_the_resident_model(device):
     assert sd.keys() == ref_sd.keys()
     for k in ref_sd:
         if isinstance(ref_sd[k], torch.Tensor):
-            torch.testing.assert_close(host(sd[k]), host(ref_sd[k]), rtol=0, atol=0)
+            # The packed bytes and quantization state exactly; trained weights within the
+            # device's tolerance (CUDA kernels of the two models may sum in other orders).
+            exact = not ref_sd[k].is_floating_point() or not reference.get_parameter(k).requires_grad \
+                if k in dict(reference.named_parameters()) else True
+            torch.testing.assert_close(host(sd[k]), host(ref_sd[k]), **({"rtol": 0, "atol": 0} if exact else tol))
 
 
 # ---- CUDA: the packed bytes are what is offloaded and copied ----------------------------------
@@ -446,6 +450,8 @@ def _cuda_quantized(config: str) -> nn.Module:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("config", ["int8", "fp8", "int4"])
 def test_cuda_packed_bytes_are_offloaded_and_streamed(config):
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()  # what earlier tests of this process still hold
     model = _cuda_quantized(config)
     reference = copy.deepcopy(model)
     dtype = next(model.input.parameters()).dtype
@@ -460,7 +466,7 @@ def test_cuda_packed_bytes_are_offloaded_and_streamed(config):
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     # Offloaded: what stays on the device is the input layer and head, not the blocks.
-    assert baseline < packed
+    assert baseline - before < packed
     seen = []
 
     def device_bytes(module, args, output):
