@@ -611,3 +611,14 @@ def test_vram_target_of_the_capped_full_step():
     assert rows[0].verdict == "FAIL"
     lines = report.format_targets(rows, Extras(), torch.device("cuda"), quick=False)
     assert "offtensor-capped/full-step-1x4096: peak VRAM 8.00 GiB, target < 8 GiB (the cap): FAIL" in lines
+
+
+def test_compiled_runs_are_judged_by_the_compile_targets():
+    from offtensor.bench import rooflines
+    from offtensor.bench.results import Row
+
+    row = Row("train-4x2048", "offtensor", "ok", median_ms=108.0, grads_kept=1.0)
+    rooflines._judge(row, "train", 100.0, rooflines.COMPILED_TARGETS)
+    assert row.target == 1.05 and row.verdict == "FAIL"
+    rooflines._judge(row, "train", 100.0)
+    assert row.target == 1.10 and row.verdict == "PASS"

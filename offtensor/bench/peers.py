@@ -37,6 +37,28 @@ class PeerOptions:
 COMPILED_PEERS = ("resident", "offtensor", "offtensor-overlap", "offtensor-castdev", "offtensor-casthost")
 
 
+_compiler_warm = False
+
+
+def _cold_compiles() -> None:
+    """Each peer compiles from nothing, so that compile times compare (issue 12's target):
+    inductor's and AOTAutograd's on-disk and in-process caches off (the second peer would
+    otherwise load the first one's kernels), and once per process a throwaway compile first,
+    so that importing and starting the compiler is charged to no peer."""
+    global _compiler_warm
+    import torch._functorch.config
+    import torch._inductor.config
+
+    for config, name in ((torch._inductor.config, "fx_graph_cache"), (torch._inductor.config, "fx_graph_remote_cache"),
+                         (torch._functorch.config, "enable_autograd_cache")):
+        if hasattr(config, name):
+            setattr(config, name, False)
+    if not _compiler_warm:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        torch.compile(lambda t: (t * 2).sin())(torch.ones(8, device=device))
+        _compiler_warm = True
+
+
 def compile_layers(built: BuiltModel, peer: str) -> str:
     """--compile: `layer.compile()` (inductor) on each decoder layer, after the peer placed the
     model, the same way for the resident model and offtensor; compiling happens in the warm-up
@@ -48,6 +70,7 @@ def compile_layers(built: BuiltModel, peer: str) -> str:
     import torch._dynamo
 
     torch._dynamo.reset()
+    _cold_compiles()
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, max(8, 2 * len(built.layers)))
     for layer in built.layers:
