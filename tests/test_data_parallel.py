@@ -401,14 +401,11 @@ def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
 # ---- the tests -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=devices)
-def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
-    """Run the two-rank job once per device; each rank's results."""
+def _run_ranks(fn, device_type: str, tmp: Path) -> tuple[str, list[dict]]:
+    """Run `fn(rank, device_type, store_file, out)` on WORLD spawned ranks; each rank's results."""
     mp = pytest.importorskip("torch.multiprocessing")
-    device_type = request.param
-    tmp = tmp_path_factory.mktemp(f"dp-{device_type}")
     out = str(tmp / "results")
-    context = mp.start_processes(_job, args=(device_type, str(tmp / "pg"), out), nprocs=WORLD,
+    context = mp.start_processes(fn, args=(device_type, str(tmp / "pg"), out), nprocs=WORLD,
                                  join=False, start_method="spawn")
     deadline = time.monotonic() + JOB_TIMEOUT_S
     try:
@@ -425,6 +422,12 @@ def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     for r, res in enumerate(results):
         assert "crash" not in res, f"rank {r} crashed:\n{res['crash']}"
     return device_type, results
+
+
+@pytest.fixture(scope="module", params=devices)
+def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+    """Run the two-rank job once per device; each rank's results."""
+    return _run_ranks(_job, request.param, tmp_path_factory.mktemp(f"dp-{request.param}"))
 
 
 def _tolerances(device_type: str) -> dict[str, float]:
@@ -825,27 +828,7 @@ def _failure_job(rank: int, device_type: str, init_file: str, out: str) -> None:
 
 @pytest.fixture(scope="module", params=devices)
 def failure_job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
-    mp = pytest.importorskip("torch.multiprocessing")
-    device_type = request.param
-    tmp = tmp_path_factory.mktemp(f"dp-failures-{device_type}")
-    out = str(tmp / "results")
-    context = mp.start_processes(_failure_job, args=(device_type, str(tmp / "pg"), out), nprocs=WORLD,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    try:
-        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the two ranks did not finish within {JOB_TIMEOUT_S} s")
-    except mp.ProcessRaisedException as e:
-        pytest.fail(f"a rank raised:\n{e}")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
-    results = [torch.load(f"{out}.{r}") for r in range(WORLD)]
-    for r, res in enumerate(results):
-        assert "crash" not in res, f"rank {r} crashed:\n{res['crash']}"
-    return device_type, results
+    return _run_ranks(_failure_job, request.param, tmp_path_factory.mktemp(f"dp-failures-{request.param}"))
 
 
 def _plain_output(device_type: str) -> torch.Tensor:
