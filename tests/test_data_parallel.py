@@ -938,3 +938,48 @@ def test_local_loads_copy_whole_scopes_without_collectives(one_rank_group):
 def test_error_if_local_loads_is_given_a_model_that_is_not_wrapped():
     with pytest.raises(ValueError, match="offtensor.local_loads: this BlockStack is not wrapped"):
         offtensor.local_loads(mlp_of_blocks())
+
+
+@pytest.mark.parametrize("device_type", [
+    pytest.param("cpu", id="cpu-gloo"),
+    pytest.param("cuda", id="cuda-nccl", marks=[
+        pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
+])
+def test_one_rank_sharded_loads_train_like_the_plain_model(device_type, tmp_path):
+    """One rank, so one GPU runs it: each load is this rank's slice (the whole scope) plus an
+    all-gather (in place, NCCL on CUDA, with weights_ready recorded on the gathered stream),
+    and training matches the unwrapped model step for step."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=0, world_size=1, init_method=f"file://{tmp_path / 'pg'}",
+                            timeout=PG_TIMEOUT)
+    try:
+        model = mlp_of_blocks(n_blocks=3, hidden=64, checkpoint="non_reentrant")
+        reference = mlp_of_blocks(n_blocks=3, hidden=64, checkpoint="non_reentrant")
+        reference.load_state_dict(model.state_dict())
+        reference.to(device_type)
+        offtensor.wrap(model, device=device_type)
+        model.to(device_type)
+        offtensor.data_parallel(model, timeout=30, shard_loads=True)
+        loader = model._offtensor_engine.grads.reducer.loads
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(0)
+        tol = {"rtol": 1e-5, "atol": 1e-5} if device_type == "cpu" else {"rtol": 1e-4, "atol": 1e-4}
+        for _ in range(STEPS):
+            x = torch.randn(BATCH, 8, generator=gen).to(device_type)
+            y = torch.randn(BATCH, 4, generator=gen).to(device_type)
+            loss, ref_loss = F.mse_loss(model(x), y), F.mse_loss(reference(x), y)
+            torch.testing.assert_close(loss, ref_loss, **tol)
+            loss.backward()
+            ref_loss.backward()
+            for opt_ in (opt, ref_opt):
+                opt_.step()
+                opt_.zero_grad()
+        for (name, p), r in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(host(p.detach()), host(r.detach()), msg=name, **tol)
+        engine = model._offtensor_engine
+        # Every load of every scope (forward, and backward's reloads) was a sharded one.
+        assert loader.gathers == sum(scope.loads for scope in engine.scopes) >= STEPS * len(model.blocks)
+        assert all(scope.device_storage.nbytes() == 0 for scope in engine.scopes)
+    finally:
+        dist.destroy_process_group()
