@@ -135,10 +135,18 @@ VARIANTS = {
     "non_reentrant": dict(checkpoint="non_reentrant"),
     "reentrant": dict(checkpoint="reentrant"),
     "backward_and_step": dict(overlap=True),
+    # Frozen blocks stored in fp8: converting loads (staging buffer, chunk by chunk conversion).
+    "frozen_fp8": dict(fp8=True),
 }
 
 
-def _build(split: bool = False, checkpoint: str | None = None):
+def _build(split: bool = False, checkpoint: str | None = None, fp8: bool = False):
+    if fp8:  # matrices of 64 x 128: above offtensor._compress.MIN_NUMEL, so compressed
+        model = mlp_of_blocks(n_blocks=3, hidden=64, checkpoint=checkpoint)
+        model.blocks.requires_grad_(False)
+        offtensor.wrap(model, device="cpu", policy=offtensor.Policy(frozen_format="fp8"))
+        assert any(s.packed is not None for scope in model._offtensor_engine.scopes for s in scope.slots)
+        return model
     model = mlp_of_blocks(n_blocks=3, checkpoint=checkpoint)
     policy = split_policy(model) if split else None
     offtensor.wrap(model, device="cpu", policy=policy)
