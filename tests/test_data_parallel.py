@@ -294,6 +294,20 @@ def _sharded_inference(rank: int, device: str) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def _rank_results(results: dict[str, Any], out: str, rank: int) -> Any:
+    """A spawned rank's job: its results saved when it ends (with the traceback of a crash,
+    which the test reports), and its process group destroyed."""
+    try:
+        yield
+    except BaseException:
+        results["crash"] = traceback.format_exc()
+        raise
+    finally:
+        torch.save(results, f"{out}.{rank}")
+        dist.destroy_process_group()
+
+
 def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
     device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
     if device_type == "cuda":
@@ -302,7 +316,7 @@ def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
                             init_method=f"file://{init_file}", timeout=PG_TIMEOUT)
     results: dict[str, Any] = {"params": {}, "no_sync_grads": {}, "errors": {}, "stateful": {}, "owners": {},
                                "synced_grads": {}, "in_shm": {}, "shm_left": {}, "loads": {}}
-    try:
+    with _rank_results(results, out, rank):
         xs, ys = _data()
         shard = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
         for name, scenario in SCENARIOS.items():
@@ -390,12 +404,6 @@ def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
             errors["a_rank_never_arrives"] = _error(lambda: offtensor.data_parallel(model, timeout=2))
             results["gave_up_after_s"] = time.monotonic() - began
         dist.barrier()
-    except BaseException:
-        results["crash"] = traceback.format_exc()
-        raise
-    finally:
-        torch.save(results, f"{out}.{rank}")
-        dist.destroy_process_group()
 
 
 # ---- the tests -----------------------------------------------------------------------------
@@ -786,7 +794,7 @@ def _failure_job(rank: int, device_type: str, init_file: str, out: str) -> None:
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=WORLD,
                             init_method=f"file://{init_file}", timeout=FAILURE_PG_TIMEOUT)
     results: dict[str, Any] = {}
-    try:
+    with _rank_results(results, out, rank):
         torch.manual_seed(0)
         model = mlp_of_blocks()
         offtensor.wrap(model, device=device).to(device)
@@ -818,12 +826,6 @@ def _failure_job(rank: int, device_type: str, init_file: str, out: str) -> None:
             if rank == 1:  # its load above timed out: the retry meets rank 0's resynchronisation
                 attempt("retry", lambda: model(x))
             attempt("again", lambda: model(x))
-    except BaseException:
-        results["crash"] = traceback.format_exc()
-        raise
-    finally:
-        torch.save(results, f"{out}.{rank}")
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module", params=devices)
