@@ -222,30 +222,34 @@ def _refuse_training(p: Any) -> None:
     )
 
 
+# What packed_property returns for an access that is the same as on a plain parameter.
+AS_PLAIN = object()
+
+
+def packed_property(name: str, prop: str, args: tuple) -> Any:
+    """A property access (`name`: `__get__` or `__set__`) on compressed parameter `args[0]` where
+    it differs from a plain parameter's: `p.data` gives the unpacked values, and setting it
+    requantizes; `requires_grad = True` is refused. Anything else, AS_PLAIN: `p.grad`, `p.shape`
+    read the parameter itself (unpacking the values for them would cost a host dequantization
+    of the whole matrix at every `p.grad` read, which the backward's accumulation check makes
+    for each parameter), and `w.T` is an op, whose dispatch unpacks."""
+    if prop == "data" and name == "__get__":
+        return _unpacked(args[0])
+    if prop == "data" and name == "__set__":
+        _write(args[0], lambda v: v.copy_(args[1]))
+        return None
+    if prop == "requires_grad" and name == "__set__" and args[1]:
+        _refuse_training(args[0])
+    return AS_PLAIN
+
+
 def packed_torch_function(func: Any, args: tuple, kwargs: dict, params: list[Any], written: set[int],
-                          master_only: set[Any], derived: frozenset[str], dispatch: Callable[[], Any]) -> Any:
-    """`__torch_function__` of an op or property access with compressed parameters among
-    `params` (subclass dispatch off). `written`: the ids of the parameters an in-place `func`
-    writes; `master_only`: the ops _param.py runs on the master; `derived`: the properties that
-    compute a tensor from the values (`w.T`), dispatched as ops; `dispatch()`: the usual path
-    (whose materialize gives unpacked values where it would give the master)."""
-    name = getattr(func, "__name__", "")
+                          master_only: set[Any], dispatch: Callable[[], Any]) -> Any:
+    """`__torch_function__` of an op with compressed parameters among `params` (subclass
+    dispatch off; property accesses are packed_property's). `written`: the ids of the parameters
+    an in-place `func` writes; `master_only`: the ops _param.py runs on the master; `dispatch()`:
+    the usual path (whose materialize gives unpacked values where it would give the master)."""
     packed = [p for p in params if packed_of(p) is not None]
-    if name in ("__get__", "__set__", "__delete__"):
-        prop = getattr(func.__self__, "__name__", "")
-        if prop == "data" and name == "__get__":
-            return _unpacked(args[0])
-        if prop == "data" and name == "__set__":
-            _write(args[0], lambda v: v.copy_(args[1]))
-            return None
-        if prop == "requires_grad" and name == "__set__" and args[1]:
-            _refuse_training(args[0])
-        if name == "__get__" and prop in derived:
-            return dispatch()  # `w.T` is an op on the values
-        # The rest (`p.grad`, `p.shape`, `p.requires_grad`, ...) reads the parameter itself:
-        # unpacking the values for them would cost a host dequantization of the whole matrix
-        # at every `p.grad` read (the backward's gradient-accumulation check reads each one).
-        return func(*args, **kwargs)
     if func is torch.Tensor.requires_grad_ and (args[1] if len(args) > 1 else kwargs.get("requires_grad", True)):
         _refuse_training(args[0])
     if func is torch.Tensor.detach:

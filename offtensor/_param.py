@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _compile, _distributed
-from ._compress import packed_of, packed_torch_function
+from ._compress import AS_PLAIN, packed_of, packed_property, packed_torch_function
 from ._slot import ParamSlot, on_optimizer_worker
 
 _disabled_torch_function_impl = torch._C._disabled_torch_function_impl
@@ -107,17 +107,22 @@ def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
     params = _find_params(args, kwargs)
     if not on_optimizer_worker():
         _await_steps(params)
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        prop = getattr(func.__self__, "__name__", "")
+        if packed_of(args[0]) is not None:  # Note [compressed masters] (_compress.py)
+            result = packed_property(name, prop, args)
+            if result is not AS_PLAIN:
+                return result
+        if name == "__set__" and prop == "data":
+            return _set_data(args[0], args[1])
+        if name == "__get__" and prop in _DERIVED_PROPERTIES:
+            return _dispatch(func, args, kwargs, params)  # `w.T` is an op on w
+        return func(*args, **kwargs)  # `p.grad`, `p.shape`: the parameter itself
     if any(packed_of(p) is not None for p in params):  # Note [compressed masters] (_compress.py)
         written = _written(args, kwargs) if _is_inplace(func) else set()
-        return packed_torch_function(func, args, kwargs, params, written, _MASTER_ONLY, _DERIVED_PROPERTIES,
+        return packed_torch_function(func, args, kwargs, params, written, _MASTER_ONLY,
                                      lambda: _dispatch(func, args, kwargs, params))
-    name = getattr(func, "__name__", "")
-    if name == "__set__" and getattr(func.__self__, "__name__", "") == "data":
-        return _set_data(args[0], args[1])
-    if name in ("__get__", "__set__", "__delete__"):
-        if name == "__get__" and getattr(func.__self__, "__name__", "") in _DERIVED_PROPERTIES:
-            return _dispatch(func, args, kwargs, params)  # `w.T` is an op on w
-        return func(*args, **kwargs)
     handler = _HANDLERS.get(func)
     if handler is not None:
         return handler(*args, **kwargs)
