@@ -35,16 +35,13 @@ import torch
 
 
 class Streams:
-    """The compute, copy-in and copy-out streams of one wrapped model, and the events of the
-    copies that may still read host masters."""
+    """The compute stream and the side streams (copy-in, copy-out, cast, gathered) of one
+    wrapped model, and the events of the copies that may still read host masters."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
-        self._h2d: Any = None
-        self._d2h: Any = None
-        self._cast: Any = None
-        self._gathered: Any = None
+        self._side: dict[str, Any] = {}  # the side streams by name, created on first use
         self._unsynced_h2d: list[Any] = []  # events of copies that may still read host masters
         # The current stream before `on()` made a side stream current; None when none is
         # (Note [interrupts]).
@@ -54,24 +51,23 @@ class Streams:
         return torch.cuda.current_stream(self.device) if self.is_cuda else None
 
     def h2d(self) -> Any:
-        if self.is_cuda and self._h2d is None:
-            self._h2d = torch.cuda.Stream(self.device)
-        return self._h2d
+        return self._side_stream("h2d")
 
     def d2h(self) -> Any:
-        if self.is_cuda and self._d2h is None:
-            self._d2h = torch.cuda.Stream(self.device)
-        return self._d2h
+        return self._side_stream("d2h")
 
     def cast(self) -> Any:
-        if self.is_cuda and self._cast is None:
-            self._cast = torch.cuda.Stream(self.device)
-        return self._cast
+        return self._side_stream("cast")
 
     def gathered(self) -> Any:
-        if self.is_cuda and self._gathered is None:
-            self._gathered = torch.cuda.Stream(self.device)
-        return self._gathered
+        return self._side_stream("gathered")
+
+    def _side_stream(self, name: str) -> Any:
+        """The side stream `name` (see the Note), created on first use; None on the CPU."""
+        stream = self._side.get(name)
+        if stream is None and self.is_cuda:
+            stream = self._side[name] = torch.cuda.Stream(self.device)
+        return stream
 
     @staticmethod
     def record(stream: Any) -> Any:
