@@ -175,23 +175,28 @@ def test_hf_llama_training_matches_compiled_unwrapped_model(device, how, checkpo
     train_both(model, reference, batches, lm_loss, tolerances(device, "aot_eager"))
 
 
-@pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
-@pytest.mark.parametrize("checkpoint", ["reentrant", "non_reentrant"])
-@pytest.mark.parametrize("device", devices)
-def test_checkpointed_blocks_match_compiled_unwrapped_model(device, checkpoint):
+def _compiled_mlp_and_reference(device: str, checkpoint: str | None = None) -> tuple[nn.Module, nn.Module]:
+    """A 3-block MLP offloaded on `device` and its unwrapped reference, blocks compiled alike
+    (aot_eager)."""
     model = mlp_of_blocks(n_blocks=3)
     model.checkpoint = checkpoint
     reference = reference_then_offload(model, device)
     compile_both(model, reference, "blocks", "aot_eager")
+    return model, reference
+
+
+@pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
+@pytest.mark.parametrize("checkpoint", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("device", devices)
+def test_checkpointed_blocks_match_compiled_unwrapped_model(device, checkpoint):
+    model, reference = _compiled_mlp_and_reference(device, checkpoint)
     train_both(model, reference, mlp_batches(device), mse, tolerances(device, "aot_eager"))
 
 
 @pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
 @pytest.mark.parametrize("device", devices)
 def test_backward_and_step_matches_compiled_unwrapped_model(device):
-    model = mlp_of_blocks(n_blocks=3)
-    reference = reference_then_offload(model, device)
-    compile_both(model, reference, "blocks", "aot_eager")
+    model, reference = _compiled_mlp_and_reference(device)
 
     def step(loss: torch.Tensor, opt: torch.optim.Optimizer) -> None:
         offtensor.backward_and_step(loss, opt, zero_grad=True)
@@ -202,9 +207,7 @@ def test_backward_and_step_matches_compiled_unwrapped_model(device):
 @pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
 @pytest.mark.parametrize("device", devices)
 def test_gradient_accumulation_matches_compiled_unwrapped_model(device):
-    model = mlp_of_blocks(n_blocks=3)
-    reference = reference_then_offload(model, device)
-    compile_both(model, reference, "blocks", "aot_eager")
+    model, reference = _compiled_mlp_and_reference(device)
 
     def three_micro_batches(m: nn.Module, batch: tuple) -> torch.Tensor:
         x, y = batch
