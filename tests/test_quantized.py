@@ -149,9 +149,7 @@ def test_host_buffers_hold_the_packed_bytes_not_dequantized_values():
 
 
 def test_state_dict_and_dequantized_values_match():
-    model = quantized_mlp("int8")
-    reference = unwrapped_reference(model, "cpu")
-    _wrap(model, "cpu")
+    model, reference = _wrapped_int8_mlp_and_reference()
     got, expected = model.state_dict(), reference.state_dict()
     assert got.keys() == expected.keys()
     for k, v in expected.items():
@@ -227,14 +225,20 @@ def test_error_if_data_parallel_is_asked_for_a_model_with_quantized_weights(tmp_
         dist.destroy_process_group()
 
 
+def _wrapped_int8_mlp_and_reference() -> tuple[nn.Module, nn.Module]:
+    """An int8-quantized MLP wrapped on the CPU, and its unwrapped reference made first."""
+    model = quantized_mlp("int8")
+    reference = unwrapped_reference(model, "cpu")
+    _wrap(model, "cpu")
+    return model, reference
+
+
 class _Boom(Exception):
     pass
 
 
 def test_exception_mid_forward_puts_the_host_weights_back():
-    model = quantized_mlp("int8")
-    reference = unwrapped_reference(model, "cpu")
-    _wrap(model, "cpu")
+    model, reference = _wrapped_int8_mlp_and_reference()
     w = model.blocks[1].fc2.weight
 
     def boom(module, args, output):
@@ -253,9 +257,7 @@ def test_exception_mid_forward_puts_the_host_weights_back():
 
 
 def test_a_forward_after_a_keyboard_interrupt_puts_the_host_weights_back():
-    model = quantized_mlp("int8")
-    reference = unwrapped_reference(model, "cpu")
-    _wrap(model, "cpu")
+    model, reference = _wrapped_int8_mlp_and_reference()
     w = model.blocks[0].fc1.weight
 
     def interrupt(module, args, output):
