@@ -31,6 +31,7 @@ tensors below `MIN_NUMEL` elements stay in their dtype, costing little and often
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -145,6 +146,8 @@ class PackedMaster:
         target = out.view(rows, cols)
         if out.dtype == self.dtype and self.format is FrozenFormat.INT8:
             torch.mul(values, scale, out=target)  # one kernel: int8 promotes to the scale's dtype
+        elif out.dtype == self.dtype and out.is_cuda and (fused := _fused_dequantize()) is not None:
+            fused(values, scale.view(rows), target)  # one kernel (Note [fused fp8 dequantization])
         elif out.dtype == self.dtype:
             # Two kernels: PyTorch does not promote float8 in arithmetic.
             target.copy_(values)  # exact: 1-byte values fit every float dtype of 2 bytes or more
@@ -155,6 +158,17 @@ class PackedMaster:
     def placeholder(self) -> torch.Tensor:
         """The parameter's own tensor: no values (Note [compressed masters])."""
         return torch.full((), float("nan"), dtype=self.dtype).expand(self.shape)
+
+
+@functools.cache
+def _fused_dequantize() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+    """The one-kernel fp8 dequantization (Note [fused fp8 dequantization] in _kernels.py), or
+    None where Triton is not installed: then two PyTorch kernels do it."""
+    try:
+        from ._kernels import dequantize_rows
+    except ImportError:
+        return None
+    return dequantize_rows
 
 
 # Reads rows [start, stop) of a tensor (dim 0), in increasing order, each once: a tensor not in

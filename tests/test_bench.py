@@ -516,14 +516,17 @@ def test_resident_and_loaded_shape_models_get_the_same_random_weights():
 @pytest.mark.filterwarnings("error::UserWarning")
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_full_step_with_embeddings_and_head_offloaded_matches_the_plain_model(tied):
-    """offtensor-capped's placement: decoder layers, embeddings and head are scopes; one
-    backward_and_step with AdamW gives the plain model's weights."""
+    """offtensor-capped's placement and loss: decoder layers, embeddings and head are scopes, the
+    loss is computed in checkpointed pieces (chunked_lm_loss, 4 tokens at a time: the head's scope
+    is called 2 times per forward and again in the recompute), and one backward_and_step with
+    AdamW gives the plain model's loss and weights (Hugging Face's loss, labels=ids)."""
     import copy
 
     import transformers
 
     from offtensor.bench.model import decoder_layers
     from offtensor.bench.peers import layers_embeddings_and_head
+    from offtensor.bench.workload import chunked_lm_loss
 
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=96, tie_word_embeddings=tied, use_cache=False)
@@ -538,10 +541,13 @@ def test_full_step_with_embeddings_and_head_offloaded_matches_the_plain_model(ti
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, model)]
     for _ in range(2):
-        plain(input_ids=ids, labels=ids).loss.backward()
+        loss = plain(input_ids=ids, labels=ids).loss
+        loss.backward()
         opts[0].step()
         opts[0].zero_grad()
-        offtensor.backward_and_step(model(input_ids=ids, labels=ids).loss, opts[1], zero_grad=True).wait()
+        chunked = chunked_lm_loss(model, ids, chunk_tokens=4)
+        torch.testing.assert_close(chunked, loss)
+        offtensor.backward_and_step(chunked, opts[1], zero_grad=True).wait()
     for (name, p), (_, q) in zip(plain.named_parameters(), model.named_parameters(), strict=True):
         torch.testing.assert_close(q.detach(), p.detach(), msg=name)
 

@@ -14,7 +14,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BlockStack, ResidualBlock, devices, host, tolerances
+from conftest import BlockStack, ResidualBlock, devices, host, requires_cuda, tolerances
 from torch import nn
 
 import offtensor
@@ -318,3 +318,25 @@ def test_steady_state_training_never_dequantizes_on_the_host(device, monkeypatch
     assert unpacks == []
     w.detach()  # a read of the values does unpack them
     assert unpacks == [w._ot.name]
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_cuda_fused_fp8_dequantization_is_bit_identical_to_the_two_kernels(dtype):
+    """Note [fused fp8 dequantization]: the one-kernel path that CUDA loads use gives exactly the
+    bits of `values.to(dtype) * scale[:, None]`, on shapes that end mid-block and mid-row."""
+    pytest.importorskip("triton")
+    from offtensor._compress import _fused_dequantize
+    from offtensor._kernels import dequantize_rows
+
+    assert _fused_dequantize() is dequantize_rows  # CUDA loads take the fused path here
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for rows, cols in [(1, 1), (3, 2049), (513, 4096), (7, 33), (2, 5000)]:
+        x = torch.randn(rows, cols, device="cuda", generator=gen) * 300
+        values = x.clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = (torch.rand(rows, device="cuda", generator=gen) * 10 + 1e-3).to(dtype)
+        out = torch.full((rows, cols), float("nan"), dtype=dtype, device="cuda")
+        dequantize_rows(values, scale, out)
+        expected = values.to(dtype) * scale[:, None]
+        assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8)), (rows, cols)

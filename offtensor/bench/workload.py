@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .measure import PhaseClock
 from .model import BuiltModel, enable_checkpointing
@@ -92,6 +94,36 @@ def _accumulate(built: BuiltModel, scenario: Scenario, ids: torch.Tensor, row: R
     return Workload(step=step, first_step=first_step, per_step=scenario.micro_batches, clock=clock)
 
 
+# offtensor-capped's loss: tokens per piece of the chunked cross entropy (see chunked_lm_loss).
+LOSS_CHUNK_TOKENS = 1024
+
+
+def chunked_lm_loss(model: nn.Module, ids: torch.Tensor, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
+    """The causal-LM loss of `model(input_ids=ids, labels=ids).loss` (next-token cross entropy,
+    mean over the predicted tokens, in fp32), computed `chunk_tokens` positions at a time, each
+    piece under non-reentrant checkpointing so that only the hidden states are kept.
+
+    Why: Hugging Face's loss upcasts the whole logits tensor, and at Llama-3-8B's vocabulary
+    (128256) one 1x4096 batch's fp32 logits are 1.96 GiB; with the bf16 logits and the log-softmax
+    the loss alone holds about 5 GiB, which cannot fit an 8 GiB card beside anything else. This is
+    what fine-tuning scripts on such cards do (a chunked or fused linear cross entropy), not an
+    offtensor feature: the head is an ordinary module, called once per piece (offtensor loads its
+    scope per call)."""
+    hf_model: Any = model
+    hidden = hf_model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
+    labels = ids[:, 1:]
+    head = hf_model.get_output_embeddings()
+
+    def piece(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(head(h).float().flatten(0, 1), y.flatten(), reduction="sum")
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, labels.shape[1], chunk_tokens):
+        total = total + checkpoint(piece, hidden[:, i:i + chunk_tokens], labels[:, i:i + chunk_tokens],
+                                   use_reentrant=False)
+    return total / labels.numel()
+
+
 def _how_stepped(overlap: bool, n_optimizers: int, autocast: bool) -> str:
     if overlap:
         how = "; offtensor.backward_and_step(loss, " + (
@@ -102,7 +134,7 @@ def _how_stepped(overlap: bool, n_optimizers: int, autocast: bool) -> str:
 
 
 def _training_step(built: BuiltModel, scenario: Scenario, device: torch.device, ids: torch.Tensor, row: Row,
-                   overlap: bool, worker: WorkerSettings, clock: PhaseClock) -> Workload:
+                   overlap: bool, worker: WorkerSettings, clock: PhaseClock, chunked_loss: bool = False) -> Workload:
     import offtensor
 
     model = built.model
@@ -113,10 +145,14 @@ def _training_step(built: BuiltModel, scenario: Scenario, device: torch.device, 
     # restores it). Wrapped layers already hold bf16 device copies; resident casts per op.
     autocast = scenario.kind == "step32"
     row.optimizer += _how_stepped(overlap, len(optimizers), autocast)
+    if chunked_loss:
+        row.optimizer += f"; the loss computed {LOSS_CHUNK_TOKENS} tokens at a time (chunked_lm_loss)"
     reports: list[Any] = []
 
     def forward_loss() -> torch.Tensor:
         with (torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()):
+            if chunked_loss:
+                return chunked_lm_loss(model, ids)
             return model(input_ids=ids, labels=ids, use_cache=False).loss
 
     def train_step(settings: WorkerSettings = worker, check: bool = False) -> None:
@@ -151,6 +187,7 @@ def _training_step(built: BuiltModel, scenario: Scenario, device: torch.device, 
 
 
 OVERLAP_PEERS = ("offtensor-overlap", "offtensor-capped")  # their steps are backward_and_step
+CHUNKED_LOSS_PEERS = ("offtensor-capped",)  # their loss is chunked_lm_loss (under the VRAM cap)
 
 
 def make_workload(built: BuiltModel, scenario: Scenario, device: torch.device, ids: torch.Tensor, row: Row,
@@ -161,7 +198,8 @@ def make_workload(built: BuiltModel, scenario: Scenario, device: torch.device, i
     clock = PhaseClock(device)
     if scenario.has_optimizer:
         overlap = peer in OVERLAP_PEERS if overlap is None else overlap
-        return _training_step(built, scenario, device, ids, row, overlap, worker, clock)
+        return _training_step(built, scenario, device, ids, row, overlap, worker, clock,
+                              chunked_loss=peer in CHUNKED_LOSS_PEERS)
     if scenario.kind == "infer":
         return _infer(built, ids, clock)
     return _accumulate(built, scenario, ids, row, clock)
