@@ -44,6 +44,14 @@ once per optimizer step instead of in forward and again in backward; a frozen on
 base) once. Kept scopes do not count against the prefetch budget (their bytes are reserved),
 but the old gradients a load for backward fetches (accumulation) do. The budget covers weights:
 gradients on their way to the host and activations come on top.
+
+The streamed scopes ahead fill the streaming room (`streaming_room`, less the streamed scopes
+that hold device memory now), not just `prefetch` of them. The room's 2 + `prefetch` blocks are
+sized for backward, where one scope computes and the one before it is still finishing; in the
+forward, and above all while a kept scope computes, most of that room is free. Kept first
+scopes made this matter: with `prefetch` scopes ahead, the copies stopped one streamed scope
+ahead while the kept scopes computed, and the link idled for that long in a transfer-bound pass.
+Filling the room keeps the copies going from the pass's first op, within the same bytes.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from ._api import Policy
+from ._api import Policy, ScopeState
 from ._scope import Scope
 
 logger = logging.getLogger("offtensor")
@@ -89,6 +97,9 @@ class Schedule:
         self._policy = policy
         self.largest = 0  # the largest scope's device bytes (set by ready)
         self.prefetch_bytes = 0  # Policy.prefetch x the largest block (set by ready)
+        # Under a VRAM budget that streams some scopes: the device bytes streamed scopes may
+        # take together (Note [VRAM budget]); None without one.
+        self.streaming_room: int | None = None
         # offtensor.set_prefetch: the scopes to load when a scope's forward (backward) starts,
         # instead of the learned order's.
         self.forward_override: dict[Scope, list[Scope]] = {}
@@ -106,6 +117,8 @@ class Schedule:
         budget = self._policy.vram_budget
         if budget is not None:
             self._keep_within(budget, largest_block)
+            if not all(s.kept for s in self.scopes):
+                self.streaming_room = streaming_bytes(largest_block, self._policy.prefetch)
 
     def _keep_within(self, budget: int, largest_block: int) -> None:
         total = sum(s.device_nbytes for s in self.scopes)
@@ -124,11 +137,13 @@ class Schedule:
 
     def prefetch(self, candidates: Iterable[Scope], current: Scope, *, with_grads: bool) -> None:
         """Load the candidates in order while their bytes fit the prefetch budget; scopes under
-        1/TINY of the largest do not count (Note [prefetch order])."""
+        1/TINY of the largest do not count (Note [prefetch order]). Under a VRAM budget the
+        streamed ones fill the budget's streaming room instead (Note [VRAM budget])."""
         budget = self.prefetch_bytes
         if budget == 0:
             return
         in_flight = 0
+        room = self._free_streaming_room()
         for scope in candidates:
             if scope is current:
                 continue
@@ -140,11 +155,26 @@ class Schedule:
                 in_flight += grads
                 continue
             size = scope.device_nbytes
+            if room is not None:
+                if scope.state is ScopeState.OFFLOADED:
+                    if size > room:
+                        return
+                    room -= size
+                scope.load(with_grads=with_grads)
+                continue
             counted = size if size * TINY >= self.largest else 0
             if in_flight + counted > budget:
                 return
             scope.load(with_grads=with_grads)
             in_flight += counted
+
+    def _free_streaming_room(self) -> int | None:
+        """What the VRAM budget's streaming room has left: the room less the streamed scopes
+        that hold device memory now (loading or resident). None without a budget that streams."""
+        if self.streaming_room is None:
+            return None
+        held = sum(s.device_nbytes for s in self.scopes if not s.kept and s.state is not ScopeState.OFFLOADED)
+        return self.streaming_room - held
 
     def prefetch_forward(self, scope: Scope) -> None:
         """The scope's forward starts: prefetch what the override names, else the next scopes

@@ -14,7 +14,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BlockStack, ResidualBlock, devices, host, requires_cuda, tolerances
+from conftest import BlockStack, ResidualBlock, device_layout_bytes, devices, host, requires_cuda, tolerances
 from torch import nn
 
 import offtensor
@@ -340,3 +340,38 @@ def test_cuda_fused_fp8_dequantization_is_bit_identical_to_the_two_kernels(dtype
         dequantize_rows(values, scale, out)
         expected = values.to(dtype) * scale[:, None]
         assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8)), (rows, cols)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("device", devices)
+def test_a_vram_budget_keeps_compressed_frozen_scopes_dequantized_once(device, fmt):
+    """A compressed frozen base under Policy(vram_budget): the kept scopes (the first two) load and
+    dequantize once for all steps, the rest stream, and the LoRA-style training (input layer and
+    head trainable) matches the resident model with the same compressed weights."""
+    model = _model(torch.float32, n_blocks=6)
+    model.blocks.requires_grad_(False)
+    reference = _compressed_reference(model, fmt, device)
+    budget = (2 + 1 + 2) * device_layout_bytes(model.blocks[0])  # streaming (prefetch 1) + 2 kept
+    _wrap(model, device, frozen_format=fmt, vram_budget=budget)
+    assert len(_packed_slots(model)) == 12
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x, y = torch.randn(5, 8, generator=gen).to(device), torch.randn(5, 4, generator=gen).to(device)
+        loss, ref_loss = F.mse_loss(model(x), y), F.mse_loss(reference(x), y)
+        torch.testing.assert_close(loss, ref_loss, **tolerances(device))
+        loss.backward()
+        ref_loss.backward()
+        for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+            if r.requires_grad:
+                torch.testing.assert_close(host(p.grad), host(r.grad), **tolerances(device), msg=name)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    scopes = {s.name: s for s in offtensor.summary(model).scopes}
+    assert [scopes[f"blocks.{i}"].kept for i in range(6)] == [True, True, False, False, False, False]
+    assert [scopes[f"blocks.{i}"].loads for i in range(2)] == [1, 1]
+    assert all(scopes[f"blocks.{i}"].loads >= 3 for i in range(2, 6))
+    with torch.no_grad():
+        x = torch.randn(5, 8, generator=gen).to(device)
+        torch.testing.assert_close(model.eval()(x), reference.eval()(x), **tolerances(device))

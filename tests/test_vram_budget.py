@@ -106,6 +106,39 @@ def test_inference_loads_kept_scopes_once_and_streams_the_rest(device, most_devi
         torch.testing.assert_close(model.to(device)(x), reference(x), **tolerances(device))
 
 
+@pytest.mark.parametrize("device", devices)
+def test_streamed_scopes_fill_the_streaming_room_while_kept_scopes_compute(device, most_device_bytes):
+    """With the first scopes kept and prefetch 1, the copies must not wait for the first streamed
+    scope to start computing: while a kept scope computes, the streaming room (2 + prefetch
+    blocks) fills with the next streamed scopes, and while a streamed one computes, it and the
+    two after it are on the device (Note [VRAM budget])."""
+    model = mlp_of_blocks(n_blocks=N_BLOCKS).eval()
+    budget = _budget(model, kept=2)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    on_device: dict[int, list[int]] = {}
+
+    def record(i):
+        def hook(module, args):
+            states = {s.name: s.state for s in offtensor.summary(model).scopes}
+            on_device[i] = [j for j in range(N_BLOCKS)
+                            if states[f"blocks.{j}"] is not offtensor.ScopeState.OFFLOADED]
+        return hook
+
+    x = torch.randn(5, 8, device=device)
+    with torch.no_grad():
+        model(x)  # learns the order
+        handles = [b.register_forward_pre_hook(record(i)) for i, b in enumerate(model.blocks)]
+        torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+    for h in handles:
+        h.remove()
+    assert on_device[0] == [0, 1, 2, 3, 4]  # kept 0 and 1; 2, 3, 4 loading ahead
+    assert on_device[1] == [0, 1, 2, 3, 4]
+    assert on_device[2] == [0, 1, 2, 3, 4]  # 2 computes, 3 and 4 ahead: the room is full
+    assert on_device[3] == [0, 1, 3, 4, 5]
+    assert on_device[N_BLOCKS - 1] == [0, 1, N_BLOCKS - 1]
+    assert most_device_bytes[0] <= budget
+
+
 @pytest.mark.parametrize("checkpoint", [None, "non_reentrant", "reentrant"])
 @pytest.mark.parametrize("overlapped", [False, True], ids=["step", "backward_and_step"])
 @pytest.mark.parametrize("device", devices)

@@ -96,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--offtensor-max-scope-mib", type=float, default=None,
                    help="pass offtensor.Policy(max_scope_bytes=N MiB) to wrap: split decoder layers "
                         "larger than that into per-child scopes (default: one scope per layer)")
+    p.add_argument("--offtensor-vram-budget-gib", type=float, default=None,
+                   help="pass offtensor.Policy(vram_budget=N GiB) to wrap for every offtensor peer (the first "
+                        "scopes that fit stay resident; offtensor-budget keeps its own, half the layers)")
     p.add_argument("--overlap-piece-mib", type=float, default=None,
                    help="offtensor-overlap: backward_and_step(piece_bytes=N MiB) (default 64)")
     p.add_argument("--overlap-spare-threads", type=int, default=None,

@@ -30,6 +30,7 @@ class PeerOptions:
 
     offtensor_prefetch: int | None = None
     offtensor_max_scope_mib: float | None = None
+    offtensor_vram_budget_gib: float | None = None  # Policy(vram_budget=) for the offtensor peers
     compile: bool = False  # block.compile() on each decoder layer (resident and offtensor peers)
     vram_cap_gib: float = 8.0  # offtensor-capped: torch.cuda.set_per_process_memory_fraction
 
@@ -136,6 +137,8 @@ def _offtensor_options(built: BuiltModel, opts: PeerOptions, cast: str | None) -
         options["prefetch"] = opts.offtensor_prefetch
     if opts.offtensor_max_scope_mib is not None:
         options["max_scope_bytes"] = int(opts.offtensor_max_scope_mib * 2**20)
+    if opts.offtensor_vram_budget_gib is not None:
+        options["vram_budget"] = int(opts.offtensor_vram_budget_gib * 2**30)
     if cast is not None:
         # fp32 masters (and their grads and AdamW state) on the host, bf16 copies on the device.
         options["compute_dtype"] = torch.bfloat16

@@ -252,6 +252,7 @@ class _PeerPass:
         self.peer, self.shape, self.device, self.args, self.run = peer, shape, device, args, run
         self.opts = PeerOptions(offtensor_prefetch=args.offtensor_prefetch,
                                 offtensor_max_scope_mib=args.offtensor_max_scope_mib,
+                                offtensor_vram_budget_gib=getattr(args, "offtensor_vram_budget_gib", None),
                                 compile=getattr(args, "compile", False),
                                 vram_cap_gib=getattr(args, "vram_cap_gib", 8.0))
         self.built: BuiltModel | None = None
