@@ -552,6 +552,40 @@ def test_full_step_with_embeddings_and_head_offloaded_matches_the_plain_model(ti
         torch.testing.assert_close(q.detach(), p.detach(), msg=name)
 
 
+def test_a_resident_model_that_does_not_fit_is_extrapolated_from_4_and_8_layers(tmp_path, monkeypatch):
+    """70B's resident LoRA step does not fit the GPU: its time, per phase, comes from the resident
+    model at 4 and 8 layers of the same shape (a + b x layers), and the fp8 row is judged against
+    max(that, its copies). Here the resident model is made not to fit above 8 layers."""
+    from offtensor.bench import run as bench_run
+
+    real = bench_run.fit_problem
+
+    def fit_problem(peer, built, shape, s, device, held=0):
+        if peer == "resident" and shape.layers > 8:
+            return "does not fit: made so by the test"
+        return real(peer, built, shape, s, device, held)
+
+    monkeypatch.setattr(bench_run, "fit_problem", fit_problem)
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--quick", "--device", "cpu", "--shape", "70b", "--layers", "12",
+                     "--scenarios", "lora-step-1x4096", "--peers", "resident", "offtensor-fp8",
+                     "--warmup", "1", "--iters", "1", "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    rows = {r["peer"]: r for r in result["results"]}
+    assert len(result["results"]) == 2  # the 4- and 8-layer runs leave no rows of their own
+    resident = rows["resident"]
+    assert resident["status"] == "ok" and resident["note"].startswith("extrapolated: does not fit: made so by the test")
+    assert "measured at 4 and 8 layers" in resident["note"]
+    assert set(resident["phases_ms"]) == {"forward", "backward", "step"}
+    assert resident["median_ms"] > 0 and resident["peak_vram_bytes"] is None
+    assert "resident/lora" not in result["setups"]  # the truncated models' setups are not this row's
+    floors = result["scenarios"]["lora-step-1x4096"]["rows"]["offtensor-fp8"]
+    assert floors["floor_ms"] == pytest.approx(max(floors["copies_ms"], resident["median_ms"]))
+    assert floors["phases"]["backward"]["resident_ms"] == pytest.approx(resident["phases_ms"]["backward"])
+    assert rows["offtensor-fp8"]["roofline_ms"] == pytest.approx(floors["floor_ms"])
+
+
 def test_peers_that_do_not_fit_are_skipped_with_the_reason(monkeypatch):
     """70B in bf16 needs more host memory than a 128 GiB host has; in fp8 it fits. The resident
     70B LoRA step does not fit a 139 GiB GPU (checked here against host memory on the CPU)."""

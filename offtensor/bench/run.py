@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import time
 from collections.abc import Sequence
@@ -258,6 +259,7 @@ class _PeerPass:
         self.built: BuiltModel | None = None
         self.rss0: int | None = None
         self.setup_failed: dict[str, str] = {}  # variant -> note
+        self.did_not_fit = False  # the last model asked for does not fit here (shapes.fit_problem)
 
     def _drop_model(self) -> None:
         self.built = None
@@ -286,12 +288,14 @@ class _PeerPass:
             return self.built
         free_memory(self.device)
         self.rss0 = host_rss()
+        self.did_not_fit = False
         error: str | None = None
         try:
             self.built = _build_and_place(self.peer, scenario, self.shape, self.device, self.args.seed,
                                           self.opts, self.run)
         except _DoesNotFit as exc:
             row.status, row.note = "skipped", str(exc)
+            self.did_not_fit = True
             print(f"  {self.peer}/{scenario.name}: skipped, {exc}", flush=True)
         except _SkipVariant as exc:
             extras.skipped_variants[scenario.variant] = str(exc)
@@ -312,6 +316,9 @@ class _PeerPass:
         self.run.rows.append(row)
         built = self._model_for(scenario, row)
         if built is None:
+            if (self.peer == "resident" and self.did_not_fit and self.shape.layers > max(EXTRAPOLATED_FROM)
+                    and scenario.kind not in STEP_PEERS):  # (a host optimizer's measurements are per model)
+                self._extrapolate(scenario, row)
             return
         args, error = self.args, None
         worker = args.worker
@@ -339,6 +346,54 @@ class _PeerPass:
         if self.peer == "offtensor-capped":
             row.vram_cap_bytes = int(self.opts.vram_cap_gib * GiB)
         _print_row(row)
+
+
+    def _extrapolate(self, scenario: Scenario, row: Row) -> None:
+        """The resident model does not fit at this shape: its time, per phase, is a + b x layers
+        (every decoder layer has the same shape and work), with a and b from the resident model
+        at EXTRAPOLATED_FROM layers of the same shape, run here. `row` gets those times and a
+        note saying so; the truncated runs' own rows are not kept."""
+        why, measured = row.note, []
+        setup_key = f"{self.peer}/{scenario.variant}"
+        setup = self.run.setups.get(setup_key)
+        for layers in EXTRAPOLATED_FROM:
+            shape = dataclasses.replace(self.shape, layers=layers)
+            part = _PeerPass(self.peer, shape, self.device, self.args, self.run)
+            try:
+                part.scenario(scenario)
+            finally:
+                part._drop_model()
+            measured.append(self.run.rows.pop())
+        self.run.setups.pop(setup_key, None)
+        if setup is not None:
+            self.run.setups[setup_key] = setup
+        if any(m.status != "ok" or not m.phases_ms or m.median_ms is None for m in measured):
+            row.note = f"{why}; extrapolation failed: " + "; ".join(m.note for m in measured if m.note)
+            return
+        (k1, r1), (k2, r2) = zip(EXTRAPOLATED_FROM, measured, strict=True)
+        n = self.shape.layers
+
+        def at_n(t1: float, t2: float) -> float:
+            return t1 + (t2 - t1) / (k2 - k1) * (n - k1)
+
+        assert r1.phases_ms is not None and r2.phases_ms is not None and r1.median_ms is not None
+        assert r2.median_ms is not None
+        phases = {p: at_n(r1.phases_ms[p], r2.phases_ms[p]) for p in r2.phases_ms if p in r1.phases_ms}
+        if r2.median_ms <= r1.median_ms or min(phases.values()) <= 0:  # noise larger than 4 layers' work
+            row.note = (f"{why}; extrapolation failed: {r1.median_ms:.1f} ms at {k1} layers, "
+                        f"{r2.median_ms:.1f} ms at {k2}")
+            return
+        row.status, row.median_ms = "ok", at_n(r1.median_ms, r2.median_ms)
+        row.times_ms, row.phases_ms = [row.median_ms], phases
+        row.grads_kept, row.grad_devices, row.optimizer = r2.grads_kept, r2.grad_devices, r2.optimizer
+        row.note = (f"extrapolated: {why}; measured at {k1} and {k2} layers of this shape "
+                    f"({r1.median_ms:.1f} and {r2.median_ms:.1f} ms), a + b x layers")
+        _print_row(row)
+
+
+# The resident model at a shape that does not fit is measured at these layer counts and
+# extrapolated (_PeerPass._extrapolate).
+EXTRAPOLATED_FROM = (4, 8)
 
 
 def run_peer(peer: str, scenarios: list[Scenario], shape: ModelShape, device: torch.device,
