@@ -31,9 +31,15 @@ def _dequantize_rows_kernel(values, scale, out, n, cols, BLOCK: tl.constexpr):
 
 
 def dequantize_rows(values: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-    """`out = values.to(out.dtype) * scale[:, None]` in one kernel on the current stream, where
-    `values` is (rows, cols) of a 1-byte float dtype, `scale` (rows,) of out's dtype, all three
-    contiguous on one CUDA device (Note [fused fp8 dequantization])."""
+    """`out = values.to(out.dtype) * scale[:, None]` in one kernel on out's device's current
+    stream, where `values` is (rows, cols) of a 1-byte float dtype, `scale` (rows,) of out's
+    dtype, all three contiguous on one CUDA device (Note [fused fp8 dequantization])."""
     n = values.numel()
     if n:
-        _dequantize_rows_kernel[(triton.cdiv(n, _BLOCK),)](values, scale, out, n, values.shape[-1], BLOCK=_BLOCK)
+        # Triton launches on the current device's current stream: out's device is made current
+        # here, so that the launch never depends on which device the caller left current (a
+        # model wrapped for cuda:1 while cuda:0 is current). Its current stream is then the one
+        # the caller made current there (the cast stream, Scope._mark_chunk).
+        with torch.cuda.device(out.device):
+            _dequantize_rows_kernel[(triton.cdiv(n, _BLOCK),)](values, scale, out, n, values.shape[-1],
+                                                               BLOCK=_BLOCK)

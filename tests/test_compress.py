@@ -292,7 +292,7 @@ def test_a_compressed_scope_loads_progressively_in_chunks(device, monkeypatch):
     with torch.no_grad():
         for _ in range(3):
             x = torch.randn(5, 8, dtype=torch.bfloat16, device=device)
-            torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+            torch.testing.assert_close(model(x), reference(x), **tolerances("cuda", torch.bfloat16))
     assert chunks, "no progressive load of a compressed scope"
     assert all(n >= 2 and staging is None for n, staging in chunks)
     assert all(scope.copy_order is not None for scope in engine.scopes)
@@ -375,3 +375,18 @@ def test_a_vram_budget_keeps_compressed_frozen_scopes_dequantized_once(device, f
     with torch.no_grad():
         x = torch.randn(5, 8, generator=gen).to(device)
         torch.testing.assert_close(model.eval()(x), reference.eval()(x), **tolerances(device))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_fp8_on_the_second_gpu_while_the_first_is_current_matches_the_resident_model():
+    """A model wrapped for cuda:1 while cuda:0 is the current device: its loads dequantize on
+    cuda:1's cast stream (Triton launches on the current device unless told otherwise)."""
+    model = _model(torch.bfloat16).requires_grad_(False).eval()
+    reference = _compressed_reference(model, "fp8", "cuda:1")
+    _wrap(model, "cuda:1", frozen_format="fp8")
+    torch.cuda.set_device(0)
+    x = torch.randn(5, 8, dtype=torch.bfloat16, device="cuda:1")
+    with torch.no_grad():
+        for _ in range(3):  # the first pass loads on demand, the next ones progressively
+            torch.testing.assert_close(model(x), reference(x), **tolerances("cuda", torch.bfloat16))
