@@ -22,6 +22,7 @@ from conftest import (
     assert_all_scopes_offloaded,
     assert_grads_match,
     assert_params_match,
+    device_layout_bytes,
     devices,
     host,
     mlp_of_blocks,
@@ -202,6 +203,25 @@ def test_backward_and_step_matches_compiled_unwrapped_model(device):
         offtensor.backward_and_step(loss, opt, zero_grad=True)
 
     train_both(model, reference, mlp_batches(device), mse, tolerances(device, "aot_eager"), step)
+
+
+@pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
+@pytest.mark.parametrize("device", devices)
+def test_a_vram_budget_keeping_the_first_block_matches_compiled_unwrapped_model(device):
+    """A budget that keeps the first block resident (what hides the first scope's copy, which a
+    compiled block cannot start before): compiled blocks read the kept scope's device copy, each
+    optimizer step reloads it, training matches and nothing recompiles (train_both)."""
+    model = mlp_of_blocks(n_blocks=6)
+    budget = (2 + 1 + 1) * device_layout_bytes(model.blocks[0])  # streaming (prefetch 1) + 1 kept
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    assert [s.kept for s in offtensor.summary(model).scopes] == [True] + [False] * 5
+    compile_both(model, reference, "blocks", "inductor")
+    train_both(model, reference, mlp_batches(device), mse, tolerances(device, "inductor"))
+    model.eval(), reference.eval()
+    for i, (x, _) in enumerate(mlp_batches(device, 3)):
+        with torch.no_grad(), no_recompiles() if i >= 1 else contextlib.nullcontext():
+            torch.testing.assert_close(model(x), reference(x), **tolerances(device, "inductor"))
+    assert offtensor.summary(model).scopes[0].state is offtensor.ScopeState.RESIDENT  # kept in inference
 
 
 @pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
