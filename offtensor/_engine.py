@@ -181,6 +181,18 @@ class Engine:
         if scope.state is not ScopeState.OFFLOADED and scope.running_calls == 0:
             scope.release(force=True)  # stale, also when the budget keeps it
 
+    def master_handed_out(self, scope: Scope) -> None:
+        """`p.data` of one of the scope's parameters was taken (or, for a kept scope, its masters
+        were written through a view): writes through it reach the master unseen, under a version
+        counter of its own. A kept scope's device copy would go stale, so it goes now; the next
+        forward reloads it (Note [VRAM budget] in _schedule.py). Streamed scopes load afresh."""
+        if not scope.kept or scope.state is ScopeState.OFFLOADED or on_optimizer_worker():
+            return
+        if scope.running_calls > 1 or (scope.running_calls == 1 and not scope.written_since_copied()):
+            return  # its own forward reads `.data`: no release under it
+        self.streams.sync_master_reads()  # the write may follow at once: no copy may still read
+        scope.release(force=True)
+
     # ---- forward (called by the hooks, _hooks.py) ----------------------------------------
 
     @_outside_transforms
@@ -201,6 +213,8 @@ class Engine:
             scope.grad_calls_this_pass += 1
             self._pass_counted = True
         self.live.pump()
+        if scope.kept and scope.running_calls == 1 and scope.written_since_copied():
+            self.master_handed_out(scope)  # its copy is stale (Note [VRAM budget] in _schedule.py)
         if scope.state is ScopeState.OFFLOADED:
             scope.loads_on_demand += 1
         scope.load(with_grads=False)
@@ -325,9 +339,25 @@ class Engine:
         self.training = TrainingState.TRAINING
         if scope.state is ScopeState.OFFLOADED:
             scope.loads_on_demand += 1
+            self._make_room(scope)
         scope.load(with_grads=True)
         self.schedule.prefetch_backward(scope)
         scope.make_resident()
+
+    def _make_room(self, scope: Scope) -> None:
+        """Under a VRAM budget, before a streamed scope loads on demand in backward: release the
+        streamed prefetches this backward has not needed yet, latest first, until its weights
+        fit the streaming room (Note [VRAM budget] in _schedule.py: a wrong guess of the order)."""
+        room = self.schedule.free_streaming_room()
+        if room is None or scope.kept:
+            return
+        for other in reversed(list(self.live)):
+            if room >= scope.device_nbytes:
+                return
+            if other.kept or other.running_calls or self.schedule.needed_in_backward(other):
+                continue
+            other.release()
+            room += other.device_nbytes
 
     @_outside_transforms
     def post_backward(self, scope: Scope) -> None:

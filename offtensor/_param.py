@@ -116,6 +116,8 @@ def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
                 return result
         if name == "__set__" and prop == "data":
             return _set_data(args[0], args[1])
+        if name == "__get__" and prop == "data" and getattr(args[0], "_ot", None) is not None:
+            args[0]._ot.scope.engine.master_handed_out(args[0]._ot.scope)  # Note [VRAM budget]
         if name == "__get__" and prop in _DERIVED_PROPERTIES:
             return _dispatch(func, args, kwargs, params)  # `w.T` is an op on w
         return func(*args, **kwargs)  # `p.grad`, `p.shape`: the parameter itself

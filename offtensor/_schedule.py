@@ -41,9 +41,14 @@ be stale or must go: a write to one of its masters (an optimizer step on this th
 of a `backward_and_step`'s backward for its trainable scopes (the worker steps them and cannot
 release), an interrupted call, `unwrap`. So in inference a kept scope loads once; in training,
 once per optimizer step instead of in forward and again in backward; a frozen one (a LoRA
-base) once. Kept scopes do not count against the prefetch budget (their bytes are reserved),
-but the old gradients a load for backward fetches (accumulation) do. The budget covers weights:
-gradients on their way to the host and activations come on top.
+base) once. Writes no op on the parameter sees must release it too, or the next forward computes
+with the old weights: through a view or a detached alias (`p[0].fill_()`, `p.detach().mul_()`)
+they bump `p._version`, which a kept scope's next forward compares with the versions its copy
+was made from (`Scope.written_since_copied`); `p.data` has a version counter of its own, so
+taking it releases a kept copy at once (`Engine.master_handed_out`). Kept scopes do not count
+against the prefetch budget (their bytes are reserved), but the old gradients a load for
+backward fetches (accumulation) do. The budget covers weights: gradients on their way to the
+host and activations come on top.
 
 The streamed scopes ahead fill the streaming room (`streaming_room`, less the streamed scopes
 that hold device memory now), not just `prefetch` of them. The room's 2 + `prefetch` blocks are
@@ -52,6 +57,15 @@ forward, and above all while a kept scope computes, most of that room is free. K
 scopes made this matter: with `prefetch` scopes ahead, the copies stopped one streamed scope
 ahead while the kept scopes computed, and the link idled for that long in a transfer-bound pass.
 Filling the room keeps the copies going from the pass's first op, within the same bytes.
+
+Filling it also leaves no slack for a guess that is wrong. Before the first backward its order is
+guessed as the reverse forward order; under reentrant checkpointing (transformers' too) a split
+block is recomputed from its *first* scope, so the room filled with the blocks below it while
+the rest of the block still had to load on demand, on top: 5/3 of the room with prefetch 1. So a
+streamed scope that backward needs and finds offloaded first releases the prefetches this
+backward has not needed yet, latest first, until it fits (`Engine.pre_backward`). The forward
+needs no such step: each streamed scope is released as its forward ends, before the next one
+loads, so an unexpected scope finds the computing one's place free.
 """
 
 from __future__ import annotations
@@ -143,7 +157,7 @@ class Schedule:
         if budget == 0:
             return
         in_flight = 0
-        room = self._free_streaming_room()
+        room = self.free_streaming_room()
         for scope in candidates:
             if scope is current:
                 continue
@@ -168,7 +182,7 @@ class Schedule:
             scope.load(with_grads=with_grads)
             in_flight += counted
 
-    def _free_streaming_room(self) -> int | None:
+    def free_streaming_room(self) -> int | None:
         """What the VRAM budget's streaming room has left: the room less the streamed scopes
         that hold device memory now (loading or resident). None without a budget that streams."""
         if self.streaming_room is None:
@@ -273,6 +287,10 @@ class Schedule:
         self.pos = 0
 
     # ---- backward order ------------------------------------------------------------------
+
+    def needed_in_backward(self, scope: Scope) -> bool:
+        """The current backward has needed the scope already (it is computing or finishing)."""
+        return scope in self._bwd_seen
 
     def forget_backward(self) -> None:
         """No backward in progress: the next one starts at the head of the backward order."""

@@ -184,6 +184,9 @@ class Scope:
         self.loads = 0  # host-to-device loads of the weights, since wrap
         self.loads_on_demand = 0  # of which not prefetched: offloaded when the scope needed them
         self.kept = False  # resident by Policy.vram_budget: only a forced release offloads it
+        # A kept scope: each parameter's version counter when its copy was enqueued, to tell
+        # writes no op of ours saw (`p[0].fill_()`, `p.detach().copy_()`; Note [VRAM budget]).
+        self.copied_versions: dict[ParamSlot, int] = {}
         # Set by data_parallel(shard_loads=True): fills device_flat from host_flat in place of
         # the whole-scope copy (`loader.copy(scope)`, on the copy stream; it may return the
         # event that follows its work; Note [sharded loads] in _sharded_loads.py). None: the
@@ -289,6 +292,7 @@ class Scope:
         if not progressive:
             for slot in self.slots:
                 slot.wait_for_step()
+            self._note_copied(self.slots)
         if self.host_shadow is not None:  # Policy(cast="host")
             self._refresh_shadow()
         with streams.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
@@ -349,6 +353,7 @@ class Scope:
                     if i > need:
                         break
                     slot.wait_for_step()
+                self._note_copied((slot,))
                 if staging is None:
                     slot.device_view.copy_(slot.master, non_blocking=True)
                     loading.unmarked += slot.device_view.nbytes
@@ -370,6 +375,16 @@ class Scope:
         if i == loading.end:
             loading.staging = None  # every conversion is enqueued
         self.live.holding_back(self, loading.held_back)
+
+    def _note_copied(self, slots: Any) -> None:
+        if self.kept:
+            for slot in slots:
+                self.copied_versions[slot] = _version(slot.param)
+
+    def written_since_copied(self) -> bool:
+        """A kept scope's masters changed since their copies were enqueued, by writes that did
+        not go through an op on the parameter (Note [VRAM budget] in _schedule.py)."""
+        return any(_version(slot.param) != v for slot, v in self.copied_versions.items())
 
     def _mark_chunk(self, h2d: Any) -> None:
         """Record the event compute waits on for the copies enqueued since the last one: after
@@ -516,6 +531,12 @@ class Scope:
             return None
         self.streams.wait(self.streams.compute(), self.grads_ready)
         return g
+
+
+def _version(p: torch.Tensor) -> int:
+    """`p._version` without `__torch_function__`: bumped by in-place writes to p and to its
+    views and detached aliases."""
+    return torch._C.TensorBase._version.__get__(p)  # type: ignore[attr-defined]
 
 
 def _set_master(p: torch.Tensor, master: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ offloaded.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import os
 import sys
@@ -28,7 +29,14 @@ import pytest
 import tiers
 import torch
 import torch.nn.functional as F
-from conftest import assert_all_scopes_offloaded, assert_grads_match, assert_params_match, mlp_of_blocks, split_policy
+from conftest import (
+    assert_all_scopes_offloaded,
+    assert_grads_match,
+    assert_params_match,
+    device_layout_bytes,
+    mlp_of_blocks,
+    split_policy,
+)
 
 import offtensor
 from offtensor import _slot
@@ -137,10 +145,15 @@ VARIANTS = {
     "backward_and_step": dict(overlap=True),
     # Frozen blocks stored in fp8: converting loads (staging buffer, chunk by chunk conversion).
     "frozen_fp8": dict(fp8=True),
+    # Policy(vram_budget): blocks.0 kept resident (reloaded after each step), the rest streamed
+    # into the budget's streaming room; the kept copy must never outlive a write to its masters.
+    "vram_budget": dict(budget=True),
+    "vram_budget_backward_and_step": dict(budget=True, overlap=True),
+    "vram_budget_reentrant_split": dict(budget=True, split=True, checkpoint="reentrant"),
 }
 
 
-def _build(split: bool = False, checkpoint: str | None = None, fp8: bool = False):
+def _build(split: bool = False, checkpoint: str | None = None, fp8: bool = False, budget: bool = False):
     if fp8:  # matrices of 64 x 128: above offtensor._compress.MIN_NUMEL, so compressed
         model = mlp_of_blocks(n_blocks=3, hidden=64, checkpoint=checkpoint)
         model.blocks.requires_grad_(False)
@@ -148,8 +161,11 @@ def _build(split: bool = False, checkpoint: str | None = None, fp8: bool = False
         assert any(s.packed is not None for scope in model._offtensor_engine.scopes for s in scope.slots)
         return model
     model = mlp_of_blocks(n_blocks=3, checkpoint=checkpoint)
-    policy = split_policy(model) if split else None
+    policy = split_policy(model) if split else offtensor.Policy()
+    if budget:  # 2 + prefetch blocks to stream, one to keep
+        policy = dataclasses.replace(policy, vram_budget=4 * device_layout_bytes(model.blocks[0]))
     offtensor.wrap(model, device="cpu", policy=policy)
+    assert not budget or model._offtensor_engine.scopes[0].kept
     return model
 
 

@@ -6,6 +6,8 @@ counted and the scopes' device bytes bounded by the budget at every load.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from conftest import (
     mlp_of_blocks,
     random_batch,
     reference_then_offload,
+    split_policy,
     tolerances,
 )
 
@@ -178,6 +181,59 @@ def test_training_with_a_budget_matches_the_unwrapped_model(device, overlapped, 
         assert all(counts[f"blocks.{i}"] >= 2 for i in range(3, N_BLOCKS)), counts
     assert most_device_bytes[0] <= budget
     assert_all_scopes_offloaded(model)  # kept ones, if resident, equal their masters
+
+
+@pytest.mark.parametrize("device", devices)
+def test_the_first_backward_of_split_blocks_under_reentrant_checkpointing_stays_within_the_budget(
+        device, most_device_bytes):
+    """Before any backward its order is guessed as the reverse forward order, but reentrant
+    checkpointing recomputes a split block from its first scope: the streaming room filled with
+    the blocks below, and the block's other scopes then loaded on demand on top of it (blocks.5.fc1
+    at 5/3 of the room). A scope backward needs now displaces prefetches not needed yet."""
+    model = mlp_of_blocks(n_blocks=6, checkpoint="reentrant")
+    budget = _budget(model, kept=1)
+    policy = dataclasses.replace(split_policy(model), vram_budget=budget)
+    reference = reference_then_offload(model, device, policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for _ in range(2):
+        x, y = random_batch(device)
+        F.mse_loss(model(x), y).backward()
+        F.mse_loss(reference(x), y).backward()
+        assert_grads_match(model, reference, **tolerances(device))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert_params_match(model, reference, **tolerances(device))
+    assert most_device_bytes[0] <= budget
+    assert_all_scopes_offloaded(model)
+
+
+WRITES_BYPASSING_THE_PARAMETER = {
+    "data_add": lambda p: p.data.add_(1.0),
+    "data_copy": lambda p: p.data.copy_(torch.full_like(p.data, 0.5)),  # what set .data's error suggests
+    "view_fill": lambda p: p[0].fill_(3.0),  # an embedding's padding row
+    "detach_mul": lambda p: p.detach().mul_(-2.0),
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES_BYPASSING_THE_PARAMETER))
+@pytest.mark.parametrize("device", devices)
+def test_a_write_that_bypasses_the_parameter_reloads_a_kept_scope(device, write):
+    """A kept scope stays resident between forwards, so a write to its master that no op on the
+    parameter sees (through `p.data`, a view, a detached alias) left the next forward computing
+    with the old weights: a silent wrong answer that streaming (a fresh load per forward) hides."""
+    model = mlp_of_blocks(n_blocks=N_BLOCKS).eval()
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=_budget(model, kept=3)))
+    x = torch.randn(5, 8, device=device)
+    with torch.no_grad():
+        model(x)
+        for m in (model, reference):
+            WRITES_BYPASSING_THE_PARAMETER[write](m.blocks[1].fc1.weight)
+        torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+        torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+    loads = _loads(model)
+    assert loads["blocks.1"] == 2 and loads["blocks.0"] == 1  # only the written scope reloads
+    assert_all_scopes_offloaded(model)
 
 
 @pytest.mark.parametrize("device", devices)
