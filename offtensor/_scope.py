@@ -506,12 +506,17 @@ class Scope:
         fetched = [(slot, g, torch.empty(g.shape, dtype=g.dtype, device=device)) for slot, g in todo]
         streams.wait(h2d, streams.record(compute))
         with streams.on(h2d):
-            for slot, g, old in fetched:
+            for _, g, old in fetched:
                 old.copy_(g, non_blocking=True)
-                slot.old_grad = old
-                slot.old_grad_source = (g, g._version)
-        self.grads_ready = streams.record(h2d)
-        streams.reads_masters(self.grads_ready)
+        self.grads_ready = ready = streams.record(h2d)
+        streams.reads_masters(ready)
+        # Only now, and the source before the copy: an interrupt between two statements (Note
+        # [interrupts]) must not leave a slot with a copy that grads_ready does not cover, or a
+        # copy without the source take_old_grad checks it against. A kept scope keeps both
+        # across an interrupted backward into the next one.
+        for slot, g, old in fetched:
+            slot.old_grad_source = (g, g._version)
+            slot.old_grad = old
 
     def take_old_grad(self, slot: ParamSlot) -> torch.Tensor | None:
         """The device copy of `p.grad` fetched with the scope's weights, if `p.grad` is still
