@@ -274,16 +274,21 @@ def test_load_of_a_compressed_qwen2_with_a_tied_embedding_and_adapters_matches_f
         model = transformers.Qwen2ForCausalLM._from_config(config, dtype=torch.bfloat16)  # buffers fp32
     model = peft.get_peft_model(model, copy.deepcopy(lora)).eval()
 
-    def init(name, module):  # the adapters: the reference's values
+    initialized = []
+
+    def init(name, module):  # the adapters only: the reference's values
+        initialized.append(name)
         for pname, p in module.named_parameters(recurse=False):
-            with torch.no_grad():
-                p.copy_(reference.get_parameter(f"{name}.{pname}"))
+            if ".lora_" in f"{name}.":
+                with torch.no_grad():
+                    p.copy_(reference.get_parameter(f"{name}.{pname}"))
 
     offtensor.load(model, tmp_path, _embedding_and_layers, init=init, device=device, init_device=init_device,
                    policy=offtensor.Policy(frozen_format=fmt))
     embed = model.base_model.model.model.embed_tokens.weight
     assert model.base_model.model.lm_head.weight is embed and embed._ot.packed is not None
     assert len(offtensor.summary(model).scopes) == 4
+    assert initialized and all(".lora_" in name for name in initialized)  # the rest: from the checkpoint
     for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         assert p.requires_grad == r.requires_grad and torch.equal(p.detach().cpu(), r.detach()), name
     reference.to(device)
