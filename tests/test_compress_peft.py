@@ -187,7 +187,8 @@ def test_peft_merge_into_a_compressed_base_requantizes_and_leaves_no_stale_copy(
         merged_model = model.to("cpu").merge_and_unload().to(device)
         plain = reference.merge_and_unload()
         _requantize_bases(plain, fmt)
-        assert offtensor.is_wrapped(merged_model) and type(merged_model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+        assert offtensor.is_wrapped(merged_model)
+        assert type(merged_model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
         torch.testing.assert_close(host(merged_model(input_ids=ids.to(device)).logits), plain(input_ids=ids).logits,
                                    **tol)
     assert_all_scopes_offloaded(merged_model)
