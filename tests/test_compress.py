@@ -14,7 +14,16 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BlockStack, ResidualBlock, device_layout_bytes, devices, host, requires_cuda, tolerances
+from conftest import (
+    BlockStack,
+    ResidualBlock,
+    assert_all_scopes_offloaded,
+    device_layout_bytes,
+    devices,
+    host,
+    requires_cuda,
+    tolerances,
+)
 from torch import nn
 
 import offtensor
@@ -390,3 +399,115 @@ def test_fp8_on_the_second_gpu_while_the_first_is_current_matches_the_resident_m
     with torch.no_grad():
         for _ in range(3):  # the first pass loads on demand, the next ones progressively
             torch.testing.assert_close(model(x), reference(x), **tolerances("cuda", torch.bfloat16))
+
+
+def _tied_reference(model: nn.Module, fmt: str) -> nn.Module:
+    """A plain copy of `model` whose compressed matrices (all those above MIN_NUMEL, the tied
+    embedding included) hold their compressed values."""
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in reference.parameters():
+            if p.dim() >= 2 and p.numel() >= MIN_NUMEL:
+                p.copy_(quantize_dequantize(p, fmt))
+    return reference
+
+
+@pytest.mark.parametrize("tied_side", ["head_in_block", "embedding_selected"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tied_and_shared_compressed_weights_round_trip_and_stay_tied(fmt, tied_side, tmp_path):
+    """A tied embedding and head compressed in one scope, and a matrix shared by two scopes:
+    state_dict, torch.save of the state dict and of the model, deepcopy, pickle and
+    load_state_dict (also assign=True) all give the compressed values, copies stay tied, and a
+    write through one name is what every user of the shared parameter computes with."""
+    from conftest import TiedLM, tied_lm_predicate
+
+    model = TiedLM(tied_side, vocab=128, hidden=HIDDEN, n_blocks=3).requires_grad_(False)
+    model.blocks[1].fc1.weight = model.blocks[0].fc1.weight  # shared by two scopes
+    offtensor.wrap(model, tied_lm_predicate(tied_side), device="cpu", policy=offtensor.Policy(frozen_format=fmt))
+    head = "blocks.3.proj.weight" if tied_side == "head_in_block" else "head.weight"
+    assert model.get_parameter(head) is model.embed.weight and model.embed.weight._ot.packed is not None
+    assert model.blocks[0].fc1.weight._ot.packed is not None
+    reference = _tied_reference(model, fmt)  # a deepcopy: plain parameters, still tied and shared
+    assert reference.get_parameter(head) is reference.embed.weight
+    tokens = torch.randint(0, 128, (2, 6))
+
+    def check(m: nn.Module, what: str) -> None:
+        assert m.get_parameter(head) is m.embed.weight, what
+        assert m.blocks[1].fc1.weight is m.blocks[0].fc1.weight, what
+        with torch.no_grad():
+            torch.testing.assert_close(m(tokens), reference(tokens), rtol=0, atol=0, msg=what)
+
+    check(model, "wrapped")
+    state = model.state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(state[key], value), key
+    torch.save(state, tmp_path / "state.pt")
+    torch.save(model, tmp_path / "model.pt")
+    check(torch.load(tmp_path / "model.pt", weights_only=False), "torch.save(model)")
+    check(copy.deepcopy(model), "deepcopy")
+    check(pickle.loads(pickle.dumps(model)), "pickle")
+    model.load_state_dict(torch.load(tmp_path / "state.pt"))  # values already compressed: no change
+    check(model, "load_state_dict of its own state")
+    new = {k: torch.randn_like(v) for k, v in state.items()}
+    model.load_state_dict(new)
+    reference.load_state_dict(new)
+    reference = _tied_reference(reference, fmt)
+    check(model, "load_state_dict of new values")
+    with torch.no_grad():
+        model.blocks[1].fc1.weight.copy_(torch.randn(2 * HIDDEN, HIDDEN))  # through the second scope
+        reference.blocks[1].fc1.weight.copy_(model.blocks[0].fc1.weight)
+    check(model, "write through the second scope")
+    model.load_state_dict(state, assign=True)
+    reference.load_state_dict(state)
+    check(model, "load_state_dict(assign=True)")
+    assert isinstance(model.embed.weight, offtensor.OffloadedParameter)
+
+
+class _Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["forward_no_grad", "forward", "recompute", "backward"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("device", devices)
+def test_an_exception_in_a_compressed_model_leaves_no_device_copy_and_the_next_step_exact(
+        device, fmt, where, monkeypatch):
+    """An exception in the middle of a forward (loads progressive, chunk by chunk, converting
+    on the cast stream), in the recompute of a checkpointed block, or in backward: no device copy
+    or staging buffer is left once the next forward starts, and that step matches the resident
+    model with the same compressed weights."""
+    import offtensor._scope as scope_module
+
+    monkeypatch.setattr(scope_module, "CHUNK_BYTES", 4096)  # several chunks per compressed scope
+    model = _lora_model(torch.float32)
+    model.checkpoint = "non_reentrant" if where == "recompute" else None
+    reference = _compressed_reference(model, fmt, device)
+    _wrap(model, device, frozen_format=fmt)
+    x = torch.randn(4, 8, device=device)
+    model(x).sum().backward()  # learned orders: the next loads are progressive
+    calls = []
+
+    def boom(module, args, output=None):
+        calls.append(1)
+        if where != "recompute" or len(calls) > 1:  # the recompute is the second call
+            raise _Boom
+
+    base = model.blocks[1].fc1.base
+    handle = (base.register_full_backward_hook(boom) if where == "backward" else base.register_forward_hook(boom))
+    with pytest.raises(_Boom), torch.set_grad_enabled(where != "forward_no_grad"):
+        model(x).sum().backward()
+    handle.remove()
+    engine = _find_engine(model)
+    if where in ("forward_no_grad", "forward"):  # a failed backward is cleaned up at the next forward
+        assert_all_scopes_offloaded(model)
+    for p in (*model.parameters(), *reference.parameters()):
+        p.grad = None
+    out, expected = model(x), reference(x)
+    assert all(scope.loading is None or scope.loading.staging is None for scope in engine.scopes)
+    torch.testing.assert_close(out, expected, **tolerances(device))
+    out.sum().backward()
+    expected.sum().backward()
+    for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        if r.requires_grad:
+            torch.testing.assert_close(host(p.grad), host(r.grad), msg=name, **tolerances(device))
+    assert_all_scopes_offloaded(model)

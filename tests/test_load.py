@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -240,3 +241,57 @@ def test_peak_host_memory_of_a_load_stays_near_the_offloaded_bytes(tmp_path, fmt
     print(f"{fmt}: peak RSS growth {growth / 2**20:.1f} MiB (less one scope's device buffer) for "
           f"{result['host'] / 2**20:.1f} MiB of masters ({ratio:.3f}x)")
     assert ratio <= 1.15
+
+
+def _embedding_and_layers(name: str, module: torch.nn.Module) -> bool:
+    return name.endswith("model.embed_tokens") or re.fullmatch(r"(.*\.)?model\.layers\.\d+", name) is not None
+
+
+@pytest.mark.parametrize("init_device", [None, *devices], ids=lambda d: f"init_{d}")
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("device", devices)
+def test_load_of_a_compressed_qwen2_with_a_tied_embedding_and_adapters_matches_from_pretrained(
+        tmp_path, device, fmt, init_device):
+    """A non-Llama architecture (Qwen2: q, k, v biases) saved by save_pretrained in several
+    shards, its tied embedding and head a compressed scope of its own, PEFT adapters filled by
+    init (on init_device): every parameter equals the model loaded by from_pretrained with its
+    compressed matrices quantized the same way, and so do the logits, exactly on the CPU."""
+    peft = pytest.importorskip("peft")
+    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                      tie_word_embeddings=True)
+    transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="40KB")
+    assert len(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]) > 1
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "up_proj"], init_lora_weights=False)
+    reference = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    reference = peft.get_peft_model(reference, lora).eval()
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if (".layers." in name or "embed_tokens" in name) and p.dim() >= 2 and p.numel() >= MIN_NUMEL \
+                    and not p.requires_grad:
+                p.copy_(quantize_dequantize(p, fmt))
+    with accelerate.init_empty_weights():
+        model = transformers.Qwen2ForCausalLM._from_config(config, dtype=torch.bfloat16)  # buffers fp32
+    model = peft.get_peft_model(model, copy.deepcopy(lora)).eval()
+
+    initialized = []
+
+    def init(name, module):  # the adapters only: the reference's values
+        initialized.append(name)
+        for pname, p in module.named_parameters(recurse=False):
+            if ".lora_" in f"{name}.":
+                with torch.no_grad():
+                    p.copy_(reference.get_parameter(f"{name}.{pname}"))
+
+    offtensor.load(model, tmp_path, _embedding_and_layers, init=init, device=device, init_device=init_device,
+                   policy=offtensor.Policy(frozen_format=fmt))
+    embed = model.base_model.model.model.embed_tokens.weight
+    assert model.base_model.model.lm_head.weight is embed and embed._ot.packed is not None
+    assert len(offtensor.summary(model).scopes) == 4
+    assert initialized and all(".lora_" in name for name in initialized)  # the rest: from the checkpoint
+    for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        assert p.requires_grad == r.requires_grad and torch.equal(p.detach().cpu(), r.detach()), name
+    reference.to(device)
+    with torch.no_grad():
+        got, expected = model(input_ids=_ids(device)).logits, reference(input_ids=_ids(device)).logits
+    torch.testing.assert_close(got, expected, **tolerances(device, torch.bfloat16))
