@@ -131,6 +131,12 @@ class Engine:
         """no_offload() is in effect for this model: nothing is released."""
         return len(self.holds) > 0 or len(holds_for_all) > 0
 
+    def outlives_calls(self, scope: Scope) -> bool:
+        """The scope's device copy stays from one call to the next: kept by the VRAM budget,
+        or held by no_offload(). Writes that bypass the parameter (`p.data`, a detached alias)
+        leave such a copy stale; a streamed scope loads afresh at its next call."""
+        return scope.kept or self.hold()
+
     def release_all(self, *, force: bool = False) -> None:
         """Release every scope on the device; `force`: those the VRAM budget keeps too."""
         self.live.release_all(force=force)
@@ -184,9 +190,10 @@ class Engine:
     def master_handed_out(self, scope: Scope) -> None:
         """`p.data` of one of the scope's parameters was taken (or, for a kept scope, its masters
         were written through a view): writes through it reach the master unseen, under a version
-        counter of its own. A kept scope's device copy would go stale, so it goes now; the next
-        forward reloads it (Note [VRAM budget] in _schedule.py). Streamed scopes load afresh."""
-        if not scope.kept or scope.state is ScopeState.OFFLOADED or on_optimizer_worker():
+        counter of its own. A kept (or no_offload-held) scope's device copy would go stale, so it
+        goes now; the next forward reloads it (Note [VRAM budget] in _schedule.py). Streamed
+        scopes load afresh."""
+        if not self.outlives_calls(scope) or scope.state is ScopeState.OFFLOADED or on_optimizer_worker():
             return
         if scope.running_calls > 1 or (scope.running_calls == 1 and not scope.written_since_copied()):
             return  # its own forward reads `.data`: no release under it
@@ -213,7 +220,7 @@ class Engine:
             scope.grad_calls_this_pass += 1
             self._pass_counted = True
         self.live.pump()
-        if scope.kept and scope.running_calls == 1 and scope.written_since_copied():
+        if self.outlives_calls(scope) and scope.running_calls == 1 and scope.written_since_copied():
             self.master_handed_out(scope)  # its copy is stale (Note [VRAM budget] in _schedule.py)
         if scope.state is ScopeState.OFFLOADED:
             scope.loads_on_demand += 1

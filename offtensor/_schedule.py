@@ -45,7 +45,8 @@ base) once. Writes no op on the parameter sees must release it too, or the next 
 with the old weights: through a view or a detached alias (`p[0].fill_()`, `p.detach().mul_()`)
 they bump `p._version`, which a kept scope's next forward compares with the versions its copy
 was made from (`Scope.written_since_copied`); `p.data` has a version counter of its own, so
-taking it releases a kept copy at once (`Engine.master_handed_out`). Kept scopes do not count
+taking it releases a kept copy at once (`Engine.master_handed_out`). A scope no_offload() holds
+is checked the same way (`Engine.outlives_calls`): its copy also outlives its calls. Kept scopes do not count
 against the prefetch budget (their bytes are reserved), but the old gradients a load for
 backward fetches (accumulation) do. The budget covers weights: gradients on their way to the
 host and activations come on top.

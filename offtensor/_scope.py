@@ -377,12 +377,13 @@ class Scope:
         self.live.holding_back(self, loading.held_back)
 
     def _note_copied(self, slots: Any) -> None:
-        if self.kept:
-            for slot in slots:
-                self.copied_versions[slot] = _version(slot.param)
+        # Every scope, not only kept ones: no_offload() holds streamed scopes resident as the
+        # budget keeps kept ones, and their copies go stale the same way (Engine.outlives_calls).
+        for slot in slots:
+            self.copied_versions[slot] = _version(slot.param)
 
     def written_since_copied(self) -> bool:
-        """A kept scope's masters changed since their copies were enqueued, by writes that did
+        """A kept (or held) scope's masters changed since their copies were enqueued, by writes that did
         not go through an op on the parameter (Note [VRAM budget] in _schedule.py)."""
         return any(_version(slot.param) != v for slot, v in self.copied_versions.items())
 
