@@ -24,6 +24,8 @@ from conftest import assert_all_scopes_offloaded, device_layout_bytes, devices, 
 
 import offtensor
 from offtensor._compress import quantize_dequantize
+from offtensor._scope import Scope
+from offtensor._wrap import _find_engine
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,6 +66,27 @@ def _wrap_with_reference(model: torch.nn.Module, device: str, policy: offtensor.
     return reference.to(device), n_packed
 
 
+@pytest.fixture
+def most_device_bytes(monkeypatch):
+    """The largest sum of the scopes' device weights seen right after any load starts."""
+    seen = [0]
+    real = Scope._start_load
+
+    def spy(scope):
+        real(scope)
+        seen[0] = max(seen[0], sum(s.device_storage.nbytes() for s in scope.engine.scopes))
+
+    monkeypatch.setattr(Scope, "_start_load", spy)
+    return seen
+
+
+def _assert_within_budget(model: torch.nn.Module, most_device_bytes: list[int]) -> None:
+    budget = _find_engine(model).policy.vram_budget
+    assert most_device_bytes[0] > 0
+    if budget is not None:
+        assert most_device_bytes[0] <= budget, f"{most_device_bytes[0]} device bytes over a budget of {budget}"
+
+
 def _count_forwards(model: torch.nn.Module) -> Counter:
     """How many times each scope's module runs its forward, counted from now on."""
     calls: Counter = Counter()
@@ -73,13 +96,14 @@ def _count_forwards(model: torch.nn.Module) -> Counter:
 
 
 def _assert_loads(model: torch.nn.Module, calls: Counter, extra: dict[str, int] | None = None,
-                  kept_state: offtensor.ScopeState = offtensor.ScopeState.RESIDENT) -> None:
+                  offloaded: tuple[str, ...] = ()) -> None:
     """Since wrap, a kept scope loaded once in all and is resident, a streamed one loaded once per
-    forward (`calls`), plus `extra`; a kept one is in `kept_state`."""
+    forward (`calls`), plus `extra`; a kept one is resident, but those in `offloaded`."""
     for s in offtensor.summary(model).scopes:
         if s.kept:
             assert s.loads == 1 + (extra or {}).get(s.name, 0), f"kept {s.name}: {s.loads} loads"
-            assert s.state is kept_state, f"kept {s.name} is {s.state}"
+            want_state = offtensor.ScopeState.OFFLOADED if s.name in offloaded else offtensor.ScopeState.RESIDENT
+            assert s.state is want_state, f"kept {s.name} is {s.state}"
         else:
             want = calls[s.name] + (extra or {}).get(s.name, 0)
             assert s.loads == want, f"{s.name}: {s.loads} loads for {want}"
@@ -164,7 +188,8 @@ def _generate(model: torch.nn.Module, prompt: torch.Tensor, decoding: dict, chec
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("arch", list(GENERATORS))
 @pytest.mark.parametrize("device", devices)
-def test_generate_matches_the_reference_under_budget_and_compression(device, arch, policy, decoding):
+def test_generate_matches_the_reference_under_budget_and_compression(device, arch, policy, decoding,
+                                                                    most_device_bytes):
     build, n_matrices = GENERATORS[arch]
     model = build().eval().requires_grad_(False)
     blocks = [m for name, m in model.named_modules()
@@ -193,6 +218,7 @@ def test_generate_matches_the_reference_under_budget_and_compression(device, arc
     # unless the budget keeps it.
     extra = {"encoder.block.0": 1} if arch == "t5" and not policy.endswith("budget") else None
     _assert_loads(model, calls, extra)
+    _assert_within_budget(model, most_device_bytes)
 
 
 # ---- denoising loops of tiny diffusers models ------------------------------------------------
@@ -261,7 +287,8 @@ TIMESTEPS = [999.0, 750.0, 500.0, 250.0, 1.0]
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("arch", list(DENOISERS))
 @pytest.mark.parametrize("device", devices)
-def test_denoising_loop_matches_the_reference_under_budget_and_compression(device, arch, policy):
+def test_denoising_loop_matches_the_reference_under_budget_and_compression(device, arch, policy,
+                                                                          most_device_bytes):
     model, sample, call, predicate = DENOISERS[arch]()
     model.eval().requires_grad_(False)
     probe = copy.deepcopy(model)  # to find the blocks the wrap will select, and their sizes
@@ -287,6 +314,7 @@ def test_denoising_loop_matches_the_reference_under_budget_and_compression(devic
 
     assert all(calls[name] == len(TIMESTEPS) for name in calls), calls
     _assert_loads(model, calls)
+    _assert_within_budget(model, most_device_bytes)
 
 
 # ---- TRL-style loop: generation, then LoRA training, under a budget with an fp8 base ----------
@@ -296,21 +324,26 @@ peft = pytest.importorskip("peft")
 
 
 def _lora_llama() -> torch.nn.Module:
-    model = _llama(layers=5)
+    """Adapters on every layer but the second: a budget keeping two layers keeps one that trains
+    and one whose copy, made in a rollout, serves every training step as it is."""
+    model = _llama(layers=6)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                           layers_to_transform=[0, 2, 3, 4, 5],
                            init_lora_weights=False)  # B != 0: the adapters change the tokens
     return peft.get_peft_model(model, lora)
 
 
-def _rollout(model: torch.nn.Module, prompt: torch.Tensor, check: _CheckBetweenForwards):
+def _rollout(model: torch.nn.Module, prompt: torch.Tensor, check: _CheckBetweenForwards,
+             inference_mode: bool):
     model.eval()
     torch.manual_seed(99)
-    out = model.generate(
-        input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS, do_sample=True, top_k=20, pad_token_id=0, use_cache=True,
-        return_dict_in_generate=True, output_logits=True,
-        logits_processor=transformers.LogitsProcessorList([check]))
-    return out.sequences, torch.stack(out.logits)
+    with torch.inference_mode(inference_mode):  # the device copies made here serve the training next
+        out = model.generate(
+            input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS, do_sample=True, top_k=20, pad_token_id=0, use_cache=True,
+            return_dict_in_generate=True, output_logits=True,
+            logits_processor=transformers.LogitsProcessorList([check]))
+    return out.sequences.clone(), torch.stack(out.logits).clone()  # normal tensors out of inference mode
 
 
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor,
@@ -326,16 +359,17 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torc
     return loss.detach()
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["step", "backward_and_step"])
+@pytest.mark.parametrize("loop", ["step", "backward_and_step", "inference_mode_rollouts"])
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 @pytest.mark.parametrize("device", devices)
-def test_generation_alternating_with_lora_training_matches_the_reference(device, fmt, overlap):
+def test_generation_alternating_with_lora_training_matches_the_reference(device, fmt, loop,
+                                                                        most_device_bytes):
     model = _lora_llama()
     layers = list(model.base_model.model.model.layers)
-    policy = offtensor.Policy(frozen_format=fmt, vram_budget=_budget(layers, kept=1))
+    policy = offtensor.Policy(frozen_format=fmt, vram_budget=_budget(layers, kept=2))
     reference, n_packed = _wrap_with_reference(model, device, policy)
-    assert n_packed == 5 * 5
-    assert [s.kept for s in offtensor.summary(model).scopes] == [True, False, False, False, False]
+    assert n_packed == 6 * 5
+    assert [s.kept for s in offtensor.summary(model).scopes] == [True, True] + [False] * 4
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
@@ -344,14 +378,15 @@ def test_generation_alternating_with_lora_training_matches_the_reference(device,
     prompt = torch.randint(3, VOCAB, (2, 4), generator=torch.Generator().manual_seed(1)).to(device)
 
     for round_ in range(3):
-        tokens, logits = _rollout(model, prompt, check := _CheckBetweenForwards(model))
-        ref_tokens, ref_logits = _rollout(reference, prompt, _CheckBetweenForwards(None))
+        inference_mode = loop == "inference_mode_rollouts"
+        tokens, logits = _rollout(model, prompt, check := _CheckBetweenForwards(model), inference_mode)
+        ref_tokens, ref_logits = _rollout(reference, prompt, _CheckBetweenForwards(None), inference_mode)
         assert check.seen == NEW_TOKENS
         torch.testing.assert_close(tokens, ref_tokens, rtol=0, atol=0, msg=lambda m: f"round {round_} tokens: {m}")
         torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0, msg=lambda m: f"round {round_} logits: {m}")
         assert_all_scopes_offloaded(model)
 
-        loss = _train_step(model, opts[0], tokens, overlap)
+        loss = _train_step(model, opts[0], tokens, overlap=loop == "backward_and_step")
         ref_loss = _train_step(reference, opts[1], ref_tokens, overlap=False)
         torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0, msg=lambda m: f"round {round_} loss: {m}")
         for (name, p), r in zip(model.named_parameters(), reference.parameters(), strict=True):
@@ -365,9 +400,11 @@ def test_generation_alternating_with_lora_training_matches_the_reference(device,
         assert_all_scopes_offloaded(model)
 
     # A streamed scope loads once per forward and once per backward, but the last one, kept
-    # from its forward for the backward. The kept scope holds the trained LoRA matrices: each
+    # from its forward for the backward. The first kept scope holds trained LoRA matrices: each
     # step writes its masters and retires its copy, so it loads again at the next rollout
-    # (twice) and is offloaded after the last step, with no stale copy (checked above).
+    # (twice) and is offloaded after the last step, with no stale copy (checked above). The
+    # second, frozen, loads once in all.
     names = [s.name for s in offtensor.summary(model).scopes]
-    extra = {name: 3 for name in names[1:-1]} | {names[0]: 2}
-    _assert_loads(model, calls, extra, kept_state=offtensor.ScopeState.OFFLOADED)
+    extra = {name: 3 for name in names[2:-1]} | {names[0]: 2}
+    _assert_loads(model, calls, extra, offloaded=(names[0],))
+    _assert_within_budget(model, most_device_bytes)
