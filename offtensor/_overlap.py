@@ -188,9 +188,18 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
             engine.backward_failed()
         _raise_partial(e, stepper, "backward")
     finally:
-        for engine in engines:
-            engine.grads.stepper = None
-        stepper.close()
+        # The worker waits for pieces until it is closed, and wait_for_steps() waits for the
+        # worker: close() must run whatever line an interrupt lands on here, once more if it
+        # landed inside the first close() itself.
+        try:
+            for engine in engines:
+                engine.grads.stepper = None
+        finally:
+            try:
+                stepper.close()
+            except BaseException:
+                stepper.close()
+                raise
     stepper.report.backward_s = stepper.elapsed()
     try:
         stepper.step_rest()
