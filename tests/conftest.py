@@ -580,3 +580,20 @@ def small_llama(checkpointing: bool) -> nn.Module:
         enable()
     model.train()
     return model
+
+
+@pytest.fixture
+def most_device_bytes(monkeypatch):
+    """The largest sum of the scopes' device weights seen right after any load starts (the
+    budget bounds weights; old gradients fetched for accumulation come on top)."""
+    seen = [0]
+    from offtensor import _scope
+
+    real = _scope.Scope._start_load
+
+    def spy(scope):
+        real(scope)
+        seen[0] = max(seen[0], sum(s.device_storage.nbytes() for s in scope.engine.scopes))
+
+    monkeypatch.setattr(_scope.Scope, "_start_load", spy)
+    return seen

@@ -24,7 +24,6 @@ from conftest import assert_all_scopes_offloaded, device_layout_bytes, devices, 
 
 import offtensor
 from offtensor._compress import quantize_dequantize
-from offtensor._scope import Scope
 from offtensor._wrap import _find_engine
 
 transformers = pytest.importorskip("transformers")
@@ -64,20 +63,6 @@ def _wrap_with_reference(model: torch.nn.Module, device: str, policy: offtensor.
                 ref_params[name].copy_(quantize_dequantize(ref_params[name], policy.frozen_format))
                 n_packed += 1
     return reference.to(device), n_packed
-
-
-@pytest.fixture
-def most_device_bytes(monkeypatch):
-    """The largest sum of the scopes' device weights seen right after any load starts."""
-    seen = [0]
-    real = Scope._start_load
-
-    def spy(scope):
-        real(scope)
-        seen[0] = max(seen[0], sum(s.device_storage.nbytes() for s in scope.engine.scopes))
-
-    monkeypatch.setattr(Scope, "_start_load", spy)
-    return seen
 
 
 def _assert_within_budget(model: torch.nn.Module, most_device_bytes: list[int]) -> None:

@@ -25,7 +25,6 @@ from conftest import (
 )
 
 import offtensor
-from offtensor._scope import Scope
 
 N_BLOCKS = 8
 
@@ -40,21 +39,6 @@ def _budget(model, kept: int, prefetch: int = 1) -> int:
 
 def _loads(model) -> dict[str, int]:
     return {s.name: s.loads for s in offtensor.summary(model).scopes}
-
-
-@pytest.fixture
-def most_device_bytes(monkeypatch):
-    """The largest sum of the scopes' device weights seen right after any load starts (the
-    budget bounds weights; old gradients fetched for accumulation come on top)."""
-    seen = [0]
-    real = Scope._start_load
-
-    def spy(scope):
-        real(scope)
-        seen[0] = max(seen[0], sum(s.device_storage.nbytes() for s in scope.engine.scopes))
-
-    monkeypatch.setattr(Scope, "_start_load", spy)
-    return seen
 
 
 def test_the_plan_keeps_the_first_scopes_that_fit_and_summary_shows_it():
