@@ -106,6 +106,7 @@ class Engine:
         self._thread: int | None = None  # the thread of the latest forward (check_thread)
         self._create_graph = False  # the backward running now builds a graph (create_graph=True)
         self._pass_counted = False  # a call of the current pass can add to a gradient
+        self._carried_fresh = False  # scopes were carried since the last pass started
         self.handles: list[torch.utils.hooks.RemovableHandle] = []  # hooks on the wrapped model
         self.scope_hooks: list[Any] = []  # each scope's _hooks.ScopeHooks, set by wrap
         # Set by wrap: the module it wrapped (weak: the model holds the engine) and the
@@ -133,9 +134,10 @@ class Engine:
 
     def outlives_calls(self, scope: Scope) -> bool:
         """The scope's device copy stays from one call to the next: kept by the VRAM budget,
-        or held by no_offload(). Writes that bypass the parameter (`p.data`, a detached alias)
-        leave such a copy stale; a streamed scope loads afresh at its next call."""
-        return scope.kept or self.hold()
+        carried from a backward into the next forward, or held by no_offload(). Writes that
+        bypass the parameter (`p.data`, a detached alias) leave such a copy stale; a streamed
+        scope loads afresh at its next call."""
+        return scope.kept or scope.carried or self.hold()
 
     def release_all(self, *, force: bool = False) -> None:
         """Release every scope on the device; `force`: those the VRAM budget keeps too."""
@@ -222,6 +224,7 @@ class Engine:
         self.live.pump()
         if self.outlives_calls(scope) and scope.running_calls == 1 and scope.written_since_copied():
             self.master_handed_out(scope)  # its copy is stale (Note [VRAM budget] in _schedule.py)
+        scope.carried = False  # used: released as its forward ends, like any streamed scope
         if scope.state is ScopeState.OFFLOADED:
             scope.loads_on_demand += 1
         scope.load(with_grads=False)
@@ -251,9 +254,10 @@ class Engine:
             scope.grad_calls_this_pass = 0
             if scope is not first:
                 scope.running_calls = 0
+        fresh, self._carried_fresh = self._carried_fresh, False  # only the first pass after
         if not self.hold():
             for scope in self.live:
-                if scope is not first:
+                if scope is not first and not (scope.carried and fresh):
                     scope.release()
 
     @_outside_transforms
@@ -272,7 +276,7 @@ class Engine:
         if first is None or self.schedule.prefetch_bytes == 0 or self.hold():
             return
         for scope in self.live:
-            if scope is not first and scope.running_calls == 0:
+            if scope is not first and scope.running_calls == 0 and not (scope.carried and self._carried_fresh):
                 scope.release()
         if first.state is ScopeState.OFFLOADED:
             first.load(with_grads=False)
@@ -374,7 +378,21 @@ class Engine:
         if self.hold() or scope.calls_this_pass > 1:
             return  # a module called several times: later calls' backward still needs it
         if scope.state is not ScopeState.OFFLOADED and scope.running_calls == 0:
+            if self._carries(scope):
+                scope.carried = True  # Note [carried into the next forward] in _schedule.py
+                self._carried_fresh = True
+                return
             scope.release()
+
+    def _carries(self, scope: Scope) -> bool:
+        """Leave the scope resident for the next forward. Not when the masters may change
+        unseen before it (backward_and_step's worker steps trainable ones), nor under data
+        parallelism (ranks load together), nor for a backward that built a graph."""
+        if self._create_graph or self.grads.reducer is not None:
+            return False
+        if self.grads.stepper is not None and any(slot.param.requires_grad for slot in scope.slots):
+            return False
+        return self.schedule.carries(scope)
 
     @_outside_transforms
     def end_backward(self) -> None:
@@ -387,7 +405,9 @@ class Engine:
             scope.grad_calls_this_pass = 0
         self._create_graph = False
         if not self.hold():
-            self.release_all()
+            for scope in self.live:
+                if not scope.carried:
+                    scope.release()
             if self.grads.stepper is not None:
                 # backward_and_step: its worker steps these masters and cannot release their
                 # kept copies (Note [VRAM budget] in _schedule.py). A step on this thread

@@ -34,9 +34,10 @@ did not use are released. Without the hooks, ORDER_LIMIT bounds the order's leng
 needs room for 2 + `prefetch` of the largest selected modules: the one computing, the one
 before it, still finishing its backward when the next one's backward starts and prefetches
 (autograd fires the next scope's output-gradient hook before the previous scope's last
-input-gradient hook), and `prefetch` in flight. What is left keeps whole scopes resident, the
-first ones in the order `wrap` found them (usually the forward order: the first scope of a
-pass is the one whose copy nothing hides). A kept scope is released only when its copy would
+input-gradient hook), and `prefetch` in flight. What is left keeps whole scopes resident: the
+first in the order `wrap` found them (usually the forward order: the first scope of a pass is
+the one whose copy nothing hides), then the others spread evenly over that order (see "Kept
+scopes spread" below). A kept scope is released only when its copy would
 be stale or must go: a write to one of its masters (an optimizer step on this thread), the end
 of a `backward_and_step`'s backward for its trainable scopes (the worker steps them and cannot
 release), an interrupted call, `unwrap`. So in inference a kept scope loads once; in training,
@@ -58,6 +59,17 @@ forward, and above all while a kept scope computes, most of that room is free. K
 scopes made this matter: with `prefetch` scopes ahead, the copies stopped one streamed scope
 ahead while the kept scopes computed, and the link idled for that long in a transfer-bound pass.
 Filling the room keeps the copies going from the pass's first op, within the same bytes.
+
+Kept scopes spread: filling the room still caps how far the copies get ahead while kept scopes
+compute, at the room's 2 + `prefetch` blocks. With the kept scopes first, the copies got that far
+ahead during the first kept scopes and then idled for the rest of them; in a pass where a
+streamed block computes a little faster than it copies (a 34B LoRA step's forward: 11 ms of
+compute against 12.8 ms of fp8 copies per layer), that lead was gone after a few streamed
+blocks, and each later one waited for its copy: 7 kept layers of 48 lost about 40 ms of link
+time. Spread out, each kept scope comes when the copies have fallen a few blocks behind, and
+its compute lets them catch up; the lead never has to exceed the room, and the link does not
+idle. The passes that are transfer-bound (inference) or compute-bound move the same bytes
+either way.
 
 Filling it also leaves no slack for a guess that is wrong. Before the first backward its order is
 guessed as the reverse forward order; under reentrant checkpointing (transformers' too) a split
@@ -111,6 +123,10 @@ class Schedule:
         self._next_begin: dict[Scope, Scope] = {}
         self._policy = policy
         self.largest = 0  # the largest scope's device bytes (set by ready)
+        self.largest_block = 0  # the largest block's device bytes (set by ready)
+        # The scopes the current backward leaves resident for the next forward (None: not
+        # chosen yet in this backward; Note [carried into the next forward]).
+        self._carry: set[Scope] | None = None
         self.prefetch_bytes = 0  # Policy.prefetch x the largest block (set by ready)
         # Under a VRAM budget that streams some scopes: the device bytes streamed scopes may
         # take together (Note [VRAM budget]); None without one.
@@ -127,7 +143,7 @@ class Schedule:
         blocks: dict[str, int] = {}
         for s in self.scopes:
             blocks[s.block] = blocks.get(s.block, 0) + s.device_nbytes
-        largest_block = max(blocks.values(), default=0)
+        largest_block = self.largest_block = max(blocks.values(), default=0)
         self.prefetch_bytes = self._policy.prefetch * largest_block
         budget = self._policy.vram_budget
         if budget is not None:
@@ -144,11 +160,21 @@ class Schedule:
         streaming = streaming_bytes(largest_block, self._policy.prefetch)
         assert budget >= streaming  # wrap checked it (_check_budget) before anything moved
         room = budget - streaming
-        for scope in self.scopes:
-            if scope.device_nbytes > room:
-                break
-            scope.kept = True
-            room -= scope.device_nbytes
+        first, *rest = self.scopes
+        if first.device_nbytes > room:
+            return
+        first.kept = True
+        room -= first.device_nbytes
+        # The rest spread evenly by bytes: each scope earns the kept share (room / rest) of its
+        # bytes, and one is kept when the earnings so far pay for it (in integers: x rest).
+        rest_bytes = max(1, sum(s.device_nbytes for s in rest))
+        share, credit = room, 0
+        for scope in rest:
+            credit += share * scope.device_nbytes
+            if scope.device_nbytes * rest_bytes <= credit and scope.device_nbytes <= room:
+                scope.kept = True
+                room -= scope.device_nbytes
+                credit -= scope.device_nbytes * rest_bytes
 
     def prefetch(self, candidates: Iterable[Scope], current: Scope, *, with_grads: bool) -> None:
         """Load the candidates in order while their bytes fit the prefetch budget; scopes under
@@ -297,6 +323,25 @@ class Schedule:
         """No backward in progress: the next one starts at the head of the backward order."""
         self._bwd_pos = 0
         self._bwd_seen.clear()
+        self._carry = None
+
+    def carries(self, scope: Scope) -> bool:
+        """The scope's backward is over: leave it resident for the next forward, which computes
+        it first (Note [carried into the next forward])."""
+        if self.streaming_room is None or not self.learned:
+            return False
+        if self._carry is None:
+            self._carry = set()
+            first = self.first_of_next_pass()
+            room = self.streaming_room - self.largest_block  # one block left to copy into
+            for ahead in self.order[self._index[first]:] if first in self._index else []:
+                if ahead.kept:
+                    continue
+                if ahead.device_nbytes > room:
+                    break
+                self._carry.add(ahead)
+                room -= ahead.device_nbytes
+        return scope in self._carry
 
     def backward_needs(self, scope: Scope) -> list[Scope] | Iterable[Scope]:
         """The scope's backward is about to run: note it in the backward order and return the

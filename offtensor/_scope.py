@@ -184,6 +184,9 @@ class Scope:
         self.loads = 0  # host-to-device loads of the weights, since wrap
         self.loads_on_demand = 0  # of which not prefetched: offloaded when the scope needed them
         self.kept = False  # resident by Policy.vram_budget: only a forced release offloads it
+        # Streamed, left resident by a backward's end for the next forward, which computes it
+        # first (Note [carried into the next forward] in _schedule.py); any release ends it.
+        self.carried = False
         # A kept scope: each parameter's version counter when its copy was enqueued, to tell
         # writes no op of ours saw (`p[0].fill_()`, `p.detach().copy_()`; Note [VRAM budget]).
         self.copied_versions: dict[ParamSlot, int] = {}
@@ -480,6 +483,7 @@ class Scope:
         else:
             self.device_storage.resize_(0)
         self.state = ScopeState.OFFLOADED
+        self.carried = False
         self.live.released(self)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("release %s%s", self.name, streams.memory())
