@@ -137,6 +137,7 @@ class ScopeSummary:
     loads: int = 0  # host-to-device loads since wrap
     loads_on_demand: int = 0  # of which not prefetched in time: the compute waited for the copy
     kept: bool = False  # resident by Policy.vram_budget
+    carried: bool = False  # left resident by a backward for the next forward (Policy.vram_budget)
 
 
 @dataclass(frozen=True)
@@ -158,8 +159,9 @@ class Summary:
     def __str__(self) -> str:
         rows = [("scope", "state", "params", "host MiB", "device MiB", "loads", "on demand")]
         for s in self.scopes:
+            note = " (kept)" if s.kept else " (carried)" if s.carried else ""
             rows.append(
-                (s.name, s.state.value + (" (kept)" if s.kept else ""), f"{s.num_params:,}",
+                (s.name, s.state.value + note, f"{s.num_params:,}",
                  f"{s.host_bytes / 2**20:.1f}", f"{s.device_bytes / 2**20:.1f}", str(s.loads),
                  str(s.loads_on_demand))
             )

@@ -39,6 +39,7 @@ from torch import nn
 from . import _distributed
 from ._api import Policy, ScopeState
 from ._grads import GradOffload
+from ._param import without_subclass_dispatch
 from ._schedule import Schedule
 from ._scope import LiveScopes, Scope
 from ._slot import ParamSlot, in_backward, on_optimizer_worker
@@ -388,11 +389,16 @@ class Engine:
         """Leave the scope resident for the next forward. Not when the masters may change
         unseen before it (backward_and_step's worker steps trainable ones), nor under data
         parallelism (ranks load together), nor for a backward that built a graph."""
-        if self._create_graph or self.grads.reducer is not None:
+        if self._create_graph or self.grads.reducer is not None or not self.schedule.carries(scope):
             return False
-        if self.grads.stepper is not None and any(slot.param.requires_grad for slot in scope.slots):
-            return False
-        return self.schedule.carries(scope)
+        return self.grads.stepper is None or not self._trainable(scope)
+
+    @staticmethod
+    def _trainable(scope: Scope) -> bool:
+        """A parameter of the scope requires grad. Read without dispatch: `p.requires_grad`
+        through OffloadedParameter waits for the scope's deferred step, which at the end of
+        backward_and_step's backward is the wait it exists to avoid."""
+        return any(without_subclass_dispatch(lambda p: p.requires_grad, slot.param) for slot in scope.slots)
 
     @_outside_transforms
     def end_backward(self) -> None:
@@ -413,7 +419,7 @@ class Engine:
                 # kept copies (Note [VRAM budget] in _schedule.py). A step on this thread
                 # releases what it writes (before_master_write).
                 for scope in self.scopes:
-                    if scope.kept and any(slot.param.requires_grad for slot in scope.slots):
+                    if scope.kept and self._trainable(scope):
                         scope.release(force=True)
 
     def _forget_backward(self) -> None:

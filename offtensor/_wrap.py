@@ -308,7 +308,7 @@ def summary(model: nn.Module) -> Summary:
     inside = {id(m) for m in model.modules()}
     rows = [
         ScopeSummary(s.name, s.state, s.num_params(), s.host_bytes(), s.device_bytes(), s.loads,
-                     s.loads_on_demand, s.kept)
+                     s.loads_on_demand, s.kept, s.carried)
         for s in engine.scopes if id(s.module) in inside
     ]
     allocated = torch.cuda.memory_allocated(engine.device) if engine.streams.is_cuda else None

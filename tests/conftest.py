@@ -545,8 +545,9 @@ def scope_states(model: nn.Module) -> dict[str, object]:
 
 def assert_all_scopes_offloaded(model: nn.Module) -> None:
     """No scope holds a device copy: every state is OFFLOADED and device_bytes is 0; except
-    the scopes Policy(vram_budget=...) keeps, which hold exactly their weights, equal to the
-    masters (a stale kept copy would be a silent wrong answer at the next forward)."""
+    the scopes Policy(vram_budget=...) keeps or a backward carried for the next forward, which
+    hold exactly their weights, equal to the masters (a stale copy would be a silent wrong
+    answer at the next forward)."""
     import offtensor
     from offtensor._wrap import _find_engine
 
@@ -554,15 +555,15 @@ def assert_all_scopes_offloaded(model: nn.Module) -> None:
     assert scopes, "summary() lists no scope"
     engine = _find_engine(model)
     for s in scopes:
-        if s.kept and s.state != offtensor.ScopeState.OFFLOADED:
+        if (s.kept or s.carried) and s.state != offtensor.ScopeState.OFFLOADED:
             scope = next(x for x in engine.scopes if x.name == s.name)
-            assert s.device_bytes == scope.device_nbytes, f"kept {s.name} holds {s.device_bytes} device bytes"
+            assert s.device_bytes == scope.device_nbytes, f"{s.name} holds {s.device_bytes} device bytes"
             if scope.device_flat.is_cuda:
                 torch.cuda.synchronize()
             for slot in scope.slots:
                 values = slot.packed.unpack() if slot.packed is not None else slot.master  # frozen_format
                 fresh = values.to(slot.device_view.dtype)
-                assert torch.equal(slot.device_view.cpu(), fresh), f"kept {slot.name}: device copy is stale"
+                assert torch.equal(slot.device_view.cpu(), fresh), f"{slot.name}: device copy is stale"
             continue
         assert s.state == offtensor.ScopeState.OFFLOADED, f"{s.name} is {s.state} after the step"
         assert s.device_bytes == 0, f"{s.name} still holds {s.device_bytes} device bytes"

@@ -1,0 +1,249 @@
+"""Policy(vram_budget=...): a backward leaves the scopes the next forward computes first resident
+(Note [carried into the next forward] in offtensor/_schedule.py).
+
+The carried copies must never be used stale: every way the masters can change between a
+backward and the next forward (an optimizer step, a write that bypasses the parameter) is
+checked against the unwrapped model, with the loads counted and the weights' device bytes
+bounded by the budget at every load.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (
+    assert_all_scopes_offloaded,
+    assert_grads_match,
+    assert_params_match,
+    device_layout_bytes,
+    devices,
+    mlp_of_blocks,
+    random_batch,
+    reference_then_offload,
+    tolerances,
+)
+
+import offtensor
+
+N_BLOCKS = 8
+
+
+def _budget(model, kept: int, prefetch: int = 1) -> int:
+    """Room for `kept` kept blocks beside streaming's 2 + prefetch."""
+    return (2 + prefetch + kept) * device_layout_bytes(model.blocks[0])
+
+
+def _rows(model) -> dict[str, offtensor.ScopeSummary]:
+    return {s.name: s for s in offtensor.summary(model).scopes}
+
+
+def _loads(model) -> dict[str, int]:
+    return {name: row.loads for name, row in _rows(model).items()}
+
+
+def _carried(model) -> list[str]:
+    return [name for name, row in _rows(model).items() if row.carried]
+
+
+def _wrapped_with_one_kept(device: str, *, frozen_blocks: bool = False):
+    """8 blocks, block 0 kept, the room of 3 blocks streaming the rest: a backward carries
+    blocks 1 and 2 (the room less one block)."""
+    model = mlp_of_blocks(n_blocks=N_BLOCKS)
+    if frozen_blocks:
+        for block in model.blocks:
+            block.requires_grad_(False)
+    budget = _budget(model, kept=1)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    assert [r.kept for r in offtensor.summary(model).scopes] == [True] + [False] * (N_BLOCKS - 1)
+    return model, reference, budget
+
+
+@pytest.mark.parametrize("device", devices)
+def test_accumulation_reuses_the_scopes_the_backward_carried(device, most_device_bytes):
+    """Micro-batches with no step between them: the next forward starts on blocks 1 and 2 as the
+    last backward left them, so they load once per micro-batch (for backward), and the others
+    twice (forward and backward; the last block once, kept from its forward for backward)."""
+    model, reference, budget = _wrapped_with_one_kept(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        for micro in range(3):
+            before = _loads(model)
+            x, y = random_batch(device)
+            loss, ref_loss = F.mse_loss(model(x), y), F.mse_loss(reference(x), y)
+            torch.testing.assert_close(loss, ref_loss, **tolerances(device))
+            loss.backward()
+            ref_loss.backward()
+            assert_all_scopes_offloaded(model)  # carried copies equal their masters
+            loads = {n: c - before[n] for n, c in _loads(model).items()}
+            if step or micro:  # the first pass learns the order; its backward carries nothing
+                assert _carried(model) == ["blocks.1", "blocks.2"]
+                assert loads["blocks.0"] == (0 if micro else 1), loads  # kept; a step's write reloads it
+                if micro and (step or micro > 1):  # the last backward carried them, no step since
+                    assert [loads["blocks.1"], loads["blocks.2"]] == [1, 1], loads
+                assert [loads[f"blocks.{i}"] for i in range(3, N_BLOCKS - 1)] == [2] * 4, loads
+                assert loads[f"blocks.{N_BLOCKS - 1}"] == 1, loads
+        assert_grads_match(model, reference, **tolerances(device))
+        opt.step(), ref_opt.step()
+        assert _carried(model) == []  # the step wrote their masters: released, not stale
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert_params_match(model, reference, **tolerances(device))
+    assert most_device_bytes[0] <= budget
+
+
+@pytest.mark.parametrize("device", devices)
+def test_a_frozen_base_stays_carried_across_optimizer_steps(device, most_device_bytes):
+    """LoRA-style: the step writes only the trainable head, so the frozen blocks the backward
+    carried serve the next step's forward."""
+    model, reference, budget = _wrapped_with_one_kept(device, frozen_blocks=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(4):
+        before = _loads(model)
+        x, y = random_batch(device)
+        F.mse_loss(model(x), y).backward()
+        F.mse_loss(reference(x), y).backward()
+        assert_grads_match(model, reference, **tolerances(device))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        assert _carried(model) == (["blocks.1", "blocks.2"] if step else [])  # once the order is learned
+        if step >= 2:
+            loads = _loads(model)
+            assert [loads[f"blocks.{i}"] - before[f"blocks.{i}"] for i in (1, 2)] == [1, 1]
+    assert_params_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(model)
+    assert most_device_bytes[0] <= budget
+
+
+WRITES_BYPASSING_THE_PARAMETER = {
+    "data_add": lambda p: p.data.add_(1.0),
+    "view_fill": lambda p: p[0].fill_(3.0),
+    "detach_mul": lambda p: p.detach().mul_(-2.0),
+    "in_place": lambda p: p.mul_(0.5),  # an op the parameter sees (under no_grad)
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES_BYPASSING_THE_PARAMETER))
+@pytest.mark.parametrize("device", devices)
+def test_a_write_between_backward_and_forward_reaches_the_carried_scope(device, write):
+    """A carried copy stays resident from a backward to the next forward, as a kept one does
+    between passes: a write to its master in between, seen by an op or not, must reach the next
+    forward (a stale copy would be a silent wrong answer that streaming hides)."""
+    model, reference, _ = _wrapped_with_one_kept(device)
+    for _ in range(2):
+        x, y = random_batch(device)
+        F.mse_loss(model(x), y).backward()
+        F.mse_loss(reference(x), y).backward()
+    assert "blocks.1" in _carried(model)
+    with torch.no_grad():
+        for m in (model, reference):
+            WRITES_BYPASSING_THE_PARAMETER[write](m.blocks[1].fc1.weight)
+    x, y = random_batch(device)
+    loss, ref_loss = F.mse_loss(model(x), y), F.mse_loss(reference(x), y)
+    torch.testing.assert_close(loss, ref_loss, **tolerances(device))
+    loss.backward()
+    ref_loss.backward()
+    assert_grads_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_carried_scopes_go_when_the_next_forward_fails_or_does_not_use_them(device):
+    """An exception before the carried scopes compute releases them, as it releases every
+    streamed scope; an evaluation that uses them streams them as usual; the model trains on
+    like the unwrapped one."""
+    model, reference, _ = _wrapped_with_one_kept(device)
+    x, y = random_batch(device)
+    F.mse_loss(model(x), y).backward()
+    F.mse_loss(reference(x), y).backward()
+    F.mse_loss(model(x), y).backward()
+    F.mse_loss(reference(x), y).backward()
+    assert _carried(model) == ["blocks.1", "blocks.2"]
+
+    def boom(module, args):
+        raise RuntimeError("boom")
+
+    handle = model.blocks[0].register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(x)
+    handle.remove()
+    assert _carried(model) == []
+    assert _rows(model)["blocks.1"].state is offtensor.ScopeState.OFFLOADED
+    assert_all_scopes_offloaded(model)
+
+    F.mse_loss(model(x), y).backward()
+    F.mse_loss(reference(x), y).backward()
+    assert _carried(model) == ["blocks.1", "blocks.2"]
+    model.eval(), reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+    assert _carried(model) == []  # used by the evaluation, then released as it went
+    assert_all_scopes_offloaded(model)
+    model.train(), reference.train()
+    F.mse_loss(model(x), y).backward()
+    F.mse_loss(reference(x), y).backward()
+    assert_grads_match(model, reference, **tolerances(device))
+
+
+@pytest.mark.parametrize("device", devices)
+def test_backward_and_step_carries_frozen_scopes_but_not_trained_ones(device):
+    """The optimizer worker writes trainable masters where no hook sees it, so backward_and_step
+    leaves none of their scopes resident; frozen ones it may carry."""
+    model = mlp_of_blocks(n_blocks=N_BLOCKS)
+    model.blocks[1].requires_grad_(False)
+    budget = _budget(model, kept=1)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(4):
+        x, y = random_batch(device)
+        offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True)
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step(), ref_opt.zero_grad()
+        offtensor.wait_for_steps()
+        if step:  # once the order is learned
+            assert _carried(model) == ["blocks.1"]
+    assert_params_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_no_carry_without_a_budget(device):
+    """Without Policy(vram_budget) the promise is that a scope's copy goes when its use ends:
+    nothing is left on the device after backward."""
+    model = mlp_of_blocks(n_blocks=4)
+    reference = reference_then_offload(model, device)
+    for _ in range(2):
+        x, y = random_batch(device)
+        F.mse_loss(model(x), y).backward()
+        F.mse_loss(reference(x), y).backward()
+        assert _carried(model) == []
+        assert offtensor.summary(model).device_bytes == 0
+    assert_grads_match(model, reference, **tolerances(device))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_peak_device_memory_with_carried_scopes_stays_within_the_budget():
+    """Peak CUDA memory over accumulation micro-batches: the weights (kept, carried and
+    streamed) stay within the budget; activations and gradients get an allowance measured on
+    the same model with no budget-held weights (the unwrapped activations of one pass)."""
+    model = mlp_of_blocks(n_blocks=N_BLOCKS, hidden=512)
+    budget = _budget(model, kept=1)
+    offtensor.wrap(model, device="cuda", policy=offtensor.Policy(vram_budget=budget))
+    model.input.to("cuda")
+    model.head.to("cuda")
+    x, y = torch.randn(4, 8, device="cuda"), torch.randn(4, 4, device="cuda")
+    F.mse_loss(model(x), y).backward()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    held = offtensor.summary(model).device_bytes
+    assert held == 3 * device_layout_bytes(model.blocks[0])  # block 0 kept, 1 and 2 carried
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(3):
+        F.mse_loss(model(x), y).backward()
+    torch.cuda.synchronize()
+    # Weights above what stays between passes: at most the rest of the budget. Gradients of
+    # a block (as large as its weights) and tiny activations: one block and 1 MiB.
+    assert torch.cuda.max_memory_allocated() - base <= budget - held + device_layout_bytes(model.blocks[0]) + 2**20
