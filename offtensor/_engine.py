@@ -195,7 +195,9 @@ class Engine:
         were written through a view): writes through it reach the master unseen, under a version
         counter of its own. A kept (or no_offload-held) scope's device copy would go stale, so it
         goes now; the next forward reloads it (Note [VRAM budget] in _schedule.py). Streamed
-        scopes load afresh."""
+        scopes load afresh, but under Policy(cast="host") from a shadow cast from the masters:
+        it is re-cast at the next load."""
+        scope.shadow_stale = True
         if not self.outlives_calls(scope) or scope.state is ScopeState.OFFLOADED or on_optimizer_worker():
             return
         if scope.running_calls > 1 or (scope.running_calls == 1 and not scope.written_since_copied()):

@@ -295,6 +295,10 @@ class Scope:
         if not progressive:
             for slot in self.slots:
                 slot.wait_for_step()
+            if self.host_shadow is not None and self.written_since_copied():
+                # Policy(cast="host"): a write no op on the parameter saw (`p[0].fill_()`,
+                # `p.detach().mul_()`) left the shadow cast from the old masters.
+                self.shadow_stale = True
             self._note_copied(self.slots)
         if self.host_shadow is not None:  # Policy(cast="host")
             self._refresh_shadow()

@@ -124,6 +124,36 @@ def test_host_cast_refreshes_after_optimizer_step_and_misses_nothing_written_thr
     assert not torch.equal(before, after)
 
 
+WRITES_THAT_BYPASS_THE_PARAMETER = {
+    "data_add": lambda p: p.data.add_(1.0),
+    "view_fill": lambda p: p[0].fill_(3.0),
+    "detach_mul": lambda p: p.detach().mul_(-2.0),
+    "through_the_parameter": lambda p: p.mul_(0.5),
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES_THAT_BYPASS_THE_PARAMETER))
+@pytest.mark.parametrize("cast", ["host", "device"])
+@pytest.mark.parametrize("device", devices)
+def test_a_cast_copy_follows_every_write_to_the_master(device, cast, write):
+    """Policy(cast="host") streams a bf16 shadow cast from the fp32 masters, re-cast only when
+    they change: a write that no op on the parameter sees (through `p.data`, a view, a detached
+    alias) left the shadow stale and the next forward computing with the old weights, a silent
+    wrong answer (0.47 off here before the fix)."""
+    model = mlp_of_blocks()
+    reference = copy.deepcopy(model)
+    offload(model, device, policy=offtensor.Policy(compute_dtype=torch.bfloat16, cast=cast))
+    x = torch.randn(2, 8, device=device)
+    apply = WRITES_THAT_BYPASS_THE_PARAMETER[write]
+    with torch.no_grad(), torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        model(x)
+        for round in range(2):  # a second write after a load that refreshed the shadow
+            for m in (model, reference):
+                apply(m.blocks[1].fc1.weight)
+            expected = copy.deepcopy(reference).to(device, torch.bfloat16)(x.bfloat16())
+            torch.testing.assert_close(model(x).float(), expected.float(), rtol=0, atol=0)
+
+
 # --------------------------------------------------------------------------------------------
 # backward_and_step: the optimizer overlapped with backward
 # --------------------------------------------------------------------------------------------
