@@ -147,7 +147,7 @@ def test_a_cast_copy_follows_every_write_to_the_master(device, cast, write):
     apply = WRITES_THAT_BYPASS_THE_PARAMETER[write]
     with torch.no_grad(), torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
         model(x)
-        for round in range(2):  # a second write after a load that refreshed the shadow
+        for _ in range(2):  # a second write after a load that refreshed the shadow
             for m in (model, reference):
                 apply(m.blocks[1].fc1.weight)
             expected = copy.deepcopy(reference).to(device, torch.bfloat16)(x.bfloat16())
