@@ -55,15 +55,18 @@ class Policy:
             `"device"`: the master bytes cross PCIe and are cast on the GPU (always exact, but
             fp32 moves twice the bytes of bf16). `"host"`: a host copy in `compute_dtype` is
             kept, refreshed on the CPU when the masters change; half the PCIe bytes, plus a CPU
-            cast after each optimizer step. Writes that bypass the parameter (`p.data.add_()`)
-            are not seen by `"host"`: write through the parameter (`p.add_()`, optimizers do).
+            cast after each optimizer step. A write that bypasses the parameter
+            (`p.data.add_()`, `p.detach().mul_()`) is seen at the next load, which re-casts.
         vram_budget: device bytes the scopes' weights may take together (Note [VRAM budget] in
-            _schedule.py). The first scopes (in the order `wrap` found them) whose weights fit,
-            next to what streaming the others needs (the largest block computing plus
-            `prefetch` blocks in flight), stay resident: in inference they load once; in
-            training, once per step (an optimizer step changes their masters) instead of in
-            forward and again in backward. `summary()` shows which. `None`: every scope
-            streams. Model-wide: taken from the policy given to `wrap`.
+            _schedule.py). Scopes whose weights fit next to what streaming the others needs
+            (the largest block computing, the one before it, `prefetch` blocks in flight) stay
+            resident, the first in the order `wrap` found them and the others spread evenly
+            over that order: in inference they load once; in training, once per step (an
+            optimizer step changes their masters) instead of in forward and again in backward.
+            A backward leaves the streamed scopes the next forward starts with resident, within
+            the streaming room (Note [carried into the next forward]). `summary()` shows which
+            (kept, carried). `None`: every scope streams. Model-wide: taken from the policy
+            given to `wrap`.
         frozen_format: `"fp8"` (float8 e4m3) or `"int8"`: keep frozen offloaded parameters
             (requires_grad False at wrap: a LoRA base, every weight of a model for inference)
             compressed on the host, one byte per element plus one scale per output row, and
