@@ -356,7 +356,8 @@ def test_the_budget_keeps_half_the_decoder_layers():
     built = build_model(ModelShape(hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=128, layers=8), "base",
                         torch.device("cpu"), 0)
     offtensor.wrap(built.model, device="cpu", policy=offtensor.Policy(vram_budget=budget_keeping_half(built, 1)))
-    assert [s.kept for s in offtensor.summary(built.model).scopes] == [True] * 4 + [False] * 4
+    kept = [i for i, s in enumerate(offtensor.summary(built.model).scopes) if s.kept]
+    assert kept == [0, 3, 5, 7]  # 4 of 8: the first, then spread over the rest (Note [VRAM budget])
 
 
 @pytest.mark.full_tier  # two peers, two scenarios: the full tier runs it

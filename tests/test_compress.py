@@ -354,9 +354,10 @@ def test_cuda_fused_fp8_dequantization_is_bit_identical_to_the_two_kernels(dtype
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("device", devices)
 def test_a_vram_budget_keeps_compressed_frozen_scopes_dequantized_once(device, fmt):
-    """A compressed frozen base under Policy(vram_budget): the kept scopes (the first two) load and
-    dequantize once for all steps, the rest stream, and the LoRA-style training (input layer and
-    head trainable) matches the resident model with the same compressed weights."""
+    """A compressed frozen base under Policy(vram_budget): the kept scopes (the first and the
+    last of six) load and dequantize once for all steps, the rest stream, and the LoRA-style
+    training (input layer and head trainable) matches the resident model with the same
+    compressed weights."""
     model = _model(torch.float32, n_blocks=6)
     model.blocks.requires_grad_(False)
     reference = _compressed_reference(model, fmt, device)
@@ -378,9 +379,13 @@ def test_a_vram_budget_keeps_compressed_frozen_scopes_dequantized_once(device, f
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     scopes = {s.name: s for s in offtensor.summary(model).scopes}
-    assert [scopes[f"blocks.{i}"].kept for i in range(6)] == [True, True, False, False, False, False]
-    assert [scopes[f"blocks.{i}"].loads for i in range(2)] == [1, 1]
-    assert all(scopes[f"blocks.{i}"].loads >= 3 for i in range(2, 6))
+    # The budget keeps the first block and spreads the other kept one over the rest: the last.
+    assert [scopes[f"blocks.{i}"].kept for i in range(6)] == [True, False, False, False, False, True]
+    assert [scopes[f"blocks.{i}"].loads for i in (0, 5)] == [1, 1]
+    # The streamed ones load in each forward and backward (6 times), less each time a backward
+    # leaves one resident for the next forward, which computes it first (1 and 2 here: frozen,
+    # no step writes them; Note [carried into the next forward] in _schedule.py).
+    assert all(scopes[f"blocks.{i}"].loads >= 3 for i in range(1, 5))
     with torch.no_grad():
         x = torch.randn(5, 8, generator=gen).to(device)
         torch.testing.assert_close(model.eval()(x), reference.eval()(x), **tolerances(device))
