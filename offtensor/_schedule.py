@@ -179,10 +179,11 @@ class Schedule:
         assert budget >= streaming  # wrap checked it (_check_budget) before anything moved
         room = budget - streaming
         first, *rest = self.scopes
-        if first.device_nbytes > room:
-            return
-        first.kept = True
-        room -= first.device_nbytes
+        if first.device_nbytes <= room:
+            first.kept = True
+            room -= first.device_nbytes
+        else:  # a first scope larger than the room (a wrapped embedding): spread over all
+            rest = self.scopes
         # The rest spread evenly by bytes: each scope earns the kept share (room / rest) of its
         # bytes, and one is kept when the earnings so far pay for it (in integers: x rest).
         rest_bytes = max(1, sum(s.device_nbytes for s in rest))

@@ -75,6 +75,17 @@ def test_equal_blocks_keep_the_first_and_the_rest_evenly_spaced(n_blocks, kept, 
         assert all(b - a > 1 for a, b in zip(got, got[1:], strict=False)), got
 
 
+def test_a_first_scope_larger_than_the_room_does_not_stop_the_others_being_kept():
+    """A first scope too large for what the budget leaves beside streaming (a wrapped
+    embedding) streams; the smaller scopes after it are still kept, spread evenly."""
+    model = _Linears([(16, 256)] + [(16, 16)] * 60)  # the first: 16 times the bytes of each other
+    small = device_layout_bytes(model.layers[1])
+    largest = device_layout_bytes(model.layers[0])
+    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=3 * largest + 3 * small))
+    kept = [s.name for s in offtensor.summary(model).scopes if s.kept]
+    assert "layers.0" not in kept and len(kept) == 3, kept
+
+
 class _Linears(torch.nn.Module):
     """Linear layers of the given sizes, each a scope (the plan needs no forward)."""
 
