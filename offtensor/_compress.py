@@ -26,6 +26,14 @@ trained (the optimizer would step values that a requantization then rounds away)
 
 Only matrices are compressed (2-D or more: rows are dim 0); 1-D parameters (norms, biases) and
 tensors below `MIN_NUMEL` elements stay in their dtype, costing little and often mattering most.
+
+The scales are stored in the parameter's dtype. bfloat16 and float32 hold any row's scale; a
+float16 row whose largest value is below float16's smallest normal number times the format's
+maximum gets a subnormal scale with few bits, or none (it underflows to zero and is replaced by
+the smallest normal number, which rounds the row's values to zero under int8). Packing a float16
+parameter therefore measures each row's error and warns, naming the parameter and the fix, when
+rows lose over `COARSE_ROW_ERROR` of their values; small rows a subnormal scale still holds
+(largest values about 1e-4) do not warn.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +49,9 @@ from typing import Any
 import torch
 
 MIN_NUMEL = 4096  # smaller tensors stay uncompressed (Note [compressed masters])
+# A float16 row compressed with more relative error than this warns (PackedMaster.pack): e4m3
+# keeps about 3% of a row, int8 0.5%; a scale float16 cannot hold loses much more.
+COARSE_ROW_ERROR = 0.1
 _SCALE_ALIGN = 64  # bytes: the scales follow the values at this alignment
 _CHUNK_NUMEL = 2**18  # quantize this many elements at a time: the fp32 temporaries stay small
 _DEVICE_CHUNK_NUMEL = 2**24  # the same on an accelerator, where each block costs a launch or two
@@ -114,15 +126,27 @@ class PackedMaster:
         device = value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
         numel = _CHUNK_NUMEL if device.type == "cpu" else _DEVICE_CHUNK_NUMEL
         step = max(1, numel // max(cols, 1))
+        coarse = 0
         for start in range(0, rows, step):
             stop = min(start + step, rows)
             block = read(start, stop).reshape(stop - start, cols).to(device=device, dtype=torch.float32, copy=True)
             scale = _row_scale(block, self.format, self.dtype)
+            exact = block.clone() if self.dtype == torch.float16 else None
             q = block.div_(scale.float()[:, None]).clamp_(-self.format.max, self.format.max)
             if self.format is FrozenFormat.INT8:
                 q.round_()
+            q = q.to(self.format.dtype)
+            if exact is not None:
+                coarse += _coarse_rows(exact, q, scale)
             self.scale[start : start + step].copy_(scale)
-            self.values[start : start + step].copy_(q.to(self.format.dtype))
+            self.values[start : start + step].copy_(q)
+        if coarse:
+            warnings.warn(
+                f"offtensor: {coarse} of {rows} rows of compressed parameter {self.name!r} lost over "
+                f"{COARSE_ROW_ERROR:.0%} of their values in {self.format.value}: their largest values are too "
+                f"small for a float16 scale (below float16's normal range, {torch.finfo(self.dtype).tiny:.2g}, "
+                f"times {self.format.max:.0f}). Load the model in torch.bfloat16 (the same bytes, float32's "
+                f"range), or keep this parameter on the device with Policy(param_filter=...).", stacklevel=2)
 
     @property
     def nbytes(self) -> int:
@@ -193,6 +217,14 @@ def copy_rows(dest: torch.Tensor, value: torch.Tensor | RowReader) -> None:
     for start in range(0, rows, step):
         stop = min(start + step, rows)
         dest[start:stop].copy_(value(start, stop))
+
+
+def _coarse_rows(exact: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> int:
+    """Rows whose compressed values lost over COARSE_ROW_ERROR of the row (relative error of its
+    norm): a float16 scale below float16's normal range keeps few bits, and one that underflows
+    to zero is replaced by the smallest normal number, which rounds the row's values to zero."""
+    error = (q.float() * scale.float()[:, None] - exact).norm(dim=1)
+    return int((error > COARSE_ROW_ERROR * exact.norm(dim=1)).sum())
 
 
 def _row_scale(block: torch.Tensor, fmt: FrozenFormat, dtype: torch.dtype) -> torch.Tensor:

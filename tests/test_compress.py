@@ -206,6 +206,34 @@ def test_error_against_the_unquantized_model_is_bounded(fmt):
     assert err > 0  # it is lossy: a test comparing to the exact model must see it
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_float16_rows_too_small_for_their_scale_are_named_in_a_warning(fmt):
+    """A float16 row whose largest value is tiny (1e-7 here) needs a scale below float16's
+    range: it underflows, and the row's values round to zero (int8) or to a few bits (fp8).
+    Silent, that is a wrong answer; it warns, naming the parameter and the fix. Rows of small
+    but ordinary values (1e-4: subnormal scales that still hold them) and bfloat16 (float32's
+    exponent range) do not warn."""
+    import warnings
+
+    for dtype, factor, warns in [(torch.float16, 1e-6, True), (torch.float16, 1e-3, False),
+                                 (torch.bfloat16, 1e-6, False)]:
+        model = _model(dtype).requires_grad_(False)
+        with torch.no_grad():
+            model.blocks[1].fc1.weight[:3] *= factor
+        exact = model.blocks[1].fc1.weight.detach().float().clone()
+        if warns:
+            with pytest.warns(UserWarning, match=r"3 of 128 rows of compressed parameter 'blocks.1.fc1.weight' "
+                                                 r"lost over 10%.*Load the model in torch.bfloat16"):
+                _wrap(model, "cpu", frozen_format=fmt)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                _wrap(model, "cpu", frozen_format=fmt)
+        got = model.blocks[1].fc1.weight.detach().float()
+        error = ((got[:3] - exact[:3]).norm() / exact[:3].norm()).item()
+        assert (error > 0.1) == warns, (dtype, factor, error)  # the warning says what happened
+
+
 @pytest.mark.parametrize("device", devices)
 def test_state_dict_and_reads_report_the_compressed_values(device):
     model = _model().requires_grad_(False)
