@@ -360,15 +360,20 @@ class Engine:
 
     def _make_room(self, scope: Scope) -> None:
         """Under a VRAM budget, before a streamed scope loads on demand in backward: release the
-        streamed prefetches this backward has not needed yet, latest first, until its weights
-        fit the streaming room (Note [VRAM budget] in _schedule.py: a wrong guess of the order)."""
+        streamed prefetches this backward has not needed yet, and carried scopes, latest first,
+        until its weights fit the streaming room (Note [VRAM budget] in _schedule.py: a wrong
+        guess of the order)."""
         room = self.schedule.free_streaming_room()
         if room is None or scope.kept:
             return
         for other in reversed(list(self.live)):
             if room >= scope.device_nbytes:
                 return
-            if other.kept or other.running_calls or self.schedule.needed_in_backward(other):
+            # A carried scope's backward is over, so it can go too: one backward through two
+            # forwards (DPO's chosen and rejected) carries at the end of the second forward's
+            # graph and then still runs the first's, whose loads would go over the budget.
+            if other.kept or other.running_calls or (self.schedule.needed_in_backward(other)
+                                                     and not other.carried):
                 continue
             other.release()
             room += other.device_nbytes

@@ -90,7 +90,9 @@ copies behind and never caught up. So the backward leaves them resident (`Scope.
 streamed scopes at the head of the next pass (`first_of_next_pass` and on, skipping kept ones),
 as many as fit the streaming room less one block, which stays free for the next copy. They are
 the backward's last scopes, so they never raise its footprint, and they count against the room
-like any streamed scope. A carried scope outlives its calls as a kept one does
+like any streamed scope. (Not the last when one backward runs through two forwards' graphs, the
+second's first: a scope that must load on demand there releases carried ones, `_make_room`.)
+A carried scope outlives its calls as a kept one does
 (`Engine.outlives_calls`): a write to its masters releases it (an optimizer step, `p.data`, a
 write through an alias its next forward sees by the versions), and so do an unused pass (the
 end of the model's forward releases what the pass loaded and did not use; without that hook the
