@@ -322,3 +322,190 @@ def test_a_step_over_some_blocks_releases_only_their_carried_scopes(device, most
         assert_all_scopes_offloaded(model)
     assert_params_match(model, reference, **tolerances(device))
     assert most_device_bytes[0] <= budget
+
+
+# ---- Hugging Face models ---------------------------------------------------------------------
+
+VOCAB = 128
+
+HF_CHECKPOINTING = [
+    pytest.param(None, id="no_checkpointing"),
+    pytest.param({}, id="checkpointing_non_reentrant"),
+    pytest.param({"use_reentrant": True}, id="checkpointing_reentrant"),
+]
+
+
+def _tiny_llama(layers: int = 6) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def _hf_budget(blocks, kept: int) -> int:
+    """Room for streaming (3 of the largest block) and `kept` more, with a little slack."""
+    largest = max(device_layout_bytes(b) for b in blocks)
+    return (3 + kept) * largest + 64
+
+
+def _tokens(device: str, n: int = 2, length: int = 12) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (n, length)).to(device)
+
+
+def _rollout(model, prompt: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
+                             min_new_tokens=4, do_sample=False, pad_token_id=0)
+    model.train()
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable.*:FutureWarning")
+@pytest.mark.parametrize("checkpointing", HF_CHECKPOINTING)
+@pytest.mark.parametrize("device", devices)
+def test_llama_rollouts_and_accumulated_steps_match_the_unwrapped_model(device, checkpointing,
+                                                                         most_device_bytes):
+    """RL-style: a greedy rollout, then two accumulated micro-batches on its tokens and a step,
+    three times. Layer 0 and 5 kept (spread), the backward carries layers 1 and 2 into the next
+    micro-batch (and into the rollout after a step that wrote them: released there). Any
+    stale carried copy, any copy left behind by a generate() between, shows in the tokens, the
+    loss, the grads or the params; any extra copy in the budget."""
+    model = _tiny_llama()
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing or None)
+    model.train()
+    layers = list(model.model.layers)
+    budget = _hf_budget(layers, kept=2)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    assert [r.kept for r in offtensor.summary(model).scopes] == [True, False, False, False, False, True]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    tol = tolerances(device)
+    prompt = _tokens(device, length=4)
+    for step in range(3):
+        tokens, ref_tokens = _rollout(model, prompt), _rollout(reference, prompt)
+        torch.testing.assert_close(tokens, ref_tokens, rtol=0, atol=0)
+        assert_all_scopes_offloaded(model)
+        for micro in range(2):
+            batch = torch.cat([ref_tokens, _tokens(device, length=ref_tokens.shape[1])])
+            loss = model(input_ids=batch, labels=batch).loss
+            ref_loss = reference(input_ids=batch, labels=batch).loss
+            torch.testing.assert_close(loss, ref_loss, **tol)
+            loss.backward()
+            ref_loss.backward()
+            assert_all_scopes_offloaded(model)
+            if step or micro:  # once the order is learned
+                assert _carried(model) == ["model.layers.1", "model.layers.2"]
+        assert_grads_match(model, reference, **tol)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        assert _carried(model) == []
+    assert_params_match(model, reference, **tol)
+    assert_all_scopes_offloaded(model)
+    assert most_device_bytes[0] <= budget
+
+
+@pytest.mark.parametrize("adapters", [[0, 3, 4], None], ids=["frozen_layers_1_2", "every_layer"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "backward_and_step"])
+@pytest.mark.parametrize("device", devices)
+def test_peft_lora_llama_carries_layers_across_micro_batches_and_frozen_ones_across_steps(
+        device, overlap, adapters, most_device_bytes):
+    """PEFT LoRA, two micro-batches a step: the backward carries layers 1 and 2 into the next
+    micro-batch. Without adapters there (the backward still runs through them, for layer 0's)
+    they serve the next step's forward as they are; with adapters in them (every layer) the
+    step writes their masters and releases them, and backward_and_step, whose worker writes them
+    unseen, does not carry them at all. A carried copy used after its adapters' step would be a
+    silent wrong answer (stale adapter weights)."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_tiny_llama(), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], layers_to_transform=adapters,
+        init_lora_weights=False))
+    model.train()
+    layers = list(model.base_model.model.model.layers)
+    budget = _hf_budget(layers, kept=2)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    names = [s.name for s in offtensor.summary(model).scopes]
+    assert [r.kept for r in offtensor.summary(model).scopes] == [True, False, False, False, False, True]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    tol = tolerances(device)
+    frozen = adapters is not None
+    for step in range(3):
+        for micro in range(2):
+            before = _loads(model)
+            tokens = _tokens(device)
+            loss = model(input_ids=tokens, labels=tokens).loss
+            ref_loss = reference(input_ids=tokens, labels=tokens).loss
+            torch.testing.assert_close(loss, ref_loss, **tol)
+            ref_loss.backward()
+            if micro and overlap:
+                offtensor.backward_and_step(loss, opt, zero_grad=True)
+                offtensor.wait_for_steps()
+                ref_opt.step(), ref_opt.zero_grad()
+                assert _carried(model) == (names[1:3] if frozen else [])
+            else:
+                loss.backward()
+                assert_grads_match(model, reference, **tol)
+                if step or micro:  # once the order is learned
+                    assert _carried(model) == names[1:3]
+            if micro and not overlap:
+                opt.step(), ref_opt.step()
+                opt.zero_grad(), ref_opt.zero_grad()
+                assert _carried(model) == (names[1:3] if frozen else [])
+            if step and (micro or frozen):  # the last backward carried them into this forward (and no
+                # step released them): loaded for backward only
+                loads = _loads(model)
+                assert [loads[n] - before[n] for n in names[1:3]] == [1, 1], (step, micro)
+            assert_all_scopes_offloaded(model)
+    assert_params_match(model, reference, **tol)
+    assert most_device_bytes[0] <= budget
+
+
+def _tiny_t5() -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=3, num_decoder_layers=3,
+        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+
+
+@pytest.mark.parametrize("device", devices)
+def test_t5_generation_between_training_steps_matches_the_unwrapped_model(device, most_device_bytes):
+    """Encoder-decoder: training passes start in the encoder, so the backward (ending in the
+    encoder) carries encoder blocks; generate() runs the encoder outside the model's forward,
+    then decodes from cached encoder outputs, whose passes start in the decoder. The carried
+    encoder blocks must serve generate()'s encoder (or go), never outlive a step that wrote
+    them, never push the decoding passes over the budget."""
+    model = _tiny_t5()
+    model.train()
+    blocks = list(model.encoder.block) + list(model.decoder.block)
+    budget = _hf_budget(blocks, kept=1)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    assert sum(r.kept for r in offtensor.summary(model).scopes) >= 1
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    tol = tolerances(device)
+    prompt = _tokens(device, length=5)
+    for step in range(3):
+        for _micro in range(2):
+            src, tgt = _tokens(device), _tokens(device, length=6)
+            loss = model(input_ids=src, labels=tgt).loss
+            ref_loss = reference(input_ids=src, labels=tgt).loss
+            torch.testing.assert_close(loss, ref_loss, **tol)
+            loss.backward()
+            ref_loss.backward()
+            assert_all_scopes_offloaded(model)
+        if step:
+            assert _carried(model), offtensor.summary(model)
+        if step == 1:  # generation right after a backward, before the step: carried blocks serve it
+            torch.testing.assert_close(_rollout(model, prompt), _rollout(reference, prompt), rtol=0, atol=0)
+            assert_all_scopes_offloaded(model)
+        assert_grads_match(model, reference, **tol)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        torch.testing.assert_close(_rollout(model, prompt), _rollout(reference, prompt), rtol=0, atol=0)
+        assert_all_scopes_offloaded(model)
+    assert_params_match(model, reference, **tol)
+    assert most_device_bytes[0] <= budget
