@@ -374,3 +374,48 @@ def test_tied_embedding_and_head_in_a_scope_match_compiled_model(device, how, ow
     batches = [torch.randint(0, 32, (2, 5), device=device) for _ in range(5)]
     train_both(model, reference, batches, lambda m, t: m(t).square().mean(), tolerances(device, "aot_eager"))
     assert model.head.weight is model.embed.weight
+
+
+# --------------------------------------------------------------------------------------------
+# A VRAM budget keeping scopes spread over the model, carrying scopes into the next forward
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
+@pytest.mark.parametrize("device", devices)
+def test_spread_kept_and_carried_scopes_with_accumulation_match_compiled_model(device):
+    """Compiled blocks under a budget keeping blocks 0, 4 and 7 (spread) and carrying blocks 1
+    and 2 from each backward into the next forward; blocks 1 to 3 frozen, so the carried ones
+    outlive the optimizer steps, two micro-batches a step. The compiled blocks must read the
+    kept and carried copies (fresh after each step that wrote them) and nothing recompiles:
+    a carried scope's copy is the same device buffer as a streamed one's, not a new input."""
+    model = mlp_of_blocks(n_blocks=8)
+    for i in (1, 2, 3):
+        model.blocks[i].requires_grad_(False)
+    budget = (2 + 1 + 3) * device_layout_bytes(model.blocks[0])  # streaming (prefetch 1) + 3 kept
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    scopes = offtensor.summary(model).scopes
+    assert [i for i, s in enumerate(scopes) if s.kept] == [0, 4, 7]
+    compile_both(model, reference, "blocks", "inductor")
+    tol = tolerances(device, "inductor")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    for i in range(5):
+        with _warm(i):
+            for _micro in range(2):
+                x, y = torch.randn(4, 8, device=device), torch.randn(4, 4, device=device)
+                loss, ref_loss = F.mse_loss(model(x), y), F.mse_loss(reference(x), y)
+                torch.testing.assert_close(loss, ref_loss, **tol)
+                loss.backward()
+                ref_loss.backward()
+                assert_all_scopes_offloaded(model)
+            _step_both(model, reference, opt, ref_opt, tol)
+            if i:  # once the order is learned: frozen, so the step did not release them
+                assert [s.name for s in offtensor.summary(model).scopes if s.carried] == ["blocks.1", "blocks.2"]
+            assert_all_scopes_offloaded(model)
+    assert_params_match(model, reference, **tol)
+    model.eval(), reference.eval()
+    x = torch.randn(4, 8, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), **tol)
+    assert_all_scopes_offloaded(model)
