@@ -9,6 +9,8 @@ bounded by the budget at every load.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,7 @@ from conftest import (
     device_layout_bytes,
     devices,
     mlp_of_blocks,
+    offload,
     random_batch,
     reference_then_offload,
     tolerances,
@@ -506,6 +509,59 @@ def test_t5_generation_between_training_steps_matches_the_unwrapped_model(device
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
         torch.testing.assert_close(_rollout(model, prompt), _rollout(reference, prompt), rtol=0, atol=0)
+        assert_all_scopes_offloaded(model)
+    assert_params_match(model, reference, **tol)
+    assert most_device_bytes[0] <= budget
+
+
+# ---- compressed frozen masters ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("device", devices)
+def test_carried_compressed_scopes_hold_dequantized_copies_across_steps(device, fmt, most_device_bytes):
+    """Policy(frozen_format) and a budget: block matrices frozen and compressed; block 2's norm
+    trains (an adapter inside a compressed scope), as do the input layer and head. Two micro-
+    batches a step: the backward carries blocks 1 and 2 as dequantized copies; the step writes
+    block 2's norm (released, reloaded and dequantized afresh), not block 1 (carried on). The
+    reference is the resident model with the same compressed weights: a carried copy packed,
+    stale or dequantized from the wrong rows is a wrong loss."""
+    from offtensor._compress import MIN_NUMEL, quantize_dequantize
+
+    model = mlp_of_blocks(n_blocks=N_BLOCKS, hidden=64)
+    model.blocks.requires_grad_(False)
+    model.blocks[2].norm.requires_grad_(True)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name.startswith("blocks.") and p.dim() >= 2 and p.numel() >= MIN_NUMEL:
+                p.copy_(quantize_dequantize(p, fmt))
+    reference.to(device)
+    budget = _budget(model, kept=1)
+    offload(model, device, policy=offtensor.Policy(frozen_format=fmt, vram_budget=budget))
+    assert [r.kept for r in offtensor.summary(model).scopes] == [True] + [False] * (N_BLOCKS - 1)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    tol = tolerances(device)
+    for step in range(3):
+        for micro in range(2):
+            before = _loads(model)
+            x, y = random_batch(device)
+            loss, ref_loss = F.mse_loss(model(x), y), F.mse_loss(reference(x), y)
+            torch.testing.assert_close(loss, ref_loss, **tol)
+            loss.backward()
+            ref_loss.backward()
+            assert_all_scopes_offloaded(model)  # carried copies equal their dequantized masters
+            if step or micro:
+                assert _carried(model) == ["blocks.1", "blocks.2"]
+            if step:  # carried into this forward (block 2 only within a step)
+                loads = _loads(model)
+                assert loads["blocks.1"] - before["blocks.1"] == 1
+                assert loads["blocks.2"] - before["blocks.2"] == (1 if micro else 2)
+        assert_grads_match(model, reference, **tol)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        assert _carried(model) == ["blocks.1"]  # the frozen one outlives the step
         assert_all_scopes_offloaded(model)
     assert_params_match(model, reference, **tol)
     assert most_device_bytes[0] <= budget
