@@ -508,6 +508,7 @@ def test_t5_generation_between_training_steps_matches_the_unwrapped_model(device
         assert_grads_match(model, reference, **tol)
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
+        assert _carried(model) == []  # the step wrote every block: none outlives it
         torch.testing.assert_close(_rollout(model, prompt), _rollout(reference, prompt), rtol=0, atol=0)
         assert_all_scopes_offloaded(model)
     assert_params_match(model, reference, **tol)
@@ -562,6 +563,79 @@ def test_carried_compressed_scopes_hold_dequantized_copies_across_steps(device, 
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
         assert _carried(model) == ["blocks.1"]  # the frozen one outlives the step
+        assert_all_scopes_offloaded(model)
+    assert_params_match(model, reference, **tol)
+    assert most_device_bytes[0] <= budget
+
+
+# ---- interrupts ------------------------------------------------------------------------------
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt("injected")
+
+
+#: where a KeyboardInterrupt lands, with blocks 1 and 2 carried from the last backward
+INTERRUPTS = {
+    # the next forward, before the carried block 1 computes
+    "forward_before_carried": lambda m: m.blocks[1].register_forward_pre_hook(_interrupt),
+    # inside the carried block 2's forward (block 1 used and released)
+    "forward_inside_carried": lambda m: m.blocks[2].fc1.register_forward_pre_hook(_interrupt),
+    # after the carried blocks computed, streamed ones ahead in the room
+    "forward_after_carried": lambda m: m.blocks[4].register_forward_hook(_interrupt),
+    # the backward, midway: nothing carried yet, streamed prefetches resident
+    "backward_midway": lambda m: m.blocks[4].register_full_backward_hook(_interrupt),
+    # the backward, with block 2 carried already and block 1's backward to come
+    "backward_while_carrying": lambda m: m.blocks[1].register_full_backward_hook(_interrupt),
+}
+
+
+@pytest.mark.parametrize("where", list(INTERRUPTS))
+@pytest.mark.parametrize("device", devices)
+def test_an_interrupt_with_carried_scopes_leaks_nothing_and_training_goes_on(device, where, most_device_bytes):
+    """Ctrl-C in a training loop whose last backward carried blocks 1 and 2: in the next forward
+    (before, inside, after the carried blocks) or in a backward choosing what to carry. Then
+    training goes on like the unwrapped model (same grads and steps), the weights' device bytes
+    stay within the budget at every load, and a step leaves nothing on the device beyond the
+    kept and (fresh) carried copies: a carried copy the interrupt orphaned would outlive its
+    master's step (stale) or take room the next pass loads into."""
+    model, reference, budget = _wrapped_with_one_kept(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    tol = tolerances(device)
+
+    def train_step():
+        x, y = random_batch(device)
+        loss, ref_loss = F.mse_loss(model(x), y), F.mse_loss(reference(x), y)
+        torch.testing.assert_close(loss, ref_loss, **tol)
+        ref_loss.backward()
+        loss.backward()
+        assert_grads_match(model, reference, **tol)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+
+    for _ in range(2):
+        x, y = random_batch(device)
+        F.mse_loss(model(x), y).backward()
+        F.mse_loss(reference(x), y).backward()
+    assert _carried(model) == ["blocks.1", "blocks.2"]
+    handle = INTERRUPTS[where](model)
+    x, y = random_batch(device)
+    with pytest.raises(KeyboardInterrupt, match="injected"):
+        F.mse_loss(model(x), y).backward()
+    handle.remove()
+    # A KeyboardInterrupt runs no hook (FailureCheck in _hooks.py): what the pass held stays
+    # until the model's next call (its weights within the budget: most_device_bytes below).
+    if where.startswith("forward"):
+        # Step on the gradients of the backward before, equal on both sides: it writes the
+        # masters of the block whose call the interrupt left (block 1 or 2) and of a carried
+        # one, whose copies must not serve the next forward.
+        assert_grads_match(model, reference, **tol)
+        opt.step(), ref_opt.step()
+    # The interrupted pass's gradients (a backward cut midway) are thrown away on both sides.
+    opt.zero_grad(), ref_opt.zero_grad()
+    for _ in range(3):
+        train_step()
         assert_all_scopes_offloaded(model)
     assert_params_match(model, reference, **tol)
     assert most_device_bytes[0] <= budget
