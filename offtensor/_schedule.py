@@ -81,24 +81,27 @@ needs no such step: each streamed scope is released as its forward ends, before 
 loads, so an unexpected scope finds the computing one's place free.
 
 # Note [carried into the next forward]
-Under a VRAM budget, a backward ends with the scopes the next forward computes first (the forward
-order reversed), and used to release them, so the next forward began by copying them again. In
-gradient accumulation and LoRA training (nothing changes their masters between the two) that
-copy is pure loss, and where a streamed block computes its forward faster than it copies (the
-8-layer benchmark model at 4x2048, compiled: 5.3 ms against 7.9 ms), each forward began with the
-copies behind and never caught up. So the backward leaves them resident (`Scope.carried`): the
-streamed scopes at the head of the next pass (`first_of_next_pass` and on, skipping kept ones),
-as many as fit the streaming room less one block, which stays free for the next copy. They are
-the backward's last scopes, so they never raise its footprint, and they count against the room
-like any streamed scope. (Not the last when one backward runs through two forwards' graphs, the
-second's first: a scope that must load on demand there releases carried ones, `_make_room`.)
-A carried scope outlives its calls as a kept one does
-(`Engine.outlives_calls`): a write to its masters releases it (an optimizer step, `p.data`, a
-write through an alias its next forward sees by the versions), and so do an unused pass (the
-end of the model's forward releases what the pass loaded and did not use; without that hook the
-next pass start does), an exception, `unwrap`. Its next forward uses it, then streams it as
-usual. Not carried: trainable scopes under backward_and_step (the worker writes their masters
-unseen), under data parallelism (ranks load together), and after a backward that built a graph.
+Under a VRAM budget, a backward ends with the scopes the next forward computes first (the
+forward order reversed), and used to release them, so the next forward began by copying them
+again. In gradient accumulation and frozen layers (nothing changes their masters between the
+two) that copy is pure loss, and where a streamed block computes its forward faster than it
+copies (the 8-layer benchmark model at 4x2048, compiled: 5.3 ms against 7.9 ms), each forward
+began with the copies behind and never caught up. (An optimizer step that writes a scope's
+masters ends its carry: with PEFT adapters inside every layer, carried layers serve the
+micro-batches of one step but not the next step; a frozen layer is carried across steps.) So the
+backward leaves them resident (`Scope.carried`): the streamed scopes at the head of the next
+pass (`first_of_next_pass` and on, skipping kept ones), as many as fit the streaming room less
+one block, which stays free for the next copy. They are the backward's last scopes, so they
+never raise its footprint, and they count against the room like any streamed scope. (Not the
+last when one backward runs through two forwards' graphs, the second's first: a scope that must
+load on demand there releases carried ones, `_make_room`.) A carried scope outlives its calls as
+a kept one does (`Engine.outlives_calls`): a write to its masters releases it (an optimizer
+step, `p.data`, a write through an alias its next forward sees by the versions), and so do an
+unused pass (the end of the model's forward releases what the pass loaded and did not use;
+without that hook the next pass start does), an exception, `unwrap`. Its next forward uses it,
+then streams it as usual. Not carried: trainable scopes under backward_and_step (the worker
+writes their masters unseen), under data parallelism (ranks load together), and after a backward
+that built a graph.
 """
 
 from __future__ import annotations
