@@ -24,6 +24,7 @@ from conftest import (
     offload,
     random_batch,
     reference_then_offload,
+    step_both,
     tolerances,
 )
 
@@ -43,6 +44,16 @@ def _rows(model) -> dict[str, offtensor.ScopeSummary]:
 
 def _loads(model) -> dict[str, int]:
     return {name: row.loads for name, row in _rows(model).items()}
+
+
+def _backward_both(model, reference, device: str, batch=None) -> None:
+    """An MSE loss on both models (a new random batch unless given): equal losses, then both
+    backward."""
+    x, y = batch if batch is not None else random_batch(device)
+    loss, ref_loss = F.mse_loss(model(x), y), F.mse_loss(reference(x), y)
+    torch.testing.assert_close(loss, ref_loss, **tolerances(device))
+    loss.backward()
+    ref_loss.backward()
 
 
 def _carried(model) -> list[str]:
@@ -73,11 +84,7 @@ def test_accumulation_reuses_the_scopes_the_backward_carried(device, most_device
     for step in range(3):
         for micro in range(3):
             before = _loads(model)
-            x, y = random_batch(device)
-            loss, ref_loss = F.mse_loss(model(x), y), F.mse_loss(reference(x), y)
-            torch.testing.assert_close(loss, ref_loss, **tolerances(device))
-            loss.backward()
-            ref_loss.backward()
+            _backward_both(model, reference, device)
             assert_all_scopes_offloaded(model)  # carried copies equal their masters
             loads = {n: c - before[n] for n, c in _loads(model).items()}
             if step or micro:  # the first pass learns the order; its backward carries nothing
@@ -104,12 +111,8 @@ def test_a_frozen_base_stays_carried_across_optimizer_steps(device, most_device_
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
     for step in range(4):
         before = _loads(model)
-        x, y = random_batch(device)
-        F.mse_loss(model(x), y).backward()
-        F.mse_loss(reference(x), y).backward()
-        assert_grads_match(model, reference, **tolerances(device))
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
+        _backward_both(model, reference, device)
+        step_both(model, reference, opt, ref_opt, tolerances(device))
         assert _carried(model) == (["blocks.1", "blocks.2"] if step else [])  # once the order is learned
         if step >= 2:
             loads = _loads(model)
@@ -135,18 +138,12 @@ def test_a_write_between_backward_and_forward_reaches_the_carried_scope(device, 
     forward (a stale copy would be a silent wrong answer that streaming hides)."""
     model, reference, _ = _wrapped_with_one_kept(device)
     for _ in range(2):
-        x, y = random_batch(device)
-        F.mse_loss(model(x), y).backward()
-        F.mse_loss(reference(x), y).backward()
+        _backward_both(model, reference, device)
     assert "blocks.1" in _carried(model)
     with torch.no_grad():
         for m in (model, reference):
             WRITES_BYPASSING_THE_PARAMETER[write](m.blocks[1].fc1.weight)
-    x, y = random_batch(device)
-    loss, ref_loss = F.mse_loss(model(x), y), F.mse_loss(reference(x), y)
-    torch.testing.assert_close(loss, ref_loss, **tolerances(device))
-    loss.backward()
-    ref_loss.backward()
+    _backward_both(model, reference, device)
     assert_grads_match(model, reference, **tolerances(device))
     assert_all_scopes_offloaded(model)
 
@@ -158,10 +155,8 @@ def test_carried_scopes_go_when_the_next_forward_fails_or_does_not_use_them(devi
     like the unwrapped one."""
     model, reference, _ = _wrapped_with_one_kept(device)
     x, y = random_batch(device)
-    F.mse_loss(model(x), y).backward()
-    F.mse_loss(reference(x), y).backward()
-    F.mse_loss(model(x), y).backward()
-    F.mse_loss(reference(x), y).backward()
+    _backward_both(model, reference, device, (x, y))
+    _backward_both(model, reference, device, (x, y))
     assert _carried(model) == ["blocks.1", "blocks.2"]
 
     def boom(module, args):
@@ -175,8 +170,7 @@ def test_carried_scopes_go_when_the_next_forward_fails_or_does_not_use_them(devi
     assert _rows(model)["blocks.1"].state is offtensor.ScopeState.OFFLOADED
     assert_all_scopes_offloaded(model)
 
-    F.mse_loss(model(x), y).backward()
-    F.mse_loss(reference(x), y).backward()
+    _backward_both(model, reference, device, (x, y))
     assert _carried(model) == ["blocks.1", "blocks.2"]
     model.eval(), reference.eval()
     with torch.no_grad():
@@ -184,8 +178,7 @@ def test_carried_scopes_go_when_the_next_forward_fails_or_does_not_use_them(devi
     assert _carried(model) == []  # used by the evaluation, then released as it went
     assert_all_scopes_offloaded(model)
     model.train(), reference.train()
-    F.mse_loss(model(x), y).backward()
-    F.mse_loss(reference(x), y).backward()
+    _backward_both(model, reference, device, (x, y))
     assert_grads_match(model, reference, **tolerances(device))
 
 
@@ -218,9 +211,7 @@ def test_no_carry_without_a_budget(device):
     model = mlp_of_blocks(n_blocks=4)
     reference = reference_then_offload(model, device)
     for _ in range(2):
-        x, y = random_batch(device)
-        F.mse_loss(model(x), y).backward()
-        F.mse_loss(reference(x), y).backward()
+        _backward_both(model, reference, device)
         assert _carried(model) == []
         assert offtensor.summary(model).device_bytes == 0
     assert_grads_match(model, reference, **tolerances(device))
@@ -312,11 +303,7 @@ def test_a_step_over_some_blocks_releases_only_their_carried_scopes(device, most
     (first, rest), (ref_first, ref_rest) = optimizers(model), optimizers(reference)
     for step in range(5):
         before = _loads(model)
-        x, y = random_batch(device)
-        loss, ref_loss = F.mse_loss(model(x), y), F.mse_loss(reference(x), y)
-        torch.testing.assert_close(loss, ref_loss, **tolerances(device))
-        loss.backward()
-        ref_loss.backward()
+        _backward_both(model, reference, device)
         loads = {n: c - before[n] for n, c in _loads(model).items()}
         if step >= 2:  # block 2 was carried into this forward: it loaded for backward only
             assert loads["blocks.2"] == 1, loads
@@ -411,9 +398,7 @@ def test_llama_rollouts_and_accumulated_steps_match_the_unwrapped_model(device, 
             assert_all_scopes_offloaded(model)
             if step or micro:  # once the order is learned
                 assert _carried(model) == ["model.layers.1", "model.layers.2"]
-        assert_grads_match(model, reference, **tol)
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
+        step_both(model, reference, opt, ref_opt, tol)
         assert _carried(model) == []
     assert_params_match(model, reference, **tol)
     assert_all_scopes_offloaded(model)
@@ -515,9 +500,7 @@ def test_t5_generation_between_training_steps_matches_the_unwrapped_model(device
         if step == 1:  # generation right after a backward, before the step: carried blocks serve it
             torch.testing.assert_close(_rollout(model, prompt), _rollout(reference, prompt), rtol=0, atol=0)
             assert_all_scopes_offloaded(model)
-        assert_grads_match(model, reference, **tol)
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
+        step_both(model, reference, opt, ref_opt, tol)
         assert _carried(model) == []  # the step wrote every block: none outlives it
         torch.testing.assert_close(_rollout(model, prompt), _rollout(reference, prompt), rtol=0, atol=0)
         assert_all_scopes_offloaded(model)
@@ -557,11 +540,7 @@ def test_carried_compressed_scopes_hold_dequantized_copies_across_steps(device, 
     for step in range(3):
         for micro in range(2):
             before = _loads(model)
-            x, y = random_batch(device)
-            loss, ref_loss = F.mse_loss(model(x), y), F.mse_loss(reference(x), y)
-            torch.testing.assert_close(loss, ref_loss, **tol)
-            loss.backward()
-            ref_loss.backward()
+            _backward_both(model, reference, device)
             assert_all_scopes_offloaded(model)  # carried copies equal their dequantized masters
             if step or micro:
                 assert _carried(model) == ["blocks.1", "blocks.2"]
@@ -569,9 +548,7 @@ def test_carried_compressed_scopes_hold_dequantized_copies_across_steps(device, 
                 loads = _loads(model)
                 assert loads["blocks.1"] - before["blocks.1"] == 1
                 assert loads["blocks.2"] - before["blocks.2"] == (1 if micro else 2)
-        assert_grads_match(model, reference, **tol)
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
+        step_both(model, reference, opt, ref_opt, tol)
         assert _carried(model) == ["blocks.1"]  # the frozen one outlives the step
         assert_all_scopes_offloaded(model)
     assert_params_match(model, reference, **tol)
@@ -620,14 +597,10 @@ def test_an_interrupt_with_carried_scopes_leaks_nothing_and_training_goes_on(dev
         torch.testing.assert_close(loss, ref_loss, **tol)
         ref_loss.backward()
         loss.backward()
-        assert_grads_match(model, reference, **tol)
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
+        step_both(model, reference, opt, ref_opt, tol)
 
     for _ in range(2):
-        x, y = random_batch(device)
-        F.mse_loss(model(x), y).backward()
-        F.mse_loss(reference(x), y).backward()
+        _backward_both(model, reference, device)
     assert _carried(model) == ["blocks.1", "blocks.2"]
     handle = INTERRUPTS[where](model)
     x, y = random_batch(device)
