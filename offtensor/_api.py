@@ -19,6 +19,16 @@ class ScopeState(enum.Enum):
     RESIDENT = "resident"  # compute stream waited on weights_ready; device copy usable
 
 
+class Residency(enum.Enum):
+    """How long a scope's device copy outlives its calls, beside its ScopeState (Note [VRAM
+    budget] and Note [carried into the next forward] in _schedule.py). Fixed by the budget's
+    layout for KEPT; STREAMED and CARRIED alternate for the others."""
+
+    STREAMED = "streamed"  # loaded for its calls, released when they end
+    KEPT = "kept"  # resident by Policy.vram_budget: only a forced release offloads it
+    CARRIED = "carried"  # streamed, left resident by a backward for the next forward; any release ends it
+
+
 @dataclass(frozen=True)
 class Policy:
     """Options for `offtensor.wrap`, passed through whole.

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from . import _distributed
-from ._api import Policy, ScopeState
+from ._api import Policy, Residency, ScopeState
 from ._grads import GradOffload
 from ._param import without_subclass_dispatch
 from ._schedule import Schedule
@@ -138,7 +138,7 @@ class Engine:
         carried from a backward into the next forward, or held by no_offload(). Writes that
         bypass the parameter (`p.data`, a detached alias) leave such a copy stale; a streamed
         scope loads afresh at its next call."""
-        return scope.kept or scope.carried or self.hold()
+        return scope.residency is not Residency.STREAMED or self.hold()
 
     def release_all(self, *, force: bool = False) -> None:
         """Release every scope on the device; `force`: those the VRAM budget keeps too."""
@@ -227,7 +227,8 @@ class Engine:
         self.live.pump()
         if self.outlives_calls(scope) and scope.running_calls == 1 and scope.written_since_copied():
             self.master_handed_out(scope)  # its copy is stale (Note [VRAM budget] in _schedule.py)
-        scope.carried = False  # used: released as its forward ends, like any streamed scope
+        if scope.residency is Residency.CARRIED:
+            scope.residency = Residency.STREAMED  # used: released as its forward ends, like any streamed scope
         if scope.state is ScopeState.OFFLOADED:
             scope.loads_on_demand += 1
         scope.load(with_grads=False)
@@ -258,10 +259,18 @@ class Engine:
             if scope is not first:
                 scope.running_calls = 0
         fresh, self._carried_fresh = self._carried_fresh, False  # only the first pass after
-        if not self.hold():
-            for scope in self.live:
-                if scope is not first and not (scope.carried and fresh):
-                    scope.release()
+        self._release_earlier_passes(first, keep_carried=fresh)
+
+    def _release_earlier_passes(self, first: Scope, *, keep_carried: bool) -> None:
+        """A pass starts at `first`: release what earlier passes left on the device, except
+        scopes in a call and, in the first pass after a backward carried them, the carried ones
+        (Note [carried into the next forward] in _schedule.py). Nothing under no_offload()."""
+        if self.hold():
+            return
+        for scope in self.live:
+            if scope is first or scope.running_calls or (keep_carried and scope.residency is Residency.CARRIED):
+                continue
+            scope.release()
 
     @_outside_transforms
     def begin_forward(self) -> None:
@@ -276,11 +285,11 @@ class Engine:
             _distributed.check_ddp_forward("the model given to offtensor.wrap")
         self.model_forward = ModelForward.STARTING
         first = self.schedule.first_of_next_pass()
-        if first is None or self.schedule.prefetch_bytes == 0 or self.hold():
+        if first is None or self.schedule.prefetch_bytes == 0:
             return
-        for scope in self.live:
-            if scope is not first and scope.running_calls == 0 and not (scope.carried and self._carried_fresh):
-                scope.release()
+        self._release_earlier_passes(first, keep_carried=self._carried_fresh)
+        if self.hold():
+            return
         if first.state is ScopeState.OFFLOADED:
             first.load(with_grads=False)
             self._preloaded = first
@@ -364,7 +373,7 @@ class Engine:
         until its weights fit the streaming room (Note [VRAM budget] in _schedule.py: a wrong
         guess of the order)."""
         room = self.schedule.free_streaming_room()
-        if room is None or scope.kept:
+        if room is None or scope.residency is Residency.KEPT:
             return
         for other in reversed(list(self.live)):
             if room >= scope.device_nbytes:
@@ -372,8 +381,8 @@ class Engine:
             # A carried scope's backward is over, so it can go too: one backward through two
             # forwards (DPO's chosen and rejected) carries at the end of the second forward's
             # graph and then still runs the first's, whose loads would go over the budget.
-            if other.kept or other.running_calls or (self.schedule.needed_in_backward(other)
-                                                     and not other.carried):
+            if other.residency is Residency.KEPT or other.running_calls or (
+                    self.schedule.needed_in_backward(other) and other.residency is not Residency.CARRIED):
                 continue
             other.release()
             room += other.device_nbytes
@@ -387,7 +396,7 @@ class Engine:
             return  # a module called several times: later calls' backward still needs it
         if scope.state is not ScopeState.OFFLOADED and scope.running_calls == 0:
             if self._carries(scope):
-                scope.carried = True  # Note [carried into the next forward] in _schedule.py
+                scope.residency = Residency.CARRIED  # Note [carried into the next forward] in _schedule.py
                 self._carried_fresh = True
                 return
             scope.release()
@@ -418,15 +427,13 @@ class Engine:
             scope.grad_calls_this_pass = 0
         self._create_graph = False
         if not self.hold():
-            for scope in self.live:
-                if not scope.carried:
-                    scope.release()
+            self.live.release_all(keep_carried=True)
             if self.grads.stepper is not None:
                 # backward_and_step: its worker steps these masters and cannot release their
                 # kept copies (Note [VRAM budget] in _schedule.py). A step on this thread
                 # releases what it writes (before_master_write).
                 for scope in self.scopes:
-                    if scope.kept and self._trainable(scope):
+                    if scope.residency is Residency.KEPT and self._trainable(scope):
                         scope.release(force=True)
 
     def _forget_backward(self) -> None:

@@ -89,7 +89,7 @@ copies (the 8-layer benchmark model at 4x2048, compiled: 5.3 ms against 7.9 ms),
 began with the copies behind and never caught up. (An optimizer step that writes a scope's
 masters ends its carry: with PEFT adapters inside every layer, carried layers serve the
 micro-batches of one step but not the next step; a frozen layer is carried across steps.) So the
-backward leaves them resident (`Scope.carried`): the streamed scopes at the head of the next
+backward leaves them resident (`Residency.CARRIED`): the streamed scopes at the head of the next
 pass (`first_of_next_pass` and on, skipping kept ones), as many as fit the streaming room less
 one block, which stays free for the next copy. They are the backward's last scopes, so they
 never raise its footprint, and they count against the room like any streamed scope. (Not the
@@ -109,7 +109,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from ._api import Policy, ScopeState
+from ._api import Policy, Residency, ScopeState
 from ._scope import Scope
 
 logger = logging.getLogger("offtensor")
@@ -171,21 +171,21 @@ class Schedule:
         budget = self._policy.vram_budget
         if budget is not None:
             self._keep_within(budget, largest_block)
-            if not all(s.kept for s in self.scopes):
+            if not all(s.residency is Residency.KEPT for s in self.scopes):
                 self.streaming_room = streaming_bytes(largest_block, self._policy.prefetch)
 
     def _keep_within(self, budget: int, largest_block: int) -> None:
         total = sum(s.device_nbytes for s in self.scopes)
         if total <= budget:
             for scope in self.scopes:
-                scope.kept = True
+                scope.residency = Residency.KEPT
             return
         streaming = streaming_bytes(largest_block, self._policy.prefetch)
         assert budget >= streaming  # wrap checked it (_check_budget) before anything moved
         room = budget - streaming
         first, *rest = self.scopes
         if first.device_nbytes <= room:
-            first.kept = True
+            first.residency = Residency.KEPT
             room -= first.device_nbytes
         else:  # a first scope larger than the room (a wrapped embedding): spread over all
             rest = self.scopes
@@ -196,7 +196,7 @@ class Schedule:
         for scope in rest:
             credit += share * scope.device_nbytes
             if scope.device_nbytes * rest_bytes <= credit and scope.device_nbytes <= room:
-                scope.kept = True
+                scope.residency = Residency.KEPT
                 room -= scope.device_nbytes
                 credit -= scope.device_nbytes * rest_bytes
 
@@ -212,7 +212,7 @@ class Schedule:
         for scope in candidates:
             if scope is current:
                 continue
-            if scope.kept:  # its weights are in the budget's kept part; old gradients are not
+            if scope.residency is Residency.KEPT:  # its weights are in the budget's kept part; old gradients are not
                 grads = scope.old_grad_bytes() if with_grads else 0
                 if in_flight + grads > budget:
                     return
@@ -238,7 +238,8 @@ class Schedule:
         that hold device memory now (loading or resident). None without a budget that streams."""
         if self.streaming_room is None:
             return None
-        held = sum(s.device_nbytes for s in self.scopes if not s.kept and s.state is not ScopeState.OFFLOADED)
+        held = sum(s.device_nbytes for s in self.scopes if s.residency is not Residency.KEPT
+                   and s.state is not ScopeState.OFFLOADED)
         return self.streaming_room - held
 
     def prefetch_forward(self, scope: Scope) -> None:
@@ -359,7 +360,7 @@ class Schedule:
             first = self.first_of_next_pass()
             room = self.streaming_room - self.largest_block  # one block left to copy into
             for ahead in self.order[self._index[first]:] if first in self._index else []:
-                if ahead.kept:
+                if ahead.residency is Residency.KEPT:
                     continue
                 if ahead.device_nbytes > room:
                     break

@@ -11,8 +11,9 @@ of the same layout. The state says which of them holds usable weights:
   `LoadProgress`, which exists only in this state (`Scope.loading`).
 - RESIDENT: the compute stream has waited on `weights_ready`; ops may use the device copy.
 The transitions are Scope.load (OFFLOADED -> LOADING), make_resident (-> RESIDENT) and release
-(-> OFFLOADED). There is no other per-scope flag: what a parameter "is" follows from its
-scope's state. The scopes of one model that are not OFFLOADED are listed, in load order, in
+(-> OFFLOADED). What a parameter "is" follows from its scope's state; the only other
+per-scope enum, `Residency`, says how long a copy outlives its calls (streamed: until they
+end; kept or carried under a VRAM budget: Note [VRAM budget] in _schedule.py). The scopes of one model that are not OFFLOADED are listed, in load order, in
 their `LiveScopes`.
 
 # Note [progressive loads]
@@ -67,7 +68,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._api import Policy, ScopeState
+from ._api import Policy, Residency, ScopeState
 from ._param import master_grad, without_subclass_dispatch
 from ._slot import ParamSlot
 from ._streams import Streams
@@ -133,9 +134,12 @@ class LiveScopes:
         for scope in list(self._held_back):
             scope.copy_more(need=-1)
 
-    def release_all(self, *, force: bool = False) -> None:
+    def release_all(self, *, force: bool = False, keep_carried: bool = False) -> None:
+        """Release every scope on the device; `force`: kept ones too; `keep_carried`: not the
+        ones a backward carries into the next forward."""
         for scope in list(self._loaded):
-            scope.release(force=force)
+            if not (keep_carried and scope.residency is Residency.CARRIED):
+                scope.release(force=force)
 
 
 class Scope:
@@ -183,10 +187,10 @@ class Scope:
         self.grad_calls_this_pass = 0  # of those, the ones in the current pass
         self.loads = 0  # host-to-device loads of the weights, since wrap
         self.loads_on_demand = 0  # of which not prefetched: offloaded when the scope needed them
-        self.kept = False  # resident by Policy.vram_budget: only a forced release offloads it
-        # Streamed, left resident by a backward's end for the next forward, which computes it
-        # first (Note [carried into the next forward] in _schedule.py); any release ends it.
-        self.carried = False
+        # STREAMED, or KEPT by Policy.vram_budget (only a forced release offloads it), or
+        # CARRIED: streamed, left resident by a backward's end for the next forward, which
+        # computes it first (Note [carried into the next forward] in _schedule.py).
+        self.residency = Residency.STREAMED
         # A kept scope: each parameter's version counter when its copy was enqueued, to tell
         # writes no op of ours saw (`p[0].fill_()`, `p.detach().copy_()`; Note [VRAM budget]).
         self.copied_versions: dict[ParamSlot, int] = {}
@@ -470,7 +474,7 @@ class Scope:
     def release(self, *, force: bool = False) -> None:
         """-> OFFLOADED: free the device copy, ordered after every queued use of it. A scope
         kept by the VRAM budget stays, unless `force` (its masters changed, or unwrap)."""
-        if self.state is ScopeState.OFFLOADED or (self.kept and not force):
+        if self.state is ScopeState.OFFLOADED or (self.residency is Residency.KEPT and not force):
             return
         streams = self.streams
         compute = streams.compute()
@@ -487,7 +491,8 @@ class Scope:
         else:
             self.device_storage.resize_(0)
         self.state = ScopeState.OFFLOADED
-        self.carried = False
+        if self.residency is Residency.CARRIED:
+            self.residency = Residency.STREAMED
         self.live.released(self)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("release %s%s", self.name, streams.memory())

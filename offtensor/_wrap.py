@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from . import _engine
-from ._api import Policy, ScopeState, ScopeSummary, Summary
+from ._api import Policy, Residency, ScopeState, ScopeSummary, Summary
 from ._compress import FrozenFormat, PackedMaster, RowReader, compresses, copy_rows, packed_nbytes
 from ._distributed import check_model
 from ._engine import Engine
@@ -308,7 +308,8 @@ def summary(model: nn.Module) -> Summary:
     inside = {id(m) for m in model.modules()}
     rows = [
         ScopeSummary(s.name, s.state, s.num_params(), s.host_bytes(), s.device_bytes(), s.loads,
-                     s.loads_on_demand, s.kept, s.carried)
+                     s.loads_on_demand, kept=s.residency is Residency.KEPT,
+                     carried=s.residency is Residency.CARRIED)
         for s in engine.scopes if id(s.module) in inside
     ]
     allocated = torch.cuda.memory_allocated(engine.device) if engine.streams.is_cuda else None
