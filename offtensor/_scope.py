@@ -13,8 +13,8 @@ of the same layout. The state says which of them holds usable weights:
 The transitions are Scope.load (OFFLOADED -> LOADING), make_resident (-> RESIDENT) and release
 (-> OFFLOADED). What a parameter "is" follows from its scope's state; the only other
 per-scope enum, `Residency`, says how long a copy outlives its calls (streamed: until they
-end; kept or carried under a VRAM budget: Note [VRAM budget] in _schedule.py). The scopes of one model that are not OFFLOADED are listed, in load order, in
-their `LiveScopes`.
+end; kept or carried under a VRAM budget: Note [VRAM budget] in _schedule.py). The scopes of
+one model that are not OFFLOADED are listed, in load order, in their `LiveScopes`.
 
 # Note [progressive loads]
 A scope's first forward records the order in which its parameters are first used. From then on

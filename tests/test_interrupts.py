@@ -169,8 +169,8 @@ def _build(split: bool = False, checkpoint: str | None = None, fp8: bool = False
         policy = dataclasses.replace(policy, vram_budget=4 * device_layout_bytes(model.blocks[0]))
     offtensor.wrap(model, device="cpu", policy=policy)
     if budget:  # the first scope kept, some streamed
-        scopes = model._offtensor_engine.scopes
-        assert scopes[0].kept and not all(s.kept for s in scopes)
+        kept = [s.kept for s in offtensor.summary(model).scopes]
+        assert kept[0] and not all(kept)
     return model
 
 
