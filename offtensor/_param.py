@@ -17,6 +17,7 @@ subclass: ops run with subclass dispatch off (`without_subclass_dispatch`), so o
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -333,6 +334,83 @@ def _detach(p: OffloadedParameter) -> torch.Tensor:
     return torch.Tensor.detach(p)
 
 
+# Note [gradients with respect to a parameter]
+# `torch.autograd.grad(loss, params)` and `loss.backward(inputs=params)` name the parameters
+# whose gradients to compute, but autograd's graph never holds an offloaded parameter: it holds
+# the tensors ops got instead (Note [dispatch of an offloaded parameter]): the scope's device
+# copy, device copies retired by a create_graph backward, temporary copies made for ops outside
+# the scope (`ParamSlot.graph_leaves`). Given the master, autograd would find it unused: `grad`
+# raised "appears to not have been used in the graph", and returned None with
+# `allow_unused=True`; `backward(inputs=...)` silently left `p.grad` unchanged. So both come
+# here (torch dispatches them to `__torch_function__` when an input is a subclass), and each
+# offloaded input is replaced by those leaves:
+# - `grad` asks for every leaf (allow_unused, since most are not in this graph), sums each
+#   parameter's, and returns it as the parameter is, on the host in the master's dtype
+#   (differentiable under create_graph), like `p.grad`. An input no leaf of which got a
+#   gradient is unused: None, zeros with materialize_grads, or the error torch gives.
+# - `backward(inputs=...)` accumulates into the leaves, whose gradients take the usual path to
+#   the host `p.grad` (Note [gradient path] in _grads.py); the other parameters' gradients are
+#   left alone, as autograd does.
+# A frozen parameter has no such leaf and is passed as it is: autograd raises its own error.
+
+
+def _leaves_for(inputs: Any) -> tuple[list[Any], list[int]]:
+    """Autograd's inputs with each offloaded parameter replaced by its graph leaves (itself
+    when it has none), and how many entries each input became."""
+    expanded: list[Any] = []
+    counts: list[int] = []
+    for t in inputs:
+        slot = getattr(t, "_ot", None) if isinstance(t, OffloadedParameter) else None
+        leaves = slot.graph_leaves() if slot is not None and t.requires_grad else []
+        expanded.extend(leaves or [t])
+        counts.append(len(leaves) or 1)
+    return expanded, counts
+
+
+def _autograd_grad(outputs: Any, inputs: Any, grad_outputs: Any = None, retain_graph: bool | None = None,
+                   create_graph: bool = False, only_inputs: bool = True, allow_unused: bool | None = None,
+                   is_grads_batched: bool = False, materialize_grads: bool = False) -> tuple:
+    """`torch.autograd.grad` with offloaded parameters among `inputs` (Note [gradients with
+    respect to a parameter])."""
+    inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
+    expanded, counts = _leaves_for(inputs)
+    grads = torch.autograd.grad(outputs, expanded, grad_outputs=grad_outputs, retain_graph=retain_graph,
+                                create_graph=create_graph, allow_unused=True,
+                                is_grads_batched=is_grads_batched)
+    if allow_unused is None:
+        allow_unused = materialize_grads
+    result: list[torch.Tensor | None] = []
+    start = 0
+    for i, (t, n) in enumerate(zip(inputs, counts, strict=True)):
+        found = [g for g in grads[start : start + n] if g is not None]
+        start += n
+        g: torch.Tensor | None = None
+        if found:
+            g = functools.reduce(torch.add, found)
+            if isinstance(t, OffloadedParameter):  # as `p.grad`: on the host, the master's dtype
+                g = g.to(device=t.device, dtype=t.dtype)
+        elif materialize_grads:
+            g = torch.zeros_like(t)
+        elif not allow_unused:
+            what = f" (offloaded parameter {t._ot.name!r})" if getattr(t, "_ot", None) is not None else ""
+            raise RuntimeError(
+                f"The differentiated Tensor at index {i}{what} appears to not have been used in "
+                "the graph. Set allow_unused=True if this is the desired behavior."
+            )
+        result.append(g)
+    return tuple(result)
+
+
+def _autograd_backward(tensors: Any, grad_tensors: Any = None, retain_graph: bool | None = None,
+                       create_graph: bool = False, inputs: Any = None, **kwargs: Any) -> None:
+    """`torch.autograd.backward` (`loss.backward(inputs=...)`) with offloaded parameters among
+    `inputs` (Note [gradients with respect to a parameter])."""
+    if inputs is not None:
+        inputs = _leaves_for(tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,))[0]
+    torch.autograd.backward(tensors, grad_tensors=grad_tensors, retain_graph=retain_graph,
+                            create_graph=create_graph, inputs=inputs, **kwargs)
+
+
 # Note [user gradient hooks]: the device copy, not the master, is what autograd differentiates,
 # so hooks registered on the master would never fire. We keep them on the ParamSlot and call them
 # from the gradient path (_grads.py): `register_hook` hooks see each backward contribution (on
@@ -344,4 +422,6 @@ _HANDLERS = {
     ),
     torch.Tensor.register_hook: _hook_registrar("grad_hooks", torch.Tensor.register_hook),
     torch.Tensor.detach: _detach,
+    torch.autograd.grad: _autograd_grad,
+    torch.autograd.backward: _autograd_backward,
 }

@@ -127,6 +127,9 @@ class ParamSlot:
     leaf_hooked: bool = False  # device_leaf has the post-accumulate-grad hook (hook_device_leaf)
     # Device copies of earlier storages that graphs of create_graph backwards may still read.
     retired: list[weakref.ref] = field(default_factory=list)
+    # Temporary copies made with requires_grad for ops outside the scope, while graphs hold
+    # them: leaves of the parameter too (Note [gradients with respect to a parameter]).
+    temporaries: list[weakref.ref] = field(default_factory=list)
 
     @property
     def grad_written(self) -> bool:
@@ -179,6 +182,14 @@ class ParamSlot:
         self.device_leaf, self.device_view = device_copy(
             flat, self.device_offset, self.device_view.dtype, self.param.shape, self.device_leaf.requires_grad)
         self.hook_device_leaf()
+
+    def graph_leaves(self) -> list[torch.Tensor]:
+        """Every tensor that stands for this parameter in an autograd graph and can receive a
+        gradient: its device copy, retired copies and temporary copies still alive (Note
+        [gradients with respect to a parameter] in _param.py)."""
+        with _retired_lock: refs = list(self.retired)  # noqa: E701 (Note [interrupts])
+        leaves = [self.device_leaf, *(r() for r in refs), *(r() for r in self.temporaries)]
+        return [t for t in leaves if t is not None and t.requires_grad]
 
     def use_device_copy(self) -> torch.Tensor:
         leaf = self.device_leaf
