@@ -18,6 +18,7 @@ subclass: ops run with subclass dispatch off (`without_subclass_dispatch`), so o
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -57,6 +58,11 @@ class OffloadedParameter(nn.Parameter):
         result = without_subclass_dispatch(lambda p: nn.Parameter(master_values(p), p.requires_grad), self)
         memo[id(self)] = result
         return result
+
+    def set_(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        # `Tensor.set_` does not dispatch to __torch_function__: a method of the class instead.
+        _await_steps([self])  # a deferred optimizer step may still write the master
+        return without_subclass_dispatch(_set, self, *args, *kwargs.values())
 
     def __reduce_ex__(self, proto):  # type: ignore[override]
         # Pickle (torch.save) as a plain Parameter: the offloading is a runtime arrangement
@@ -268,7 +274,7 @@ def _is_inplace(func) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
 
 
-def _set_data(p: OffloadedParameter, value: torch.Tensor) -> None:
+def _set_data(p: OffloadedParameter, value: torch.Tensor, what: str = "set .data of") -> None:
     """`p.data = t` copies into the host master instead of rebinding it (the master must stay in
     the scope's pinned buffer). `model.cuda()` never gets here: see Note [moving a wrapped model]."""
     slot = getattr(p, "_ot", None)
@@ -279,7 +285,7 @@ def _set_data(p: OffloadedParameter, value: torch.Tensor) -> None:
         return
     if value.shape != p.shape or value.dtype != p.dtype:
         raise TypeError(
-            f"offtensor: cannot set .data of offloaded parameter {slot.name!r} "
+            f"offtensor: cannot {what} offloaded parameter {slot.name!r} "
             f"({tuple(p.shape)}, {p.dtype}) to a tensor of shape {tuple(value.shape)} and dtype "
             f"{value.dtype}; offloaded masters keep their shape and dtype. Copy values with "
             "p.data.copy_(t), or call offtensor.unwrap(model) first"
@@ -288,6 +294,27 @@ def _set_data(p: OffloadedParameter, value: torch.Tensor) -> None:
     # Detached: autograd records nothing, without grad mode (Note [interrupts]); `p.detach()`
     # shares p's version counter, so the write bumps it as `p.copy_` under no_grad did.
     p.detach().copy_(value.detach())
+
+
+def _set(p: OffloadedParameter, *args: Any) -> torch.Tensor:
+    """`p.set_(t)` copies t's values into the host master, as `p.data = t` does: rebinding would
+    leave the master outside the scope's host buffer, which loads read (`ParamSlot.master`), so
+    every forward would compute with the old values. torch.nn.utils.parametrize does this when a
+    parametrization with a `right_inverse` (`orthogonal`) is registered on a wrapped model."""
+    slot = getattr(p, "_ot", None)
+    if slot is None:
+        return torch.Tensor.set_(p, *args)
+    source = args[0] if len(args) == 1 else None  # set_(t); not set_(storage, offset, size, stride)
+    if not isinstance(source, torch.Tensor):
+        raise TypeError(
+            f"offtensor: offloaded parameter {slot.name!r} cannot be set_() to a storage or to "
+            "nothing: its master stays in the scope's host buffer. Copy values with "
+            "p.data.copy_(t), or call offtensor.unwrap(model) first"
+        )
+    if torch.is_grad_enabled() and p.requires_grad:
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    _set_data(p, source, "set_()")
+    return p
 
 
 def _hook_registrar(table: str, plain):
@@ -328,10 +355,36 @@ _MASTER_ONLY = {
 def _detach(p: OffloadedParameter) -> torch.Tensor:
     """`p.detach()`: the master. DistributedDataParallel's constructor detaches every parameter;
     refused for offloaded ones (Note [data-parallel wrappers] in _distributed.py)."""
+    slot = getattr(p, "_ot", None)
     if _distributed.active():
-        slot = getattr(p, "_ot", None)
         _distributed.check_ddp_init(slot.name if slot is not None else "?")
+    if slot is not None and _called_by_parameter_new():
+        raise RuntimeError(
+            f"offtensor: nn.Parameter(p) of offloaded parameter {slot.name!r}: the new Parameter "
+            "would share the master's host memory without being offloaded. "
+            "torch.nn.utils.parametrize.register_parametrization does this after offtensor.wrap "
+            "when the parametrization's right_inverse returns several tensors "
+            "(torch.nn.utils.parametrizations.weight_norm): register parametrizations before "
+            "offtensor.wrap(model). Otherwise make the Parameter from a copy, "
+            "nn.Parameter(p.detach().clone())"
+        )
     return torch.Tensor.detach(p)
+
+
+def _called_by_parameter_new() -> bool:
+    """`nn.Parameter(p)` is detaching p: `Parameter.__new__` is a few frames up (it calls
+    `data.detach()`, which reaches _detach through __torch_function__)."""
+    frame = sys._getframe(1)
+    for _ in range(6):
+        if frame is None:
+            return False
+        if frame.f_code is _PARAMETER_NEW:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+_PARAMETER_NEW = nn.Parameter.__new__.__code__
 
 
 # Note [gradients with respect to a parameter]

@@ -150,10 +150,18 @@ def _no_grad_mul(p: torch.Tensor) -> None:
         p.mul_(1.5)
 
 
+def _no_grad_set(p: torch.Tensor) -> None:
+    # Rebinds a plain parameter; an offloaded one copies into its master (torch.nn.utils.parametrize
+    # calls this when a right_inverse gives the new original).
+    with torch.no_grad():
+        p.set_(torch.randn(p.shape))
+
+
 MUTATIONS = {
     "p.data.normal_": lambda p: p.data.normal_(),
     "p.data.copy_": lambda p: p.data.copy_(torch.randn(p.shape)),
     "no_grad_p.mul_": _no_grad_mul,
+    "no_grad_p.set_": _no_grad_set,
     "init.normal_": lambda p: nn.init.normal_(p, std=0.5),
     "init.trunc_normal_": lambda p: nn.init.trunc_normal_(p, std=0.5),
     "init.constant_": lambda p: nn.init.constant_(p, 0.1),

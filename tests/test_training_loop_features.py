@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.parametrize as parametrize
 from conftest import (
     assert_all_scopes_offloaded,
     assert_grads_match,
@@ -17,12 +18,18 @@ from conftest import (
     devices,
     host,
     mlp_and_reference,
+    mlp_of_blocks,
+    offload,
     reference_then_offload,
     step_both,
     tied_lm,
     tied_lm_predicate,
     tolerances,
 )
+from torch import nn
+from torch.nn.utils import parametrizations
+
+import offtensor
 
 
 def _batches(device: str, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -90,3 +97,106 @@ def test_backward_with_inputs_accumulates_only_into_the_named_parameters(tied_si
         assert_grads_match(model, reference, **tol)
     assert model.blocks[1].fc1.weight.grad is None
     assert_all_scopes_offloaded(model)
+
+
+# --------------------------------------------------------------------------------------------
+# Parametrizations (torch.nn.utils.parametrize, weight_norm, spectral_norm)
+# --------------------------------------------------------------------------------------------
+
+
+class _Symmetric(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.triu() + x.triu(1).transpose(-1, -2)
+
+
+PARAMETRIZATIONS = {
+    "weight_norm": lambda m: parametrizations.weight_norm(m.fc1),
+    "spectral_norm": lambda m: parametrizations.spectral_norm(m.fc1),
+    "orthogonal": lambda m: parametrizations.orthogonal(m.fc1),
+    "register_parametrization": lambda m: parametrize.register_parametrization(m.fc2, "weight", nn.Softplus()),
+    "old_weight_norm": lambda m: torch.nn.utils.weight_norm(m.fc1),
+    "old_spectral_norm": lambda m: torch.nn.utils.spectral_norm(m.fc1),
+}
+
+
+def _parametrized_pair(kind: str, after_wrap: bool) -> tuple[nn.Module, nn.Module]:
+    """Two equal models (built from one seed: a module with torch.nn.utils.weight_norm cannot be
+    deep-copied), the first wrapped; each block parametrized before or after wrap."""
+    models = []
+    for wrapped in (False, True):
+        torch.manual_seed(0)
+        model = mlp_of_blocks(checkpoint="non_reentrant")
+        if wrapped and after_wrap:
+            offload(model, "cpu")
+        for block in model.blocks:
+            torch.manual_seed(1)  # the power iteration's and orthogonal's random starts
+            PARAMETRIZATIONS[kind](block)
+        if wrapped and not after_wrap:
+            offload(model, "cpu")
+        models.append(model)
+    reference, model = models
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    return model, reference
+
+
+def _train_parametrized(model: nn.Module, reference: nn.Module, overlapped: bool) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    tol = tolerances("cpu")
+    for x, y in _batches("cpu", 3):
+        losses = []
+        for m in (reference, model):
+            loss = F.mse_loss(m(x), y)
+            losses.append(loss.detach())
+            if m is model and overlapped:
+                offtensor.backward_and_step(loss, opt, zero_grad=True)
+            else:
+                loss.backward()
+        torch.testing.assert_close(losses[1], losses[0], **tol)
+        if overlapped:
+            ref_opt.step()
+            ref_opt.zero_grad()
+        else:
+            step_both(model, reference, opt, ref_opt, tol)
+    assert_params_match(model, reference, **tol)  # spectral_norm's u and v buffers too
+    model.eval()
+    reference.eval()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), **tol)
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["step", "backward_and_step"])
+@pytest.mark.parametrize("kind", list(PARAMETRIZATIONS))
+def test_parametrized_layers_wrapped_after_parametrizing_train_like_unwrapped(kind, overlapped):
+    """The parametrization's originals (`parametrizations.weight.original0`, `weight_g`) are the
+    offloaded parameters; the weight is computed from their device copies in each forward."""
+    model, reference = _parametrized_pair(kind, after_wrap=False)
+    assert isinstance(model.blocks[0].fc2.bias, offtensor.OffloadedParameter)
+    _train_parametrized(model, reference, overlapped)
+
+
+@pytest.mark.parametrize("kind", ["spectral_norm", "orthogonal", "register_parametrization"])
+def test_parametrization_registered_after_wrap_trains_like_unwrapped(kind):
+    """The offloaded weight becomes `parametrizations.weight.original`, the same object.
+    Regression (orthogonal): registering sets it to right_inverse(weight) with `set_()`, which
+    rebound the master outside the scope's host buffer: every forward computed with the weight
+    from before, silently."""
+    model, reference = _parametrized_pair(kind, after_wrap=True)
+    _train_parametrized(model, reference, overlapped=False)
+
+
+def test_error_if_weight_norm_is_registered_after_wrap():
+    """weight_norm's right_inverse returns (g, v) with v the weight itself, which
+    register_parametrization makes a new Parameter: one that would share the master's memory
+    without being offloaded. The error says to parametrize before wrap; nothing changed."""
+    model = offload(mlp_of_blocks(), "cpu")
+    with pytest.raises(RuntimeError, match=r"nn.Parameter\(p\) of offloaded parameter 'blocks.0.fc1.weight'.*"
+                                           r"register parametrizations before offtensor.wrap\(model\)"):
+        parametrizations.weight_norm(model.blocks[0].fc1)
+    assert not parametrize.is_parametrized(model.blocks[0].fc1)
+    with pytest.raises(TypeError, match="offloaded parameter 'blocks.0.fc1.weight' cannot be set_"):
+        model.blocks[0].fc1.weight.set_()
+    with torch.no_grad(), pytest.raises(TypeError, match=r"cannot set_\(\) offloaded parameter 'blocks.0.fc1.weight'"):
+        model.blocks[0].fc1.weight.set_(torch.zeros(3))
