@@ -247,6 +247,26 @@ def test_load_state_dict_with_assign_copies_into_the_masters_which_stay_offloade
     assert_params_match(model, reference, **tolerances(device))
 
 
+def test_error_if_load_state_dict_would_swap_tensors_loads_nothing():
+    """Regression: under set_swap_module_params_on_conversion(True), load_state_dict swapped
+    each offloaded parameter's contents for the state dict's tensor: plain parameters that no
+    scope loaded, in a model still wrapped, silently."""
+    model = offload(mlp_of_blocks(), "cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: v + 1 for k, v in before.items()}
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with pytest.raises(RuntimeError, match=r"swap offloaded parameter 'blocks\.0\.norm\.weight'.*"
+                                               "nothing was loaded"):
+            model.load_state_dict(state)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+    assert all(isinstance(p, offtensor.OffloadedParameter) for p in model.blocks.parameters())
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0, msg=k)
+
+
 @pytest.mark.parametrize("device", devices)
 def test_error_if_load_state_dict_with_assign_would_change_an_offloaded_dtype(device):
     model = offload(mlp_of_blocks(), device)
