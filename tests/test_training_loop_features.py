@@ -200,3 +200,54 @@ def test_error_if_weight_norm_is_registered_after_wrap():
         model.blocks[0].fc1.weight.set_()
     with torch.no_grad(), pytest.raises(TypeError, match=r"cannot set_\(\) offloaded parameter 'blocks.0.fc1.weight'"):
         model.blocks[0].fc1.weight.set_(torch.zeros(3))
+
+
+# --------------------------------------------------------------------------------------------
+# Mixed precision with a gradient scaler
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_grad_scaler_with_autocast_and_clipping_trains_like_unwrapped_skipping_inf_steps(dtype):
+    """scale -> backward -> unscale_ -> clip_grad_norm_ -> scaler.step -> update; the third
+    step gets an inf gradient in an offloaded parameter: skipped, weights unchanged, scale halved."""
+    model, reference = mlp_and_reference("cpu")
+    fused = dtype == torch.float16  # fused AdamW takes the scale and found_inf from the scaler
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=fused)
+    scaler, ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8), torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    tol = tolerances("cpu")
+    for i, (x, y) in enumerate(_batches("cpu", 4)):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for m, s, o in ((reference, ref_scaler, ref_opt), (model, scaler, opt)):
+            with torch.autocast("cpu", dtype=dtype):
+                loss = F.mse_loss(m(x).float(), y)
+            s.scale(loss).backward()
+            if i == 2:
+                m.blocks[1].fc1.weight.grad[0, 0] = float("inf")
+            s.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            s.step(o)
+            s.update()
+            o.zero_grad()
+        assert scaler.get_scale() == ref_scaler.get_scale()
+        assert_params_match(model, reference, **tol)
+        if i == 2:
+            assert scaler.get_scale() == 2.0**7
+            assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert_all_scopes_offloaded(model)
+
+
+def test_error_if_backward_and_step_is_given_a_grad_scaler_scaled_loss():
+    """Regression: the worker stepped on the scaled gradients (an inf one too), and a following
+    scaler.step(optimizer) stepped again, silently. Nothing is stepped now."""
+    model, reference = mlp_and_reference("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = _batches("cpu", 1)[0]
+    with pytest.raises(RuntimeError, match=r"scaled by a torch.amp.GradScaler.*scaler.scale\(loss\).backward\(\)"):
+        offtensor.backward_and_step(scaler.scale(F.mse_loss(model(x), y)), opt)
+    assert_params_match(model, reference, **tolerances("cpu"))
+    offtensor.backward_and_step(F.mse_loss(model(x), y) * torch.tensor(2.0), opt)  # not a scaler's
+    offtensor.wait_for_steps()
+    assert not torch.equal(model.blocks[0].fc1.weight, reference.blocks[0].fc1.weight)
