@@ -7,14 +7,18 @@ losses, gradients and weights over several steps.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.nn.utils.parametrize as parametrize
 from conftest import (
+    BlockStack,
     assert_all_scopes_offloaded,
     assert_grads_match,
     assert_params_match,
+    batchnorm_model,
     devices,
     host,
     mlp_and_reference,
@@ -28,6 +32,7 @@ from conftest import (
 )
 from torch import nn
 from torch.nn.utils import parametrizations
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, update_bn
 
 import offtensor
 
@@ -167,6 +172,7 @@ def _train_parametrized(model: nn.Module, reference: nn.Module, overlapped: bool
     assert_all_scopes_offloaded(model)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
 @pytest.mark.parametrize("overlapped", [False, True], ids=["step", "backward_and_step"])
 @pytest.mark.parametrize("kind", list(PARAMETRIZATIONS))
 def test_parametrized_layers_wrapped_after_parametrizing_train_like_unwrapped(kind, overlapped):
@@ -251,3 +257,278 @@ def test_error_if_backward_and_step_is_given_a_grad_scaler_scaled_loss():
     offtensor.backward_and_step(F.mse_loss(model(x), y) * torch.tensor(2.0), opt)  # not a scaler's
     offtensor.wait_for_steps()
     assert not torch.equal(model.blocks[0].fc1.weight, reference.blocks[0].fc1.weight)
+
+
+# --------------------------------------------------------------------------------------------
+# Saved-tensor hooks
+# --------------------------------------------------------------------------------------------
+
+
+def _cloning_hooks() -> torch.autograd.graph.saved_tensors_hooks:
+    """Custom hooks that keep a copy of each saved tensor (the device copies of weights too)."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
+
+
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant", "reentrant"])
+@pytest.mark.parametrize("hooks", [torch.autograd.graph.save_on_cpu, _cloning_hooks], ids=["save_on_cpu", "custom"])
+def test_saved_tensors_hooks_around_the_forward_train_like_unwrapped(hooks, checkpoint):
+    model, reference = mlp_and_reference("cpu", checkpoint=checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for x, y in _batches("cpu", 3):
+        for m in (reference, model):
+            with hooks():
+                loss = F.mse_loss(m(x), y)
+            loss.backward()
+        step_both(model, reference, opt, ref_opt, tolerances("cpu"))
+    assert_params_match(model, reference, **tolerances("cpu"))
+    assert_all_scopes_offloaded(model)
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd modes and retained graphs
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant", "reentrant"])
+def test_second_backward_through_a_retained_graph_doubles_the_gradients_under_anomaly_mode(checkpoint):
+    """backward(retain_graph=True) then backward again on the same graph, inside
+    set_detect_anomaly(True); then torch.autograd.backward over two roots of two forwards."""
+    model, reference = mlp_and_reference("cpu", checkpoint=checkpoint)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    with torch.autograd.set_detect_anomaly(True):
+        for x, y in _batches("cpu", 2):
+            for m in (reference, model):
+                loss = F.mse_loss(m(x), y)
+                loss.backward(retain_graph=True)
+                loss.backward()
+            step_both(model, reference, opt, ref_opt, tolerances("cpu"))
+    for x, y in _batches("cpu", 2):
+        for m in (reference, model):
+            roots = [F.mse_loss(m(x), y), m(2 * x).sum()]
+            torch.autograd.backward(roots, [torch.tensor(1.0), torch.tensor(0.5)])
+        step_both(model, reference, opt, ref_opt, tolerances("cpu"))
+    assert_params_match(model, reference, **tolerances("cpu"))
+    assert_all_scopes_offloaded(model)
+
+
+# --------------------------------------------------------------------------------------------
+# Freezing, unfreezing, dropout and eval switches
+# --------------------------------------------------------------------------------------------
+
+
+class _DropoutBlock(nn.Module):
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, 2 * hidden)
+        self.drop = nn.Dropout(0.3)
+        self.fc2 = nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad:UserWarning")  # the frozen input
+@pytest.mark.parametrize("rebuild", [False, True], ids=["one_optimizer", "optimizer_per_step"])
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant", "reentrant"])
+@pytest.mark.parametrize("overlapped", [False, True], ids=["step", "backward_and_step"])
+def test_freezing_and_unfreezing_layers_between_steps_with_dropout_trains_like_unwrapped(
+        overlapped, checkpoint, rebuild):
+    """A block frozen at step 2 and unfrozen at 5, the first block and the input frozen from 4,
+    an evaluation forward at step 3; dropout drawn from the same seeds in both models. With
+    `optimizer_per_step`, the optimizer holds only what is trainable then."""
+    model = BlockStack([_DropoutBlock() for _ in range(3)], 8, 16, 4)
+    model.checkpoint = checkpoint
+    reference = reference_then_offload(model, "cpu")
+
+    def make(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+
+    opt, ref_opt = make(model), make(reference)
+    tol = tolerances("cpu")
+    for i, (x, y) in enumerate(_batches("cpu", 7)):
+        for m in (reference, model):
+            if i in (2, 5):
+                m.blocks[1].requires_grad_(i == 5)
+            if i == 4:
+                m.input.requires_grad_(False)
+                m.blocks[0].requires_grad_(False)
+        if rebuild:
+            opt, ref_opt = make(model), make(reference)
+        for m in (reference, model):
+            if i == 3:
+                m.eval()
+                with torch.no_grad():
+                    m(x)
+                m.train()
+            torch.manual_seed(100 + i)
+            loss = F.mse_loss(m(x), y)
+            if overlapped and m is model:
+                offtensor.backward_and_step(loss, opt)
+            else:
+                loss.backward()
+        assert_grads_match(model, reference, **tol)
+        if not overlapped:
+            opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        assert_params_match(model, reference, **tol)
+    model.eval()
+    reference.eval()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), **tol)
+    assert_all_scopes_offloaded(model)
+
+
+# --------------------------------------------------------------------------------------------
+# Weight averaging
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("average", ["swa", "ema"])
+def test_averaged_model_and_update_bn_of_a_wrapped_model_match_unwrapped(average):
+    """torch.optim.swa_utils.AveragedModel (a deep copy: plain parameters on the host) updated
+    from the offloaded masters, update_bn on the average and on the wrapped model itself, and a
+    hand-written EMA with lerp_ and _foreach_lerp_."""
+    model = batchnorm_model()
+    reference = reference_then_offload(model, "cpu")
+    kwargs = {"multi_avg_fn": get_ema_multi_avg_fn(0.9), "use_buffers": True} if average == "ema" else {}
+    averaged, ref_averaged = AveragedModel(model, **kwargs), AveragedModel(reference, **kwargs)
+    ema, ref_ema = copy.deepcopy(model), copy.deepcopy(reference)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    tol = tolerances("cpu")
+    for i, (x, y) in enumerate(_batches("cpu", 4)):
+        for m in (reference, model):
+            F.mse_loss(m(x), y).backward()
+        step_both(model, reference, opt, ref_opt, tol)
+        ref_averaged.update_parameters(reference)
+        averaged.update_parameters(model)
+        with torch.no_grad():
+            for e, p in zip((*ema.parameters(), *ref_ema.parameters()), (*model.parameters(), *reference.parameters()),
+                            strict=True):
+                e.lerp_(p, 0.01)
+            if i == 3:
+                torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 0.5)
+                torch._foreach_lerp_(list(ref_ema.parameters()), list(reference.parameters()), 0.5)
+    assert_params_match(averaged, ref_averaged, **tol)
+    assert_params_match(ema, ref_ema, **tol)
+    loader = [x for x, _ in _batches("cpu", 3)]
+    for a, b in ((averaged, ref_averaged), (model, reference)):
+        update_bn(loader, a)
+        update_bn(loader, b)
+        assert_params_match(a, b, **tol)  # running statistics included
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(averaged(x), ref_averaged(x), **tol)
+        torch.testing.assert_close(model(x), reference(x), **tol)
+    assert_all_scopes_offloaded(model)
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer features
+# --------------------------------------------------------------------------------------------
+
+
+def _groups(m: nn.Module) -> tuple[list[dict], list[nn.Parameter]]:
+    """Param groups with their own lr and weight decay, each mixing offloaded and resident
+    parameters, and the parameters left for add_param_group."""
+    names = [n for n, _ in m.named_parameters()]
+    params = dict(m.named_parameters())
+    first = [params[n] for n in names if n.startswith(("head", "blocks.0.fc"))]
+    rest = [params[n] for n in names if not n.startswith(("head", "blocks.0.fc"))]
+    half = len(rest) // 2
+    return [{"params": first, "lr": 0.05, "weight_decay": 0.1}, {"params": rest[:half]}], rest[half:]
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["step", "backward_and_step"])
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_param_groups_scheduler_and_add_param_group_after_steps_train_like_unwrapped(fused, overlapped):
+    model, reference = mlp_and_reference("cpu")
+    (groups, rest), (ref_groups, ref_rest) = _groups(model), _groups(reference)
+    opt = torch.optim.AdamW(groups, lr=1e-2, fused=fused, foreach=None if fused else True)
+    ref_opt = torch.optim.AdamW(ref_groups, lr=1e-2, fused=fused, foreach=None if fused else True)
+    # StepLR: a chainable scheduler, which takes groups added after it was made.
+    sched, ref_sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5), torch.optim.lr_scheduler.StepLR(ref_opt, 2, 0.5)
+    for i, (x, y) in enumerate(_batches("cpu", 6)):
+        if i == 2:
+            opt.add_param_group({"params": rest, "lr": 0.02})
+            ref_opt.add_param_group({"params": ref_rest, "lr": 0.02})
+        for m in (reference, model):
+            loss = F.mse_loss(m(x), y)
+            if overlapped and m is model:
+                offtensor.backward_and_step(loss, opt, zero_grad=True)
+            else:
+                loss.backward()
+        if overlapped:
+            ref_opt.step()
+            ref_opt.zero_grad()
+        else:
+            step_both(model, reference, opt, ref_opt, tolerances("cpu"))
+        sched.step()
+        ref_sched.step()
+    assert_params_match(model, reference, **tolerances("cpu"))
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("line_search", [None, "strong_wolfe"])
+def test_lbfgs_with_a_closure_trains_like_unwrapped(line_search):
+    """Several forward/backward evaluations per step, the closure zeroing the grads each time."""
+    model, reference = mlp_and_reference("cpu", checkpoint="non_reentrant")
+    kwargs = {"lr": 0.5, "max_iter": 4, "history_size": 3, "line_search_fn": line_search}
+    opt, ref_opt = torch.optim.LBFGS(model.parameters(), **kwargs), torch.optim.LBFGS(reference.parameters(), **kwargs)
+    for x, y in _batches("cpu", 3):
+        losses = []
+        for m, o in ((reference, ref_opt), (model, opt)):
+            def closure(m: nn.Module = m, o: torch.optim.Optimizer = o) -> torch.Tensor:
+                o.zero_grad()
+                loss = F.mse_loss(m(x), y)
+                loss.backward()
+                return loss
+            losses.append(o.step(closure))
+        torch.testing.assert_close(losses[1], losses[0], **tolerances("cpu"))
+    assert_params_match(model, reference, **tolerances("cpu"))
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["step", "backward_and_step"])
+def test_resuming_from_saved_model_and_optimizer_state_matches_an_uninterrupted_run(overlapped, tmp_path):
+    """Three steps, torch.save of the model, optimizer and scheduler state dicts, then three
+    more steps in a freshly built and wrapped model: as six steps of the unwrapped model."""
+    model, reference = mlp_and_reference("cpu")
+
+    def make(m: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+
+    def train(m: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+              batches: list, overlap: bool) -> None:
+        for x, y in batches:
+            loss = F.mse_loss(m(x), y)
+            if overlap:
+                offtensor.backward_and_step(loss, opt, zero_grad=True)
+            else:
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            sched.step()
+
+    batches = _batches("cpu", 6)
+    train(reference, *make(reference), batches, overlap=False)
+    opt, sched = make(model)
+    train(model, opt, sched, batches[:3], overlapped)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()},
+               tmp_path / "checkpoint.pt")
+    torch.manual_seed(123)  # other initial weights: all of them come from the checkpoint
+    resumed = offload(mlp_of_blocks(), "cpu")
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    resumed.load_state_dict(checkpoint["model"])
+    opt, sched = make(resumed)
+    opt.load_state_dict(checkpoint["opt"])
+    sched.load_state_dict(checkpoint["sched"])
+    train(resumed, opt, sched, batches[3:], overlapped)
+    assert_params_match(resumed, reference, **tolerances("cpu"))
+    assert_all_scopes_offloaded(resumed)
