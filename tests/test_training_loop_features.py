@@ -532,3 +532,33 @@ def test_resuming_from_saved_model_and_optimizer_state_matches_an_uninterrupted_
     train(resumed, opt, sched, batches[3:], overlapped)
     assert_params_match(resumed, reference, **tolerances("cpu"))
     assert_all_scopes_offloaded(resumed)
+
+
+CLIPS = {
+    "clip_grad_value_": lambda ps: torch.nn.utils.clip_grad_value_(ps, 0.01),
+    "clip_grad_value_foreach": lambda ps: torch.nn.utils.clip_grad_value_(ps, 0.01, foreach=True),
+    "clip_grad_norm_foreach": lambda ps: torch.nn.utils.clip_grad_norm_(ps, 0.1, foreach=True),
+    "clip_grad_norm_inf": lambda ps: torch.nn.utils.clip_grad_norm_(ps, 0.1, norm_type="inf", foreach=False),
+}
+
+
+@pytest.mark.parametrize("clip", list(CLIPS))
+def test_gradient_clipping_and_parameters_as_one_vector_match_unwrapped(clip):
+    """Clipping the host gradients, then a hand-made SGD step through parameters_to_vector and
+    vector_to_parameters (which assigns `.data`: copies into the masters)."""
+    model, reference = mlp_and_reference("cpu")
+    tol = tolerances("cpu")
+    for x, y in _batches("cpu", 3):
+        for m in (reference, model):
+            F.mse_loss(m(x), y).backward()
+            CLIPS[clip](list(m.parameters()))
+        assert_grads_match(model, reference, **tol)
+        for m in (reference, model):
+            params = list(m.parameters())
+            flat = torch.nn.utils.parameters_to_vector(params)
+            grads = torch.nn.utils.parameters_to_vector([p.grad for p in params])
+            torch.nn.utils.vector_to_parameters(flat - 0.1 * grads, params)
+            m.zero_grad()
+        assert_params_match(model, reference, **tol)
+    assert all(isinstance(p, offtensor.OffloadedParameter) for p in model.blocks.parameters())
+    assert_all_scopes_offloaded(model)
