@@ -185,13 +185,15 @@ def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter])
         # leaf-in-place error, as for a plain parameter). Every offloaded argument counts as
         # written (safe if a write is not recognised below); those that are surely only read
         # (`h.add_(self.bias)` in a forward) are then materialized as for any other op.
+        written = _written(args, kwargs)
         for p in params:
             slot = getattr(p, "_ot", None)
             if slot is not None:
                 slot.scope.engine.before_master_write(slot)
+                if id(p) in written:
+                    slot.device_copies_written()  # Note [writes under a saved graph] (_slot.py)
         if on_optimizer_worker():  # the optimizer thread: masters only
             return func(*args, **kwargs)
-        written = _written(args, kwargs)
         params = [p for p in params if id(p) not in written]
         if not params:
             return func(*args, **kwargs)
@@ -291,6 +293,7 @@ def _set_data(p: OffloadedParameter, value: torch.Tensor, what: str = "set .data
             "p.data.copy_(t), or call offtensor.unwrap(model) first"
         )
     slot.scope.engine.before_master_write(slot)
+    slot.device_copies_written()  # Note [writes under a saved graph] (_slot.py)
     # Detached: autograd records nothing, without grad mode (Note [interrupts]); `p.detach()`
     # shares p's version counter, so the write bumps it as `p.copy_` under no_grad did.
     p.detach().copy_(value.detach())

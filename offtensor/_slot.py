@@ -17,6 +17,20 @@ parameter (_param.py), the gradient path (_grads.py). Those layers sit below the
 overlap, so they do not call it: the overlap hands each parameter it takes a fence
 (`ParamSlot.pending_step`, an object with `wait(slot)`), clears it once the step is done, and
 the lower layers wait on the fence they find (`ParamSlot.wait_for_step`).
+
+# Note [writes under a saved graph]
+A graph saves the device copy an op got, not the parameter (F.linear saves its weight), and a
+later backward through it reloads the scope into that same storage from the master. If the
+master was written in between (`loss.backward(retain_graph=True); optimizer.step();
+loss.backward()`, or a step between forward and backward), that backward would silently
+differentiate with the new weights, where autograd raises "one of the variables needed for
+gradient computation has been modified by an inplace operation" for a plain parameter. So a
+write to the master (an in-place op that writes the parameter, `p.data = t`, `p.set_(t)`) bumps
+the version counter of every tensor standing for it in a graph (`device_copies_written`): the
+device copy, retired copies, temporary copies. Graphs saved earlier then raise as they would
+without offloading; later ones save the new version. Only real writes count: an offloaded
+argument of an in-place op that is only read (`h.add_(self.bias)`) must not break the graph
+that saved it.
 """
 
 from __future__ import annotations
@@ -164,6 +178,17 @@ class ParamSlot:
         self.leaf_hooked = self.device_leaf.requires_grad
         if self.leaf_hooked:
             self.device_leaf.register_post_accumulate_grad_hook(functools.partial(self.scope.grad_sink, self))
+
+    def device_copies_written(self) -> None:
+        """The master is written: graphs that saved a device or temporary copy of it must see
+        it as modified in place (Note [writes under a saved graph]). Also on the optimizer
+        worker: version counters are atomic."""
+        torch.autograd.graph.increment_version(self.device_leaf)
+        for ref in self.temporaries:
+            copy = ref()
+            if copy is not None:
+                torch.autograd.graph.increment_version(copy)
+        self.retired_copies_written()
 
     def retired_copies_written(self) -> None:
         """The master is about to change: graphs holding a retired device copy of it must see

@@ -313,6 +313,56 @@ def test_second_backward_through_a_retained_graph_doubles_the_gradients_under_an
     assert_all_scopes_offloaded(model)
 
 
+def _everything(name: str, module: nn.Module) -> bool:
+    return name in ("input", "head") or (name.startswith("blocks.") and name.count(".") == 1)
+
+
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant", "reentrant"])
+@pytest.mark.parametrize("overlapped", [False, True], ids=["step", "backward_and_step"])
+def test_error_if_a_retained_graph_is_differentiated_after_an_optimizer_step(overlapped, checkpoint):
+    """Regression: the second backward reloaded the stepped weights into the device copies the
+    graph had saved and differentiated with them, silently, where the unwrapped model raises
+    autograd's in-place error."""
+    model = mlp_of_blocks(checkpoint=checkpoint)
+    reference = reference_then_offload(model, "cpu", _everything)
+    x, y = _batches("cpu", 1)[0]
+    for m in (reference, model):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        loss = F.mse_loss(m(x), y)
+        if overlapped and m is model:
+            offtensor.backward_and_step(loss, opt, retain_graph=True)
+        else:
+            loss.backward(retain_graph=True)
+            opt.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        F.mse_loss(m(x), y).backward()  # the next step (which releases what the failed backward left)
+    assert_grads_match(model, reference, **tolerances("cpu"))
+    assert_all_scopes_offloaded(model)
+
+
+class _ReadsItsBiasInPlace(nn.Module):
+    """Saves its bias for backward, then reads it in an in-place op (not a write of it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.scale = nn.Parameter(torch.rand(16) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * self.scale
+        return torch.tanh(h.add_(self.scale))
+
+
+def test_an_in_place_op_reading_a_saved_parameter_does_not_break_its_graph():
+    model = BlockStack([_ReadsItsBiasInPlace() for _ in range(2)], 8, 16, 4)
+    reference = reference_then_offload(model, "cpu")
+    x, y = _batches("cpu", 1)[0]
+    for m in (reference, model):
+        F.mse_loss(m(x), y).backward()
+    assert_grads_match(model, reference, **tolerances("cpu"))
+
+
 # --------------------------------------------------------------------------------------------
 # Freezing, unfreezing, dropout and eval switches
 # --------------------------------------------------------------------------------------------
