@@ -408,6 +408,8 @@ _PARAMETER_NEW = nn.Parameter.__new__.__code__
 #   the host `p.grad` (Note [gradient path] in _grads.py); the other parameters' gradients are
 #   left alone, as autograd does.
 # A frozen parameter has no such leaf and is passed as it is: autograd raises its own error.
+# `torch.autograd.backward` reaches `__torch_function__` only in PyTorch releases with
+# pytorch/pytorch#171473; on older ones `backward(inputs=...)` cannot be intercepted (README).
 
 
 def _leaves_for(inputs: Any) -> tuple[list[Any], list[int]]:
