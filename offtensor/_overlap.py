@@ -56,6 +56,7 @@ part go missing silently, and the parameter is no longer handed over early.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import weakref
@@ -129,8 +130,9 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
     micro-batches and `backward_and_step` for the last one. Global-norm gradient clipping needs
     every gradient before the first update, so it cannot be combined with this; clip per
     parameter in a post-accumulate-grad hook, or use `loss.backward()`, `clip_grad_norm_`,
-    `optimizer.step()`. If backward raises, the scopes already stepped stay stepped and the
-    others are not.
+    `optimizer.step()`. For the same reason a loss scaled by a `torch.amp.GradScaler` raises:
+    use `scaler.scale(loss).backward()` and `scaler.step(optimizer)`. If backward raises, the
+    scopes already stepped stay stepped and the others are not.
 
     Args:
         loss: the scalar to differentiate.
@@ -166,6 +168,15 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
         raise ValueError(f"offtensor.backward_and_step: spare_threads must be an int >= 0, got {spare_threads!r}")
     if isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int) or piece_bytes < 1:
         raise ValueError(f"offtensor.backward_and_step: piece_bytes must be an int >= 1, got {piece_bytes!r}")
+    if _scaled_by_grad_scaler(loss):
+        raise RuntimeError(
+            "offtensor.backward_and_step: the loss was scaled by a torch.amp.GradScaler "
+            "(scaler.scale(loss)), whose step must see every gradient before any parameter is "
+            "updated (it unscales them and skips the step when one is inf or NaN), while "
+            "backward_and_step updates parameters during backward: it would step on scaled "
+            "gradients. Use scaler.scale(loss).backward(); scaler.unscale_(optimizer) (to clip); "
+            "scaler.step(optimizer); scaler.update(). bfloat16 autocast needs no GradScaler"
+        )
     wait_for_steps()
     engines = _engines_of(optimizer)
     for engine in engines:
@@ -215,6 +226,37 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
         for engine in held:
             engine.release_all(force=True)
     return stepper.report
+
+
+# 0-dim tensors a loss was multiplied by, known to be (not to be) a GradScaler's scale: a
+# scaler's `_scale` is updated in place, so one search per scaler (_scaled_by_grad_scaler).
+_scales: weakref.WeakSet = weakref.WeakSet()
+_not_scales: weakref.WeakSet = weakref.WeakSet()
+
+
+def _scaled_by_grad_scaler(loss: torch.Tensor) -> bool:
+    """`loss` is `scaler.scale(l)`, which is `l * scaler._scale` (a 0-dim float32 tensor the
+    GradScaler holds). Only a loss of that form costs a search of the objects referring to the
+    factor (tens of ms in a large process), once per factor tensor."""
+    fn = loss.grad_fn if isinstance(loss, torch.Tensor) else None
+    if fn is None or type(fn).__name__ != "MulBackward0":
+        return False
+    try:
+        factor = fn._saved_other  # type: ignore[attr-defined]
+    except RuntimeError:  # freed by an earlier backward: backward raises its own error
+        return False
+    if (not isinstance(factor, torch.Tensor) or factor.dim() != 0 or factor.dtype != torch.float32
+            or factor.requires_grad):
+        return False
+    if factor in _scales:
+        return True
+    if factor in _not_scales:
+        return False
+    found = any(isinstance(r, torch.amp.GradScaler)  # an instance, or its __dict__ (Python 3.10)
+                or (isinstance(r, dict) and r.get("_scale") is factor and "_growth_tracker" in r)
+                for r in gc.get_referrers(factor))
+    (_scales if found else _not_scales).add(factor)
+    return found
 
 
 def _raise_partial(error: BaseException, stepper: _OverlappedStep, where: str) -> NoReturn:

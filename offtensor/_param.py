@@ -17,6 +17,8 @@ subclass: ops run with subclass dispatch off (`without_subclass_dispatch`), so o
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Any
 
 import torch
@@ -56,6 +58,11 @@ class OffloadedParameter(nn.Parameter):
         result = without_subclass_dispatch(lambda p: nn.Parameter(master_values(p), p.requires_grad), self)
         memo[id(self)] = result
         return result
+
+    def set_(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        # `Tensor.set_` does not dispatch to __torch_function__: a method of the class instead.
+        _await_steps([self])  # a deferred optimizer step may still write the master
+        return without_subclass_dispatch(_set, self, *args, *kwargs.values())
 
     def __reduce_ex__(self, proto):  # type: ignore[override]
         # Pickle (torch.save) as a plain Parameter: the offloading is a runtime arrangement
@@ -178,13 +185,15 @@ def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter])
         # leaf-in-place error, as for a plain parameter). Every offloaded argument counts as
         # written (safe if a write is not recognised below); those that are surely only read
         # (`h.add_(self.bias)` in a forward) are then materialized as for any other op.
+        written = _written(args, kwargs)
         for p in params:
             slot = getattr(p, "_ot", None)
             if slot is not None:
                 slot.scope.engine.before_master_write(slot)
+                if id(p) in written:
+                    slot.device_copies_written()  # Note [writes under a saved graph] (_slot.py)
         if on_optimizer_worker():  # the optimizer thread: masters only
             return func(*args, **kwargs)
-        written = _written(args, kwargs)
         params = [p for p in params if id(p) not in written]
         if not params:
             return func(*args, **kwargs)
@@ -267,7 +276,7 @@ def _is_inplace(func) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
 
 
-def _set_data(p: OffloadedParameter, value: torch.Tensor) -> None:
+def _set_data(p: OffloadedParameter, value: torch.Tensor, what: str = "set .data of") -> None:
     """`p.data = t` copies into the host master instead of rebinding it (the master must stay in
     the scope's pinned buffer). `model.cuda()` never gets here: see Note [moving a wrapped model]."""
     slot = getattr(p, "_ot", None)
@@ -278,15 +287,37 @@ def _set_data(p: OffloadedParameter, value: torch.Tensor) -> None:
         return
     if value.shape != p.shape or value.dtype != p.dtype:
         raise TypeError(
-            f"offtensor: cannot set .data of offloaded parameter {slot.name!r} "
+            f"offtensor: cannot {what} offloaded parameter {slot.name!r} "
             f"({tuple(p.shape)}, {p.dtype}) to a tensor of shape {tuple(value.shape)} and dtype "
             f"{value.dtype}; offloaded masters keep their shape and dtype. Copy values with "
             "p.data.copy_(t), or call offtensor.unwrap(model) first"
         )
     slot.scope.engine.before_master_write(slot)
+    slot.device_copies_written()  # Note [writes under a saved graph] (_slot.py)
     # Detached: autograd records nothing, without grad mode (Note [interrupts]); `p.detach()`
     # shares p's version counter, so the write bumps it as `p.copy_` under no_grad did.
     p.detach().copy_(value.detach())
+
+
+def _set(p: OffloadedParameter, *args: Any) -> torch.Tensor:
+    """`p.set_(t)` copies t's values into the host master, as `p.data = t` does: rebinding would
+    leave the master outside the scope's host buffer, which loads read (`ParamSlot.master`), so
+    every forward would compute with the old values. torch.nn.utils.parametrize does this when a
+    parametrization with a `right_inverse` (`orthogonal`) is registered on a wrapped model."""
+    slot = getattr(p, "_ot", None)
+    if slot is None:
+        return torch.Tensor.set_(p, *args)
+    source = args[0] if len(args) == 1 else None  # set_(t); not set_(storage, offset, size, stride)
+    if not isinstance(source, torch.Tensor):
+        raise TypeError(
+            f"offtensor: offloaded parameter {slot.name!r} cannot be set_() to a storage or to "
+            "nothing: its master stays in the scope's host buffer. Copy values with "
+            "p.data.copy_(t), or call offtensor.unwrap(model) first"
+        )
+    if torch.is_grad_enabled() and p.requires_grad:
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    _set_data(p, source, "set_()")
+    return p
 
 
 def _hook_registrar(table: str, plain):
@@ -327,10 +358,115 @@ _MASTER_ONLY = {
 def _detach(p: OffloadedParameter) -> torch.Tensor:
     """`p.detach()`: the master. DistributedDataParallel's constructor detaches every parameter;
     refused for offloaded ones (Note [data-parallel wrappers] in _distributed.py)."""
+    slot = getattr(p, "_ot", None)
     if _distributed.active():
-        slot = getattr(p, "_ot", None)
         _distributed.check_ddp_init(slot.name if slot is not None else "?")
+    if slot is not None and _called_by_parameter_new():
+        raise RuntimeError(
+            f"offtensor: nn.Parameter(p) of offloaded parameter {slot.name!r}: the new Parameter "
+            "would share the master's host memory without being offloaded. "
+            "torch.nn.utils.parametrize.register_parametrization does this after offtensor.wrap "
+            "when the parametrization's right_inverse returns several tensors "
+            "(torch.nn.utils.parametrizations.weight_norm): register parametrizations before "
+            "offtensor.wrap(model). Otherwise make the Parameter from a copy, "
+            "nn.Parameter(p.detach().clone())"
+        )
     return torch.Tensor.detach(p)
+
+
+def _called_by_parameter_new() -> bool:
+    """`nn.Parameter(p)` is detaching p: `Parameter.__new__` is a few frames up (it calls
+    `data.detach()`, which reaches _detach through __torch_function__)."""
+    frame = sys._getframe(1)
+    for _ in range(6):
+        if frame is None:
+            return False
+        if frame.f_code is _PARAMETER_NEW:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+_PARAMETER_NEW = nn.Parameter.__new__.__code__
+
+
+# Note [gradients with respect to a parameter]
+# `torch.autograd.grad(loss, params)` and `loss.backward(inputs=params)` name the parameters
+# whose gradients to compute, but autograd's graph never holds an offloaded parameter: it holds
+# the tensors ops got instead (Note [dispatch of an offloaded parameter]): the scope's device
+# copy, device copies retired by a create_graph backward, temporary copies made for ops outside
+# the scope (`ParamSlot.graph_leaves`). Given the master, autograd would find it unused: `grad`
+# raised "appears to not have been used in the graph", and returned None with
+# `allow_unused=True`; `backward(inputs=...)` silently left `p.grad` unchanged. So both come
+# here (torch dispatches them to `__torch_function__` when an input is a subclass), and each
+# offloaded input is replaced by those leaves:
+# - `grad` asks for every leaf (allow_unused, since most are not in this graph), sums each
+#   parameter's, and returns it as the parameter is, on the host in the master's dtype
+#   (differentiable under create_graph), like `p.grad`. An input no leaf of which got a
+#   gradient is unused: None, zeros with materialize_grads, or the error torch gives.
+# - `backward(inputs=...)` accumulates into the leaves, whose gradients take the usual path to
+#   the host `p.grad` (Note [gradient path] in _grads.py); the other parameters' gradients are
+#   left alone, as autograd does.
+# A frozen parameter has no such leaf and is passed as it is: autograd raises its own error.
+# `torch.autograd.backward` reaches `__torch_function__` only in PyTorch releases with
+# pytorch/pytorch#171473; on older ones `backward(inputs=...)` cannot be intercepted (README).
+
+
+def _leaves_for(inputs: Any) -> tuple[list[Any], list[int]]:
+    """Autograd's inputs with each offloaded parameter replaced by its graph leaves (itself
+    when it has none), and how many entries each input became."""
+    expanded: list[Any] = []
+    counts: list[int] = []
+    for t in inputs:
+        slot = getattr(t, "_ot", None) if isinstance(t, OffloadedParameter) else None
+        leaves = slot.graph_leaves() if slot is not None and t.requires_grad else []
+        expanded.extend(leaves or [t])
+        counts.append(len(leaves) or 1)
+    return expanded, counts
+
+
+def _autograd_grad(outputs: Any, inputs: Any, grad_outputs: Any = None, retain_graph: bool | None = None,
+                   create_graph: bool = False, only_inputs: bool = True, allow_unused: bool | None = None,
+                   is_grads_batched: bool = False, materialize_grads: bool = False) -> tuple:
+    """`torch.autograd.grad` with offloaded parameters among `inputs` (Note [gradients with
+    respect to a parameter])."""
+    inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
+    expanded, counts = _leaves_for(inputs)
+    grads = torch.autograd.grad(outputs, expanded, grad_outputs=grad_outputs, retain_graph=retain_graph,
+                                create_graph=create_graph, allow_unused=True,
+                                is_grads_batched=is_grads_batched)
+    if allow_unused is None:
+        allow_unused = materialize_grads
+    result: list[torch.Tensor | None] = []
+    start = 0
+    for i, (t, n) in enumerate(zip(inputs, counts, strict=True)):
+        found = [g for g in grads[start : start + n] if g is not None]
+        start += n
+        g: torch.Tensor | None = None
+        if found:
+            g = functools.reduce(torch.add, found)
+            if isinstance(t, OffloadedParameter):  # as `p.grad`: on the host, the master's dtype
+                g = g.to(device=t.device, dtype=t.dtype)
+        elif materialize_grads:
+            g = torch.zeros_like(t)
+        elif not allow_unused:
+            what = f" (offloaded parameter {t._ot.name!r})" if getattr(t, "_ot", None) is not None else ""
+            raise RuntimeError(
+                f"The differentiated Tensor at index {i}{what} appears to not have been used in "
+                "the graph. Set allow_unused=True if this is the desired behavior."
+            )
+        result.append(g)
+    return tuple(result)
+
+
+def _autograd_backward(tensors: Any, grad_tensors: Any = None, retain_graph: bool | None = None,
+                       create_graph: bool = False, inputs: Any = None, **kwargs: Any) -> None:
+    """`torch.autograd.backward` (`loss.backward(inputs=...)`) with offloaded parameters among
+    `inputs` (Note [gradients with respect to a parameter])."""
+    if inputs is not None:
+        inputs = _leaves_for(tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,))[0]
+    torch.autograd.backward(tensors, grad_tensors=grad_tensors, retain_graph=retain_graph,
+                            create_graph=create_graph, inputs=inputs, **kwargs)
 
 
 # Note [user gradient hooks]: the device copy, not the master, is what autograd differentiates,
@@ -344,4 +480,6 @@ _HANDLERS = {
     ),
     torch.Tensor.register_hook: _hook_registrar("grad_hooks", torch.Tensor.register_hook),
     torch.Tensor.detach: _detach,
+    torch.autograd.grad: _autograd_grad,
+    torch.autograd.backward: _autograd_backward,
 }

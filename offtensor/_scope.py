@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +71,7 @@ from torch import nn
 
 from ._api import Policy, Residency, ScopeState
 from ._param import master_grad, without_subclass_dispatch
-from ._slot import ParamSlot
+from ._slot import ParamSlot, alive
 from ._streams import Streams
 
 logger = logging.getLogger("offtensor")
@@ -261,6 +262,7 @@ class Scope:
             slot.used_outside = True  # its grad may come after its scope's backward
             copy.requires_grad_(True)
             copy.register_post_accumulate_grad_hook(functools.partial(self.grad_sink, slot))
+            slot.temporaries = alive(slot.temporaries) + [weakref.ref(copy)]
         return copy
 
     def rehome_masters(self, buffer: Any) -> None:

@@ -17,6 +17,20 @@ parameter (_param.py), the gradient path (_grads.py). Those layers sit below the
 overlap, so they do not call it: the overlap hands each parameter it takes a fence
 (`ParamSlot.pending_step`, an object with `wait(slot)`), clears it once the step is done, and
 the lower layers wait on the fence they find (`ParamSlot.wait_for_step`).
+
+# Note [writes under a saved graph]
+A graph saves the device copy an op got, not the parameter (F.linear saves its weight), and a
+later backward through it reloads the scope into that same storage from the master. If the
+master was written in between (`loss.backward(retain_graph=True); optimizer.step();
+loss.backward()`, or a step between forward and backward), that backward would silently
+differentiate with the new weights, where autograd raises "one of the variables needed for
+gradient computation has been modified by an inplace operation" for a plain parameter. So a
+write to the master (an in-place op that writes the parameter, `p.data = t`, `p.set_(t)`) bumps
+the version counter of every tensor standing for it in a graph (`device_copies_written`): the
+device copy, retired copies, temporary copies. Graphs saved earlier then raise as they would
+without offloading; later ones save the new version. Only real writes count: an offloaded
+argument of an in-place op that is only read (`h.add_(self.bias)`) must not break the graph
+that saved it.
 """
 
 from __future__ import annotations
@@ -127,6 +141,9 @@ class ParamSlot:
     leaf_hooked: bool = False  # device_leaf has the post-accumulate-grad hook (hook_device_leaf)
     # Device copies of earlier storages that graphs of create_graph backwards may still read.
     retired: list[weakref.ref] = field(default_factory=list)
+    # Temporary copies made with requires_grad for ops outside the scope, while graphs hold
+    # them: leaves of the parameter too (Note [gradients with respect to a parameter]).
+    temporaries: list[weakref.ref] = field(default_factory=list)
 
     @property
     def grad_written(self) -> bool:
@@ -162,6 +179,17 @@ class ParamSlot:
         if self.leaf_hooked:
             self.device_leaf.register_post_accumulate_grad_hook(functools.partial(self.scope.grad_sink, self))
 
+    def device_copies_written(self) -> None:
+        """The master is written: graphs that saved a device or temporary copy of it must see
+        it as modified in place (Note [writes under a saved graph]). Also on the optimizer
+        worker: version counters are atomic."""
+        torch.autograd.graph.increment_version(self.device_leaf)
+        for ref in self.temporaries:
+            copy = ref()
+            if copy is not None:
+                torch.autograd.graph.increment_version(copy)
+        self.retired_copies_written()
+
     def retired_copies_written(self) -> None:
         """The master is about to change: graphs holding a retired device copy of it must see
         it as modified in place (Note [higher-order gradients] in _scope.py)."""
@@ -179,6 +207,14 @@ class ParamSlot:
         self.device_leaf, self.device_view = device_copy(
             flat, self.device_offset, self.device_view.dtype, self.param.shape, self.device_leaf.requires_grad)
         self.hook_device_leaf()
+
+    def graph_leaves(self) -> list[torch.Tensor]:
+        """Every tensor that stands for this parameter in an autograd graph and can receive a
+        gradient: its device copy, retired copies and temporary copies still alive (Note
+        [gradients with respect to a parameter] in _param.py)."""
+        with _retired_lock: refs = list(self.retired)  # noqa: E701 (Note [interrupts])
+        leaves = [self.device_leaf, *(r() for r in refs), *(r() for r in self.temporaries)]
+        return [t for t in leaves if t is not None and t.requires_grad]
 
     def use_device_copy(self) -> torch.Tensor:
         leaf = self.device_leaf

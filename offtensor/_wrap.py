@@ -652,6 +652,17 @@ def _apply_keeping_masters(module: nn.Module, fn, recurse: bool = True):
             # fn does not apply to a CPU probe: a move to a device this machine lacks
             # (torch raises AssertionError when it was built without CUDA), a custom fn
             continue
+        if isinstance(probe, torch.Tensor) and probe.device.type == "cpu" and probe.is_shared():
+            # `model.share_memory()`: hidden from the conversion below, the masters would stay
+            # private to this process, and processes that fork after it (Hogwild) would each
+            # train a copy of their own, silently.
+            raise RuntimeError(
+                f"offtensor: cannot move offloaded parameter {name!r} to shared memory "
+                "(model.share_memory()): the masters of a wrapped model stay in their scopes' host "
+                "buffers, so nothing was moved. For several processes, use "
+                "offtensor.data_parallel(model, shard_optimizer=True), whose ranks share one host "
+                "copy; or call offtensor.unwrap(model) first"
+            )
         if isinstance(probe, torch.Tensor) and probe.dtype != dtype:
             raise TypeError(
                 f"offtensor: cannot convert offloaded parameter {name!r} from {dtype} "
@@ -675,6 +686,20 @@ def _load_into_masters(module: nn.Module, state_dict: dict, prefix: str, local_m
                        *args: object) -> None:
     """load_state_dict pre-hook: with `assign=True`, check the offloaded parameters' entries and
     copy them into the masters instead (Note [loading with assign=True])."""
+    if torch.__future__.get_swap_module_params_on_conversion():
+        # Module._load_from_state_dict would swap each parameter object's contents for the state
+        # dict's tensor: the offloaded parameters would become plain ones (on the state dict's
+        # device) that no scope loads, silently.
+        loaded = [name for name, _ in _offloaded_in(module) if prefix + name in state_dict]
+        if loaded:
+            raise RuntimeError(
+                f"offtensor: load_state_dict under "
+                f"torch.__future__.set_swap_module_params_on_conversion(True) would swap "
+                f"offloaded parameter {prefix + loaded[0]!r} for the state dict's tensor, which "
+                "ends its offloading; nothing was loaded. Turn swapping off around "
+                "load_state_dict (set_swap_module_params_on_conversion(False)): the values are "
+                "then copied into the masters"
+            )
     if not local_metadata.get("assign_to_params_buffers", False):
         return
     for name, p in _offloaded_in(module):

@@ -4,6 +4,9 @@ conversions after wrap.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from conftest import (
@@ -153,12 +156,16 @@ def test_a_refused_dtype_conversion_converts_nothing(device, convert):
         pytest.param(lambda m, d: m.to(torch.float32), id="to_same_dtype"),
     ],
 )
+@pytest.mark.parametrize("swapping", [False, True], ids=["set_data", "swap_tensors"])
 @pytest.mark.parametrize("device", devices)
-def test_conversions_that_keep_the_dtype_are_fine_after_wrap(device, convert):
+def test_conversions_that_keep_the_dtype_are_fine_after_wrap(device, convert, swapping):
+    """Also under torch.__future__.set_swap_module_params_on_conversion(True), where
+    Module._apply swaps tensors instead of setting `.data`: the masters are hidden from it."""
     model = mlp_of_blocks()
     reference = reference_then_offload(model, device)
 
-    convert(model, device)
+    with _swapping(swapping):
+        convert(model, device)
 
     for name, p in offloaded_parameters(model):
         assert p.device == torch.device("cpu") and p.dtype == torch.float32, name
@@ -166,3 +173,36 @@ def test_conversions_that_keep_the_dtype_are_fine_after_wrap(device, convert):
     assert_backward_matches(model, model(x), reference, x, y, device)
 
 
+
+
+@pytest.mark.parametrize("swapping", [False, True], ids=["set_data", "swap_tensors"])
+def test_to_empty_leaves_the_masters_offloaded(swapping):
+    """`to_empty` (meta-device initialisation) empties the rest of the model; a state dict then
+    fills everything, and it trains like the unwrapped model."""
+    model = mlp_of_blocks()
+    reference = reference_then_offload(model, "cpu")
+    with _swapping(swapping):
+        model.to_empty(device="cpu")
+    assert all(isinstance(p, offtensor.OffloadedParameter) for p in model.blocks.parameters())
+    model.load_state_dict(reference.state_dict())
+    assert_trains_like(model, reference, [random_batch("cpu") for _ in range(3)], "cpu")
+
+
+def test_error_if_share_memory_after_wrap_moves_nothing():
+    """Regression: `model.share_memory()` left the masters in private memory (the guard hides
+    them from conversions) and said nothing: processes forked after it trained copies of their own."""
+    model = offload(mlp_of_blocks(), "cpu")
+    with pytest.raises(RuntimeError, match=r"'blocks\.0\.norm\.weight' to shared memory.*nothing was moved"):
+        model.share_memory()
+    assert not any(t.is_shared() for t in [*model.parameters(), *model.buffers()])
+
+
+@contextlib.contextmanager
+def _swapping(on: bool) -> Iterator[None]:
+    """torch.__future__.set_swap_module_params_on_conversion(on) inside the block."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(on)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)

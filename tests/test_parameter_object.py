@@ -150,10 +150,18 @@ def _no_grad_mul(p: torch.Tensor) -> None:
         p.mul_(1.5)
 
 
+def _no_grad_set(p: torch.Tensor) -> None:
+    # Rebinds a plain parameter; an offloaded one copies into its master (torch.nn.utils.parametrize
+    # calls this when a right_inverse gives the new original).
+    with torch.no_grad():
+        p.set_(torch.randn(p.shape))
+
+
 MUTATIONS = {
     "p.data.normal_": lambda p: p.data.normal_(),
     "p.data.copy_": lambda p: p.data.copy_(torch.randn(p.shape)),
     "no_grad_p.mul_": _no_grad_mul,
+    "no_grad_p.set_": _no_grad_set,
     "init.normal_": lambda p: nn.init.normal_(p, std=0.5),
     "init.trunc_normal_": lambda p: nn.init.trunc_normal_(p, std=0.5),
     "init.constant_": lambda p: nn.init.constant_(p, 0.1),
@@ -237,6 +245,26 @@ def test_load_state_dict_with_assign_copies_into_the_masters_which_stay_offloade
     batches = [random_batch(device) for _ in range(3)]
     torch.testing.assert_close(train_adamw(model, batches), train_adamw(reference, batches), **tolerances(device))
     assert_params_match(model, reference, **tolerances(device))
+
+
+def test_error_if_load_state_dict_would_swap_tensors_loads_nothing():
+    """Regression: under set_swap_module_params_on_conversion(True), load_state_dict swapped
+    each offloaded parameter's contents for the state dict's tensor: plain parameters that no
+    scope loaded, in a model still wrapped, silently."""
+    model = offload(mlp_of_blocks(), "cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: v + 1 for k, v in before.items()}
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with pytest.raises(RuntimeError, match=r"swap offloaded parameter 'blocks\.0\.norm\.weight'.*"
+                                               "nothing was loaded"):
+            model.load_state_dict(state)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+    assert all(isinstance(p, offtensor.OffloadedParameter) for p in model.blocks.parameters())
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0, msg=k)
 
 
 @pytest.mark.parametrize("device", devices)
