@@ -52,10 +52,22 @@ reentrant checkpointing of parts of one scope gives several, and these do not ch
 steps of a training loop. Should a second contribution arrive anyway, the worker may already
 have stepped the parameter on the first: backward raises, saying so, rather than let the late
 part go missing silently, and the parameter is no longer handed over early.
+
+# Note [fork while steps are deferred]
+A forked process has only the thread that forked: the optimizer worker is not there. A
+DataLoader's worker processes fork at `iter(loader)`, typically right after a
+`backward_and_step` returned with steps still deferred; a worker that then read an offloaded
+parameter (a dataset or collate holding the model) waited for a fence nothing would ever clear,
+and the loader hung. Its masters would also have been half stepped. So the process waits for the
+deferred steps just before any fork (`os.register_at_fork`), and the child starts from the
+stepped weights with no fence set. A fork from inside a backward (a hook) cannot wait for the
+steps of that backward, which are still being handed over: it forks as it is. The wait leaves a
+worker error in place, for the parent's next wait to raise.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -68,7 +80,7 @@ from ._engine import Engine
 from ._grads import publish, set_grads
 from ._param import OffloadedParameter, without_subclass_dispatch
 from ._scope import Scope
-from ._slot import ParamSlot, worker_state
+from ._slot import ParamSlot, on_optimizer_worker, worker_state
 
 STEP_PIECE_BYTES = 64 * 2**20  # backward_and_step(piece_bytes=) default; see Note [deferred steps]
 # Cores the worker leaves to the thread that launches the device's kernels (_OverlappedStep._run);
@@ -237,6 +249,17 @@ def wait_for_steps() -> None:
     """Block until the latest `backward_and_step` has stepped every parameter."""
     if _current is not None:
         _current.wait()
+
+
+def _settle_before_fork() -> None:
+    """os.register_at_fork's `before`: Note [fork while steps are deferred]."""
+    stepper = _current
+    if stepper is not None and not on_optimizer_worker():
+        stepper.settle()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(before=_settle_before_fork)
 
 
 def _engines_of(optimizer: torch.optim.Optimizer) -> list[Engine]:
@@ -449,6 +472,15 @@ class _OverlappedStep:
         error = self._locked(self._wait_locked, slot)
         if error is not None:
             _raise_partial(error, self, "the optimizer step")
+
+    def settle(self) -> None:
+        """Until the worker has stopped, if no more pieces come; its error stays to be raised
+        by the next wait (Note [fork while steps are deferred])."""
+        self._locked(self._settle_locked)
+
+    def _settle_locked(self) -> None:
+        while self._closed and not self._done:
+            self._cond.wait()
 
     def _wait_locked(self, slot: ParamSlot | None) -> BaseException | None:
         if slot is None:
