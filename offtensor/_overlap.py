@@ -178,6 +178,7 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
         raise ValueError(f"offtensor.backward_and_step: spare_threads must be an int >= 0, got {spare_threads!r}")
     if isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int) or piece_bytes < 1:
         raise ValueError(f"offtensor.backward_and_step: piece_bytes must be an int >= 1, got {piece_bytes!r}")
+    _check_optimizer(optimizer)
     wait_for_steps()
     engines = _engines_of(optimizer)
     for engine in engines:
@@ -249,6 +250,29 @@ def wait_for_steps() -> None:
     """Block until the latest `backward_and_step` has stepped every parameter."""
     if _current is not None:
         _current.wait()
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """The worker steps views of `optimizer` (step_subset): objects of its class sharing its
+    state, each with param groups of its own. A wrapper whose `param_groups` is a property over
+    another optimizer's (accelerate's AcceleratedOptimizer) would have each view overwrite the
+    wrapped optimizer's groups with one piece, and every later step would step that piece only."""
+    groups_are_its_own = (isinstance(optimizer, torch.optim.Optimizer)
+                          and "param_groups" in getattr(optimizer, "__dict__", {})
+                          and not isinstance(getattr(type(optimizer), "param_groups", None), property))
+    if groups_are_its_own:
+        return
+    inner = getattr(optimizer, "optimizer", None)
+    wraps = f", a wrapper around {type(inner).__name__}" if isinstance(inner, torch.optim.Optimizer) else ""
+    raise TypeError(
+        f"offtensor.backward_and_step: optimizer is a {type(optimizer).__name__}{wraps}, not a "
+        "torch.optim.Optimizer holding its own param_groups; backward_and_step steps parts of the "
+        "optimizer through views of it, which a wrapper's groups do not allow. Pass the "
+        "torch.optim optimizer itself (accelerate: optimizer.optimizer), and with gradient "
+        "accumulation call backward_and_step only on the micro-batch that steps "
+        "(accelerator.sync_gradients, the loss divided by the accumulation steps), "
+        "accelerator.backward(loss) on the others"
+    )
 
 
 def _settle_before_fork() -> None:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
-from conftest import host, mlp_and_reference, random_batch
+from conftest import assert_params_match, host, mlp_and_reference, random_batch
 
 import offtensor
 
@@ -43,3 +44,44 @@ def test_data_loader_forked_while_deferred_steps_run_sees_the_stepped_weights():
 
     offtensor.wait_for_steps()
     torch.testing.assert_close(seen, host(weight).sum().expand(2), rtol=0, atol=0)
+
+
+def test_backward_and_step_refuses_an_accelerate_optimizer_wrapper_naming_the_fix():
+    # A view of the wrapper wrote its piece's groups into the wrapped optimizer: later steps
+    # stepped only that piece. The message says what to pass instead.
+    accelerate = pytest.importorskip("accelerate")
+    model, _ = mlp_and_reference("cpu")
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x, y = random_batch("cpu")
+    loss = torch.nn.functional.mse_loss(model(x), y)
+
+    with pytest.raises(TypeError, match=r"AcceleratedOptimizer, a wrapper around AdamW.*optimizer\.optimizer"):
+        offtensor.backward_and_step(loss, optimizer)
+
+    assert len(optimizer.param_groups[0]["params"]) == len(list(model.parameters()))
+
+
+def test_accelerate_accumulation_with_backward_and_step_on_the_wrapped_optimizer_matches_unwrapped():
+    accelerate = pytest.importorskip("accelerate")
+    model, reference = mlp_and_reference("cpu")
+    batches = [random_batch("cpu") for _ in range(4)]
+
+    def train(m: torch.nn.Module, overlap: bool) -> None:
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+        m, optimizer = accelerator.prepare(m, torch.optim.AdamW(m.parameters(), lr=1e-2))
+        for x, y in batches:
+            with accelerator.accumulate(m):
+                loss = torch.nn.functional.mse_loss(m(x), y)
+                if overlap and accelerator.sync_gradients:
+                    offtensor.backward_and_step(loss / 2, optimizer.optimizer, zero_grad=True)
+                else:
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+    train(reference, overlap=False)
+    train(model, overlap=True)
+
+    offtensor.wait_for_steps()
+    assert_params_match(model, reference, rtol=0, atol=0)
