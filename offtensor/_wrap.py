@@ -569,6 +569,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     # storage per master] in _host_memory.py); host_flat spans them all for the bulk copy.
     masters = HostBuffer(scope.nbytes, pin=scope.pinned)
     scope.host_flat = masters.flat
+    scope.host_buffer = masters
     if scope.casts and scope.policy.cast == "host":
         scope.host_shadow = host_empty(scope.device_nbytes, pin=scope.pinned)
     # Allocated here only to create each parameter's device tensor on it; freed below.

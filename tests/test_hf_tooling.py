@@ -9,7 +9,16 @@ import time
 
 import pytest
 import torch
-from conftest import assert_params_match, host, mlp_and_reference, random_batch
+from conftest import (
+    assert_params_match,
+    host,
+    mlp_and_reference,
+    mlp_of_blocks,
+    offload,
+    random_batch,
+    step_both,
+    unwrapped_reference,
+)
 
 import offtensor
 
@@ -85,3 +94,39 @@ def test_accelerate_accumulation_with_backward_and_step_on_the_wrapped_optimizer
 
     offtensor.wait_for_steps()
     assert_params_match(model, reference, rtol=0, atol=0)
+
+
+def _cast_by_hand(reference: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What Policy(compute_dtype=torch.bfloat16) computes: each fp32 weight cast for the op."""
+    params = {n: p.to(torch.bfloat16) for n, p in reference.named_parameters()}
+    return torch.func.functional_call(reference, params, (x,))
+
+
+@pytest.mark.parametrize("sent", ["model", "state_dict"])
+def test_sent_to_another_process_a_wrapped_model_keeps_training_on_its_stepped_masters(sent):
+    # Spawned DataLoader workers get the dataset (here holding the model), and a
+    # torch.multiprocessing queue its items (a state dict for a saving process), through
+    # ForkingPickler, which moves each tensor's storage into shared memory. A master moved so
+    # left the scope's host buffer, which converting loads copy from: every load after the next
+    # step computed with the weights as they were when sent.
+    from multiprocessing.reduction import ForkingPickler
+
+    model = mlp_of_blocks()
+    reference = unwrapped_reference(model, "cpu")
+    offload(model, "cpu", lambda name, m: name in ("input", "head", "blocks.0", "blocks.1", "blocks.2"),
+            policy=offtensor.Policy(compute_dtype=torch.bfloat16))
+    copied = ForkingPickler.loads(ForkingPickler.dumps(model if sent == "model" else model.state_dict()))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for x, y in [random_batch("cpu") for _ in range(3)]:
+        x = x.to(torch.bfloat16)
+        out, ref_out = model(x), _cast_by_hand(reference, x)
+        torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+        torch.nn.functional.mse_loss(out.float(), y).backward()
+        torch.nn.functional.mse_loss(ref_out.float(), y).backward()
+        step_both(model, reference, opt, ref_opt, {"rtol": 0, "atol": 0})
+
+    assert_params_match(model, reference, rtol=0, atol=0)
+    if sent == "model":  # the other process's copy is a plain model
+        assert all(type(p) is torch.nn.Parameter for p in copied.parameters())
+        assert not offtensor.is_wrapped(copied)
