@@ -456,3 +456,33 @@ def test_forked_data_loader_workers_running_the_wrapped_model_see_the_weights_at
     expected = train(reference, overlap=False)
     torch.testing.assert_close(train(model, overlap), expected, **EXACT)
     assert_params_match(model, reference, **EXACT)
+
+
+def test_resize_token_embeddings_of_a_selected_embedding_raises_naming_it_and_changes_nothing():
+    model = small_llama(checkpointing=False)
+    reference = unwrapped_reference(model, "cpu")
+    offtensor.wrap(model, lambda name, m: name == "model.embed_tokens", device="cpu")
+
+    with pytest.raises(TypeError, match=r"'model\.embed_tokens\.weight'.*keep their shape.*offtensor\.unwrap"):
+        model.resize_token_embeddings(VOCAB + 8)
+
+    assert model.config.vocab_size == VOCAB and model.model.embed_tokens.weight.shape[0] == VOCAB
+    ids = _Tokens().ids[:2]
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, **EXACT)
+
+
+def test_resize_token_embeddings_after_wrap_with_the_default_predicate_trains_like_unwrapped():
+    # The embeddings and the head are not scopes: transformers replaces them as usual.
+    model, reference = _llama_and_reference()
+    for m in (model, reference):
+        torch.manual_seed(3)
+        m.resize_token_embeddings(VOCAB + 8, mean_resizing=False)
+    ids = torch.randint(VOCAB, VOCAB + 8, (2, 6))
+    optimizers = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)}
+    for _ in range(2):
+        for m in (model, reference):
+            m(input_ids=ids, labels=ids).loss.backward()
+            optimizers[id(m)].step()
+            optimizers[id(m)].zero_grad()
+    assert_params_match(model, reference, **EXACT)
