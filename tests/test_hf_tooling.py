@@ -486,3 +486,18 @@ def test_resize_token_embeddings_after_wrap_with_the_default_predicate_trains_li
             optimizers[id(m)].step()
             optimizers[id(m)].zero_grad()
     assert_params_match(model, reference, **EXACT)
+
+
+def test_accelerate_set_module_tensor_to_device_on_a_wrapped_model_gives_a_plain_parameter():
+    # It rebuilds the parameter as type(p)(value): that made an OffloadedParameter of no scope,
+    # which isinstance checks and printing took for an offloaded one.
+    pytest.importorskip("accelerate")
+    from accelerate.utils import set_module_tensor_to_device
+
+    model, _ = mlp_and_reference("cpu")
+    value = torch.randn(32, 16)
+    set_module_tensor_to_device(model, "blocks.0.fc1.weight", "cpu", value=value)
+
+    weight = model.blocks[0].fc1.weight
+    assert type(weight) is torch.nn.Parameter and weight.requires_grad
+    torch.testing.assert_close(weight.detach(), value, **EXACT)
