@@ -7,7 +7,9 @@ the device (and copy the whole model there). `wrap` therefore gives every module
 offloaded parameter in its subtree (the wrapped model itself included) an instance-level
 `_apply`. It first probes the conversion on an empty tensor of each dtype the subtree's masters
 have: a dtype change is refused there, before anything changes, because the masters' dtype fixes
-the scope's buffer layout. Checking the subtree, not only the module's own parameters, matters:
+the scope's buffer layout. So is `share_memory()` (a probe that comes back in shared memory):
+the masters cannot leave the scope's host buffer, and other processes would train copies of
+them. Checking the subtree, not only the module's own parameters, matters:
 `Module._apply` converts the children one after the other, so a check per module would raise
 only after the modules before it (an embedding, a head) were converted, leaving a model of mixed
 dtypes. Device moves then apply to everything else (buffers, unwrapped parameters) while each
@@ -652,6 +654,14 @@ def _apply_keeping_masters(module: nn.Module, fn, recurse: bool = True):
             # fn does not apply to a CPU probe: a move to a device this machine lacks
             # (torch raises AssertionError when it was built without CUDA), a custom fn
             continue
+        if isinstance(probe, torch.Tensor) and probe.device.type == "cpu" and probe.is_shared():
+            raise TypeError(
+                f"offtensor: share_memory() cannot share offloaded parameter {name!r} with other "
+                "processes: its master lives in its scope's host buffer, private to this process, "
+                "so the other processes (Hogwild training) would step copies this one never sees. "
+                "Nothing was shared. Call offtensor.unwrap(model) first to share a plain model, "
+                "or train in one process (offtensor.data_parallel for one process per GPU)"
+            )
         if isinstance(probe, torch.Tensor) and probe.dtype != dtype:
             raise TypeError(
                 f"offtensor: cannot convert offloaded parameter {name!r} from {dtype} "

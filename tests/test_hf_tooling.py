@@ -501,3 +501,14 @@ def test_accelerate_set_module_tensor_to_device_on_a_wrapped_model_gives_a_plain
     weight = model.blocks[0].fc1.weight
     assert type(weight) is torch.nn.Parameter and weight.requires_grad
     torch.testing.assert_close(weight.detach(), value, **EXACT)
+
+
+def test_share_memory_of_a_wrapped_model_raises_naming_the_parameter_and_shares_nothing():
+    # Hogwild: processes forked after model.share_memory() step the shared weights. The masters
+    # stayed private: the children's steps were lost without a word.
+    model, _ = mlp_and_reference("cpu")
+
+    with pytest.raises(TypeError, match=r"share_memory\(\) cannot share offloaded parameter 'blocks\.0\.norm\.weight'"):
+        model.share_memory()
+
+    assert not any(t.is_shared() for t in (*model.parameters(), *model.buffers()))
