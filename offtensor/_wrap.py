@@ -666,9 +666,11 @@ def _apply_keeping_masters(module: nn.Module, fn, recurse: bool = True):
             raise TypeError(
                 f"offtensor: cannot convert offloaded parameter {name!r} from {dtype} "
                 f"to {probe.dtype}: the masters of a wrapped model keep their dtype, so nothing "
-                "was converted. Convert before offtensor.wrap(model), or call "
-                "offtensor.unwrap(model) first. (Device moves such as model.to('cuda') are "
-                "fine: they leave the masters on the host.)"
+                "was converted. Convert before offtensor.wrap(model), wrap with "
+                f"offtensor.Policy(compute_dtype={probe.dtype}) to compute in it from these "
+                "masters (for transformers' Trainer: instead of bf16_full_eval/fp16_full_eval), "
+                "or call offtensor.unwrap(model) first. (Device moves such as "
+                "model.to('cuda') are fine: they leave the masters on the host.)"
             )
     masters: dict[str, Any] = {k: p for k, p in module._parameters.items()
                                if isinstance(p, OffloadedParameter) or offloaded_weight(p) is not None}

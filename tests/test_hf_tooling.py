@@ -512,3 +512,18 @@ def test_share_memory_of_a_wrapped_model_raises_naming_the_parameter_and_shares_
         model.share_memory()
 
     assert not any(t.is_shared() for t in (*model.parameters(), *model.buffers()))
+
+
+def test_trainer_bf16_full_eval_raises_naming_the_parameter_and_compute_dtype(tmp_path):
+    # bf16_full_eval converts the model with model.to(torch.bfloat16) before evaluating.
+    transformers = pytest.importorskip("transformers")
+    model, _ = _llama_and_reference()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16_full_eval=True,
+                                          per_device_eval_batch_size=2, report_to=[], disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, eval_dataset=_Tokens(4))
+
+    with pytest.raises(TypeError, match=r"'model\.layers\.0\.[\w.]+' from torch\.float32 to torch\.bfloat16.*"
+                                        r"Policy\(compute_dtype=torch\.bfloat16\).*bf16_full_eval"):
+        trainer.evaluate()
+
+    assert all(p.dtype == torch.float32 for p in model.parameters())
