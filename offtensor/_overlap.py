@@ -52,11 +52,23 @@ reentrant checkpointing of parts of one scope gives several, and these do not ch
 steps of a training loop. Should a second contribution arrive anyway, the worker may already
 have stepped the parameter on the first: backward raises, saying so, rather than let the late
 part go missing silently, and the parameter is no longer handed over early.
+
+# Note [fork while steps are deferred]
+A forked process has only the thread that forked: the optimizer worker is not there. A
+DataLoader's worker processes fork at `iter(loader)`, typically right after a
+`backward_and_step` returned with steps still deferred; a worker that then read an offloaded
+parameter (a dataset or collate holding the model) waited for a fence nothing would ever clear,
+and the loader hung. Its masters would also have been half stepped. So the process waits for the
+deferred steps just before any fork (`os.register_at_fork`), and the child starts from the
+stepped weights with no fence set. A fork from inside a backward (a hook) cannot wait for the
+steps of that backward, which are still being handed over: it forks as it is. The wait leaves a
+worker error in place, for the parent's next wait to raise.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 import weakref
@@ -69,7 +81,7 @@ from ._engine import Engine
 from ._grads import publish, set_grads
 from ._param import OffloadedParameter, without_subclass_dispatch
 from ._scope import Scope
-from ._slot import ParamSlot, worker_state
+from ._slot import ParamSlot, on_optimizer_worker, worker_state
 
 STEP_PIECE_BYTES = 64 * 2**20  # backward_and_step(piece_bytes=) default; see Note [deferred steps]
 # Cores the worker leaves to the thread that launches the device's kernels (_OverlappedStep._run);
@@ -177,6 +189,7 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
             "gradients. Use scaler.scale(loss).backward(); scaler.unscale_(optimizer) (to clip); "
             "scaler.step(optimizer); scaler.update(). bfloat16 autocast needs no GradScaler"
         )
+    _check_optimizer(optimizer)
     wait_for_steps()
     engines = _engines_of(optimizer)
     for engine in engines:
@@ -279,6 +292,40 @@ def wait_for_steps() -> None:
     """Block until the latest `backward_and_step` has stepped every parameter."""
     if _current is not None:
         _current.wait()
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """The worker steps views of `optimizer` (step_subset): objects of its class sharing its
+    state, each with param groups of its own. A wrapper whose `param_groups` is a property over
+    another optimizer's (accelerate's AcceleratedOptimizer) would have each view overwrite the
+    wrapped optimizer's groups with one piece, and every later step would step that piece only."""
+    groups_are_its_own = (isinstance(optimizer, torch.optim.Optimizer)
+                          and "param_groups" in getattr(optimizer, "__dict__", {})
+                          and not isinstance(getattr(type(optimizer), "param_groups", None), property))
+    if groups_are_its_own:
+        return
+    inner = getattr(optimizer, "optimizer", None)
+    wraps = f", a wrapper around {type(inner).__name__}" if isinstance(inner, torch.optim.Optimizer) else ""
+    raise TypeError(
+        f"offtensor.backward_and_step: optimizer is a {type(optimizer).__name__}{wraps}, not a "
+        "torch.optim.Optimizer holding its own param_groups; backward_and_step steps parts of the "
+        "optimizer through views of it, which a wrapper's groups do not allow. Pass the "
+        "torch.optim optimizer itself (accelerate: optimizer.optimizer), and with gradient "
+        "accumulation call backward_and_step only on the micro-batch that steps "
+        "(accelerator.sync_gradients, the loss divided by the accumulation steps), "
+        "accelerator.backward(loss) on the others"
+    )
+
+
+def _settle_before_fork() -> None:
+    """os.register_at_fork's `before`: Note [fork while steps are deferred]."""
+    stepper = _current
+    if stepper is not None and not on_optimizer_worker():
+        stepper.settle()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(before=_settle_before_fork)
 
 
 def _engines_of(optimizer: torch.optim.Optimizer) -> list[Engine]:
@@ -491,6 +538,15 @@ class _OverlappedStep:
         error = self._locked(self._wait_locked, slot)
         if error is not None:
             _raise_partial(error, self, "the optimizer step")
+
+    def settle(self) -> None:
+        """Until the worker has stopped, if no more pieces come; its error stays to be raised
+        by the next wait (Note [fork while steps are deferred])."""
+        self._locked(self._settle_locked)
+
+    def _settle_locked(self) -> None:
+        while self._closed and not self._done:
+            self._cond.wait()
 
     def _wait_locked(self, slot: ParamSlot | None) -> BaseException | None:
         if slot is None:

@@ -43,6 +43,13 @@ class OffloadedParameter(nn.Parameter):
 
     _ot: ParamSlot  # its bookkeeping (_slot.py)
 
+    def __new__(cls, data: torch.Tensor | None = None, requires_grad: bool = True) -> nn.Parameter:  # type: ignore[misc]
+        # Code that rebuilds a parameter as `type(p)(new_data)` (accelerate's
+        # set_module_tensor_to_device, which load_checkpoint_in_model and dispatch_model use)
+        # gets a plain Parameter: a new object belongs to no scope, and an OffloadedParameter
+        # without one would claim to be offloaded while nothing loads or offloads it.
+        return nn.Parameter(torch.empty(0) if data is None else data, requires_grad)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         if _compile.compiling():  # an op outside the parameter's scope: Note [torch.compile]

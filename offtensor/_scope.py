@@ -56,6 +56,20 @@ in between: `optimizer.zero_grad()` between forward and backward zeroes it in pl
 None. So each fetch remembers the tensor it copied and that tensor's version counter, and
 `take_old_grad` uses the fetched copy only if `p.grad` is still that tensor, unwritten since;
 otherwise the gradient path reads `p.grad` as it is now (or starts afresh when it is None).
+
+# Note [masters moved out of the host buffer]
+A tensor sent to another process through multiprocessing's ForkingPickler (a spawned
+DataLoader worker given a dataset that holds the model, a torch.multiprocessing queue carrying
+a state dict) is moved into shared memory in place: `share_memory_()` swaps the storage's memory
+under every tensor that uses it. For a master that storage is the parameter's own, so the
+parameter and `ParamSlot.master` follow the move, but `host_flat`, a tensor over the scope's
+whole host allocation, does not: the loads that copy from it (whole-scope loads, converting
+loads' staging copies, sharded loads) went on copying the weights as they were at the move,
+while the optimizer stepped the moved masters, and the forward computed with stale weights.
+`take_back_masters`, at each load and before data_parallel copies the masters into shared
+memory, finds a moved master by its address (one comparison per parameter), copies it back into
+its place in the host allocation and points the parameter at it again (pinned again on CUDA).
+The other process keeps the copy it got; what this process writes afterwards, it does not see.
 """
 
 from __future__ import annotations
@@ -70,6 +84,7 @@ import torch
 from torch import nn
 
 from ._api import Policy, Residency, ScopeState
+from ._host_memory import HostBuffer
 from ._param import master_grad, without_subclass_dispatch
 from ._slot import ParamSlot, alive
 from ._streams import Streams
@@ -163,6 +178,7 @@ class Scope:
         self.device_nbytes = 0  # device buffer, compute dtypes
         # Both replaced by wrap's _offload_params right after construction.
         self.host_flat = torch.empty(0, dtype=torch.uint8)  # pinned when `pinned`; all the masters' bytes
+        self.host_buffer: HostBuffer | None = None  # the allocation host_flat spans
         self.device_flat = torch.empty(0, dtype=torch.uint8)  # on the compute device
         # Policy.compute_dtype differs from a master's dtype: the load casts (Policy.cast).
         self.casts = False
@@ -278,7 +294,25 @@ class Scope:
             without_subclass_dispatch(_set_master, p, master)
             slot.master = master
         self.host_flat = buffer.flat
+        self.host_buffer = buffer
         self.shadow_stale = True
+
+    def take_back_masters(self) -> None:
+        """Masters whose storage was moved out of the host buffer (into shared memory) are
+        copied back into it and the parameters pointed at them (Note [masters moved out of the
+        host buffer])."""
+        base, buffer = self.host_flat.data_ptr(), self.host_buffer
+        for slot in self.slots:
+            master = slot.master
+            if slot.packed is not None or master.data_ptr() == base + slot.offset or master.numel() == 0:
+                continue  # a compressed master is not the parameter's storage (Note [compressed masters])
+            assert buffer is not None
+            slot.wait_for_step()  # the worker may be writing the moved master
+            home = buffer.tensor(slot.offset, master.dtype, master.shape)
+            home.copy_(master)
+            without_subclass_dispatch(_set_master, slot.param, home)
+            slot.master = home
+            self.shadow_stale = True
 
 
     # ---- transitions (Note [scope states]) -----------------------------------------------
@@ -292,6 +326,7 @@ class Scope:
             self._fetch_old_grads()
 
     def _start_load(self) -> None:
+        self.take_back_masters()
         streams = self.streams
         compute, h2d = streams.compute(), streams.h2d()
         self.device_storage.resize_(self.device_nbytes)

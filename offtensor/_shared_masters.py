@@ -159,6 +159,7 @@ def _create_filled(name: str, total: int, scopes: list[Any], offsets: list[int],
     try:
         array = _shm.create(name, total)
         for scope, offset in zip(scopes, offsets, strict=True):
+            scope.take_back_masters()  # host_flat must hold them (Note [masters moved out of the host buffer])
             torch.from_numpy(array[offset : offset + scope.nbytes]).copy_(scope.host_flat)
     except BaseException as e:
         _shm.unlink(name)

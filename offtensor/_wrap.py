@@ -7,7 +7,9 @@ the device (and copy the whole model there). `wrap` therefore gives every module
 offloaded parameter in its subtree (the wrapped model itself included) an instance-level
 `_apply`. It first probes the conversion on an empty tensor of each dtype the subtree's masters
 have: a dtype change is refused there, before anything changes, because the masters' dtype fixes
-the scope's buffer layout. Checking the subtree, not only the module's own parameters, matters:
+the scope's buffer layout. So is `share_memory()` (a probe that comes back in shared memory):
+the masters cannot leave the scope's host buffer, and other processes would train copies of
+them. Checking the subtree, not only the module's own parameters, matters:
 `Module._apply` converts the children one after the other, so a check per module would raise
 only after the modules before it (an embedding, a head) were converted, leaving a model of mixed
 dtypes. Device moves then apply to everything else (buffers, unwrapped parameters) while each
@@ -570,6 +572,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     # storage per master] in _host_memory.py); host_flat spans them all for the bulk copy.
     masters = HostBuffer(scope.nbytes, pin=scope.pinned)
     scope.host_flat = masters.flat
+    scope.host_buffer = masters
     if scope.casts and scope.policy.cast == "host":
         scope.host_shadow = host_empty(scope.device_nbytes, pin=scope.pinned)
     # Allocated here only to create each parameter's device tensor on it; freed below.
@@ -667,9 +670,11 @@ def _apply_keeping_masters(module: nn.Module, fn, recurse: bool = True):
             raise TypeError(
                 f"offtensor: cannot convert offloaded parameter {name!r} from {dtype} "
                 f"to {probe.dtype}: the masters of a wrapped model keep their dtype, so nothing "
-                "was converted. Convert before offtensor.wrap(model), or call "
-                "offtensor.unwrap(model) first. (Device moves such as model.to('cuda') are "
-                "fine: they leave the masters on the host.)"
+                "was converted. Convert before offtensor.wrap(model), wrap with "
+                f"offtensor.Policy(compute_dtype={probe.dtype}) to compute in it from these "
+                "masters (for transformers' Trainer: instead of bf16_full_eval/fp16_full_eval), "
+                "or call offtensor.unwrap(model) first. (Device moves such as "
+                "model.to('cuda') are fine: they leave the masters on the host.)"
             )
     masters: dict[str, Any] = {k: p for k, p in module._parameters.items()
                                if isinstance(p, OffloadedParameter) or offloaded_weight(p) is not None}
