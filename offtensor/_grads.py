@@ -205,6 +205,10 @@ class GradOffload:
         self._last_d2h = None
         publish(written)
         self._end_backward()
+        # backward_and_step clears this too once loss.backward() returns; an interrupt can land
+        # before that (Note [interrupts]), and a later plain backward must not hand its
+        # gradients to that call's optimizer worker.
+        self.stepper = None
 
     def reset_if_stale(self) -> None:
         """A new forward pass began while a backward was unfinished (it raised): forget it."""

@@ -69,10 +69,12 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, NoReturn
 
 import torch
@@ -290,8 +292,10 @@ def last_stepped() -> list[str]:
 
 def wait_for_steps() -> None:
     """Block until the latest `backward_and_step` has stepped every parameter."""
-    if _current is not None:
-        _current.wait()
+    stepper = _current
+    if stepper is not None:
+        stepper.close_if_abandoned()
+        stepper.wait()
 
 
 def _check_optimizer(optimizer: Any) -> None:
@@ -396,6 +400,9 @@ class _OverlappedStep:
         self._rest_done = 0.0
         self._stepped: list[str] = []  # names of the parameters stepped, in order
         self._start = time.perf_counter()
+        # The backward_and_step call's frame and thread, until closed (close_if_abandoned).
+        self._call: FrameType | None = sys._getframe(1)
+        self._caller = threading.get_ident()
         self.report = OverlapReport(_stepper=self)
         self._thread = threading.Thread(target=self._run, name="offtensor-optimizer", daemon=True)
 
@@ -483,7 +490,23 @@ class _OverlappedStep:
 
     def _close(self) -> None:
         self._closed = True
+        self._call = None
         self._cond.notify_all()
+
+    def close_if_abandoned(self) -> None:
+        """Close a stepper whose backward_and_step call has ended without closing it: an
+        interrupt can land on a line of its cleanup before `close()` runs (the `try:` of its
+        `finally`), and the worker would wait for pieces, and every wait for it, forever."""
+        call = self._call
+        if call is None or self._closed:
+            return
+        # The calling thread's stack, from whichever thread waits (None: that thread has ended).
+        frame = sys._getframe() if threading.get_ident() == self._caller else sys._current_frames().get(self._caller)
+        while frame is not None:
+            if frame is call:
+                return  # the call is still running (a wait from inside it)
+            frame = frame.f_back  # type: ignore[assignment]
+        self.close()
 
     def cancel(self) -> None:
         """Backward or the rest's step raised: drop what has not started, wait for the rest.
@@ -495,6 +518,7 @@ class _OverlappedStep:
 
     def _drop_pending(self) -> None:
         self._closed = True
+        self._call = None
         self._clear_pending(self._pieces)
         self._pieces.clear()
         self._cond.notify_all()

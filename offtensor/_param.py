@@ -94,7 +94,8 @@ class OffloadedParameter(nn.Parameter):
 # - what must change for a while (the current CUDA stream during a copy, no_offload's holds,
 #   the latest backward_and_step) is recorded where the next entry point finds and undoes it
 #   if an interrupt skipped the undo (Streams.restore, no_offload's weak set of
-#   holds, backward_and_step's stepper).
+#   holds, backward_and_step's stepper: the next wait closes a call whose cleanup an interrupt
+#   cut short, `close_if_abandoned`, and the end of backward forgets its worker).
 # The optimizer worker thread changes its own thread-local settings (worker_state.active, its
 # intra-op thread count); signals reach only the main thread, and the thread ends after.
 # tests/test_interrupts.py raises KeyboardInterrupt at every few traced events of a training step.

@@ -265,3 +265,71 @@ def one_thread():
 def test_interrupt_anywhere_in_a_training_step_leaves_no_state_changed(variant, one_thread):
     tried, failures = _fuzz(variant)
     assert not failures, f"{len(failures)} of {tried} interrupt points failed:\n" + "\n".join(failures[:10])
+
+
+def _lines_of_backward_and_steps_cleanup() -> list[int]:
+    """The lines of backward_and_step from its `finally:` to its first `stepper.close()`: an
+    interrupt on any of them used to skip the close."""
+    import inspect
+
+    from offtensor import _overlap
+
+    source, first = inspect.getsourcelines(_overlap.backward_and_step)
+    start = next(i for i, line in enumerate(source) if line.strip() == "finally:")
+    end = next(i for i, line in enumerate(source) if "stepper.close()" in line)
+    return [first + i for i in range(start, end + 1)]
+
+
+def test_interrupt_in_backward_and_steps_cleanup_leaves_no_worker_waiting(one_thread):
+    """Regression: a KeyboardInterrupt on the `try:` line of backward_and_step's cleanup (found
+    by the fuzzer on torch 2.6, whose event count put a point there) skipped `stepper.close()`:
+    the optimizer worker waited for pieces forever, and so did the next `wait_for_steps()` or
+    `backward_and_step`, and the engine kept handing gradients to that worker. Now the next wait
+    closes an abandoned call, and the end of backward forgets the worker. Each line of the
+    cleanup that the tracer sees is tried."""
+    import threading
+
+    from offtensor import _overlap
+
+    model = _build()
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True)
+    offtensor.wait_for_steps()
+    tried = []
+    for target in _lines_of_backward_and_steps_cleanup():
+        fired = []
+
+        def local(frame, event, arg, target=target, fired=fired):
+            if event == "line" and frame.f_lineno == target and not fired:
+                fired.append(target)
+                raise KeyboardInterrupt("test: in backward_and_step's cleanup")
+            return local
+
+        def tracer(frame, event, arg, local=local):
+            return local if frame.f_code is _overlap.backward_and_step.__code__ else None
+
+        loss = F.mse_loss(model(x), y)
+        sys.settrace(tracer)
+        try:
+            offtensor.backward_and_step(loss, opt, zero_grad=True)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        if not fired:
+            continue  # no line event there (`finally:`, comments)
+        tried.append(target)
+        waiter = threading.Thread(target=offtensor.wait_for_steps, daemon=True)
+        waiter.start()
+        waiter.join(timeout=30)
+        assert not waiter.is_alive(), f"line {target}: wait_for_steps() waits forever for the worker"
+        assert model._offtensor_engine.grads.stepper is None, f"line {target}: the engine keeps the worker"
+        # A plain backward after it steps nothing: no worker takes its gradients.
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        F.mse_loss(model(x), y).backward()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), before[n], rtol=0, atol=0, msg=f"line {target}: {n}")
+        _check_step(model, x, y, overlap=True)
+    assert tried, "no line of the cleanup was interrupted"
