@@ -54,6 +54,9 @@ class OffloadedParameter(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         if _compile.compiling():  # an op outside the parameter's scope: Note [torch.compile]
             return _compile.run_outside_dynamo(_compiled_region_op, (func, args, kwargs or {}))
+        entry = _AUTOGRAD_ENTRIES.get(func)
+        if entry is not None:  # with dispatch on: Note [gradients with respect to a parameter]
+            return entry(*args, **(kwargs or {}))
         return without_subclass_dispatch(_torch_function, func, args, kwargs or {})
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -415,7 +418,12 @@ _PARAMETER_NEW = nn.Parameter.__new__.__code__
 # - `backward(inputs=...)` accumulates into the leaves, whose gradients take the usual path to
 #   the host `p.grad` (Note [gradient path] in _grads.py); the other parameters' gradients are
 #   left alone, as autograd does.
-# A frozen parameter has no such leaf and is passed as it is: autograd raises its own error.
+# A frozen parameter (or one no graph holds yet) has no such leaf and is passed as a plain alias
+# of its master: autograd raises its own error, or finds it unused.
+# These two run with subclass dispatch on, unlike every other op of ours: a checkpoint's
+# recompute runs the model's forward inside them, and its ops must get device copies (with
+# dispatch off they got the host masters: a device mismatch on CUDA). Nothing offloaded is left
+# among the arguments they pass on, so torch does not dispatch back here.
 # `torch.autograd.backward` reaches `__torch_function__` only in PyTorch releases with
 # pytorch/pytorch#171473; on older ones `backward(inputs=...)` cannot be intercepted (README).
 
@@ -428,9 +436,18 @@ def _leaves_for(inputs: Any) -> tuple[list[Any], list[int]]:
     for t in inputs:
         slot = getattr(t, "_ot", None) if isinstance(t, OffloadedParameter) else None
         leaves = slot.graph_leaves() if slot is not None and t.requires_grad else []
-        expanded.extend(leaves or [t])
+        expanded.extend(leaves or [_plain(t)])
         counts.append(len(leaves) or 1)
     return expanded, counts
+
+
+def _plain(t: Any) -> Any:
+    """An offloaded parameter as a plain tensor over its master (same requires_grad); anything
+    else as it is."""
+    if not isinstance(t, OffloadedParameter):
+        return t
+    alias = without_subclass_dispatch(torch.Tensor.detach, t)
+    return alias.requires_grad_(True) if without_subclass_dispatch(lambda p: p.requires_grad, t) else alias
 
 
 def _autograd_grad(outputs: Any, inputs: Any, grad_outputs: Any = None, retain_graph: bool | None = None,
@@ -440,6 +457,7 @@ def _autograd_grad(outputs: Any, inputs: Any, grad_outputs: Any = None, retain_g
     respect to a parameter])."""
     inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
     expanded, counts = _leaves_for(inputs)
+    outputs = [_plain(t) for t in outputs] if isinstance(outputs, (list, tuple)) else _plain(outputs)
     grads = torch.autograd.grad(outputs, expanded, grad_outputs=grad_outputs, retain_graph=retain_graph,
                                 create_graph=create_graph, allow_unused=True,
                                 is_grads_batched=is_grads_batched)
@@ -473,6 +491,7 @@ def _autograd_backward(tensors: Any, grad_tensors: Any = None, retain_graph: boo
     `inputs` (Note [gradients with respect to a parameter])."""
     if inputs is not None:
         inputs = _leaves_for(tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,))[0]
+    tensors = [_plain(t) for t in tensors] if isinstance(tensors, (list, tuple)) else _plain(tensors)
     torch.autograd.backward(tensors, grad_tensors=grad_tensors, retain_graph=retain_graph,
                             create_graph=create_graph, inputs=inputs, **kwargs)
 
@@ -488,6 +507,5 @@ _HANDLERS = {
     ),
     torch.Tensor.register_hook: _hook_registrar("grad_hooks", torch.Tensor.register_hook),
     torch.Tensor.detach: _detach,
-    torch.autograd.grad: _autograd_grad,
-    torch.autograd.backward: _autograd_backward,
 }
+_AUTOGRAD_ENTRIES = {torch.autograd.grad: _autograd_grad, torch.autograd.backward: _autograd_backward}
