@@ -35,7 +35,6 @@ that saved it.
 
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 from collections import OrderedDict
@@ -82,6 +81,30 @@ class DeviceCopy(torch.Tensor):
             return (f"<offtensor device copy {tuple(self.shape)} {self.dtype} on {self.device}: "
                     "released, its scope is offloaded>")
         return super().__repr__(*args, **kwargs)
+
+
+class GradToHost:
+    """A device copy's post-accumulate-grad hook: `sink(slot, leaf)` (Note [gradient path] in
+    _grads.py), holding both weakly.
+
+    # Note [hooks that keep a model alive]
+    A tensor hook is held by the tensor's C++ autograd metadata, which the garbage collector
+    cannot see into. Holding the engine's gradient sink and the slot strongly, the hook closed a
+    cycle through C++ (device copy -> hook -> sink -> engine -> scopes -> slot -> device copy)
+    that no collection breaks: a wrapped model that went out of scope kept its pinned masters,
+    gradients and device buffers for the rest of the process. Weakly, the model (which holds
+    the engine and, through each parameter's `_ot`, the slots) is the only owner."""
+
+    __slots__ = ("_sink", "_slot")
+
+    def __init__(self, sink: Any, slot: Any) -> None:
+        self._sink = weakref.WeakMethod(sink)
+        self._slot = weakref.ref(slot)
+
+    def __call__(self, leaf: torch.Tensor) -> None:
+        sink, slot = self._sink(), self._slot()
+        if sink is not None and slot is not None:
+            sink(slot, leaf)
 
 
 def alive(refs: list[weakref.ref]) -> list[weakref.ref]:
@@ -177,7 +200,7 @@ class ParamSlot:
         for a frozen parameter, once it is unfrozen (use_device_copy)."""
         self.leaf_hooked = self.device_leaf.requires_grad
         if self.leaf_hooked:
-            self.device_leaf.register_post_accumulate_grad_hook(functools.partial(self.scope.grad_sink, self))
+            self.device_leaf.register_post_accumulate_grad_hook(GradToHost(self.scope.grad_sink, self))
 
     def device_copies_written(self) -> None:
         """The master is written: graphs that saved a device or temporary copy of it must see

@@ -416,3 +416,55 @@ def test_a_no_grad_forward_in_training_mode_leaves_nothing_on_the_device(device,
         with torch.no_grad():
             model(x)
         assert_all_scopes_offloaded(model)
+
+
+# --------------------------------------------------------------------------------------------
+# A wrapped model that goes out of scope is freed
+# --------------------------------------------------------------------------------------------
+
+
+def _use(model: nn.Module, device: str, how: str) -> None:
+    x, y = random_batch(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if how == "inference":
+        with torch.no_grad():
+            model(x)
+    elif how == "training":
+        for _ in range(2):
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    elif how == "backward_and_step":
+        for _ in range(2):
+            offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True)
+        offtensor.wait_for_steps()
+    elif how == "temporary_copies":  # a parameter used outside its scope: a temporary device copy
+        w = model.blocks[0].fc1.weight
+        (model(x).sum() + (model.input(x) @ w.T).sum()).backward()
+
+
+@pytest.mark.parametrize("how", ["wrapped", "inference", "training", "backward_and_step", "temporary_copies"])
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant"])
+@pytest.mark.parametrize("device", devices)
+def test_a_wrapped_model_that_goes_out_of_scope_is_freed(device, checkpoint, how):
+    """Regression: each device copy's gradient hook held the engine strongly, through C++
+    autograd metadata the garbage collector cannot see into, so a dropped wrapped model was never
+    freed, with its pinned masters, gradients and device buffers (Note [hooks that keep a model
+    alive]). On CUDA, its device memory comes back too."""
+    import gc
+    import weakref
+
+    gc.collect()
+    before = torch.cuda.memory_allocated() if device == "cuda" else 0
+    model = mlp_of_blocks(checkpoint=checkpoint).to(device)
+    offtensor.wrap(model, device=device)
+    _use(model, device, how)
+    engine = weakref.ref(model._offtensor_engine)
+    first = weakref.ref(model.blocks[0].fc1.weight)
+    del model
+    gc.collect()
+    assert engine() is None, "the engine outlived its model"
+    assert first() is None, "an offloaded parameter outlived its model"
+    if device == "cuda":
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before, "device memory outlived the model"
