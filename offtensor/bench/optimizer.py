@@ -78,12 +78,14 @@ def plain_like(params: Sequence[torch.Tensor], pool: torch.Tensor) -> list[torch
 
 def timed_steps(optimizers: list[torch.optim.Optimizer], reps: int) -> list[list[float]]:
     """One warm-up step of each optimizer (allocates its state), then `reps` rounds stepping
-    each in turn (interleaved, so that both see the same machine). Seconds per step."""
+    each in turn (interleaved, so that both see the same machine; every other round in reverse
+    order, so that neither always runs after the other). Seconds per step."""
     for opt in optimizers:
         opt.step()
     out: list[list[float]] = [[] for _ in optimizers]
-    for _ in range(reps):
-        for i, opt in enumerate(optimizers):
+    for r in range(reps):
+        order = list(enumerate(optimizers))
+        for i, opt in (order if r % 2 == 0 else order[::-1]):
             t0 = time.perf_counter()
             opt.step()
             out[i].append(time.perf_counter() - t0)
@@ -212,12 +214,13 @@ def _random_grads(params: Sequence[torch.Tensor], pool: torch.Tensor) -> None:
         p.grad = g
 
 
-def measure_optimizer_speed(layers: nn.ModuleList, seed: int, reps: int = 5) -> dict[str, Any]:
+def measure_optimizer_speed(layers: nn.ModuleList, seed: int, reps: int = 9) -> dict[str, Any]:
     """Fused AdamW on the wrapped model's offloaded parameters (random host .grad set on each)
     against the same step on plain CPU tensors of identical shapes and dtypes: what the
-    parameter subclass costs the optimizer. One warm-up step each, then `reps` interleaved
-    steps of each, median. The wrapped weights change by a few lr-sized steps; the grads are
-    set back to None afterwards."""
+    parameter subclass costs the optimizer. One warm-up step each, then `reps` rounds of one
+    step of each (timed_steps); the ratio is the median of the rounds' ratios, since the host's
+    speed drifts between rounds by more than the difference measured. The wrapped weights
+    change by a few lr-sized steps; the grads are set back to None afterwards."""
     params = [p for p in layers.parameters() if p.requires_grad and p.device.type == "cpu"]
     if not params:
         raise RuntimeError("no trainable CPU parameters in the decoder layers")
@@ -233,7 +236,8 @@ def measure_optimizer_speed(layers: nn.ModuleList, seed: int, reps: int = 5) -> 
         for p in params:
             p.grad = None
     wrapped_s, plain_s = statistics.median(wrapped_t), statistics.median(plain_t)
-    ratio = plain_s / wrapped_s  # = wrapped G params/s over plain G params/s
+    # wrapped G params/s over plain G params/s, paired round by round
+    ratio = statistics.median(p / w for p, w in zip(plain_t, wrapped_t, strict=True))
     return {"dtype": str(dtype).removeprefix("torch."), "params": numel, "tensors": len(params),
             "warmup": 1, "reps": reps, "threads": torch.get_num_threads(),
             "wrapped_times_ms": [t * 1e3 for t in wrapped_t], "plain_times_ms": [t * 1e3 for t in plain_t],
