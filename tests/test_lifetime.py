@@ -440,7 +440,7 @@ def _use(model: nn.Module, device: str, how: str) -> None:
         offtensor.wait_for_steps()
     elif how == "temporary_copies":  # a parameter used outside its scope: a temporary device copy
         w = model.blocks[0].fc1.weight
-        (model(x).sum() + (model.input(x) @ w.T).sum()).backward()
+        (model(x).sum() + F.linear(model.input(x), w).sum()).backward()
 
 
 @pytest.mark.parametrize("how", ["wrapped", "inference", "training", "backward_and_step", "temporary_copies"])

@@ -60,7 +60,7 @@ def test_autograd_grad_with_respect_to_offloaded_parameters_matches_unwrapped(de
             params = [m.blocks[1].fc1.weight, m.head.weight, m.blocks[0].norm.bias]
             results.append(torch.autograd.grad(F.mse_loss(m(x), y), params, allow_unused=True))
         offloaded = [True, False, True]  # the head is resident on the device
-        for got, expected, off in zip(*results, offloaded, strict=True):
+        for expected, got, off in zip(*results, offloaded, strict=True):  # (reference, model)
             assert got.device.type == ("cpu" if off else torch.device(device).type)  # offloaded: on the host, as p.grad
             torch.testing.assert_close(host(got), host(expected), **tolerances(device))
     assert all(p.grad is None for p in model.parameters())  # grad() accumulates nothing
