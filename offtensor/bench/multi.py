@@ -261,7 +261,7 @@ def _run(rank: _Rank) -> None:
     baseline, source = rank.baseline(scenarios)  # every rank: the others wait while rank 0 measures
     table = _Table(rank, bw, baseline, source) if rank.env.rank == 0 else None
     for peer in args.peers:
-        why = rank.from_rank0(multi_peer_unavailable(peer))
+        why = rank.from_rank0(multi_peer_unavailable(peer, rank.device))
         for s in scenarios:
             if why is not None:
                 if table is not None:

@@ -103,8 +103,8 @@ MULTI_PEERS: dict[str, MultiPeer] = {
 MULTI_PEER_NAMES = tuple(MULTI_PEERS)
 
 
-def multi_peer_unavailable(peer: str) -> str | None:
-    """Why `peer` cannot run here, or None."""
+def multi_peer_unavailable(peer: str, device: torch.device | None = None) -> str | None:
+    """Why `peer` cannot run here (on `device`), or None."""
     module = MULTI_PEERS[peer].module
     if module is None:
         return None
@@ -114,4 +114,9 @@ def multi_peer_unavailable(peer: str) -> str | None:
             from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard  # noqa: F401 - torch >= 2.6
     except Exception as exc:  # noqa: BLE001 - not installed, or broken on import
         return f"not available: {short_error(exc)}"
+    if (peer == "fsdp2-cpu-offload" and device is not None and device.type == "cpu"
+            and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 7)):
+        # Its forward calls Stream.record_event, which CPU streams lack before 2.7, and the
+        # ranks then wait for each other's all-gather until the collective times out.
+        return "not available: FSDP2 on the CPU needs torch >= 2.7"
     return None
