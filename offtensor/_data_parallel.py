@@ -71,7 +71,7 @@ from ._shared_masters import (
     wait_for_ranks,
     wait_on_d2h,
 )
-from ._slot import ParamSlot
+from ._slot import ParamSlot, weakly
 from ._wrap import _engine_of
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
@@ -325,7 +325,7 @@ def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weig
         reducer.loads = _shard_loads(engines, group, ranks, entries[0]["job"])
     for p in _resident(model):
         if p.requires_grad:  # a frozen one has no gradient to average (hooks need requires_grad)
-            reducer.handles.append(p.register_post_accumulate_grad_hook(reducer.reduce_resident))
+            reducer.handles.append(p.register_post_accumulate_grad_hook(weakly(reducer.reduce_resident)))
     for engine in engines:
         engine.grads.reducer = reducer
     return model

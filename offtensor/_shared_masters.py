@@ -70,7 +70,7 @@ from ._engine import Engine
 from ._host_memory import _PAGE, HostBuffer, register_pinned
 from ._overlap import wait_for_steps
 from ._param import OffloadedParameter
-from ._slot import ParamSlot, in_backward, on_optimizer_worker
+from ._slot import ParamSlot, in_backward, on_optimizer_worker, weakly
 
 _STORE_PREFIX = "offtensor/shard_optimizer"
 
@@ -296,7 +296,11 @@ class Sharding:
         backward; nothing when no offloaded parameter is trainable (the masters never change)."""
         if not self.owner:
             return
-        self.handles.append(register_optimizer_step_post_hook(self._after_step))
+        # Global to torch.optim: weakly, and removed with this object, or it would keep the
+        # engines and the model alive (Note [hooks that keep a model alive] in _slot.py).
+        handle = register_optimizer_step_post_hook(weakly(self._after_step))
+        self.handles.append(handle)
+        weakref.finalize(self, handle.remove)
         modules = [model, *(scope.module for engine in self.engines for scope in engine.scopes)]
         for module in dict.fromkeys(modules):  # prepended: before the engine's hooks load anything
             self.handles.append(module.register_forward_pre_hook(self._before_forward, prepend=True))

@@ -107,6 +107,20 @@ class GradToHost:
             sink(slot, leaf)
 
 
+def weakly(method: Any) -> Any:
+    """A hook calling the bound `method` while its object lives (Note [hooks that keep a model
+    alive]): for hooks that torch keeps where the garbage collector does not look (a tensor's
+    autograd metadata) or for good (torch.optim's global step hooks)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return hook
+
+
 def alive(refs: list[weakref.ref]) -> list[weakref.ref]:
     return [r for r in refs if r() is not None]
 

@@ -664,6 +664,25 @@ def test_unwrap_ends_data_parallel_mode(one_rank_group):
 
 
 @pytest.mark.parametrize("shard", [False, True], ids=["plain", "shard_optimizer"])
+def test_a_data_parallel_model_that_goes_out_of_scope_is_freed(one_rank_group, shard):
+    """Regression: the gradient hook of each resident parameter held the reducer strongly, and
+    through it the engines and the model, in C++ autograd metadata the garbage collector cannot
+    see into (Note [hooks that keep a model alive]): a dropped model was never freed."""
+    import gc
+    import weakref
+
+    model = offtensor.data_parallel(offtensor.wrap(mlp_of_blocks(), device="cpu"), timeout=5,
+                                    shard_optimizer=shard)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    engine, head = weakref.ref(model._offtensor_engine), weakref.ref(model.head.weight)
+    del model, opt
+    gc.collect()
+    assert engine() is None and head() is None, "the model outlived its last reference"
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["plain", "shard_optimizer"])
 def test_one_rank_group_trains_like_the_plain_model(one_rank_group, shard):
     scenario = SCENARIOS["offloaded_and_resident_blocks"]
     reference = _reference(scenario, "cpu")
