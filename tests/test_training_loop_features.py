@@ -175,12 +175,7 @@ def _train_parametrized(model: nn.Module, reference: nn.Module, overlapped: bool
         else:
             step_both(model, reference, opt, ref_opt, tol)
     assert_params_match(model, reference, **tol)  # spectral_norm's u and v buffers too
-    model.eval()
-    reference.eval()
-    x = torch.randn(4, 8)
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), reference(x), **tol)
-    assert_all_scopes_offloaded(model)
+    _assert_evaluates_like(model, reference, tol)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
@@ -436,12 +431,7 @@ def test_freezing_and_unfreezing_layers_between_steps_with_dropout_trains_like_u
         opt.zero_grad()
         ref_opt.zero_grad()
         assert_params_match(model, reference, **tol)
-    model.eval()
-    reference.eval()
-    x = torch.randn(4, 8)
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), reference(x), **tol)
-    assert_all_scopes_offloaded(model)
+    _assert_evaluates_like(model, reference, tol)
 
 
 # --------------------------------------------------------------------------------------------
@@ -622,4 +612,14 @@ def test_gradient_clipping_and_parameters_as_one_vector_match_unwrapped(clip):
             m.zero_grad()
         assert_params_match(model, reference, **tol)
     assert all(isinstance(p, offtensor.OffloadedParameter) for p in model.blocks.parameters())
+    assert_all_scopes_offloaded(model)
+
+
+def _assert_evaluates_like(model: nn.Module, reference: nn.Module, tol: dict) -> None:
+    """In eval mode both models give the same outputs, and every scope is offloaded after."""
+    model.eval()
+    reference.eval()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), **tol)
     assert_all_scopes_offloaded(model)
