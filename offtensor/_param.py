@@ -429,8 +429,8 @@ _PARAMETER_NEW = nn.Parameter.__new__.__code__
 
 
 def _leaves_for(inputs: Any) -> tuple[list[Any], list[int]]:
-    """Autograd's inputs with each offloaded parameter replaced by its graph leaves (itself
-    when it has none), and how many entries each input became."""
+    """Autograd's inputs with each offloaded parameter replaced by its graph leaves (a plain
+    alias of its master when it has none), and how many entries each input became."""
     expanded: list[Any] = []
     counts: list[int] = []
     for t in inputs:

@@ -85,7 +85,7 @@ from torch import nn
 from ._api import Policy, Residency, ScopeState
 from ._host_memory import HostBuffer
 from ._param import master_grad, without_subclass_dispatch
-from ._slot import GradToHost, ParamSlot, alive
+from ._slot import ParamSlot, alive, weakly
 from ._streams import Streams
 
 logger = logging.getLogger("offtensor")
@@ -276,7 +276,7 @@ class Scope:
         if needs_grad:
             slot.used_outside = True  # its grad may come after its scope's backward
             copy.requires_grad_(True)
-            copy.register_post_accumulate_grad_hook(GradToHost(self.grad_sink, slot))
+            copy.register_post_accumulate_grad_hook(weakly(self.grad_sink, slot))
             slot.temporaries = alive(slot.temporaries) + [weakref.ref(copy)]
         return copy
 

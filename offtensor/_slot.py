@@ -83,40 +83,25 @@ class DeviceCopy(torch.Tensor):
         return super().__repr__(*args, **kwargs)
 
 
-class GradToHost:
-    """A device copy's post-accumulate-grad hook: `sink(slot, leaf)` (Note [gradient path] in
-    _grads.py), holding both weakly.
+def weakly(method: Any, *bound: Any) -> Any:
+    """A hook calling `method(*bound, *args)` while the bound method's object and `bound` live,
+    holding all of them weakly.
 
     # Note [hooks that keep a model alive]
     A tensor hook is held by the tensor's C++ autograd metadata, which the garbage collector
-    cannot see into. Holding the engine's gradient sink and the slot strongly, the hook closed a
-    cycle through C++ (device copy -> hook -> sink -> engine -> scopes -> slot -> device copy)
-    that no collection breaks: a wrapped model that went out of scope kept its pinned masters,
-    gradients and device buffers for the rest of the process. Weakly, the model (which holds
-    the engine and, through each parameter's `_ot`, the slots) is the only owner."""
-
-    __slots__ = ("_sink", "_slot")
-
-    def __init__(self, sink: Any, slot: Any) -> None:
-        self._sink = weakref.WeakMethod(sink)
-        self._slot = weakref.ref(slot)
-
-    def __call__(self, leaf: torch.Tensor) -> None:
-        sink, slot = self._sink(), self._slot()
-        if sink is not None and slot is not None:
-            sink(slot, leaf)
-
-
-def weakly(method: Any) -> Any:
-    """A hook calling the bound `method` while its object lives (Note [hooks that keep a model
-    alive]): for hooks that torch keeps where the garbage collector does not look (a tensor's
-    autograd metadata) or for good (torch.optim's global step hooks)."""
+    cannot see into, and torch.optim's global step hooks are held for good. A device copy's
+    gradient hook holding the engine's gradient sink and the slot strongly closed a cycle
+    through C++ (device copy -> hook -> sink -> engine -> scopes -> slot -> device copy) that no
+    collection breaks: a wrapped model that went out of scope kept its pinned masters, gradients
+    and device buffers for the rest of the process. Held weakly, the model (which holds the
+    engine and, through each parameter's `_ot`, the slots) is their only owner."""
     ref = weakref.WeakMethod(method)
+    refs = [weakref.ref(b) for b in bound]
 
     def hook(*args: Any) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(*args)
+        fn, objs = ref(), [r() for r in refs]
+        if fn is not None and all(o is not None for o in objs):
+            fn(*objs, *args)
 
     return hook
 
@@ -214,18 +199,18 @@ class ParamSlot:
         for a frozen parameter, once it is unfrozen (use_device_copy)."""
         self.leaf_hooked = self.device_leaf.requires_grad
         if self.leaf_hooked:
-            self.device_leaf.register_post_accumulate_grad_hook(GradToHost(self.scope.grad_sink, self))
+            self.device_leaf.register_post_accumulate_grad_hook(weakly(self.scope.grad_sink, self))
 
     def device_copies_written(self) -> None:
         """The master is written: graphs that saved a device or temporary copy of it must see
-        it as modified in place (Note [writes under a saved graph]). Also on the optimizer
-        worker: version counters are atomic."""
+        it as modified in place (Note [writes under a saved graph]); retired copies are bumped
+        by `before_master_write`, which every write calls first. Also on the optimizer worker:
+        version counters are atomic."""
         torch.autograd.graph.increment_version(self.device_leaf)
         for ref in self.temporaries:
             copy = ref()
             if copy is not None:
                 torch.autograd.graph.increment_version(copy)
-        self.retired_copies_written()
 
     def retired_copies_written(self) -> None:
         """The master is about to change: graphs holding a retired device copy of it must see
