@@ -493,6 +493,19 @@ def step_both(model: nn.Module, reference: nn.Module, opt: torch.optim.Optimizer
     ref_opt.zero_grad()
 
 
+def train_step(loss: torch.Tensor, opt: torch.optim.Optimizer, *, overlap: bool) -> None:
+    """One optimizer step on `loss`: `offtensor.backward_and_step(loss, opt, zero_grad=True)`
+    when `overlap`, else backward, step and zero_grad."""
+    import offtensor
+
+    if overlap:
+        offtensor.backward_and_step(loss, opt, zero_grad=True)
+    else:
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def assert_params_match(model: nn.Module, reference: nn.Module, **tol) -> None:
     """Every parameter and buffer of ``model`` equals the reference's, by qualified name."""
     _assert_same_tensors(dict(model.named_parameters()), dict(reference.named_parameters()), **tol)

@@ -20,6 +20,7 @@ from conftest import (
     random_batch,
     small_llama,
     step_both,
+    train_step,
     unwrapped_reference,
 )
 
@@ -443,13 +444,8 @@ def test_forked_data_loader_workers_running_the_wrapped_model_see_the_weights_at
                                                  multiprocessing_context="fork", timeout=60)
             for batch in loader:
                 seen.append(batch["teacher"])
-                loss = m(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
-                if overlap:
-                    offtensor.backward_and_step(loss, optimizer, zero_grad=True)
-                else:
-                    loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
+                train_step(m(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss, optimizer,
+                           overlap=overlap)
         offtensor.wait_for_steps()
         return torch.stack(seen)
 

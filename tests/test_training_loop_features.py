@@ -31,6 +31,7 @@ from conftest import (
     tied_lm,
     tied_lm_predicate,
     tolerances,
+    train_step,
 )
 from master_guard import MasterGuard
 from torch import nn
@@ -558,13 +559,7 @@ def test_resuming_from_saved_model_and_optimizer_state_matches_an_uninterrupted_
     def train(m: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
               batches: list, overlap: bool) -> None:
         for x, y in batches:
-            loss = F.mse_loss(m(x), y)
-            if overlap:
-                offtensor.backward_and_step(loss, opt, zero_grad=True)
-            else:
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
+            train_step(F.mse_loss(m(x), y), opt, overlap=overlap)
             sched.step()
 
     batches = _batches("cpu", 6)
