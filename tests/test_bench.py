@@ -60,8 +60,10 @@ def test_quick_benchmark_fills_every_row(tmp_path, capsys):
     assert (overlap["overlap"]["spare_threads"], overlap["overlap"]["piece_bytes"]) == (1, 64 * 2**20)
     same = overlap["same_time"]
     assert [(v["spare_threads"], v["piece_mib"]) for v in same["variants"]] == [(1, 64), (0, 16)]
+    assert same["warmup_steps"] == 1  # the steady-state period, not a pipeline fill per round
     for v in same["variants"]:
         assert len(v["times_ms"]) == same["rounds"] == 1 and v["median_ms"] > 0
+        assert len(v["worker_busy_ms"]) == 1 and 0 < v["worker_busy_median_ms"] < v["median_ms"]
     assert len(same["alone_ms"]) == same["rounds"] and same["beside_ms"] == []  # no copies on the CPU
 
     step = result["scenarios"]["step-4x2048"]

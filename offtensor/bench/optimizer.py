@@ -166,40 +166,53 @@ def adamw_beside_copies(opt: torch.optim.Optimizer, device: torch.device, h2d_by
 def measure_same_time(step: Callable[[WorkerSettings], None], drain: Callable[[], None],
                       params: Sequence[torch.Tensor], seed: int, device: torch.device,
                       pcie_bytes: tuple[int, int], variants: Sequence[WorkerSettings],
-                      rounds: int = 3, steps: int = 3) -> dict[str, Any]:
+                      rounds: int = 3, steps: int = 3, reports: list | None = None) -> dict[str, Any]:
     """The overlapped step and the plain optimizer step measured in turn, minutes not apart.
 
     The CPU AdamW step on the benchmark's host drifts by 20-30 % between minutes (other
     tenants' memory traffic), so a ratio of two measurements taken in different peers swings
-    with it. Each of `rounds` rounds runs, for each worker setting in `variants`, `steps`
-    overlapped training steps (`step(settings)`; the last one's deferred steps drained and
-    counted, as in the main timing), then the plain fused AdamW on plain CPU tensors shaped as
-    `params`, alone (every thread) and, on CUDA, beside one step's PCIe copies (the first
-    setting's worker threads). Medians over the rounds."""
+    with it. Each of `rounds` rounds runs, for each worker setting in `variants`, one untimed
+    overlapped training step (`step(settings)`), then `steps` timed ones, then waits for the
+    last one's deferred steps (`drain`, untimed); then the plain fused AdamW on plain CPU
+    tensors shaped as `params`, alone (every thread) and, on CUDA, beside one step's PCIe
+    copies (the first setting's worker threads). Medians over the rounds.
+
+    What a round times is the steady-state period of an overlapped training loop, as the main
+    timing's median does: each step's deferred steps finish in the next step's forward
+    (Note [deferred steps]), so a step's time from its start to its return is the period once
+    the step before it has left work behind. The untimed first step is the one that found none
+    (its forward waited for nothing), and the drain is the next step's wait. Timing those two
+    as well would add one pipeline fill per `steps` steps (about 5 % at 3 steps on the H200),
+    where a training loop pays it once. `reports` (the OverlapReports the steps append to)
+    gives each round's worker busy time beside it."""
     plain = plain_like(params, random_pool(params[0].dtype, seed))
     opt = torch.optim.AdamW(plain, lr=ADAMW_LR, fused=True)
     opt.step()  # allocates the state
     per_variant: list[list[float]] = [[] for _ in variants]
+    busy: list[list[float]] = [[] for _ in variants]
     alone: list[float] = []
     beside: list[float] = []
     beside_threads = None
     for _ in range(rounds):
         for i, settings in enumerate(variants):
-            total = 0.0
-            for _ in range(steps):
-                total += timed(device, functools.partial(step, settings))
-            total += timed(device, drain)  # the last step's deferred optimizer steps
+            step(settings)  # fills the pipeline: the timed steps each find the last one's deferred work
+            first = len(reports) if reports is not None else 0
+            total = sum(timed(device, functools.partial(step, settings)) for _ in range(steps))
+            drain()
             per_variant[i].append(total / steps * 1e3)
+            if reports is not None and len(reports) > first:
+                busy[i].append(statistics.median(r.worker_busy_s for r in reports[first:]) * 1e3)
         alone.append(timed(device, opt.step) * 1e3)
         if device.type == "cuda":
             m = adamw_beside_copies(opt, device, *pcie_bytes, reps=1, free=False,
                                     spare_threads=variants[0].spare_threads)
             beside += m["times_ms"]
             beside_threads = m["threads"]
-    return {"rounds": rounds, "steps": steps,
+    return {"rounds": rounds, "steps": steps, "warmup_steps": 1,
             "variants": [{"spare_threads": v.spare_threads, "piece_mib": v.piece_bytes / 2**20,
-                          "times_ms": times, "median_ms": statistics.median(times)}
-                         for v, times in zip(variants, per_variant, strict=True)],
+                          "times_ms": times, "median_ms": statistics.median(times),
+                          "worker_busy_ms": b, "worker_busy_median_ms": statistics.median(b) if b else None}
+                         for v, times, b in zip(variants, per_variant, busy, strict=True)],
             "alone_ms": alone, "alone_median_ms": statistics.median(alone),
             "beside_ms": beside, "beside_median_ms": statistics.median(beside) if beside else None,
             "beside_threads": beside_threads}

@@ -155,14 +155,17 @@ def format_same_time(r: Row, fwd_bwd_ms: float | None) -> str:
         return ", ".join(f"{t:.0f}" for t in ts)
 
     lines = [f"  {r.peer}/{r.scenario} measured in turn with the plain step ({st['rounds']} rounds of "
-             f"{st['steps']} steps; medians): AdamW alone {alone:.1f} ms ({listed(st['alone_ms'])})"
+             f"{st['steps']} steps after {st.get('warmup_steps', 0)} untimed; medians): "
+             f"AdamW alone {alone:.1f} ms ({listed(st['alone_ms'])})"
              + (f", beside the step's copies {beside:.1f} ms ({listed(st['beside_ms'])}; "
                 f"{st['beside_threads']} threads)" if beside else "")]
     for v in st["variants"]:
         m = v["median_ms"]
         lines.append(f"    {v['spare_threads']} spare threads, {v['piece_mib']:.0f} MiB pieces: {m:.1f} ms "
                      f"({listed(v['times_ms'])}) = {m / max(fb, alone):.2f}x max(fwd+bwd, AdamW alone)"
-                     + (f", {m / max(fb, beside):.2f}x max(fwd+bwd, AdamW beside copies)" if beside else ""))
+                     + (f", {m / max(fb, beside):.2f}x max(fwd+bwd, AdamW beside copies)" if beside else "")
+                     + (f"; worker busy {v['worker_busy_median_ms']:.1f} ms of it"
+                        if v.get("worker_busy_median_ms") is not None else ""))
     return "\n".join(lines)
 
 

@@ -125,7 +125,7 @@ def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *,
         try:
             row.same_time = measure_same_time(work.step_with, work.drain, params, seed, device,
                                               step_pcie_bytes(built, scenario), overlap_variants or [worker],
-                                              rounds=overlap_rounds)
+                                              rounds=overlap_rounds, reports=work.overlap_reports)
         except Exception as exc:  # noqa: BLE001 - reported; the main timing stands
             row.same_time = {"error": short_error(exc)}
         free_memory(device)
