@@ -194,11 +194,17 @@ class Engine:
         """`p.data` of one of the scope's parameters was taken (or, for a kept scope, its masters
         were written through a view): writes through it reach the master unseen, under a version
         counter of its own. A kept (or no_offload-held) scope's device copy would go stale, so it
-        goes now; the next forward reloads it (Note [VRAM budget] in _schedule.py). Streamed
-        scopes load afresh, but under Policy(cast="host") from a shadow cast from the masters:
-        it is re-cast at the next load."""
+        goes now; the next forward reloads it (Note [VRAM budget] in _schedule.py). So does a
+        streamed scope resident outside its calls (the last one of a forward, which its backward
+        would use: Note [writes under a saved graph] in _slot.py). Streamed scopes load afresh,
+        but under Policy(cast="host") from a shadow cast from the masters: it is re-cast at the
+        next load."""
         scope.shadow_stale = True
-        if not self.outlives_calls(scope) or scope.state is ScopeState.OFFLOADED or on_optimizer_worker():
+        if scope.state is ScopeState.OFFLOADED or on_optimizer_worker():
+            return
+        if not self.outlives_calls(scope) and (scope.running_calls or self.grads.in_backward()):
+            # A streamed scope's next call loads afresh; one resident outside its calls (the last
+            # scope of a forward, resident into its backward) goes now, unless a backward runs.
             return
         if scope.running_calls > 1 or (scope.running_calls == 1 and not scope.written_since_copied()):
             return  # its own forward reads `.data`: no release under it
@@ -360,6 +366,13 @@ class Engine:
             scope.graph_saved = True
         self.backward_scope = scope
         self.training = TrainingState.TRAINING
+        if scope.state is not ScopeState.OFFLOADED and scope.written_since_copied() and not on_optimizer_worker():
+            # Resident since its forward (the last scope, a kept one) and written since, by a
+            # write no op on the parameter saw: reloaded, so that backward differentiates with
+            # what the master holds and a graph that saved the old copy raises
+            # (Note [writes under a saved graph] in _slot.py).
+            self.streams.sync_master_reads()
+            scope.release(force=True)
         if scope.state is ScopeState.OFFLOADED:
             scope.loads_on_demand += 1
             self._make_room(scope)

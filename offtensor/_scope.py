@@ -427,7 +427,13 @@ class Scope:
         # Every scope, not only kept ones: no_offload() holds streamed scopes resident as the
         # budget keeps kept ones, and their copies go stale the same way (Engine.outlives_calls).
         for slot in slots:
-            self.copied_versions[slot] = _version(slot.param)
+            version = _version(slot.param)
+            if self.copied_versions.get(slot, version) != version:
+                # Written since its last copy by a write no op on the parameter saw
+                # (`p.detach().mul_()`): this copy overwrites the storage a graph may have saved
+                # (Note [writes under a saved graph] in _slot.py).
+                slot.device_copies_written()
+            self.copied_versions[slot] = version
 
     def written_since_copied(self) -> bool:
         """A kept (or held) scope's masters changed since their copies were enqueued, by writes that did

@@ -31,6 +31,15 @@ device copy, retired copies, temporary copies. Graphs saved earlier then raise a
 without offloading; later ones save the new version. Only real writes count: an offloaded
 argument of an in-place op that is only read (`h.add_(self.bias)`) must not break the graph
 that saved it.
+A write that no op on the parameter carries out (`p.detach().mul_()`, `p.detach()[0].fill_()`)
+bumps only the master's own version counter, which the detached alias shares. Each copy into a
+device copy compares the master's version with the one its last copy was made from
+(`Scope._note_copied`) and bumps the device copies when it changed, before the copy overwrites
+what a graph may have saved. A scope still resident when its backward starts (the last scope of
+the forward, a kept one) compares at `Engine.pre_backward` and reloads, so that the check runs
+and backward differentiates with the master's values. `p.data` has a version counter of its
+own, invisible to autograd: for it, as for a plain parameter, backward differentiates with the
+new values, and nothing raises.
 """
 
 from __future__ import annotations

@@ -348,6 +348,62 @@ def test_error_if_a_retained_graph_is_differentiated_after_an_optimizer_step(ove
     assert_all_scopes_offloaded(model)
 
 
+def _write_around_the_parameter(p: torch.Tensor, how: str) -> None:
+    """Writes to a parameter that no op on the parameter itself carries out."""
+    if how == "detach":
+        p.detach().mul_(2.0)  # shares p's version counter
+    elif how == "view":
+        p.detach()[0].fill_(0.5)
+    elif how == "data":
+        p.data.mul_(2.0)  # a version counter of its own: autograd cannot see it
+    else:
+        with torch.no_grad():
+            p.mul_(2.0)
+
+
+_KEEP_ALL = offtensor.Policy(vram_budget=2**30)
+
+
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant", "reentrant"])
+@pytest.mark.parametrize("block", [0, 2], ids=["first_block", "last_block"])
+@pytest.mark.parametrize("policy", [None, _KEEP_ALL], ids=["streamed", "kept"])
+@pytest.mark.parametrize("how", ["detach", "view", "data", "no_grad"])
+def test_a_write_between_forward_and_backward_raises_or_differentiates_as_unwrapped(how, policy, block, checkpoint):
+    """Regression: a write through a detached alias or a view of a parameter between forward and
+    backward (`p.detach().mul_()`, `p.detach()[0].fill_()`) left the device copies' version
+    counters alone, so backward silently differentiated with the new weights reloaded into the
+    copies the graph had saved (or, for a block still resident, with the old ones), where the
+    unwrapped model raises autograd's in-place error. A write through `p.data` is invisible to
+    autograd: the unwrapped model differentiates with the new weights, and so must the
+    offloaded one, the last block (resident from its forward into backward) included."""
+    model = mlp_of_blocks(checkpoint=checkpoint)
+    reference = reference_then_offload(model, "cpu", policy=policy)
+    x, y = _batches("cpu", 1)[0]
+    for m in (reference, model):  # a first step: the order is learned, the last block kept for backward
+        F.mse_loss(m(x), y).backward()
+        m.zero_grad()
+    outcomes = []
+    for m in (reference, model):
+        loss = F.mse_loss(m(x), y)
+        _write_around_the_parameter(m.blocks[block].fc1.weight, how)
+        try:
+            loss.backward()
+            outcomes.append("differentiated")
+        except RuntimeError as e:
+            assert "modified by an inplace operation" in str(e)
+            outcomes.append("raised")
+    assert outcomes[1] == outcomes[0], f"unwrapped: {outcomes[0]}, offloaded: {outcomes[1]}"
+    if outcomes[0] == "differentiated":
+        assert_grads_match(model, reference, **tolerances("cpu"))
+    for m in (reference, model):  # the next step trains as the unwrapped model does
+        m.zero_grad()
+        F.mse_loss(m(x), y).backward()
+    assert_grads_match(model, reference, **tolerances("cpu"))
+    assert_params_match(model, reference, **tolerances("cpu"))
+    if policy is None:
+        assert_all_scopes_offloaded(model)
+
+
 class _ReadsItsBiasInPlace(nn.Module):
     """Saves its bias for backward, then reads it in an in-place op (not a write of it)."""
 
