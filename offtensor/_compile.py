@@ -55,7 +55,10 @@ the graph breaks at that op, which runs eagerly with a temporary device copy as 
 The compiler's own metadata queries on such a parameter while it builds fake tensors
 (`p._is_view()`) run natively with `compiling()` true and read the master: nothing is copied.
 CUDA graphs (`mode="reduce-overhead"`) assume parameters keep their addresses; a scope's device
-storage is allocated anew at each load, so they are not supported.
+storage is allocated anew at each load. The device copies reach a compiled block's graph as
+inputs, not as parameters, which CUDA graph trees copy into the graph's own buffers at each
+replay: inference matches the unwrapped model (tests/test_compile.py), at the cost of that copy.
+Training under it is not supported yet (the test raised an overwritten-output error).
 """
 
 from __future__ import annotations

@@ -176,6 +176,56 @@ def test_hf_llama_training_matches_compiled_unwrapped_model(device, how, checkpo
     train_both(model, reference, batches, lm_loss, tolerances(device, "aot_eager"))
 
 
+@pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("training", [
+    False,
+    # Open (2026-12-01, H200): raised cudagraph trees' "accessing tensor output of CUDAGraphs that
+    # has been overwritten by a subsequent run" in training; not yet known whether the
+    # unwrapped reference, which runs first, raises it too. README lists training under
+    # reduce-overhead as untested.
+    pytest.param(True, marks=pytest.mark.xfail(reason="cudagraph output overwritten: under investigation")),
+], ids=["inference", "training"])
+def test_reduce_overhead_blocks_match_the_unwrapped_model_compiled_alike(training):
+    """mode="reduce-overhead" records each compiled block as a CUDA graph, which replays with
+    the addresses it recorded, while a scope's device copies are allocated anew at each load:
+    replaying over freed or reused memory would compute silently wrong values. The device copies
+    reach the graph as inputs, not as its module's parameters, so the compiled code copies
+    them into the graph's own buffers at each replay, and the results must match the unwrapped
+    model compiled alike."""
+    model = mlp_of_blocks(n_blocks=3)
+    if not training:
+        model.eval()
+    reference = reference_then_offload(model, "cuda")
+    for m in (model, reference):
+        for block in _blocks(m):
+            block.compile(mode="reduce-overhead")
+    tol = tolerances("cuda", "inductor")
+    if not training:
+        for x, _ in mlp_batches("cuda", 4):
+            torch.compiler.cudagraph_mark_step_begin()
+            with torch.no_grad():
+                expected = reference(x).clone()
+            torch.compiler.cudagraph_mark_step_begin()
+            with torch.no_grad():
+                torch.testing.assert_close(model(x).clone(), expected, **tol)
+            assert_all_scopes_offloaded(model)
+        return
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for batch in mlp_batches("cuda", 5):
+        for m in (reference, model):
+            torch.compiler.cudagraph_mark_step_begin()
+            mse(m, batch).backward()
+        assert_grads_match(model, reference, **tol)
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+        assert_all_scopes_offloaded(model)
+    assert_params_match(model, reference, **tol)
+
+
 def _compiled_mlp_and_reference(device: str, checkpoint: str | None = None) -> tuple[nn.Module, nn.Module]:
     """A 3-block MLP offloaded on `device` and its unwrapped reference, blocks compiled alike
     (aot_eager)."""

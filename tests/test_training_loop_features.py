@@ -368,7 +368,9 @@ _KEEP_ALL = offtensor.Policy(vram_budget=2**30)
 @pytest.mark.parametrize("block", [0, 2], ids=["first_block", "last_block"])
 @pytest.mark.parametrize("policy", [None, _KEEP_ALL], ids=["streamed", "kept"])
 @pytest.mark.parametrize("how", ["detach", "view", "data", "no_grad"])
-def test_a_write_between_forward_and_backward_raises_or_differentiates_as_unwrapped(how, policy, block, checkpoint):
+@pytest.mark.parametrize("device", devices)
+def test_a_write_between_forward_and_backward_raises_or_differentiates_as_unwrapped(device, how, policy, block,
+                                                                                   checkpoint):
     """Regression: a write through a detached alias or a view of a parameter between forward and
     backward (`p.detach().mul_()`, `p.detach()[0].fill_()`) left the device copies' version
     counters alone, so backward silently differentiated with the new weights reloaded into the
@@ -377,8 +379,8 @@ def test_a_write_between_forward_and_backward_raises_or_differentiates_as_unwrap
     autograd: the unwrapped model differentiates with the new weights, and so must the
     offloaded one, the last block (resident from its forward into backward) included."""
     model = mlp_of_blocks(checkpoint=checkpoint)
-    reference = reference_then_offload(model, "cpu", policy=policy)
-    x, y = _batches("cpu", 1)[0]
+    reference = reference_then_offload(model, device, policy=policy)
+    x, y = _batches(device, 1)[0]
     for m in (reference, model):  # a first step: the order is learned, the last block kept for backward
         F.mse_loss(m(x), y).backward()
         m.zero_grad()
@@ -394,12 +396,12 @@ def test_a_write_between_forward_and_backward_raises_or_differentiates_as_unwrap
             outcomes.append("raised")
     assert outcomes[1] == outcomes[0], f"unwrapped: {outcomes[0]}, offloaded: {outcomes[1]}"
     if outcomes[0] == "differentiated":
-        assert_grads_match(model, reference, **tolerances("cpu"))
+        assert_grads_match(model, reference, **tolerances(device))
     for m in (reference, model):  # the next step trains as the unwrapped model does
         m.zero_grad()
         F.mse_loss(m(x), y).backward()
-    assert_grads_match(model, reference, **tolerances("cpu"))
-    assert_params_match(model, reference, **tolerances("cpu"))
+    assert_grads_match(model, reference, **tolerances(device))
+    assert_params_match(model, reference, **tolerances(device))
     if policy is None:
         assert_all_scopes_offloaded(model)
 
