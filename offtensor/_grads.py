@@ -15,6 +15,19 @@ At the end of the outermost backward (an autograd engine callback) the host wait
 last copy, points `p.grad` at the buffer, runs user post-accumulate-grad hooks and releases
 whatever is still resident. Reentrant checkpointing runs nested backward calls: callbacks are
 queued per graph task and only the outermost one finalizes.
+
+# Note [sparse gradients]
+`nn.Embedding(sparse=True)` and `nn.EmbeddingBag(sparse=True)` give a sparse COO gradient, and
+a plain parameter's `p.grad` is then sparse (SparseAdam requires it; SGD and Adagrad step only
+its rows). A pinned dense buffer cannot hold one (`copy_` from sparse to dense is not
+implemented; densifying would change what optimizers do), so such a gradient, or any gradient
+added to a sparse `p.grad`, takes another path (`_accumulate_sparse`): it is copied to the host
+(a blocking copy: its number of entries is known only once computed) and summed there with the
+host `p.grad` the way autograd's AccumulateGrad does: kept as it is when there is none, added in
+place to a dense or sparse `p.grad`, and a dense gradient added to a sparse `p.grad` makes a new
+dense one. The result becomes `p.grad` at the end of backward as on the dense path. The old
+gradient is never fetched to the device for it (`Scope._old_grads_to_fetch` skips sparse ones).
+Not supported with `data_parallel` (raises): sparse gradients are not averaged.
 """
 
 from __future__ import annotations
@@ -92,6 +105,9 @@ class GradOffload:
             if out is not None:
                 grad = out
         reducer = self.reducer
+        if grad.layout != torch.strided or _host_grad_is_sparse(slot):
+            self._accumulate_sparse(slot, grad)
+            return
         if reducer is not None and not reducer.keeps(slot):
             self._send_to_owner(slot, grad)  # another rank steps it (data_parallel, shard_optimizer)
             return
@@ -129,6 +145,36 @@ class GradOffload:
         slot.grads_in_backward += 1
         if self.stepper is not None and slot.single_grad:
             self.stepper.grad_final(slot, slot.last_d2h if grad.device.type == "cuda" else None)
+
+    def _accumulate_sparse(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """A sparse gradient, or one added to a sparse `p.grad`: summed on the host as
+        autograd's AccumulateGrad sums it (Note [sparse gradients])."""
+        if self.reducer is not None:
+            raise RuntimeError(
+                f"offtensor.data_parallel: offloaded parameter {slot.name!r} got a sparse gradient "
+                "(nn.Embedding(sparse=True) or nn.EmbeddingBag(sparse=True)), which is not "
+                "averaged over the ranks. Use sparse=False for modules of a data-parallel model"
+            )
+        if slot.grad_written:
+            current = slot.host_grad
+        else:
+            slot.wait_for_step()  # a deferred step still reads p.grad (Note [deferred steps])
+            slot.scope.take_old_grad(slot)  # a dense fetch is not used: the sum is made here
+            current = master_grad(slot.param)
+        # A blocking copy: the sparse tensor's size (its nnz) is known only once it is computed.
+        grad = grad.to(device="cpu", dtype=slot.param.dtype, copy=True)
+        if current is None:
+            current = grad
+        elif current.layout != torch.strided and grad.layout == torch.strided:
+            current = grad + current  # a dense sum; autograd's order of the operands
+        else:
+            current += grad  # into p.grad in place, dense or sparse, as autograd does
+        slot.host_grad = current
+        if not slot.grad_written:
+            self._written.append(slot)
+        slot.grads_in_backward += 1
+        if self.stepper is not None and slot.single_grad:
+            self.stepper.grad_final(slot, None)  # already on the host
 
     def _send_to_owner(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         """Data parallel with a sharded optimizer: another rank owns this parameter's gradient.
@@ -228,6 +274,14 @@ class GradOffload:
             for scope in self._scopes:
                 for slot in scope.slots:
                     slot.device_leaf.grad = None
+
+
+def _host_grad_is_sparse(slot: ParamSlot) -> bool:
+    """The gradient this backward adds to is sparse: the host `p.grad` (a
+    `zero_grad(set_to_none=False)` of a sparse gradient leaves it sparse), or what this backward
+    has already summed."""
+    current = slot.host_grad if slot.grad_written else master_grad(slot.param)
+    return current is not None and current.layout != torch.strided
 
 
 def publish(slots: list[ParamSlot]) -> None:

