@@ -16,6 +16,19 @@ last copy, points `p.grad` at the buffer, runs user post-accumulate-grad hooks a
 whatever is still resident. Reentrant checkpointing runs nested backward calls: callbacks are
 queued per graph task and only the outermost one finalizes.
 
+# Note [hooks on the sum]
+A plain parameter's `register_hook` hooks run once per graph task, on the sum of every use's
+gradient (autograd sums them before the leaf's AccumulateGrad). A parameter used outside its
+scope (a tied embedding: the scope's device copy and temporary copies for the other ops), or
+with retired copies (Note [higher-order gradients] in _scope.py), has several leaves, whose
+gradients arrive here one by one: run on each, a hook that is not linear (`g.clamp()`,
+`g.sign()`, a norm it records) changed the result, and ran once per leaf. So a hooked parameter
+with several leaves has its contributions summed on the device per graph task (`_hold`), and its
+hooks run on the sum at the end of that task (`_on_task_end`, before the end of backward),
+after which the sum takes the usual path. Such a parameter is never handed to the optimizer
+worker early (`used_outside`), so holding it back changes no step. A parameter with one leaf
+gets its hooks at once, as before.
+
 # Note [sparse gradients]
 `nn.Embedding(sparse=True)` and `nn.EmbeddingBag(sparse=True)` give a sparse COO gradient, and
 a plain parameter's `p.grad` is then sparse (SparseAdam requires it; SGD and Adagrad step only
@@ -56,6 +69,9 @@ class GradOffload:
         self._written: list[ParamSlot] = []  # slots whose host_grad changed in this backward
         self._inflight: list[tuple[Scope, Any, torch.Tensor]] = []  # (scope, d2h event, device grad)
         self._last_d2h: Any = None
+        # graph task -> id(slot) -> (slot, the sum of its contributions in that task so far),
+        # for hooked parameters with several leaves (Note [hooks on the sum])
+        self._held: dict[int, dict[int, tuple[ParamSlot, torch.Tensor]]] = {}
         self.stepper: Any = None  # _overlap._OverlappedStep during backward_and_step
         # _data_parallel.GradReducer in data-parallel mode (Note [data parallel]), else None
         self.reducer: Any = None
@@ -87,7 +103,6 @@ class GradOffload:
 
     def accumulate(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         self.enter_backward()
-        streams = self._streams
         if self.stepper is not None and self.stepper.handed(slot):
             for other in slot.scope.slots:  # the next backward_and_step waits for the whole scope
                 other.single_grad = False
@@ -100,10 +115,23 @@ class GradOffload:
                 "backward_and_step waits for its whole scope; or use loss.backward() then "
                 "optimizer.step()."
             )
-        for hook in slot.grad_hooks.values():
-            out = hook(grad)
-            if out is not None:
-                grad = out
+        if slot.grad_hooks:
+            if slot.used_outside or slot.retired:  # several leaves: Note [hooks on the sum]
+                self._hold(slot, grad)
+                return
+            grad = _run_grad_hooks(slot, grad)
+        self._add(slot, grad)
+
+    def _hold(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """Sum a hooked parameter's contributions within this graph task, for its hooks to
+        see the sum at the task's end (Note [hooks on the sum])."""
+        held = self._held.setdefault(torch._C._current_graph_task_id(), {})
+        entry = held.get(id(slot))
+        held[id(slot)] = (slot, grad if entry is None else entry[1] + grad)
+
+    def _add(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """Add one gradient, after the user's hooks, to the host gradient."""
+        streams = self._streams
         reducer = self.reducer
         if grad.layout != torch.strided or _host_grad_is_sparse(slot):
             self._accumulate_sparse(slot, grad)
@@ -229,6 +257,8 @@ class GradOffload:
         self._inflight = kept
 
     def _on_task_end(self, task: int) -> None:
+        for slot, grad in self._held.pop(task, {}).values():
+            self._add(slot, _run_grad_hooks(slot, grad))
         if task in self._tasks:
             self._tasks.remove(task)
         if not self._tasks:
@@ -258,10 +288,11 @@ class GradOffload:
 
     def reset_if_stale(self) -> None:
         """A new forward pass began while a backward was unfinished (it raised): forget it."""
-        if self._tasks or self._written:
+        if self._tasks or self._written or self._held:
             if self._last_d2h is not None:
                 self._last_d2h.synchronize()
             self._tasks.clear()
+            self._held.clear()
             for slot in self._written:
                 if slot.grads_in_backward > 1:
                     slot.single_grad = False
@@ -274,6 +305,16 @@ class GradOffload:
             for scope in self._scopes:
                 for slot in scope.slots:
                     slot.device_leaf.grad = None
+
+
+def _run_grad_hooks(slot: ParamSlot, grad: torch.Tensor) -> torch.Tensor:
+    """The user's `register_hook` hooks on one backward's gradient, in registration order;
+    a hook returning None keeps the gradient it got."""
+    for hook in slot.grad_hooks.values():
+        out = hook(grad)
+        if out is not None:
+            grad = out
+    return grad
 
 
 def _host_grad_is_sparse(slot: ParamSlot) -> bool:

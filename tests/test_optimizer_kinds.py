@@ -14,9 +14,13 @@ import pytest
 import torch
 from conftest import (
     assert_all_scopes_offloaded,
+    assert_grads_match,
     assert_params_match,
     reference_then_offload,
+    tied_lm,
+    tied_lm_predicate,
     tolerances,
+    train_step,
 )
 from torch import nn
 
@@ -126,3 +130,41 @@ def test_error_if_a_sparse_gradient_would_be_averaged_by_data_parallel():
     with pytest.raises(RuntimeError, match=r"offloaded parameter 'blocks\.0\.bag\.weight' got a sparse "
                                            r"gradient .* Use sparse=False"):
         model(_tokens(1)[0]).sum().backward()
+
+
+# --------------------------------------------------------------------------------------------
+# User gradient hooks
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["step", "backward_and_step"])
+@pytest.mark.parametrize("tied_side", ["head_in_block", "embedding_selected"])
+def test_a_hook_on_a_tied_parameter_sees_the_sum_of_its_uses_once_per_backward(tied_side, overlapped):
+    """A tied weight is used inside its scope and outside it (the head or the embedding), so it
+    has several device leaves. Regression: each leaf's gradient went through the user's
+    `register_hook` hooks on its own, so a non-linear hook (here `sign`) changed the gradient
+    and every hook ran once per leaf; a plain parameter's hooks run once, on the sum."""
+    model = tied_lm(tied_side)
+    reference = reference_then_offload(model, "cpu", tied_lm_predicate(tied_side))
+    calls = {id(reference): 0, id(model): 0}
+    for m in (reference, model):
+        m.embed.weight.register_hook(lambda g: g.sign() * 1e-2)
+
+        def count(g: torch.Tensor, key: int = id(m)) -> None:
+            calls[key] += 1
+
+        m.embed.weight.register_hook(count)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
+    for _ in range(3):
+        micro_batches = [torch.randint(0, 32, (2, 5)) for _ in range(2)]
+        for m, o, overlap in ((reference, ref_opt, False), (model, opt, overlapped)):
+            m(micro_batches[0]).pow(2).mean().backward()
+            train_step(m(micro_batches[1]).pow(2).mean(), o, overlap=overlap)
+        offtensor.wait_for_steps()
+        assert_params_match(model, reference, **tolerances("cpu"))
+    assert calls[id(model)] == calls[id(reference)] == 6
+    x = torch.randint(0, 32, (2, 5))
+    for m in (reference, model):
+        m(x).pow(2).mean().backward()
+    assert_grads_match(model, reference, **tolerances("cpu"))
+    assert_all_scopes_offloaded(model)
