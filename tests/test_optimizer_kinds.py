@@ -10,12 +10,16 @@ against a plain copy of the model made before wrapping, bit for bit on the CPU.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import (
     assert_all_scopes_offloaded,
     assert_grads_match,
     assert_params_match,
+    mlp_of_blocks,
     reference_then_offload,
     tied_lm,
     tied_lm_predicate,
@@ -168,3 +172,39 @@ def test_a_hook_on_a_tied_parameter_sees_the_sum_of_its_uses_once_per_backward(t
         m(x).pow(2).mean().backward()
     assert_grads_match(model, reference, **tolerances("cpu"))
     assert_all_scopes_offloaded(model)
+
+
+# --------------------------------------------------------------------------------------------
+# Hyperparameters of deferred steps
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["for_loop", "fused"])
+def test_a_tensor_lr_changed_in_place_right_after_backward_and_step_applies_from_the_next_step(kind):
+    """An LR scheduler writes a tensor lr in place (`group["lr"].fill_()`). Regression: the
+    deferred steps of backward_and_step kept the group's lr tensor itself, so a scheduler
+    stepped right after the call changed the lr of the steps still running; a float lr
+    (replaced, not written) applied from the next step, as after `optimizer.step()`. The
+    worker is held until the scheduler has stepped, so that every deferred step runs after it."""
+    model = mlp_of_blocks()
+    reference = reference_then_offload(model, "cpu")
+    options = {"fused": True} if kind == "fused" else {"foreach": False}
+    scheduled = threading.Event()
+
+    def hold_the_worker(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            assert scheduled.wait(timeout=30), "the scheduler never stepped"
+
+    batches = [(torch.randn(4, 8), torch.randn(4, 4)) for _ in range(3)]
+    for m in (reference, model):
+        opt = torch.optim.Adam(m.parameters(), lr=torch.tensor(1e-2), **options)
+        scheduler = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.1)
+        if m is model:
+            opt.register_step_pre_hook(hold_the_worker)
+        for x, y in batches:
+            scheduled.clear()
+            train_step(F.mse_loss(m(x), y), opt, overlap=m is model)
+            scheduler.step()
+            scheduled.set()
+            offtensor.wait_for_steps()  # before the next clear()
+    assert_params_match(model, reference, **tolerances("cpu"))
