@@ -137,6 +137,52 @@ def test_error_if_a_sparse_gradient_would_be_averaged_by_data_parallel():
 
 
 # --------------------------------------------------------------------------------------------
+# Optimizers not covered elsewhere
+# --------------------------------------------------------------------------------------------
+
+_O = torch.optim
+OPTIMIZERS = {
+    "rmsprop_centered": lambda ps: _O.RMSprop(ps, lr=1e-2, centered=True, momentum=0.5, weight_decay=0.1),
+    "rmsprop_foreach": lambda ps: _O.RMSprop(ps, lr=1e-2, foreach=True),
+    "adamax": lambda ps: _O.Adamax(ps, lr=1e-2, weight_decay=0.1, foreach=False),
+    "adamax_foreach": lambda ps: _O.Adamax(ps, lr=1e-2, foreach=True),
+    "nadam_decoupled": lambda ps: _O.NAdam(ps, lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1),
+    "radam_decoupled_foreach": lambda ps: _O.RAdam(ps, lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1,
+                                                   foreach=True),
+    "asgd": lambda ps: _O.ASGD(ps, lr=1e-2, t0=1, foreach=False),
+    "rprop_foreach": lambda ps: _O.Rprop(ps, lr=1e-2, foreach=True),
+    "adafactor": lambda ps: _O.Adafactor(ps, lr=1e-2),
+    "adadelta": lambda ps: _O.Adadelta(ps, lr=1.0, weight_decay=0.1, foreach=False),
+    "sgd_nesterov_maximize": lambda ps: _O.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, maximize=True),
+    "sgd_fused": lambda ps: _O.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
+    "adam_amsgrad_maximize": lambda ps: _O.Adam(ps, lr=1e-2, amsgrad=True, maximize=True, foreach=False),
+    "adam_amsgrad_fused": lambda ps: _O.Adam(ps, lr=1e-2, amsgrad=True, fused=True),
+    "adagrad_fused": lambda ps: _O.Adagrad(ps, lr=1e-2, fused=True),
+}
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_optimizers_train_like_unwrapped_with_step_and_backward_and_step(optimizer):
+    """Three steps with `optimizer.step()`, then three with backward_and_step; at the fourth a
+    fresh optimizer loads the state dict (mid-training, with steps deferred)."""
+    model = mlp_of_blocks()
+    reference = reference_then_offload(model, "cpu")
+    batches = [(torch.randn(4, 8), torch.randn(4, 4)) for _ in range(6)]
+    for m in (reference, model):
+        opt = OPTIMIZERS[optimizer](m.parameters())
+        for i, (x, y) in enumerate(batches):
+            train_step(F.mse_loss(m(x), y), opt, overlap=m is model and i >= 3)
+            if i == 3:
+                fresh = OPTIMIZERS[optimizer](m.parameters())
+                fresh.load_state_dict(opt.state_dict())
+                opt = fresh
+        offtensor.wait_for_steps()
+    assert_params_match(model, reference, **tolerances("cpu"))
+    assert_all_scopes_offloaded(model)
+
+
+# --------------------------------------------------------------------------------------------
 # User gradient hooks
 # --------------------------------------------------------------------------------------------
 
