@@ -52,7 +52,7 @@ import torch
 from torch.autograd import Variable
 
 from ._host_memory import host_empty
-from ._param import master_grad, without_subclass_dispatch
+from ._param import master_grad, run_grad_hooks, without_subclass_dispatch
 from ._scope import Scope
 from ._slot import ParamSlot
 from ._streams import Streams
@@ -119,7 +119,7 @@ class GradOffload:
             if slot.used_outside or slot.retired:  # several leaves: Note [hooks on the sum]
                 self._hold(slot, grad)
                 return
-            grad = _run_grad_hooks(slot, grad)
+            grad = run_grad_hooks(slot, grad)
         self._add(slot, grad)
 
     def _hold(self, slot: ParamSlot, grad: torch.Tensor) -> None:
@@ -258,7 +258,7 @@ class GradOffload:
 
     def _on_task_end(self, task: int) -> None:
         for slot, grad in self._held.pop(task, {}).values():
-            self._add(slot, _run_grad_hooks(slot, grad))
+            self._add(slot, run_grad_hooks(slot, grad))
         if task in self._tasks:
             self._tasks.remove(task)
         if not self._tasks:
@@ -305,16 +305,6 @@ class GradOffload:
             for scope in self._scopes:
                 for slot in scope.slots:
                     slot.device_leaf.grad = None
-
-
-def _run_grad_hooks(slot: ParamSlot, grad: torch.Tensor) -> torch.Tensor:
-    """The user's `register_hook` hooks on one backward's gradient, in registration order;
-    a hook returning None keeps the gradient it got."""
-    for hook in slot.grad_hooks.values():
-        out = hook(grad)
-        if out is not None:
-            grad = out
-    return grad
 
 
 def _host_grad_is_sparse(slot: ParamSlot) -> bool:

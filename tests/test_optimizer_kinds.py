@@ -254,3 +254,24 @@ def test_a_tensor_lr_changed_in_place_right_after_backward_and_step_applies_from
             scheduled.set()
             offtensor.wait_for_steps()  # before the next clear()
     assert_params_match(model, reference, **tolerances("cpu"))
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_autograd_grad_over_an_offloaded_parameter_runs_its_register_hook_hooks(create_graph):
+    """`torch.autograd.grad` returns what a leaf's `register_hook` hooks make of its gradient.
+    Regression: an offloaded parameter's hooks (kept by offtensor, since the graph holds device
+    copies) ran only in backward(), so autograd.grad returned the gradient unhooked."""
+    model = mlp_of_blocks()
+    reference = reference_then_offload(model, "cpu")
+    x = torch.randn(4, 8)
+    grads = []
+    for m in (reference, model):
+        m.blocks[0].fc1.weight.register_hook(lambda g: g.clamp(-1e-2, 1e-2))
+        m.blocks[0].fc1.weight.register_hook(lambda g: None)
+        params = [m.blocks[0].fc1.weight, m.blocks[1].fc1.weight, m.head.weight]
+        grads.append(torch.autograd.grad(m(x).pow(2).sum(), params, create_graph=create_graph))
+    for got, expected in zip(*grads, strict=True):
+        torch.testing.assert_close(got, expected, **tolerances("cpu"))
+    assert grads[1][0].abs().max() <= 1e-2
+    assert model.blocks[0].fc1.weight.grad is None
+    assert_all_scopes_offloaded(model)
