@@ -15,6 +15,32 @@ At the end of the outermost backward (an autograd engine callback) the host wait
 last copy, points `p.grad` at the buffer, runs user post-accumulate-grad hooks and releases
 whatever is still resident. Reentrant checkpointing runs nested backward calls: callbacks are
 queued per graph task and only the outermost one finalizes.
+
+# Note [hooks on the sum]
+A plain parameter's `register_hook` hooks run once per graph task, on the sum of every use's
+gradient (autograd sums them before the leaf's AccumulateGrad). A parameter used outside its
+scope (a tied embedding: the scope's device copy and temporary copies for the other ops), or
+with retired copies (Note [higher-order gradients] in _scope.py), has several leaves, whose
+gradients arrive here one by one: run on each, a hook that is not linear (`g.clamp()`,
+`g.sign()`, a norm it records) changed the result, and ran once per leaf. So a hooked parameter
+with several leaves has its contributions summed on the device per graph task (`_hold`), and its
+hooks run on the sum at the end of that task (`_on_task_end`, before the end of backward),
+after which the sum takes the usual path. Such a parameter is never handed to the optimizer
+worker early (`used_outside`), so holding it back changes no step. A parameter with one leaf
+gets its hooks at once, as before.
+
+# Note [sparse gradients]
+`nn.Embedding(sparse=True)` and `nn.EmbeddingBag(sparse=True)` give a sparse COO gradient, and
+a plain parameter's `p.grad` is then sparse (SparseAdam requires it; SGD and Adagrad step only
+its rows). A pinned dense buffer cannot hold one (`copy_` from sparse to dense is not
+implemented; densifying would change what optimizers do), so such a gradient, or any gradient
+added to a sparse `p.grad`, takes another path (`_accumulate_sparse`): it is copied to the host
+(a blocking copy: its number of entries is known only once computed) and summed there with the
+host `p.grad` the way autograd's AccumulateGrad does: kept as it is when there is none, added in
+place to a dense or sparse `p.grad`, and a dense gradient added to a sparse `p.grad` makes a new
+dense one. The result becomes `p.grad` at the end of backward as on the dense path. The old
+gradient is never fetched to the device for it (`Scope._old_grads_to_fetch` skips sparse ones).
+Not supported with `data_parallel` (raises): sparse gradients are not averaged.
 """
 
 from __future__ import annotations
@@ -26,7 +52,7 @@ import torch
 from torch.autograd import Variable
 
 from ._host_memory import host_empty
-from ._param import master_grad, without_subclass_dispatch
+from ._param import master_grad, run_grad_hooks, without_subclass_dispatch
 from ._scope import Scope
 from ._slot import ParamSlot
 from ._streams import Streams
@@ -43,6 +69,9 @@ class GradOffload:
         self._written: list[ParamSlot] = []  # slots whose host_grad changed in this backward
         self._inflight: list[tuple[Scope, Any, torch.Tensor]] = []  # (scope, d2h event, device grad)
         self._last_d2h: Any = None
+        # graph task -> id(slot) -> (slot, the sum of its contributions in that task so far),
+        # for hooked parameters with several leaves (Note [hooks on the sum])
+        self._held: dict[int, dict[int, tuple[ParamSlot, torch.Tensor]]] = {}
         self.stepper: Any = None  # _overlap._OverlappedStep during backward_and_step
         # _data_parallel.GradReducer in data-parallel mode (Note [data parallel]), else None
         self.reducer: Any = None
@@ -74,7 +103,6 @@ class GradOffload:
 
     def accumulate(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         self.enter_backward()
-        streams = self._streams
         if self.stepper is not None and self.stepper.handed(slot):
             for other in slot.scope.slots:  # the next backward_and_step waits for the whole scope
                 other.single_grad = False
@@ -87,11 +115,27 @@ class GradOffload:
                 "backward_and_step waits for its whole scope; or use loss.backward() then "
                 "optimizer.step()."
             )
-        for hook in slot.grad_hooks.values():
-            out = hook(grad)
-            if out is not None:
-                grad = out
+        if slot.grad_hooks:
+            if slot.used_outside or slot.retired:  # several leaves: Note [hooks on the sum]
+                self._hold(slot, grad)
+                return
+            grad = run_grad_hooks(slot, grad)
+        self._add(slot, grad)
+
+    def _hold(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """Sum a hooked parameter's contributions within this graph task, for its hooks to
+        see the sum at the task's end (Note [hooks on the sum])."""
+        held = self._held.setdefault(torch._C._current_graph_task_id(), {})
+        entry = held.get(id(slot))
+        held[id(slot)] = (slot, grad if entry is None else entry[1] + grad)
+
+    def _add(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """Add one gradient, after the user's hooks, to the host gradient."""
+        streams = self._streams
         reducer = self.reducer
+        if grad.layout != torch.strided or _host_grad_is_sparse(slot):
+            self._accumulate_sparse(slot, grad)
+            return
         if reducer is not None and not reducer.keeps(slot):
             self._send_to_owner(slot, grad)  # another rank steps it (data_parallel, shard_optimizer)
             return
@@ -129,6 +173,36 @@ class GradOffload:
         slot.grads_in_backward += 1
         if self.stepper is not None and slot.single_grad:
             self.stepper.grad_final(slot, slot.last_d2h if grad.device.type == "cuda" else None)
+
+    def _accumulate_sparse(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """A sparse gradient, or one added to a sparse `p.grad`: summed on the host as
+        autograd's AccumulateGrad sums it (Note [sparse gradients])."""
+        if self.reducer is not None:
+            raise RuntimeError(
+                f"offtensor.data_parallel: offloaded parameter {slot.name!r} got a sparse gradient "
+                "(nn.Embedding(sparse=True) or nn.EmbeddingBag(sparse=True)), which is not "
+                "averaged over the ranks. Use sparse=False for modules of a data-parallel model"
+            )
+        if slot.grad_written:
+            current = slot.host_grad
+        else:
+            slot.wait_for_step()  # a deferred step still reads p.grad (Note [deferred steps])
+            slot.scope.take_old_grad(slot)  # a dense fetch is not used: the sum is made here
+            current = master_grad(slot.param)
+        # A blocking copy: the sparse tensor's size (its nnz) is known only once it is computed.
+        grad = grad.to(device="cpu", dtype=slot.param.dtype, copy=True)
+        if current is None:
+            current = grad
+        elif current.layout != torch.strided and grad.layout == torch.strided:
+            current = grad + current  # a dense sum; autograd's order of the operands
+        else:
+            current += grad  # into p.grad in place, dense or sparse, as autograd does
+        slot.host_grad = current
+        if not slot.grad_written:
+            self._written.append(slot)
+        slot.grads_in_backward += 1
+        if self.stepper is not None and slot.single_grad:
+            self.stepper.grad_final(slot, None)  # already on the host
 
     def _send_to_owner(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         """Data parallel with a sharded optimizer: another rank owns this parameter's gradient.
@@ -183,6 +257,8 @@ class GradOffload:
         self._inflight = kept
 
     def _on_task_end(self, task: int) -> None:
+        for slot, grad in self._held.pop(task, {}).values():
+            self._add(slot, run_grad_hooks(slot, grad))
         if task in self._tasks:
             self._tasks.remove(task)
         if not self._tasks:
@@ -212,10 +288,11 @@ class GradOffload:
 
     def reset_if_stale(self) -> None:
         """A new forward pass began while a backward was unfinished (it raised): forget it."""
-        if self._tasks or self._written:
+        if self._tasks or self._written or self._held:
             if self._last_d2h is not None:
                 self._last_d2h.synchronize()
             self._tasks.clear()
+            self._held.clear()
             for slot in self._written:
                 if slot.grads_in_backward > 1:
                     slot.single_grad = False
@@ -228,6 +305,14 @@ class GradOffload:
             for scope in self._scopes:
                 for slot in scope.slots:
                     slot.device_leaf.grad = None
+
+
+def _host_grad_is_sparse(slot: ParamSlot) -> bool:
+    """The gradient this backward adds to is sparse: the host `p.grad` (a
+    `zero_grad(set_to_none=False)` of a sparse gradient leaves it sparse), or what this backward
+    has already summed."""
+    current = slot.host_grad if slot.grad_written else master_grad(slot.param)
+    return current is not None and current.layout != torch.strided
 
 
 def publish(slots: list[ParamSlot]) -> None:

@@ -384,7 +384,9 @@ class _OverlappedStep:
         self._names = {id(p): p._ot.name if hasattr(p, "_ot") else f"param_groups[{i}][{j}]"
                        for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])}
         # Hyperparameters as of this call: a scheduler may change them before the worker is done.
-        self._hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        # By value: a scheduler writes a tensor lr in place (`group["lr"].fill_()`), which the
+        # group's own tensor would pass on to the steps still deferred.
+        self._hyper = [{k: _by_value(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         # A C lock: `with` on it has no Python __enter__ for an interrupt to land in.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -689,6 +691,16 @@ def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], hyper: list[dic
         for k, v in sub.items():
             if k != "params" and (k not in old or v is not old[k]):
                 g[k] = v
+
+
+def _by_value(v: Any) -> Any:
+    """A hyperparameter as it is now: tensors (a tensor lr, tensor betas) copied, so that an
+    in-place write after backward_and_step returns reaches only later steps."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    if isinstance(v, tuple) and any(isinstance(x, torch.Tensor) for x in v):
+        return tuple(_by_value(x) for x in v)
+    return v
 
 
 def _nbytes(slot: ParamSlot) -> int:

@@ -472,6 +472,11 @@ def _autograd_grad(outputs: Any, inputs: Any, grad_outputs: Any = None, retain_g
         if found:
             g = functools.reduce(torch.add, found)
             if isinstance(t, OffloadedParameter):  # as `p.grad`: on the host, the master's dtype
+                # The graph's leaves are device copies, which carry no user hook: run the
+                # parameter's own on the sum, as autograd runs a plain leaf's.
+                slot = getattr(t, "_ot", None)
+                if slot is not None:
+                    g = run_grad_hooks(slot, g)
                 g = g.to(device=t.device, dtype=t.dtype)
         elif materialize_grads:
             g = torch.zeros_like(t)
@@ -483,6 +488,17 @@ def _autograd_grad(outputs: Any, inputs: Any, grad_outputs: Any = None, retain_g
             )
         result.append(g)
     return tuple(result)
+
+
+def run_grad_hooks(slot: ParamSlot, grad: torch.Tensor) -> torch.Tensor:
+    """The user's `register_hook` hooks of an offloaded parameter on one gradient of it, in
+    registration order; a hook returning None keeps the gradient it got (Note [user gradient
+    hooks])."""
+    for hook in slot.grad_hooks.values():
+        out = hook(grad)
+        if out is not None:
+            grad = out
+    return grad
 
 
 def _autograd_backward(tensors: Any, grad_tensors: Any = None, retain_graph: bool | None = None,
@@ -500,7 +516,9 @@ def _autograd_backward(tensors: Any, grad_tensors: Any = None, retain_graph: boo
 # so hooks registered on the master would never fire. We keep them on the ParamSlot and call them
 # from the gradient path (_grads.py): `register_hook` hooks see each backward contribution (on
 # the device, before accumulation), post-accumulate-grad hooks see the parameter once its host
-# `.grad` is complete, at the end of backward.
+# `.grad` is complete, at the end of backward. `torch.autograd.grad` over an offloaded
+# parameter runs its `register_hook` hooks on the sum of its leaves' gradients and returns what
+# they give (`_autograd_grad`), as for a plain leaf; it runs no post-accumulate-grad hook.
 _HANDLERS = {
     torch.Tensor.register_post_accumulate_grad_hook: _hook_registrar(
         "post_hooks", torch.Tensor.register_post_accumulate_grad_hook

@@ -240,9 +240,10 @@ class Scope:
 
     def _old_grads_to_fetch(self) -> list[tuple[ParamSlot, torch.Tensor]]:
         """(slot, its host `p.grad`) for each parameter whose existing gradient is not fetched
-        yet and not already added to in this backward."""
+        yet and not already added to in this backward; not a sparse one, which is added to on
+        the host (Note [sparse gradients] in _grads.py)."""
         return [(slot, g) for slot in self.slots if slot.old_grad is None and not slot.grad_written
-                and (g := master_grad(slot.param)) is not None]
+                and (g := master_grad(slot.param)) is not None and g.layout == torch.strided]
 
     def num_params(self) -> int:
         return sum(s.param.numel() for s in self.slots)
