@@ -117,3 +117,52 @@ def test_a_zero_size_parameter_gets_an_empty_gradient_like_unwrapped():
     mse_loss(model, batch).backward()
     assert_grads_match(model, reference, **tolerances("cpu"))
     assert model.blocks[1].nothing.grad.shape == (0, 4)
+
+
+class StatefulBlock(nn.Module):
+    """Frozen parameters used as state, written during the block's own forward before it reads
+    them (a step counter, an EMA codebook), in one of several ways."""
+
+    def __init__(self, write: str) -> None:
+        super().__init__()
+        self.write = write
+        self.fc = nn.Linear(HIDDEN, HIDDEN)
+        self.count = nn.Parameter(torch.zeros((), dtype=torch.int64), requires_grad=False)
+        self.codebook = nn.Parameter(torch.randn(HIDDEN), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)  # the scope's copy is on the device before the writes
+        if self.write == "in_place":
+            self.count.add_(1)
+            with torch.no_grad():
+                self.codebook.mul_(0.5).add_(x.mean(0))
+        elif self.write == "copy_":
+            with torch.no_grad():
+                self.count.copy_(self.count + 1)
+                self.codebook.copy_(self.codebook * 0.5 + x.mean(0))
+        elif self.write == "setitem":
+            self.count[...] = self.count + 1
+            with torch.no_grad():
+                self.codebook[: HIDDEN // 2] = self.codebook[HIDDEN // 2 :] * 0.5
+        elif self.write == "detached":
+            self.count.detach().add_(1)
+            self.codebook.detach().mul_(0.5).add_(x.mean(0))
+        elif self.write == "data":
+            self.count.data.add_(1)
+            self.codebook.data.mul_(0.5).add_(x.mean(0))
+        elif self.write == "data_assign":
+            self.count.data = self.count.data + 1
+            self.codebook.data = self.codebook.data * 0.5 + x.mean(0)
+        return torch.tanh(h * self.count + self.codebook)
+
+
+@pytest.mark.parametrize("write", ["in_place", "copy_", "setitem", "detached", "data", "data_assign"])
+@pytest.mark.parametrize("device", devices)
+def test_frozen_parameters_written_during_their_scopes_forward_are_read_back_like_unwrapped(device, write):
+    """The writes reach the masters and, for the rest of that forward, the scope's device copy:
+    an in-place write went to the master while later reads in the same forward got the copy
+    loaded before it, and `p[i] = v` wrote the device copy only (lost at the next load)."""
+    model = Stack(lambda: StatefulBlock(write))
+    reference = reference_then_offload(model, device)
+    _train_both(model, reference, device)
+    assert model.blocks[0].count.item() == 3
