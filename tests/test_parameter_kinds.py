@@ -27,6 +27,8 @@ from conftest import (
 )
 from torch import nn
 
+import offtensor
+
 HIDDEN = 16
 
 
@@ -166,3 +168,21 @@ def test_frozen_parameters_written_during_their_scopes_forward_are_read_back_lik
     reference = reference_then_offload(model, device)
     _train_both(model, reference, device)
     assert model.blocks[0].count.item() == 3
+
+
+def test_torch_save_of_a_wrapped_model_with_a_zero_size_parameter_among_other_dtypes(tmp_path):
+    """A zero-size master's storage sat at its scope's first address, where the first master
+    (complex64 here) lives: torch.save took them for one storage seen as two dtypes, and
+    refused. Copies are plain models equal to the unwrapped one."""
+    model = Stack(KindsBlock)
+    reference = reference_then_offload(model, "cpu")
+    torch.save(model, tmp_path / "model.pt")
+    x = torch.randn(3, HIDDEN)
+    for copied in (torch.load(tmp_path / "model.pt", weights_only=False), copy.deepcopy(model)):
+        assert not offtensor.is_wrapped(copied)
+        torch.testing.assert_close(copied(x), reference(x), rtol=0, atol=0)
+        assert_params_match(copied, reference, rtol=0, atol=0)
+    torch.save(model.state_dict(), tmp_path / "state.pt")
+    plain = Stack(KindsBlock)
+    plain.load_state_dict(torch.load(tmp_path / "state.pt"))
+    assert_params_match(plain, reference, rtol=0, atol=0)
