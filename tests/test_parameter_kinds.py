@@ -12,6 +12,8 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
+import torch.nn.utils.prune
 from conftest import (
     BlockStack,
     ResidualBlock,
@@ -19,7 +21,9 @@ from conftest import (
     assert_grads_match,
     assert_params_match,
     devices,
+    mlp_of_blocks,
     mse_loss,
+    offload,
     random_batch,
     reference_then_offload,
     step_both,
@@ -186,3 +190,109 @@ def test_torch_save_of_a_wrapped_model_with_a_zero_size_parameter_among_other_dt
     plain = Stack(KindsBlock)
     plain.load_state_dict(torch.load(tmp_path / "state.pt"))
     assert_params_match(plain, reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cast", ["device", "host"])
+def test_compute_dtype_casts_only_the_floating_masters_of_a_mixed_scope(cast):
+    """Policy(compute_dtype=bfloat16): float64, float32 and float16 masters compute in bfloat16,
+    complex, integer and bool ones as they are; gradients come back in each master's dtype, also
+    after the masters are written (the cast="host" copy is cast again)."""
+    model = Stack(KindsBlock)
+    reference = copy.deepcopy(model)
+    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(compute_dtype=torch.bfloat16, cast=cast))
+    for _ in range(2):
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            q.data = p.detach().to(torch.bfloat16 if p.is_floating_point() else p.dtype).clone()
+        x = torch.randn(3, HIDDEN)
+        out, expected = model(x), reference(x)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            if q.grad is None:
+                assert p.grad is None, name
+                continue
+            assert p.grad.dtype == p.dtype, name
+            torch.testing.assert_close(p.grad, q.grad.to(p.dtype), rtol=0, atol=0, msg=name)
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()
+        model.zero_grad()
+        reference.zero_grad()
+    assert_all_scopes_offloaded(model)
+
+
+def _prune(m: nn.Module) -> None:
+    torch.nn.utils.prune.l1_unstructured(m.blocks[1].fc1, "weight", amount=0.5)
+
+
+def _weight_norm(m: nn.Module) -> None:
+    torch.nn.utils.weight_norm(m.blocks[1].fc1)
+
+
+def _spectral_norm(m: nn.Module) -> None:
+    torch.manual_seed(1)  # its power iteration's start
+    torch.nn.utils.spectral_norm(m.blocks[1].fc1)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+@pytest.mark.parametrize("when", ["before_wrap", "after_wrap"])
+@pytest.mark.parametrize("apply", [_prune, _weight_norm, _spectral_norm], ids=["prune", "weight_norm", "spectral_norm"])
+def test_hook_based_reparametrizations_train_and_copy_like_unwrapped(apply, when):
+    """prune, weight_norm and spectral_norm replace `weight` by `weight_orig` (or `_g`, `_v`) and
+    a forward pre-hook that recomputes it: before wrap the hook runs before the scope loads
+    (its ops get temporary copies), after wrap it registers offloaded or new plain parameters."""
+    torch.manual_seed(0)
+    model = mlp_of_blocks()
+    torch.manual_seed(0)
+    reference = mlp_of_blocks()
+    if when == "before_wrap":
+        apply(model)
+        apply(reference)
+    offload(model, "cpu")
+    if when == "after_wrap":
+        apply(model)
+        apply(reference)
+    tol = {"rtol": 1e-6, "atol": 1e-6}
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, reference))
+    for _ in range(3):
+        batch = random_batch("cpu")
+        loss, expected = mse_loss(model, batch), mse_loss(reference, batch)
+        torch.testing.assert_close(loss, expected, **tol)
+        loss.backward()
+        expected.backward()
+        step_both(model, reference, opt, ref_opt, tol)
+    assert_params_match(model, reference, **tol)
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        x = random_batch("cpu")[0]
+        torch.testing.assert_close(model(x), reference(x), **tol)
+        # After a no-grad forward: the recomputed `weight` is a leaf again, which deepcopy needs.
+        torch.testing.assert_close(copy.deepcopy(model)(x), reference(x), **tol)
+    assert_all_scopes_offloaded(model)
+
+
+class LayoutBlock(nn.Module):
+    """A transposed (non-contiguous) weight, a strided slice, an expanded frozen tensor, a
+    channels_last conv weight and 300 one-element parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transposed = nn.Parameter(torch.randn(HIDDEN, 8).t())
+        self.sliced = nn.Parameter(torch.randn(2 * 8, HIDDEN)[::2])
+        self.expanded = nn.Parameter(torch.randn(HIDDEN, 1).expand(HIDDEN, HIDDEN), requires_grad=False)
+        self.conv = nn.Conv2d(1, 2, 3, padding=1).to(memory_format=torch.channels_last)
+        self.tiny = nn.ParameterList([nn.Parameter(torch.randn(1)) for _ in range(300)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.transposed.t() + F.linear(x, self.sliced)
+        h = torch.cat([h, h], -1) @ self.expanded / HIDDEN
+        image = self.conv(h.reshape(-1, 1, 4, 4)).mean(1).reshape(h.shape)
+        return torch.tanh(h + image + torch.stack(list(self.tiny)).sum())
+
+
+def test_strided_expanded_channels_last_and_many_tiny_parameters_train_like_unwrapped():
+    """Masters are contiguous whatever the parameter's strides (kernels may then sum in another
+    order: a few ulps)."""
+    model = Stack(LayoutBlock)
+    reference = reference_then_offload(model, "cpu")
+    _train_both(model, reference, "cpu", tol={"rtol": 1e-5, "atol": 1e-6})
