@@ -155,6 +155,8 @@ class Engine:
         if scope.running_calls > 0 or scope is self.backward_scope:
             if scope.state is not ScopeState.RESIDENT:
                 scope.make_resident(upto=slot)
+            if scope.written_in_this_call(slot):  # Note [writes during a scope's call] (_scope.py)
+                scope.refresh(slot)
             if scope.copy_order is None and not in_backward():
                 scope.first_uses.setdefault(slot, None)
             return slot.use_device_copy()
@@ -176,9 +178,10 @@ class Engine:
         (an optimizer step in a post-accumulate-grad hook) acts on the host master."""
         return self.model_forward is not ModelForward.OUTSIDE or any(s.running_calls for s in self.scopes)
 
-    def before_master_write(self, slot: ParamSlot) -> None:
+    def before_master_write(self, slot: ParamSlot, *, written: bool = True) -> None:
         """Called before an in-place op on a master: no copy may still be reading it, and a
-        device copy made from the old value is stale."""
+        device copy made from the old value is stale. `written`: False for an offloaded argument
+        that the op surely only reads (`h.add_(self.bias)`)."""
         scope = slot.scope
         scope.shadow_stale = True
         slot.retired_copies_written()  # also for the worker's steps (atomic version bumps)
@@ -187,11 +190,15 @@ class Engine:
             # device copy that no_offload() keeps is released by backward_and_step.
             return
         self.streams.sync_master_reads()
-        if scope.state is not ScopeState.OFFLOADED and scope.running_calls == 0:
+        if scope.state is ScopeState.OFFLOADED:
+            return
+        if scope.running_calls == 0:
             scope.release(force=True)  # stale, also when the budget keeps it
+        elif written:  # in the scope's own call: Note [writes during a scope's call] (_scope.py)
+            scope.written_in_call[slot] = None
 
-    def master_handed_out(self, scope: Scope) -> None:
-        """`p.data` of one of the scope's parameters was taken (or, for a kept scope, its masters
+    def master_handed_out(self, scope: Scope, slot: ParamSlot | None = None) -> None:
+        """`p.data` of one of the scope's parameters (`slot`'s) was taken (or, for a kept scope, its masters
         were written through a view): writes through it reach the master unseen, under a version
         counter of its own. A kept (or no_offload-held) scope's device copy would go stale, so it
         goes now; the next forward reloads it (Note [VRAM budget] in _schedule.py). So does a
@@ -202,6 +209,10 @@ class Engine:
         scope.shadow_stale = True
         if scope.state is ScopeState.OFFLOADED or on_optimizer_worker():
             return
+        if scope.running_calls and slot is not None:
+            # Written through `.data` in the scope's own call, perhaps: Note [writes during a
+            # scope's call] (_scope.py).
+            scope.written_in_call[slot] = None
         if not self.outlives_calls(scope) and (scope.running_calls or self.grads.in_backward()):
             # A streamed scope's next call loads afresh; one resident outside its calls (the last
             # scope of a forward, resident into its backward) goes now, unless a backward runs.
@@ -333,6 +344,12 @@ class Engine:
         if failed:
             self.abort()
             return
+        if scope.running_calls == 0 and scope.written_in_call:
+            # Its copy may outlive the call (kept for backward, kept, held): Note [writes during
+            # a scope's call] (_scope.py).
+            for slot in list(scope.written_in_call):
+                scope.make_resident(upto=slot)
+                scope.refresh(slot)
         scope.learn_copy_order()
         if self.hold():
             return

@@ -66,6 +66,11 @@ class HostBuffer:
         """An uninitialized tensor at `offset` bytes, its storage exactly its own bytes."""
         nbytes = math.prod(shape) * dtype.itemsize
         assert offset % dtype.itemsize == 0 and offset + nbytes <= self._array.size
+        if nbytes == 0:
+            # No bytes, so no address, as PyTorch makes empty tensors: an empty slice's storage
+            # reports the allocation's first address, the first master's, and serializers keyed
+            # on addresses took the two for one storage (torch.save refused it in two dtypes).
+            return torch.empty(shape, dtype=dtype)
         return torch.from_numpy(self._array[offset : offset + nbytes]).view(dtype).view(shape)
 
 

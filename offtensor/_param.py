@@ -135,12 +135,12 @@ def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
         if name == "__set__" and prop == "data":
             return _set_data(args[0], args[1])
         if name == "__get__" and prop == "data" and getattr(args[0], "_ot", None) is not None:
-            args[0]._ot.scope.engine.master_handed_out(args[0]._ot.scope)  # Note [VRAM budget]
+            args[0]._ot.scope.engine.master_handed_out(args[0]._ot.scope, args[0]._ot)  # Note [VRAM budget]
         if name == "__get__" and prop in _DERIVED_PROPERTIES:
             return _dispatch(func, args, kwargs, params)  # `w.T` is an op on w
         return func(*args, **kwargs)  # `p.grad`, `p.shape`: the parameter itself
     if any(packed_of(p) is not None for p in params):  # Note [compressed masters] (_compress.py)
-        written = _written(args, kwargs) if _is_inplace(func) else set()
+        written = _written(args, kwargs) if _is_inplace(func, args) else set()
         return packed_torch_function(func, args, kwargs, params, written, _MASTER_ONLY,
                                      lambda: _dispatch(func, args, kwargs, params))
     handler = _HANDLERS.get(func)
@@ -191,7 +191,7 @@ def master_grad(p: torch.Tensor) -> torch.Tensor | None:
 def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter]) -> Any:
     if not params or func in _MASTER_ONLY:
         return func(*args, **kwargs)
-    if _is_inplace(func):
+    if _is_inplace(func, args):
         # Writes always go to the master (under grad mode PyTorch then raises its usual
         # leaf-in-place error, as for a plain parameter). Every offloaded argument counts as
         # written (safe if a write is not recognised below); those that are surely only read
@@ -200,7 +200,7 @@ def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter])
         for p in params:
             slot = getattr(p, "_ot", None)
             if slot is not None:
-                slot.scope.engine.before_master_write(slot)
+                slot.scope.engine.before_master_write(slot, written=id(p) in written)
                 if id(p) in written:
                     slot.device_copies_written()  # Note [writes under a saved graph] (_slot.py)
         if on_optimizer_worker():  # the optimizer thread: masters only
@@ -282,7 +282,11 @@ def _substitute(args: tuple, subs: dict[int, torch.Tensor]) -> tuple:
     return tuple(_sub_one(a, subs) for a in args)
 
 
-def _is_inplace(func) -> bool:
+def _is_inplace(func, args: tuple) -> bool:
+    if func is _SETITEM:
+        # `p[i] = v` writes p (dispatched as an op, it wrote the device copy inside p's scope,
+        # and a temporary copy elsewhere in a forward: lost); `h[i] = p` only reads p.
+        return bool(args) and isinstance(args[0], OffloadedParameter)
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
 
@@ -346,6 +350,8 @@ def _hook_registrar(table: str, plain):
 
     return register
 
+
+_SETITEM = torch.Tensor.__setitem__
 
 # Tensor properties that compute a new tensor from the parameter's values (`x @ w.T`): they
 # are dispatched like ops. Every other property (`p.grad`, `p.data`, `p.shape`, `p.device`) is

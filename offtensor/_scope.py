@@ -57,6 +57,26 @@ None. So each fetch remembers the tensor it copied and that tensor's version cou
 `take_old_grad` uses the fetched copy only if `p.grad` is still that tensor, unwritten since;
 otherwise the gradient path reads `p.grad` as it is now (or starts afresh when it is None).
 
+# Note [writes during a scope's call]
+A frozen parameter used as state (a step counter, an EMA codebook) may be written in its own
+module's forward and read after: `self.count.add_(1)`, `self.codebook.copy_(...)` under
+no_grad, `self.codebook.data.mul_(d)`, `p[i] = v`. Every such write goes to the master, but the
+scope's device copy was loaded before it, and is not released under a running call: later ops
+of that call read the old values (and `p[i] = v`, dispatched as an op, wrote the device copy
+only, lost at the next load). So a write to a master during a call of its scope marks the
+parameter (`Scope.written_in_call`; an in-place op by `before_master_write`, `.data` when it is
+taken, since the write through it follows unseen), and the next op that gets the device copy
+first copies the master into it, on the compute stream (`Scope.refresh`); a write through a
+detached alias (`p.detach().mul_()`) is seen there by the master's version counter. The end of
+the call refreshes what is still marked, since the copy may outlive the call (the last scope
+kept for backward, a kept or held scope): backward then differentiates with the master's
+values, as it does with a plain parameter's. A refresh bumps the device copy's version when the
+master's changed (`_note_copied`), so a graph that saved the copy before an in-place write
+raises autograd's in-place error, as for a plain parameter. An offloaded argument that an
+in-place op only reads (`h.add_(self.bias)`) is not marked. Writes through a view taken in the
+forward (`p[0].fill_()`, `p.view(-1).zero_()`) act on the device copy itself, which the view is
+of, and do not reach the master (docs/design.md, Limits).
+
 # Note [masters moved out of the host buffer]
 A tensor sent to another process through multiprocessing's ForkingPickler (a spawned
 DataLoader worker given a dataset that holds the model, a torch.multiprocessing queue carrying
@@ -210,6 +230,9 @@ class Scope:
         # A kept scope: each parameter's version counter when its copy was enqueued, to tell
         # writes no op of ours saw (`p[0].fill_()`, `p.detach().copy_()`; Note [VRAM budget]).
         self.copied_versions: dict[ParamSlot, int] = {}
+        # Parameters whose masters were written during a call of the scope, after its load
+        # (Note [writes during a scope's call]): their device copies are refreshed.
+        self.written_in_call: dict[ParamSlot, None] = {}
         # Set by data_parallel(shard_loads=True): fills device_flat from host_flat in place of
         # the whole-scope copy (`loader.copy(scope)`, on the copy stream; it may return the
         # event that follows its work; Note [sharded loads] in _sharded_loads.py). None: the
@@ -436,6 +459,20 @@ class Scope:
                 slot.device_copies_written()
             self.copied_versions[slot] = version
 
+    def written_in_this_call(self, slot: ParamSlot) -> bool:
+        """The master changed since its device copy was made, in this call of the scope: by an
+        op on the parameter or `.data` (marked), or through a detached alias (its version)."""
+        return slot in self.written_in_call or self.copied_versions.get(slot) != _version(slot.param)
+
+    def refresh(self, slot: ParamSlot) -> None:
+        """Copy a master written during the scope's call into its device copy, on the compute
+        stream, before the next op that uses it (Note [writes during a scope's call])."""
+        self.written_in_call.pop(slot, None)
+        values = slot.packed.unpack() if slot.packed is not None else slot.master
+        slot.device_view.copy_(values, non_blocking=True)  # cast to the compute dtype if need be
+        self.streams.reads_masters(self.streams.record(self.streams.compute()))
+        self._note_copied((slot,))
+
     def written_since_copied(self) -> bool:
         """A kept (or held) scope's masters changed since their copies were enqueued, by writes that did
         not go through an op on the parameter (Note [VRAM budget] in _schedule.py)."""
@@ -529,6 +566,7 @@ class Scope:
         self.loading = None
         for slot in self.slots:
             slot.old_grad = slot.old_grad_source = None
+        self.written_in_call.clear()  # the next load copies the masters as they are
         if self.graph_saved:
             self._retire_device_storage()  # Note [higher-order gradients]
         else:
