@@ -176,7 +176,12 @@ def _train(model: nn.Module, scenario: Scenario, xs: torch.Tensor, ys: torch.Ten
                 on_synced_grads({n for n, p in model.named_parameters() if p.grad is not None})
             opt.step()
             opt.zero_grad(set_to_none=scenario.zero_to_none)
-    offtensor.wait_for_steps()
+    if data_parallel and scenario.shard and scenario.overlap:
+        # The masters other ranks own are stepped by their workers: read them once every rank's
+        # steps are in (the results compare them), as a checkpoint after backward_and_step must.
+        offtensor.sync_masters(model)
+    else:
+        offtensor.wait_for_steps()
     return opt
 
 
