@@ -383,11 +383,15 @@ class Engine:
             scope.graph_saved = True
         self.backward_scope = scope
         self.training = TrainingState.TRAINING
-        if scope.state is not ScopeState.OFFLOADED and scope.written_since_copied() and not on_optimizer_worker():
+        stepper = self.grads.stepper
+        if (scope.state is not ScopeState.OFFLOADED and not on_optimizer_worker()
+                and scope.written_since_copied(skip=stepper.handed if stepper is not None else None)):
             # Resident since its forward (the last scope, a kept one) and written since, by a
             # write no op on the parameter saw: reloaded, so that backward differentiates with
             # what the master holds and a graph that saved the old copy raises
-            # (Note [writes under a saved graph] in _slot.py).
+            # (Note [writes under a saved graph] in _slot.py). Not for what backward_and_step's
+            # worker steps in this backward (a scope whose hooks fire again after its first
+            # gradients were handed over): their backward is done.
             self.streams.sync_master_reads()
             scope.release(force=True)
         if scope.state is ScopeState.OFFLOADED:

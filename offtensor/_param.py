@@ -184,8 +184,17 @@ def _await_steps(params: list[OffloadedParameter]) -> None:
 
 
 def master_grad(p: torch.Tensor) -> torch.Tensor | None:
-    """`p.grad` of the master itself, without going through `__torch_function__`."""
-    return _TensorBase.grad.__get__(p)  # type: ignore[union-attr]
+    """`p.grad` of the master itself, once its deferred step is done (Note [step fences] in
+    _slot.py), without a round trip through `__torch_function__`: a property read on a tensor
+    subclass dispatches it unless subclass dispatch is off, and the gradient path reads it for
+    every gradient."""
+    slot = getattr(p, "_ot", None)
+    if slot is not None and not on_optimizer_worker():
+        slot.wait_for_step()
+    return without_subclass_dispatch(_GRAD_OF, p)
+
+
+_GRAD_OF = _TensorBase.grad.__get__  # type: ignore[union-attr]
 
 
 def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter]) -> Any:

@@ -473,10 +473,12 @@ class Scope:
         self.streams.reads_masters(self.streams.record(self.streams.compute()))
         self._note_copied((slot,))
 
-    def written_since_copied(self) -> bool:
+    def written_since_copied(self, skip: Any = None) -> bool:
         """A kept (or held) scope's masters changed since their copies were enqueued, by writes that did
-        not go through an op on the parameter (Note [VRAM budget] in _schedule.py)."""
-        return any(_version(slot.param) != v for slot, v in self.copied_versions.items())
+        not go through an op on the parameter (Note [VRAM budget] in _schedule.py); not
+        counting the slots for which `skip(slot)` is true."""
+        return any(_version(slot.param) != v for slot, v in self.copied_versions.items()
+                   if skip is None or not skip(slot))
 
     def _mark_chunk(self, h2d: Any) -> None:
         """Record the event compute waits on for the copies enqueued since the last one: after
@@ -634,9 +636,13 @@ class Scope:
 
 
 def _version(p: torch.Tensor) -> int:
-    """`p._version` without `__torch_function__`: bumped by in-place writes to p and to its
-    views and detached aliases."""
-    return torch._C.TensorBase._version.__get__(p)  # type: ignore[attr-defined]
+    """`p._version` without `__torch_function__` (subclass dispatch off: a property read on a
+    tensor subclass dispatches it otherwise): bumped by in-place writes to p and to its views
+    and detached aliases. Read at every load and every op inside a scope."""
+    return without_subclass_dispatch(_VERSION_OF, p)
+
+
+_VERSION_OF = torch._C.TensorBase._version.__get__  # type: ignore[attr-defined]
 
 
 def _set_master(p: torch.Tensor, master: torch.Tensor) -> None:
