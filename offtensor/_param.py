@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _compile, _distributed
 from ._compress import AS_PLAIN, packed_of, packed_property, packed_torch_function
-from ._slot import ParamSlot, on_optimizer_worker
+from ._slot import ParamSlot, in_backward, on_optimizer_worker
 
 _disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 _TensorBase = torch._C.TensorBase
@@ -64,20 +64,20 @@ class OffloadedParameter(nn.Parameter):
 
     def __deepcopy__(self, memo: dict) -> nn.Parameter:
         # A copy is a plain Parameter holding a copy of the master: it belongs to no scope.
-        _await_steps([self])  # a deferred optimizer step may still write the master
+        _await_steps([self], torch.Tensor.clone)  # a deferred optimizer step may still write the master
         result = without_subclass_dispatch(lambda p: nn.Parameter(master_values(p), p.requires_grad), self)
         memo[id(self)] = result
         return result
 
     def set_(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
         # `Tensor.set_` does not dispatch to __torch_function__: a method of the class instead.
-        _await_steps([self])  # a deferred optimizer step may still write the master
+        _await_steps([self], torch.Tensor.set_)  # a deferred optimizer step may still write the master
         return without_subclass_dispatch(_set, self, *args, *kwargs.values())
 
     def __reduce_ex__(self, proto):  # type: ignore[override]
         # Pickle (torch.save) as a plain Parameter: the offloading is a runtime arrangement
         # (Note [copies of a wrapped model] in _hooks.py).
-        _await_steps([self])
+        _await_steps([self], torch.Tensor.clone)  # pickling reads the values
         return without_subclass_dispatch(_reduce, self)
 
 
@@ -124,7 +124,7 @@ def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
     """OffloadedParameter.__torch_function__, with subclass dispatch off."""
     params = _find_params(args, kwargs)
     if not on_optimizer_worker():
-        _await_steps(params)
+        _await_steps(params, func)
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__", "__delete__"):
         prop = getattr(func.__self__, "__name__", "")
@@ -174,13 +174,28 @@ def master_values(p: torch.Tensor) -> torch.Tensor:
     return packed.unpack() if packed is not None else p.detach().clone()
 
 
-def _await_steps(params: list[OffloadedParameter]) -> None:
+def _await_steps(params: list[OffloadedParameter], func: Any) -> None:
     """Wait for the deferred optimizer steps of the parameters an op or property access uses
-    (Note [step fences] in _slot.py); nothing to do unless one is pending."""
+    (Note [step fences] in _slot.py); nothing to do unless one is pending. A shared master that
+    another rank may be stepping is not read at all (Note [step fence] in _shared_masters.py)."""
     for p in params:
         slot = getattr(p, "_ot", None)
         if slot is not None:
             slot.wait_for_step()
+            if slot.stepped_elsewhere is not None and _reads_values(func) and not in_backward():
+                slot.stepped_elsewhere.refuse_read(slot)
+
+
+def _reads_values(func: Any) -> bool:
+    """The op or property access reads the parameter's values, not only what it is (its
+    shape, dtype, `.grad`, `requires_grad`)."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        prop = getattr(func.__self__, "__name__", "")
+        return name == "__get__" and (prop == "data" or prop in _DERIVED_PROPERTIES)
+    return func not in _METADATA
+
+
 
 
 def master_grad(p: torch.Tensor) -> torch.Tensor | None:
@@ -366,6 +381,18 @@ _SETITEM = torch.Tensor.__setitem__
 # are dispatched like ops. Every other property (`p.grad`, `p.data`, `p.shape`, `p.device`) is
 # about the master itself.
 _DERIVED_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+# What a parameter is, not what it holds: allowed while another rank may be stepping a shared
+# master (`_reads_values`).
+_METADATA = {
+    torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.size, torch.Tensor.dim,
+    torch.Tensor.ndimension, torch.Tensor.stride, torch.Tensor.element_size, torch.Tensor.is_contiguous,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.is_signed, torch.Tensor.__len__,
+    torch.Tensor.get_device, torch.Tensor.is_pinned, torch.Tensor.data_ptr, torch.Tensor.untyped_storage,
+    torch.Tensor.storage_offset, torch.Tensor.requires_grad_, torch.Tensor.retain_grad, torch.Tensor.is_shared,
+    torch.Tensor.__hash__, torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
+    torch.is_complex, torch.is_floating_point, torch.numel,
+}
 
 # Queries about the master itself, and methods that change the parameter object: never
 # materialized, even when grad mode would otherwise call for a differentiable copy.

@@ -51,6 +51,13 @@ group's store (keys `fence/<n>/<rank>`; waits at most the store's timeout, the o
   the masters (saving a checkpoint) after `backward_and_step` before the next forward.
 After the fence each master another rank owns is treated as written (`before_master_write`):
 a device copy kept from before is released, a `cast="host"` shadow is recast.
+Between a synchronised backward and the next fence, reading the values of a master another
+rank owns (`state_dict()`, `p.detach()`, an op outside the forward) raises, naming
+`sync_masters`: its owner may be stepping it, and a checkpoint saved on rank 0 right after the
+last `backward_and_step` was silently one step behind on the other ranks' parameters. The
+fence cannot be taken there instead, since it is a barrier of every rank and such a read
+often runs on one. What a parameter is (its shape, `.grad`, `requires_grad`) stays readable:
+optimizers, clipping and zero_grad read only that of the parameters they do not step.
 """
 
 from __future__ import annotations
@@ -261,6 +268,10 @@ class Sharding:
                 "parameter its owner rank, so no rank steps it. Unfreeze parameters before "
                 "offtensor.data_parallel(model, shard_optimizer=True)"
             )
+        if self.state is not MastersState.MAY_CHANGE:
+            for other, other_owner in self.owner.items():
+                if other_owner != self.rank:
+                    other.stepped_elsewhere = self  # until the fence (refuse_read)
         self.state = MastersState.MAY_CHANGE
         part = grad / self.world  # a tensor of our own: `grad` may be autograd's or a hook's
         if old is not None:
@@ -349,7 +360,21 @@ class Sharding:
         self.state = MastersState.AGREED
         for slot, owner in self.owner.items():
             if owner != self.rank:
+                slot.stepped_elsewhere = None
                 slot.scope.engine.before_master_write(slot)
+
+    def refuse_read(self, slot: ParamSlot) -> None:
+        """A read of a master another rank owns, after a synchronised backward and before the
+        fence: its owner may be stepping it, or may have stepped it, so the values would be one
+        step behind, or half stepped."""
+        raise RuntimeError(
+            f"offtensor.data_parallel(shard_optimizer=True): parameter {slot.name!r} is stepped by "
+            f"rank {self.owner.get(slot)}, whose step may not be in the shared master yet: a "
+            "synchronised backward has run since the ranks last agreed on the masters. Call "
+            "offtensor.sync_masters(model) on every rank before reading them (a checkpoint after "
+            "backward_and_step: sync_masters, then state_dict() on one rank); optimizer.step() "
+            "and the next forward agree by themselves"
+        )
 
     def close(self) -> None:
         for handle in self.handles:

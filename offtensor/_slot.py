@@ -164,6 +164,9 @@ class ParamSlot:
     chunk: int = 0  # which of the scope's load events covers this parameter's copy
     copy_index: int = 0  # position in the scope's copy_order
     pending_step: StepFence | None = None  # a deferred optimizer step still has to write the master
+    # data_parallel(shard_optimizer=True): the sharding, while the rank that owns this shared
+    # master may be stepping it; reading its values raises (Note [step fence] in _shared_masters.py)
+    stepped_elsewhere: Any = None
     grad_hooks: OrderedDict = field(default_factory=OrderedDict)  # register_hook hooks, see Note [user gradient hooks]
     # Policy(frozen_format): the master is stored compressed, `master` holds no values (Note
     # [compressed masters] in _compress.py)

@@ -401,6 +401,14 @@ def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
         model(x).sum().backward()
         with offtensor.no_sync(model):
             errors["no_sync_onto_an_averaged_gradient"] = _error(lambda: model(x).sum().backward())
+        # The masters another rank owns, read after backward_and_step before sync_masters.
+        model = wrapped()
+        offtensor.data_parallel(model, timeout=10, shard_optimizer=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        offtensor.backward_and_step(model(x).sum(), opt)
+        errors["read_before_sync_masters"] = _error(lambda: model.state_dict())
+        offtensor.sync_masters(model)
+        results["read_after_sync_masters"] = _error(lambda: model.state_dict())
         model = wrapped()
         errors["ddp_around_a_wrapped_model"] = _error(lambda: nn.parallel.DistributedDataParallel(model))
         # Last: rank 1 never calls data_parallel, so rank 0 must give up after its timeout.
@@ -568,7 +576,16 @@ BAD_SETUPS = {
                                          r"gradients \(optimizer.zero_grad\(\)\) after each optimizer step",
     "ddp_around_a_wrapped_model": r"RuntimeError: offtensor: DistributedDataParallel was given a model with "
                                   r"offloaded parameters .*offtensor.data_parallel\(model\)",
+    # Regression: silently one step behind on the parameters the other rank steps.
+    "read_before_sync_masters": r"RuntimeError: offtensor.data_parallel\(shard_optimizer=True\): parameter "
+                                r"'\S+' is stepped by rank [01], whose step may not be in the shared master "
+                                r"yet.* Call offtensor.sync_masters\(model\) on every rank before reading them",
 }
+
+
+def test_masters_read_after_sync_masters_give_no_error(job):
+    _, results = job
+    assert [res["read_after_sync_masters"] for res in results] == ["no error"] * WORLD
 
 
 def test_rank_0s_weights_reach_every_rank_in_a_scope_of_mixed_dtypes(job):
