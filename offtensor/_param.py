@@ -382,29 +382,27 @@ _SETITEM = torch.Tensor.__setitem__
 # about the master itself.
 _DERIVED_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 
-# What a parameter is, not what it holds: allowed while another rank may be stepping a shared
-# master (`_reads_values`).
-_METADATA = {
+# What a parameter is, not what it holds (shape, layout, where it lives, its grad settings).
+_ABOUT_THE_PARAMETER = {
     torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.size, torch.Tensor.dim,
     torch.Tensor.ndimension, torch.Tensor.stride, torch.Tensor.element_size, torch.Tensor.is_contiguous,
     torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.is_signed, torch.Tensor.__len__,
     torch.Tensor.get_device, torch.Tensor.is_pinned, torch.Tensor.data_ptr, torch.Tensor.untyped_storage,
     torch.Tensor.storage_offset, torch.Tensor.requires_grad_, torch.Tensor.retain_grad, torch.Tensor.is_shared,
-    torch.Tensor.__hash__, torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
+    torch.Tensor.__hash__,
+}
+
+# Allowed while another rank may be stepping a shared master (`_reads_values`).
+_METADATA = _ABOUT_THE_PARAMETER | {
+    torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
     torch.is_complex, torch.is_floating_point, torch.numel,
 }
 
 # Queries about the master itself, and methods that change the parameter object: never
 # materialized, even when grad mode would otherwise call for a differentiable copy.
-_MASTER_ONLY = {
-    torch.Tensor.is_pinned, torch.Tensor.data_ptr, torch.Tensor.untyped_storage,
-    torch.Tensor.storage_offset, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.size,
-    torch.Tensor.dim, torch.Tensor.ndimension, torch.Tensor.stride, torch.Tensor.element_size,
-    torch.Tensor.is_contiguous, torch.Tensor.is_floating_point, torch.Tensor.is_complex,
-    torch.Tensor.is_signed, torch.Tensor.__len__, torch.Tensor.get_device, torch.Tensor.detach,
-    torch.Tensor.requires_grad_, torch.Tensor.retain_grad, torch.Tensor.is_shared,
-    torch.Tensor.pin_memory, torch.Tensor.__format__, torch.Tensor.tolist, torch.Tensor.item,
-    torch.Tensor.numpy, torch.Tensor.type, torch.Tensor.__hash__, torch.Tensor.__bool__,
+_MASTER_ONLY = _ABOUT_THE_PARAMETER | {
+    torch.Tensor.detach, torch.Tensor.pin_memory, torch.Tensor.__format__, torch.Tensor.tolist,
+    torch.Tensor.item, torch.Tensor.numpy, torch.Tensor.type, torch.Tensor.__bool__,
 }
 
 
