@@ -53,6 +53,21 @@ steps of a training loop. Should a second contribution arrive anyway, the worker
 have stepped the parameter on the first: backward raises, saying so, rather than let the late
 part go missing silently, and the parameter is no longer handed over early.
 
+# Note [worker threads]
+The CPU optimizer's step is bound by the cores it runs on: fused bf16 AdamW over the benchmark's
+8 layers took 1102, 589, 329 and 307 ms on 4, 8, 15 and 16 threads of the H200's host. But a
+parallel region is as slow as its slowest thread, and with as many OpenMP threads as cores one
+busy thread beside them makes a straggler of one of them: the same step took 885 ms on 16
+threads beside one busy Python thread, 377 ms on 15. So the worker leaves `spare_threads` cores
+to the thread that launches the device's kernels (autograd's, during backward; the caller's, in
+the next forward) while that thread may run, and takes every core for a piece that starts while
+a thread is blocked waiting for one of its steps (`_OverlappedStep._waiting`): the next forward
+waiting for the deferred steps of the layer it needs, `optimizer.zero_grad()`,
+`wait_for_steps()`. In a step bound by the optimizer that is most of the deferred work: on the
+H200, one spare thread throughout measured 410.9 ms per step (worker busy 380.0 ms) and every
+thread after backward 388.2 ms (355.2 ms), in turn in one run. The count is chosen per piece, so
+a thread that starts waiting mid-piece gets its core back at the next piece.
+
 # Note [fork while steps are deferred]
 A forked process has only the thread that forked: the optimizer worker is not there. A
 DataLoader's worker processes fork at `iter(loader)`, typically right after a
@@ -86,10 +101,8 @@ from ._scope import Scope
 from ._slot import ParamSlot, on_optimizer_worker, worker_state
 
 STEP_PIECE_BYTES = 64 * 2**20  # backward_and_step(piece_bytes=) default; see Note [deferred steps]
-# Cores the worker leaves to the thread that launches the device's kernels (_OverlappedStep._run);
-# backward_and_step(spare_threads=) default.
-# Measured on the benchmark's 16-core host (docs/benchmarks.md): 2 spare -> 355-379 ms per step,
-# 1 -> 338 ms, 0 -> 327 ms; 1 keeps a core for the main thread on smaller hosts.
+# Cores the worker leaves to the thread that launches the device's kernels while that thread may
+# need them (Note [worker threads]); backward_and_step(spare_threads=) default.
 SPARE_THREADS = 1
 
 _current: _OverlappedStep | None = None  # the latest backward_and_step; its steps may be pending
@@ -113,6 +126,7 @@ class OverlapReport:
     early_pieces: int = 0  # pieces handed over as their gradients were copied, not at their scope's
     # end of backward (Note [early handover])
     worker_busy_s: float = 0.0  # time the worker spent stepping (compare: the plain CPU step)
+    all_thread_pieces: int = 0  # pieces stepped on every thread, a thread waiting (Note [worker threads])
     _stepper: Any = field(default=None, repr=False, compare=False)
 
     def wait(self) -> OverlapReport:
@@ -155,8 +169,10 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
             `optimizer.zero_grad()` does by default), so no wait is needed to zero them.
         spare_threads: CPU threads the optimizer worker leaves to the thread that launches the
             device's kernels: the worker steps with `torch.get_num_threads() - spare_threads`
-            intra-op threads (at least 1). Default (None): `SPARE_THREADS`, 1. A tuning knob;
-            the benchmark's `--overlap-spare-threads` sets it.
+            intra-op threads (at least 1), and with all of them while a thread is blocked
+            waiting for its steps (the next forward waiting for a layer's weights). Default
+            (None): `SPARE_THREADS`, 1. A tuning knob; the benchmark's
+            `--overlap-spare-threads` sets it.
         piece_bytes: parameter bytes per optimizer step the worker runs: a scope's parameters
             are stepped in pieces of about this size, so that a piece the next forward needs
             soon never waits behind a whole scope (Note [deferred steps]). Default (None):
@@ -398,6 +414,7 @@ class _OverlappedStep:
         self._closed = False  # no more pieces come
         self._done = False  # the worker has stopped
         self._error: BaseException | None = None
+        self._waiting = 0  # threads blocked in wait() (Note [worker threads])
         self._times: dict[str, list[float]] = {}  # scope -> [queued, landed, stepped]
         self._rest_done = 0.0
         self._stepped: list[str] = []  # names of the parameters stepped, in order
@@ -575,12 +592,16 @@ class _OverlappedStep:
             self._cond.wait()
 
     def _wait_locked(self, slot: ParamSlot | None) -> BaseException | None:
-        if slot is None:
-            while not self._done:
-                self._cond.wait()
-        else:
-            while slot.step_pending:
-                self._cond.wait()
+        self._waiting += 1
+        try:
+            if slot is None:
+                while not self._done:
+                    self._cond.wait()
+            else:
+                while slot.step_pending:
+                    self._cond.wait()
+        finally:
+            self._waiting -= 1
         error, self._error = self._error, None
         return error
 
@@ -590,13 +611,16 @@ class _OverlappedStep:
         threads = torch.get_num_threads()
         try:
             worker_state.active = True
-            # The thread that launches kernels must keep a core: a CPU optimizer on every core
-            # starves it and the GPU idles. OpenMP thread counts are per calling thread here.
-            torch.set_num_threads(max(1, threads - self.spare_threads))
+            # OpenMP thread counts are per calling thread: this sets the worker's alone.
+            spared = max(1, threads - self.spare_threads)
             while True:
-                piece = self._next_piece()
+                piece, waited_for = self._next_piece()
                 if piece is None:
                     return
+                # Every core while a thread waits for a step, else leave the launching thread
+                # its spare ones (Note [worker threads]).
+                torch.set_num_threads(threads if waited_for else spared)
+                self.report.all_thread_pieces += waited_for and spared < threads
                 began = time.perf_counter()
                 try:
                     self._step_piece(piece)
@@ -619,19 +643,20 @@ class _OverlappedStep:
                 self._finish_report()
                 self._cond.notify_all()
 
-    def _next_piece(self) -> _Piece | None:
-        """The landed piece that the next forward needs first; None once all are done."""
+    def _next_piece(self) -> tuple[_Piece | None, bool]:
+        """The landed piece that the next forward needs first (None once all are done), and
+        whether a thread is waiting for a step as it is taken."""
         while True:
             with self._cond:
                 while not self._pieces and not self._closed:
                     self._cond.wait()
                 if not self._pieces:
-                    return None
+                    return None, False
                 ready = [p for p in self._pieces if p.landed is None or p.landed.query()]
                 if ready:
                     piece = min(ready, key=lambda p: p.deadline)
                     self._pieces.remove(piece)
-                    return piece
+                    return piece, self._waiting > 0
                 first = self._pieces[0]  # handed over first, so its copies land first
             first.landed.synchronize()
 

@@ -650,6 +650,16 @@ def test_the_overlapped_step_is_judged_in_turn_against_adamw_beside_the_copies()
                   same_time={**same, "beside_median_ms": None, "beside_ms": []})
     rooflines.compute_rooflines([rows[0], without], [SCENARIOS["step-4x2048"]], bw, vb, extras)
     assert without.ratio_source is None and without.ratio == pytest.approx(520.0 / 300.0)  # AdamW alone, as before
+    # The worker takes every thread while the forward waits for it (Note [worker threads]): the
+    # faster of AdamW beside the copies on the spared threads and on every thread is the reference.
+    every = Row("step-4x2048", "offtensor-overlap", "ok", median_ms=520.0, grads_kept=1.0,
+                same_time={**same, "beside_all_ms": [430.0], "beside_all_median_ms": 430.0, "beside_all_threads": 16,
+                           "beside_threads": 15})
+    rooflines.compute_rooflines([rows[0], every], [SCENARIOS["step-4x2048"]], bw, vb, extras)
+    assert every.roofline_ms == pytest.approx(430.0) and every.verdict == "FAIL"  # 500 / 430 = 1.16
+    text = report.format_same_time(every, 200.0)
+    assert "beside the step's copies 460.0 ms (460; 15 threads) and 430.0 ms (430; 16 threads)" in text
+    assert "1.16x max(fwd+bwd, AdamW beside copies)" in text
 
 
 def test_vram_target_of_the_capped_full_step():

@@ -223,6 +223,48 @@ def test_backward_and_step_worker_settings_change_the_pieces_not_the_result(spar
     assert report.pieces == (len(handed) if piece_bytes == 1 else len(model.blocks)), report
 
 
+@pytest.mark.parametrize("spare_threads", [1, 3])
+def test_the_worker_leaves_spare_threads_unless_a_thread_waits_for_its_steps(spare_threads):
+    """Note [worker threads]: a piece that starts while no thread waits for a step runs on
+    all threads but `spare_threads` (the launching thread may need a core); one that starts
+    while the caller is blocked waiting for the steps runs on every thread."""
+    import threading
+
+    model = offload(mlp_of_blocks(n_blocks=3), "cpu")
+    reference = mlp_of_blocks(n_blocks=3)
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    seen: list[int] = []
+    entered, release = threading.Event(), threading.Event()
+
+    def record(*_):
+        if threading.current_thread() is not threading.main_thread():
+            seen.append(torch.get_num_threads())
+            entered.set()
+            assert release.wait(30)
+
+    opt.register_step_pre_hook(record)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        x, y = _batches("cpu", 1)[0]
+        report = offtensor.backward_and_step(F.mse_loss(model(x), y), opt, spare_threads=spare_threads,
+                                             piece_bytes=1)
+        assert entered.wait(30)  # the first piece took its threads before anything waited
+        threading.Timer(0.3, release.set).start()
+        report.wait()  # blocks: every later piece starts while this thread waits
+        F.mse_loss(reference(x), y).backward()  # on as many threads: the same reductions
+        ref_opt.step()
+    finally:
+        release.set()
+        torch.set_num_threads(threads)
+    assert len(seen) == report.pieces > 1
+    assert seen[0] == 4 - spare_threads and set(seen[1:]) == {4}, seen
+    assert report.all_thread_pieces == report.pieces - 1
+    assert_params_match(model, reference, **tolerances("cpu"))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"spare_threads": -1}, "spare_threads must be an int >= 0, got -1"),
     ({"piece_bytes": 0}, "piece_bytes must be an int >= 1, got 0"),

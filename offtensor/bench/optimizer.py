@@ -175,7 +175,9 @@ def measure_same_time(step: Callable[[WorkerSettings], None], drain: Callable[[]
     overlapped training step (`step(settings)`), then `steps` timed ones, then waits for the
     last one's deferred steps (`drain`, untimed); then the plain fused AdamW on plain CPU
     tensors shaped as `params`, alone (every thread) and, on CUDA, beside one step's PCIe
-    copies (the first setting's worker threads). Medians over the rounds.
+    copies, on the first setting's spared thread count and on every thread (the worker takes
+    every thread while the next forward waits for it: Note [worker threads] in _overlap.py).
+    Medians over the rounds.
 
     What a round times is the steady-state period of an overlapped training loop, as the main
     timing's median does: each step's deferred steps finish in the next step's forward
@@ -192,7 +194,8 @@ def measure_same_time(step: Callable[[WorkerSettings], None], drain: Callable[[]
     busy: list[list[float]] = [[] for _ in variants]
     alone: list[float] = []
     beside: list[float] = []
-    beside_threads = None
+    beside_all: list[float] = []
+    beside_threads = beside_all_threads = None
     for _ in range(rounds):
         for i, settings in enumerate(variants):
             step(settings)  # fills the pipeline: the timed steps each find the last one's deferred work
@@ -208,6 +211,10 @@ def measure_same_time(step: Callable[[WorkerSettings], None], drain: Callable[[]
                                     spare_threads=variants[0].spare_threads)
             beside += m["times_ms"]
             beside_threads = m["threads"]
+            if variants[0].spare_threads:
+                m = adamw_beside_copies(opt, device, *pcie_bytes, reps=1, free=False, spare_threads=0)
+                beside_all += m["times_ms"]
+                beside_all_threads = m["threads"]
     return {"rounds": rounds, "steps": steps, "warmup_steps": 1,
             "variants": [{"spare_threads": v.spare_threads, "piece_mib": v.piece_bytes / 2**20,
                           "times_ms": times, "median_ms": statistics.median(times),
@@ -215,7 +222,9 @@ def measure_same_time(step: Callable[[WorkerSettings], None], drain: Callable[[]
                          for v, times, b in zip(variants, per_variant, busy, strict=True)],
             "alone_ms": alone, "alone_median_ms": statistics.median(alone),
             "beside_ms": beside, "beside_median_ms": statistics.median(beside) if beside else None,
-            "beside_threads": beside_threads}
+            "beside_threads": beside_threads,
+            "beside_all_ms": beside_all, "beside_all_median_ms": statistics.median(beside_all) if beside_all else None,
+            "beside_all_threads": beside_all_threads}
 
 
 def _random_grads(params: Sequence[torch.Tensor], pool: torch.Tensor) -> None:

@@ -149,7 +149,8 @@ def format_same_time(r: Row, fwd_bwd_ms: float | None) -> str:
     if "error" in st:
         return f"  {r.peer}/{r.scenario} measured in turn with the plain step: {st['error']}"
     fb = fwd_bwd_ms or 0.0
-    alone, beside = st["alone_median_ms"], st["beside_median_ms"]
+    alone, spared, every = st["alone_median_ms"], st["beside_median_ms"], st.get("beside_all_median_ms")
+    beside = min((t for t in (spared, every) if t is not None), default=None)  # as _judge_in_turn
 
     def listed(ts: list[float]) -> str:
         return ", ".join(f"{t:.0f}" for t in ts)
@@ -157,8 +158,10 @@ def format_same_time(r: Row, fwd_bwd_ms: float | None) -> str:
     lines = [f"  {r.peer}/{r.scenario} measured in turn with the plain step ({st['rounds']} rounds of "
              f"{st['steps']} steps after {st.get('warmup_steps', 0)} untimed; medians): "
              f"AdamW alone {alone:.1f} ms ({listed(st['alone_ms'])})"
-             + (f", beside the step's copies {beside:.1f} ms ({listed(st['beside_ms'])}; "
-                f"{st['beside_threads']} threads)" if beside else "")]
+             + (f", beside the step's copies {spared:.1f} ms ({listed(st['beside_ms'])}; "
+                f"{st['beside_threads']} threads)" if spared else "")
+             + (f" and {every:.1f} ms ({listed(st['beside_all_ms'])}; {st['beside_all_threads']} threads)"
+                if every else "")]
     for v in st["variants"]:
         m = v["median_ms"]
         lines.append(f"    {v['spare_threads']} spare threads, {v['piece_mib']:.0f} MiB pieces: {m:.1f} ms "
@@ -179,7 +182,8 @@ def format_timeline(r: Row) -> str:
               f"{o['total_ms']:.0f} ms"),
              (f"  the optimizer worker (leaving {o['spare_threads']} thread(s) spare, pieces of <= "
               f"{o['piece_bytes'] / 2**20:.0f} MiB) was busy {o['worker_busy_ms']:.0f} ms in {o['pieces']} "
-              f"pieces; {o['early_pieces']} pieces were handed over before their scope's backward ended; "
+              f"pieces ({o.get('all_thread_pieces', 0)} on every thread, a thread waiting for them); "
+              f"{o['early_pieces']} pieces were handed over before their scope's backward ended; "
               f"{o['rest_params']} parameters (outside the worker's scopes) were stepped after backward")]
     lines += [f"  scope {s['scope']}: handed to the optimizer at {s['queued_ms']:.0f} ms, grads landed "
               f"{s['started_ms']:.0f} ms, stepped by {s['stepped_ms']:.0f} ms" for s in o["scopes"]]

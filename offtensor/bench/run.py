@@ -48,7 +48,7 @@ def overlap_record(report: Any, worker: WorkerSettings) -> dict[str, Any]:
     return {
         "backward_ms": report.backward_s * 1e3, "total_ms": report.total_s * 1e3,
         "rest_params": report.rest_params, "pieces": report.pieces, "early_pieces": report.early_pieces,
-        "worker_busy_ms": report.worker_busy_s * 1e3,
+        "worker_busy_ms": report.worker_busy_s * 1e3, "all_thread_pieces": report.all_thread_pieces,
         "spare_threads": worker.spare_threads, "piece_bytes": worker.piece_bytes,
         "scopes": [{"scope": n, "queued_ms": q * 1e3, "started_ms": g * 1e3, "stepped_ms": d * 1e3}
                    for n, q, g, d in report.scopes],
