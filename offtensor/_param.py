@@ -262,6 +262,14 @@ def _replacements(params: list[OffloadedParameter], op_device: torch.device | No
         slot = getattr(p, "_ot", None)
         if slot is None:
             continue
+        if _compile.tracing():
+            raise RuntimeError(
+                f"offtensor: make_fx traced an op on offloaded parameter {slot.name!r} "
+                "(torch.func.linearize, aot_function, torch.export): the graph would keep its "
+                "device copy, which offtensor frees when the scope is released. Trace "
+                "torch.func.functional_call(model, params, args) with the parameters passed in "
+                "as tensors on the compute device, or call offtensor.unwrap(model) first"
+            )
         replacement = slot.scope.engine.materialize(slot, op_device)
         if replacement is None and slot.packed is not None:
             replacement = slot.packed.unpack()  # the master's values (Note [compressed masters])
