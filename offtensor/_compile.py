@@ -96,3 +96,42 @@ def compiling() -> bool:
     """Dynamo traces the code calling this (a constant True of the trace), or the compiler runs
     it (its metadata queries while it builds fake tensors)."""
     return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
+
+
+# Note [tracing with make_fx]
+# make_fx (which `torch.func.linearize`, `aot_function` and non-strict `torch.export` run)
+# records every aten op dispatched while its proxy mode is on, and calls of the traced graph
+# replay them. A forward of a wrapped model runs offtensor's own work too: loads (copies into
+# the scope's device storage), releases, gradient fetches. Traced, the graph replayed those
+# copies into device storage that had been released since (resized to 0 bytes): a crash when
+# the linearized function was called, even with every parameter passed in by `functional_call`
+# (the scopes' hooks still run). So the engine's entry points run with make_fx's modes (proxy,
+# and the fake-tensor mode it may trace under) taken off (`untraced`): its bookkeeping acts on
+# real tensors and stays out of the graph. An op on an offloaded parameter under tracing
+# cannot be served: the graph would keep the device copy as a constant, and that storage is
+# freed when the scope is released. It raises, naming the parameter (_param.py); passing the
+# parameters in (`functional_call`) or unwrapping are the ways out.
+
+_TRACING_MODES = (torch._C._TorchDispatchModeKey.PROXY, torch._C._TorchDispatchModeKey.FAKE)
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
+
+
+def tracing() -> bool:
+    """make_fx is tracing the code calling this (Note [tracing with make_fx]); also before
+    autograd (pre-dispatch, as torch.export does)."""
+    return (any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
+            or torch._ops._get_dispatch_mode_pre_dispatch(_PROXY) is not None)
+
+
+def untraced(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` with make_fx's modes off (Note [tracing with make_fx])."""
+    modes = [torch._C._unset_dispatch_mode(key) for key in _TRACING_MODES]
+    pre_dispatch = torch._ops.unset_mode_pre_dispatch(_PROXY)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if pre_dispatch is not None:
+            torch._ops._set_mode_pre_dispatch(pre_dispatch)
+        for mode in modes:
+            if mode is not None:
+                torch._C._set_dispatch_mode(mode)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _distributed
+from . import _compile, _distributed
 from ._api import Policy, Residency, ScopeState
 from ._grads import GradOffload
 from ._param import without_subclass_dispatch
@@ -73,10 +73,13 @@ def _no_engine() -> None:
 
 
 def _outside_transforms(method: Any) -> Any:
-    """Run an engine entry point outside torch.func transforms (Note [torch.func transforms])."""
+    """Run an engine entry point outside torch.func transforms (Note [torch.func transforms])
+    and untraced by make_fx (Note [tracing with make_fx] in _compile.py)."""
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if _compile.tracing():
+            return _compile.untraced(run, *args, **kwargs)
         if torch._C._functorch.peek_interpreter_stack() is None:  # no transform: nothing to do
             return method(*args, **kwargs)
         with torch._C._DisableFuncTorch():

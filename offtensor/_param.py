@@ -234,17 +234,7 @@ def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter])
             return func(*args, **kwargs)
     if on_optimizer_worker():  # the optimizer thread: masters only
         return func(*args, **kwargs)
-    op_device = _op_device(args, kwargs)
-    subs: dict[int, torch.Tensor] = {}
-    for p in params:
-        slot = getattr(p, "_ot", None)
-        if slot is None:
-            continue
-        replacement = slot.scope.engine.materialize(slot, op_device)
-        if replacement is None and slot.packed is not None:
-            replacement = slot.packed.unpack()  # the master's values (Note [compressed masters])
-        if replacement is not None:
-            subs[id(p)] = replacement
+    subs = _replacements(params, _op_device(args, kwargs))
     if not subs:
         return func(*args, **kwargs)
     args, kwargs = _substitute(args, subs), {k: _sub_one(v, subs) for k, v in kwargs.items()}
@@ -262,6 +252,30 @@ def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter])
             "must be of the compute dtype. Run the model under torch.autocast(device_type, "
             f"dtype={slot.device_view.dtype}), or cast the inputs to {slot.device_view.dtype}"
         ) from e
+
+
+def _replacements(params: list[OffloadedParameter], op_device: torch.device | None) -> dict[int, torch.Tensor]:
+    """What an op on `params` gets in place of each (by id): a device or temporary copy
+    (Engine.materialize); none where the op acts on the master."""
+    subs: dict[int, torch.Tensor] = {}
+    for p in params:
+        slot = getattr(p, "_ot", None)
+        if slot is None:
+            continue
+        if _compile.tracing():
+            raise RuntimeError(
+                f"offtensor: make_fx traced an op on offloaded parameter {slot.name!r} "
+                "(torch.func.linearize, aot_function, torch.export): the graph would keep its "
+                "device copy, which offtensor frees when the scope is released. Trace "
+                "torch.func.functional_call(model, params, args) with the parameters passed in "
+                "as tensors on the compute device, or call offtensor.unwrap(model) first"
+            )
+        replacement = slot.scope.engine.materialize(slot, op_device)
+        if replacement is None and slot.packed is not None:
+            replacement = slot.packed.unpack()  # the master's values (Note [compressed masters])
+        if replacement is not None:
+            subs[id(p)] = replacement
+    return subs
 
 
 def _written(args: tuple, kwargs: dict) -> set[int]:
@@ -567,3 +581,45 @@ _HANDLERS = {
     torch.Tensor.detach: _detach,
 }
 _AUTOGRAD_ENTRIES = {torch.autograd.grad: _autograd_grad, torch.autograd.backward: _autograd_backward}
+
+
+# Note [custom autograd Functions]
+# `torch.autograd.Function.apply` is no op: it does not reach `__torch_function__`, so a custom
+# Function given a parameter (`_Linear.apply(x, self.weight, self.bias)`, as apex's fused layers,
+# Liger's fused linear cross-entropy and unsloth's LoRA kernels are called) got the
+# OffloadedParameter itself. Autograd then recorded the master as the Function's input and
+# accumulated the Function's gradient into it by its own AccumulateGrad, past the gradient path
+# (Note [gradient path] in _grads.py): the parameter's `register_hook` hooks, data_parallel's
+# averaging and backward_and_step's worker never saw it, and on CUDA autograd refused a device
+# gradient for a host parameter; `ctx.save_for_backward(weight)` saved the master, which a
+# non-reentrant checkpoint's recompute handed to backward as a plain alias (its ops read the
+# host master). So `wrap` replaces `Function.apply` (once per process, for every Function
+# class) by `_function_apply`, which first gives each offloaded argument what an op would get
+# (Note [dispatch of an offloaded parameter]): in its scope the device copy, elsewhere a
+# temporary copy with the same gradient path. The Function computes with, saves and returns a
+# gradient for that copy, as F.linear does. With no offloaded argument it is the original call
+# after a scan of the arguments.
+
+
+def _function_apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+    """`torch.autograd.Function.apply` with offloaded arguments replaced (Note [custom autograd
+    Functions])."""
+    params = _find_params(args, kwargs)
+    if params and not on_optimizer_worker():
+        args, kwargs = without_subclass_dispatch(_materialized_arguments, args, kwargs, params)
+    return _PLAIN_FUNCTION_APPLY(cls, *args, **kwargs)
+
+
+def _materialized_arguments(args: tuple, kwargs: dict, params: list[OffloadedParameter]) -> tuple[tuple, dict]:
+    _await_steps(params, _function_apply)
+    subs = _replacements(params, _op_device(args, kwargs))
+    return _substitute(args, subs), {k: _sub_one(v, subs) for k, v in kwargs.items()}
+
+
+_PLAIN_FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"].__func__
+
+
+def intercept_function_apply() -> None:
+    """Install `_function_apply` as `torch.autograd.Function.apply`; called by wrap, idempotent."""
+    if torch.autograd.Function.__dict__["apply"].__func__ is _PLAIN_FUNCTION_APPLY:
+        setattr(torch.autograd.Function, "apply", classmethod(_function_apply))  # noqa: B010

@@ -58,7 +58,7 @@ from ._grads import new_host_grad
 from ._hooks import Hook, ModelHooks, ScopeHooks
 from ._host_memory import HostBuffer, PinProgress, host_empty
 from ._overlap import wait_for_steps
-from ._param import OffloadedParameter, master_values, without_subclass_dispatch
+from ._param import OffloadedParameter, intercept_function_apply, master_values, without_subclass_dispatch
 from ._quantized import attach, offloaded_weight, quant_kind, quantized_parts, weights_of
 from ._schedule import streaming_bytes
 from ._scope import ALIGN, Scope
@@ -142,6 +142,7 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
     plans = _plan_scopes(selected)
     _check_budget(plans, policy)
     engine = Engine(device, policy)
+    intercept_function_apply()  # Note [custom autograd Functions] (_param.py)
     progress = PinProgress(sum(p.numel() * p.element_size() for *_, params, _ in plans for _, p in params),
                            *([source.label] if source is not None else []))
     try:
