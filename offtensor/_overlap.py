@@ -63,10 +63,11 @@ to the thread that launches the device's kernels (autograd's, during backward; t
 the next forward) while that thread may run, and takes every core for a piece that starts while
 a thread is blocked waiting for one of its steps (`_OverlappedStep._waiting`): the next forward
 waiting for the deferred steps of the layer it needs, `optimizer.zero_grad()`,
-`wait_for_steps()`. In a step bound by the optimizer that is most of the deferred work: on the
-H200, one spare thread throughout measured 410.9 ms per step (worker busy 380.0 ms) and every
-thread after backward 388.2 ms (355.2 ms), in turn in one run. The count is chosen per piece, so
-a thread that starts waiting mid-piece gets its core back at the next piece.
+`wait_for_steps()`. In the benchmark's step, bound by the optimizer, about half the pieces
+(21 of 40) start so; measured in turn in one H200 run against one spare thread throughout, the
+step took 438.3 against 444.8 ms (faster in 6 of 7 rounds), the worker busy 399.0 against
+407.6 ms. The count is chosen per piece, so a thread that starts waiting mid-piece gets its
+core back at the next piece.
 
 # Note [fork while steps are deferred]
 A forked process has only the thread that forked: the optimizer worker is not there. A
