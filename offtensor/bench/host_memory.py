@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -125,12 +126,34 @@ def _host_copy_gbps() -> float:
     return 2 * big.numel() / statistics.median(t[1:]) / 1e9
 
 
+def _busy_thread() -> Callable[[], None]:
+    """Start a thread running Python without pause (as autograd's thread launching a backward
+    does, in bursts); returns the function that stops it."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    t = threading.Thread(target=spin, daemon=True)
+    t.start()
+
+    def end() -> None:
+        stop.set()
+        t.join()
+    return end
+
+
 def host_contention(argv: list[str]) -> int:
     """The plain fused AdamW step (bf16, the full-size model's layer shapes) alone with all
-    threads and with one left spare, then while pinned copies stream one way and both ways."""
+    threads and with one left spare, on each of --threads, beside a thread busy running Python
+    (all threads and one spare: Note [worker threads] in _overlap.py), then while pinned copies
+    stream one way and both ways."""
     ap = argparse.ArgumentParser(prog="python -m offtensor.bench host-contention", description=host_contention.__doc__)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--threads", type=int, nargs="*", default=[], metavar="N",
+                    help="also time the step alone on each of these thread counts")
     args = ap.parse_args(argv)
     threads = torch.get_num_threads()
     shapes = layer_shapes(args.layers)
@@ -150,6 +173,14 @@ def host_contention(argv: list[str]) -> int:
 
     row(f"alone, {threads} threads", _step_times(opt, args.reps, threads))
     row(f"alone, {max(1, threads - 1)} threads", _step_times(opt, args.reps, max(1, threads - 1)))
+    for n in args.threads:
+        row(f"alone, {n} threads", _step_times(opt, args.reps, n))
+    for n in (threads, max(1, threads - 1)):
+        end = _busy_thread()
+        try:
+            row(f"{n} threads, a busy Python thread alongside", _step_times(opt, args.reps, n))
+        finally:
+            end()
     if torch.cuda.is_available():
         for directions in ("h2d", "both"):
             start, rates = _copies(directions, 0.6)
