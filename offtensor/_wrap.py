@@ -12,10 +12,12 @@ the masters cannot leave the scope's host buffer, and other processes would trai
 them. Checking the subtree, not only the module's own parameters, matters:
 `Module._apply` converts the children one after the other, so a check per module would raise
 only after the modules before it (an embedding, a head) were converted, leaving a model of mixed
-dtypes. Device moves then apply to everything else (buffers, unwrapped parameters) while each
-module hides its own masters from the conversion, leaving them on the host. (A module that
-merely contains the wrapped model is not guarded: converting it may convert its other children
-before the wrapped model refuses.)
+dtypes. Device moves then apply to everything else (buffers, unwrapped parameters) while the
+guarded module hides the masters of its whole subtree from the conversion, leaving them on the
+host: a module that got an offloaded parameter after wrap (a head tied to an offloaded
+embedding by `tie_weights()`) has no guard of its own, and `Module._apply` would convert its
+master like a plain parameter. (A module that merely contains the wrapped model is not
+guarded: converting it may convert its other children before the wrapped model refuses.)
 
 # Note [loading with assign=True]
 `load_state_dict(sd, assign=True)` replaces each parameter by the state dict's tensor: offloaded
@@ -43,7 +45,7 @@ import logging
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -676,15 +678,19 @@ def _apply_keeping_masters(module: nn.Module, fn, recurse: bool = True):
                 "or call offtensor.unwrap(model) first. (Device moves such as "
                 "model.to('cuda') are fine: they leave the masters on the host.)"
             )
-    masters: dict[str, Any] = {k: p for k, p in module._parameters.items()
-                               if isinstance(p, OffloadedParameter) or offloaded_weight(p) is not None}
-    for key in masters:
-        module._parameters[key] = None
+    # The whole subtree's masters, not only the module's own: a module given an offloaded
+    # parameter after wrap (a head tied to an offloaded embedding by tie_weights(), a Linear
+    # rebuilt around its weight) has no guard of its own.
+    masters = [(m._parameters, k, p) for m in (module.modules() if recurse else (module,))
+               for k, p in m._parameters.items()
+               if isinstance(p, OffloadedParameter) or offloaded_weight(p) is not None]
+    for params, key, _ in masters:
+        params[key] = None
     try:
         return type(module)._apply(module, fn, recurse)
     finally:
-        for key, p in masters.items():
-            module._parameters[key] = p
+        for params, key, master in masters:
+            params[key] = master
 
 
 def _load_into_masters(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict,
