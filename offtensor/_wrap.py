@@ -30,6 +30,20 @@ anything is loaded) and, on a module holding offloaded parameters itself, turns 
 the values are copied into the masters, and that module's buffers and other parameters are
 copied too, as with `assign=False`.
 
+# Note [replacing an offloaded parameter]
+`module.weight = nn.Parameter(t)` after wrap, or tying a scope's parameter to another one
+(`tie_weights()` on a selected head), would register a plain parameter in the scope, never
+offloaded (resident on the device, or PyTorch's device-mismatch error once the inputs are
+there), while the old master stayed in the scope's buffer and was still loaded at each call:
+the scope's layout is fixed at wrap. A parameter registration hook (`Module.register_parameter`,
+which `setattr` uses, calls it for every module) refuses to replace a live offloaded parameter
+by another object, before anything changes, naming it and the ways to do it: copy the values
+in, or unwrap, change the model and wrap again. Registering the same parameter again, new
+parameters (adapters added after wrap, plain ones) and moving one under another name (prune's
+`weight_orig`, parametrizations' `original`) are unaffected; so is code that writes
+`module._parameters` directly (accelerate's `set_module_tensor_to_device`, which gives a plain
+parameter, and torch.func's `functional_call`, which puts the originals back).
+
 # Note [part of a wrapped model]
 `is_wrapped`, `summary` and `unwrap` find the engine through an offloaded parameter when the
 module is not the one `wrap` was called on: PEFT's `merge_and_unload()` returns the base model
@@ -616,9 +630,32 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     scope.state = ScopeState.OFFLOADED
 
 
+def _refuse_replacing(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Global parameter registration hook: see Note [replacing an offloaded parameter]."""
+    old = module._parameters.get(name)
+    if old is param or not isinstance(old, OffloadedParameter) or getattr(old, "_ot", None) is None:
+        return
+    slot = old._ot
+    raise RuntimeError(
+        f"offtensor: cannot replace offloaded parameter {slot.name!r} of scope "
+        f"{slot.scope.name!r} by another {type(param).__name__} after offtensor.wrap: the new one "
+        "would not be offloaded, and the old master would still be loaded; nothing was changed. "
+        f"To change its values, copy them in (with torch.no_grad(): module.{name}.copy_(new), "
+        "same shape and dtype); to change its shape or tie it to another parameter, call "
+        "offtensor.unwrap(model), change the model, then wrap it again"
+    )
+
+
+_registration_hook: torch.utils.hooks.RemovableHandle | None = None
+
+
 def _guard_model_ops(model: nn.Module, engine: Engine) -> None:
     """Guard `_apply` (Note [moving a wrapped model]) and `load_state_dict(assign=True)` (Note
-    [loading with assign=True]) on each module with offloaded parameters in its subtree."""
+    [loading with assign=True]) on each module with offloaded parameters in its subtree, and
+    parameter registrations everywhere (Note [replacing an offloaded parameter])."""
+    global _registration_hook
+    if _registration_hook is None:  # once per process: it checks every module
+        _registration_hook = nn.modules.module.register_module_parameter_registration_hook(_refuse_replacing)
     for module in model.modules():
         if any(isinstance(p, OffloadedParameter) or offloaded_weight(p) for p in module.parameters()):
             module._apply = functools.partial(_apply_keeping_masters, module)  # type: ignore[method-assign]

@@ -208,6 +208,32 @@ def test_a_module_given_an_offloaded_parameter_after_wrap_moves_without_converti
     assert_trains_like(model, reference, [tokens] * 3, device, loss_fn=loss)
 
 
+def _new_parameter(model: nn.Module) -> None:
+    model.blocks[1].fc1.weight = nn.Parameter(torch.randn(32, 16))
+
+
+def _tied_to_a_plain_parameter(model: nn.Module) -> None:
+    model.blocks[1].norm.weight = model.input.bias  # as tie_weights() ties a selected head
+
+
+@pytest.mark.parametrize("replace", [_new_parameter, _tied_to_a_plain_parameter],
+                         ids=["new_parameter", "tied_to_a_plain_parameter"])
+def test_error_if_an_offloaded_parameter_is_replaced_after_wrap_names_it_and_changes_nothing(replace):
+    """Regression: the replacement became a plain parameter of the scope, silently not
+    offloaded (on CUDA: resident, or a device-mismatch error of PyTorch's once the input is on
+    the device), while the old master stayed in the scope and was still loaded at every call."""
+    model = mlp_of_blocks()
+    reference = reference_then_offload(model, "cpu")
+
+    with pytest.raises(RuntimeError, match=r"'blocks\.1\.(fc1|norm)\.weight' of scope 'blocks\.1'.*"
+                                           r"copy_.*offtensor\.unwrap\(model\)"):
+        replace(model)
+
+    assert all(isinstance(p, offtensor.OffloadedParameter) for p in model.blocks.parameters())
+    model.blocks[1].fc1.weight = model.blocks[1].fc1.weight  # the same parameter again is fine
+    assert_trains_like(model, reference, [random_batch("cpu") for _ in range(2)], "cpu")
+
+
 @pytest.mark.parametrize("swapping", [False, True], ids=["set_data", "swap_tensors"])
 def test_to_empty_leaves_the_masters_offloaded(swapping):
     """`to_empty` (meta-device initialisation) empties the rest of the model; a state dict then
