@@ -81,9 +81,10 @@ of, and do not reach the master (docs/design.md, Limits).
 Autocast caches the reduced-precision cast of every leaf that requires grad (a device copy is
 one) until the outermost autocast region exits, to cast a weight once however often it is used.
 Left so, a forward under autocast kept a cast of every scope it released on the device, a
-reduced-precision copy of the whole offloaded model (8 fp32 blocks of 128 MiB on an H200: 513
-MiB more inside the region, also in inference and under checkpointing, where no graph holds
-them). A release therefore clears the cache (it is per thread and cannot drop one entry):
+reduced-precision copy of the whole offloaded model (8 fp32 blocks of 128 MiB on an H200,
+fp16 autocast: 641 MiB held inside the region, also in inference and under checkpointing, where
+no graph holds them; 192 MiB, the block kept for backward and its casts, once releases clear
+the cache). A release therefore clears the cache (it is per thread and cannot drop one entry):
 casts of resident weights are made again at their next use, with the same values. A cast
 still in use by a graph stays alive through it.
 
