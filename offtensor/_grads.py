@@ -29,6 +29,15 @@ after which the sum takes the usual path. Such a parameter is never handed to th
 worker early (`used_outside`), so holding it back changes no step. A parameter with one leaf
 gets its hooks at once, as before.
 
+# Note [frozen since the forward]
+A parameter frozen between the forward that used it and the backward (`requires_grad_(False)`
+on a layer in between) still has a device copy in the graph that requires grad: autograd
+computes its gradient. A plain parameter's AccumulateGrad then drops it: a parameter that no
+longer requires grad gets none (an older `.grad` stays as it is), while its `register_hook` and
+post-accumulate-grad hooks still run. `_add` does the same with the master's flag, after the
+`register_hook` hooks, and the end of backward runs the post-accumulate-grad hooks of such
+parameters. Without it the frozen parameter got the gradient and the optimizer stepped it.
+
 # Note [sparse gradients]
 `nn.Embedding(sparse=True)` and `nn.EmbeddingBag(sparse=True)` give a sparse COO gradient, and
 a plain parameter's `p.grad` is then sparse (SparseAdam requires it; SGD and Adagrad step only
@@ -72,6 +81,8 @@ class GradOffload:
         # graph task -> id(slot) -> (slot, the sum of its contributions in that task so far),
         # for hooked parameters with several leaves (Note [hooks on the sum])
         self._held: dict[int, dict[int, tuple[ParamSlot, torch.Tensor]]] = {}
+        # hooked parameters frozen since the forward that reached them (Note [frozen since the forward])
+        self._frozen: list[ParamSlot] = []
         self.stepper: Any = None  # _overlap._OverlappedStep during backward_and_step
         # _data_parallel.GradReducer in data-parallel mode (Note [data parallel]), else None
         self.reducer: Any = None
@@ -131,6 +142,10 @@ class GradOffload:
 
     def _add(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         """Add one gradient, after the user's hooks, to the host gradient."""
+        if not without_subclass_dispatch(_requires_grad, slot.param):  # Note [frozen since the forward]
+            if slot.post_hooks and slot not in self._frozen:
+                self._frozen.append(slot)
+            return
         streams = self._streams
         reducer = self.reducer
         if grad.layout != torch.strided or _host_grad_is_sparse(slot):
@@ -280,6 +295,10 @@ class GradOffload:
         self._inflight.clear()
         self._last_d2h = None
         publish(written)
+        frozen, self._frozen = self._frozen, []
+        for slot in frozen:
+            for hook in slot.post_hooks.values():
+                hook(slot.param)
         self._end_backward()
         # backward_and_step clears this too once loss.backward() returns; an interrupt can land
         # before that (Note [interrupts]), and a later plain backward must not hand its
@@ -288,11 +307,12 @@ class GradOffload:
 
     def reset_if_stale(self) -> None:
         """A new forward pass began while a backward was unfinished (it raised): forget it."""
-        if self._tasks or self._written or self._held:
+        if self._tasks or self._written or self._held or self._frozen:
             if self._last_d2h is not None:
                 self._last_d2h.synchronize()
             self._tasks.clear()
             self._held.clear()
+            self._frozen.clear()
             for slot in self._written:
                 if slot.grads_in_backward > 1:
                     slot.single_grad = False
@@ -305,6 +325,10 @@ class GradOffload:
             for scope in self._scopes:
                 for slot in scope.slots:
                     slot.device_leaf.grad = None
+
+
+def _requires_grad(p: torch.Tensor) -> bool:
+    return p.requires_grad
 
 
 def _host_grad_is_sparse(slot: ParamSlot) -> bool:

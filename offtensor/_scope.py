@@ -77,6 +77,17 @@ in-place op only reads (`h.add_(self.bias)`) is not marked. Writes through a vie
 forward (`p[0].fill_()`, `p.view(-1).zero_()`) act on the device copy itself, which the view is
 of, and do not reach the master (docs/design.md, Limits).
 
+# Note [autocast's cast cache]
+Autocast caches the reduced-precision cast of every leaf that requires grad (a device copy is
+one) until the outermost autocast region exits, to cast a weight once however often it is used.
+Left so, a forward under autocast kept a cast of every scope it released on the device, a
+reduced-precision copy of the whole offloaded model (8 fp32 blocks of 128 MiB on an H200,
+fp16 autocast: 641 MiB held inside the region, also in inference and under checkpointing, where
+no graph holds them; 192 MiB, the block kept for backward and its casts, once releases clear
+the cache). A release therefore clears the cache (it is per thread and cannot drop one entry):
+casts of resident weights are made again at their next use, with the same values. A cast
+still in use by a graph stays alive through it.
+
 # Note [masters moved out of the host buffer]
 A tensor sent to another process through multiprocessing's ForkingPickler (a spawned
 DataLoader worker given a dataset that holds the model, a torch.multiprocessing queue carrying
@@ -573,6 +584,7 @@ class Scope:
             self._retire_device_storage()  # Note [higher-order gradients]
         else:
             self.device_storage.resize_(0)
+        torch.clear_autocast_cache()  # Note [autocast's cast cache]
         self.state = ScopeState.OFFLOADED
         if self.residency is Residency.CARRIED:
             self.residency = Residency.STREAMED

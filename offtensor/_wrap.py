@@ -12,10 +12,12 @@ the masters cannot leave the scope's host buffer, and other processes would trai
 them. Checking the subtree, not only the module's own parameters, matters:
 `Module._apply` converts the children one after the other, so a check per module would raise
 only after the modules before it (an embedding, a head) were converted, leaving a model of mixed
-dtypes. Device moves then apply to everything else (buffers, unwrapped parameters) while each
-module hides its own masters from the conversion, leaving them on the host. (A module that
-merely contains the wrapped model is not guarded: converting it may convert its other children
-before the wrapped model refuses.)
+dtypes. Device moves then apply to everything else (buffers, unwrapped parameters) while the
+guarded module hides the masters of its whole subtree from the conversion, leaving them on the
+host: a module that got an offloaded parameter after wrap (a head tied to an offloaded
+embedding by `tie_weights()`) has no guard of its own, and `Module._apply` would convert its
+master like a plain parameter. (A module that merely contains the wrapped model is not
+guarded: converting it may convert its other children before the wrapped model refuses.)
 
 # Note [loading with assign=True]
 `load_state_dict(sd, assign=True)` replaces each parameter by the state dict's tensor: offloaded
@@ -27,6 +29,20 @@ subtree's offloaded parameters have their shapes and dtypes (the outermost modul
 anything is loaded) and, on a module holding offloaded parameters itself, turns `assign` off:
 the values are copied into the masters, and that module's buffers and other parameters are
 copied too, as with `assign=False`.
+
+# Note [replacing an offloaded parameter]
+`module.weight = nn.Parameter(t)` after wrap, or tying a scope's parameter to another one
+(`tie_weights()` on a selected head), would register a plain parameter in the scope, never
+offloaded (resident on the device, or PyTorch's device-mismatch error once the inputs are
+there), while the old master stayed in the scope's buffer and was still loaded at each call:
+the scope's layout is fixed at wrap. A parameter registration hook (`Module.register_parameter`,
+which `setattr` uses, calls it for every module) refuses to replace a live offloaded parameter
+by another object, before anything changes, naming it and the ways to do it: copy the values
+in, or unwrap, change the model and wrap again. Registering the same parameter again, new
+parameters (adapters added after wrap, plain ones) and moving one under another name (prune's
+`weight_orig`, parametrizations' `original`) are unaffected; so is code that writes
+`module._parameters` directly (accelerate's `set_module_tensor_to_device`, which gives a plain
+parameter, and torch.func's `functional_call`, which puts the originals back).
 
 # Note [part of a wrapped model]
 `is_wrapped`, `summary` and `unwrap` find the engine through an offloaded parameter when the
@@ -43,7 +59,7 @@ import logging
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -615,9 +631,32 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     scope.state = ScopeState.OFFLOADED
 
 
+def _refuse_replacing(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Global parameter registration hook: see Note [replacing an offloaded parameter]."""
+    old = module._parameters.get(name)
+    if old is param or not isinstance(old, OffloadedParameter) or getattr(old, "_ot", None) is None:
+        return
+    slot = old._ot
+    raise RuntimeError(
+        f"offtensor: cannot replace offloaded parameter {slot.name!r} of scope "
+        f"{slot.scope.name!r} by another {type(param).__name__} after offtensor.wrap: the new one "
+        "would not be offloaded, and the old master would still be loaded; nothing was changed. "
+        f"To change its values, copy them in (with torch.no_grad(): module.{name}.copy_(new), "
+        "same shape and dtype); to change its shape or tie it to another parameter, call "
+        "offtensor.unwrap(model), change the model, then wrap it again"
+    )
+
+
+_registration_hook: torch.utils.hooks.RemovableHandle | None = None
+
+
 def _guard_model_ops(model: nn.Module, engine: Engine) -> None:
     """Guard `_apply` (Note [moving a wrapped model]) and `load_state_dict(assign=True)` (Note
-    [loading with assign=True]) on each module with offloaded parameters in its subtree."""
+    [loading with assign=True]) on each module with offloaded parameters in its subtree, and
+    parameter registrations everywhere (Note [replacing an offloaded parameter])."""
+    global _registration_hook
+    if _registration_hook is None:  # once per process: it checks every module
+        _registration_hook = nn.modules.module.register_module_parameter_registration_hook(_refuse_replacing)
     for module in model.modules():
         if any(isinstance(p, OffloadedParameter) or offloaded_weight(p) for p in module.parameters()):
             module._apply = functools.partial(_apply_keeping_masters, module)  # type: ignore[method-assign]
@@ -677,15 +716,19 @@ def _apply_keeping_masters(module: nn.Module, fn, recurse: bool = True):
                 "or call offtensor.unwrap(model) first. (Device moves such as "
                 "model.to('cuda') are fine: they leave the masters on the host.)"
             )
-    masters: dict[str, Any] = {k: p for k, p in module._parameters.items()
-                               if isinstance(p, OffloadedParameter) or offloaded_weight(p) is not None}
-    for key in masters:
-        module._parameters[key] = None
+    # The whole subtree's masters, not only the module's own: a module given an offloaded
+    # parameter after wrap (a head tied to an offloaded embedding by tie_weights(), a Linear
+    # rebuilt around its weight) has no guard of its own.
+    masters = [(m._parameters, k, p) for m in (module.modules() if recurse else (module,))
+               for k, p in m._parameters.items()
+               if isinstance(p, OffloadedParameter) or offloaded_weight(p) is not None]
+    for params, key, _ in masters:
+        params[key] = None
     try:
         return type(module)._apply(module, fn, recurse)
     finally:
-        for key, p in masters.items():
-            module._parameters[key] = p
+        for params, key, master in masters:
+            params[key] = master
 
 
 def _load_into_masters(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict,

@@ -8,13 +8,18 @@ master and copy live on the same device; these tests look at storages instead.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
+    BlockStack,
     assert_all_scopes_offloaded,
     assert_grads_match,
+    assert_params_match,
     devices,
+    offload,
     param_bytes,
     reference_then_offload,
     tolerances,
@@ -228,4 +233,53 @@ def test_an_in_place_op_that_reads_a_parameter_gets_its_device_copy(device):
     ref_out.sum().backward()
     torch.testing.assert_close(out, ref_out, **tolerances(device))
     assert_grads_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(model)
+
+
+class ReadsOtherScopes(nn.Module):
+    """A block that also reads the previous block's weights (`F.linear`, `.T`) and a parameter
+    of the model that holds it, neither of which it calls: weights of other scopes and of the
+    unwrapped parent, used in its forward and in its checkpoint's recompute."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+        self.__dict__["previous"] = None  # not submodules: their scopes stay their own
+        self.__dict__["shared"] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x) + self.__dict__["shared"][0]
+        previous = self.__dict__["previous"]
+        if previous is not None:
+            y = y + F.linear(x, previous.fc.weight, previous.fc.bias) + previous.fc.weight.T[0]
+        return x + torch.tanh(y)
+
+
+@pytest.mark.parametrize("checkpoint", [None, "reentrant", "non_reentrant"])
+def test_a_block_reading_other_scopes_and_parent_weights_trains_like_unwrapped(checkpoint):
+    """Parity: weights of another scope and of the parent read in a block's forward and in its
+    recompute get device copies (never the master), and their gradients reach `p.grad`."""
+    from master_guard import MasterGuard
+
+    model = BlockStack([ReadsOtherScopes() for _ in range(3)], 8, 16, 4)
+    model.checkpoint = checkpoint
+    model.shared = nn.Parameter(torch.randn(2, 16))
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        for i, block in enumerate(m.blocks):
+            block.__dict__["shared"] = m.shared
+            block.__dict__["previous"] = m.blocks[i - 1] if i else None
+    offload(model, "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(3):
+        x, y = torch.randn(4, 8, requires_grad=step == 1), torch.randn(4, 4)
+        F.mse_loss(reference(x), y).backward()
+        with MasterGuard(model):
+            F.mse_loss(model(x), y).backward()
+        assert_grads_match(model, reference, rtol=0, atol=0)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        assert_params_match(model, reference, rtol=0, atol=0)
     assert_all_scopes_offloaded(model)

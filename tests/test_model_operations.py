@@ -21,6 +21,8 @@ from conftest import (
     only_blocks,
     random_batch,
     reference_then_offload,
+    tied_lm,
+    tied_lm_predicate,
     tolerances,
     train_adamw,
     unwrapped_reference,
@@ -173,6 +175,63 @@ def test_conversions_that_keep_the_dtype_are_fine_after_wrap(device, convert, sw
     assert_backward_matches(model, model(x), reference, x, y, device)
 
 
+
+
+@pytest.mark.parametrize("swapping", [False, True], ids=["set_data", "swap_tensors"])
+@pytest.mark.parametrize("device", devices)
+def test_a_module_given_an_offloaded_parameter_after_wrap_moves_without_converting_it(device, swapping):
+    """Regression: a head tied to an offloaded embedding after wrap (transformers'
+    tie_weights(), torch.ao's prepare_qat rebuilding a Linear around its weight) holds a master
+    that wrap had not guarded: `model.to(...)` converted it like a plain parameter (under
+    swapping it raised "Couldn't swap" after moving part of the model; on CUDA it copied the
+    master to the device and back, and moved its `.grad` to the device)."""
+    model = tied_lm("embedding_selected")
+    model.head.weight = nn.Parameter(model.embed.weight.detach().clone())  # untied when wrapped
+    reference = reference_then_offload(model, device, tied_lm_predicate("embedding_selected"))
+    tokens = torch.randint(0, 32, (2, 6)).to(device)
+    for m in (reference, model):
+        m.head.weight = m.embed.weight
+        m(tokens).sum().backward()  # a .grad for the move to meet
+    with _swapping(swapping):
+        model.to(device)
+        model.to("cpu")
+        model.to(device)
+
+    assert model.head.weight is model.embed.weight and isinstance(model.head.weight, offtensor.OffloadedParameter)
+    assert model.embed.weight.device.type == "cpu" and model.embed.weight.grad.device.type == "cpu"
+
+    def loss(m: nn.Module, t: torch.Tensor) -> torch.Tensor:
+        return m(t).logsumexp(-1).mean()
+
+    for m in (reference, model):
+        m.zero_grad()
+    assert_trains_like(model, reference, [tokens] * 3, device, loss_fn=loss)
+
+
+def _new_parameter(model: nn.Module) -> None:
+    model.blocks[1].fc1.weight = nn.Parameter(torch.randn(32, 16))
+
+
+def _tied_to_a_plain_parameter(model: nn.Module) -> None:
+    model.blocks[1].norm.weight = model.input.bias  # as tie_weights() ties a selected head
+
+
+@pytest.mark.parametrize("replace", [_new_parameter, _tied_to_a_plain_parameter],
+                         ids=["new_parameter", "tied_to_a_plain_parameter"])
+def test_error_if_an_offloaded_parameter_is_replaced_after_wrap_names_it_and_changes_nothing(replace):
+    """Regression: the replacement became a plain parameter of the scope, silently not
+    offloaded (on CUDA: resident, or a device-mismatch error of PyTorch's once the input is on
+    the device), while the old master stayed in the scope and was still loaded at every call."""
+    model = mlp_of_blocks()
+    reference = reference_then_offload(model, "cpu")
+
+    with pytest.raises(RuntimeError, match=r"'blocks\.1\.(fc1|norm)\.weight' of scope 'blocks\.1'.*"
+                                           r"copy_.*offtensor\.unwrap\(model\)"):
+        replace(model)
+
+    assert all(isinstance(p, offtensor.OffloadedParameter) for p in model.blocks.parameters())
+    model.blocks[1].fc1.weight = model.blocks[1].fc1.weight  # the same parameter again is fine
+    assert_trains_like(model, reference, [random_batch("cpu") for _ in range(2)], "cpu")
 
 
 @pytest.mark.parametrize("swapping", [False, True], ids=["set_data", "swap_tensors"])

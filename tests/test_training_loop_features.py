@@ -493,6 +493,41 @@ def test_freezing_and_unfreezing_layers_between_steps_with_dropout_trains_like_u
     _assert_evaluates_like(model, reference, tol)
 
 
+@pytest.mark.parametrize("overlapped", [False, True], ids=["step", "backward_and_step"])
+def test_a_parameter_frozen_between_forward_and_backward_gets_no_gradient_like_unwrapped(overlapped):
+    """Regression: a block (and the tied embedding, whose head is outside its scope) frozen
+    after the forward got this backward's gradient and was stepped; autograd gives a parameter
+    that no longer requires grad none (an older `.grad` stays as it is), though its hooks run."""
+    model = tied_lm("embedding_selected")
+    reference = reference_then_offload(model, "cpu", tied_lm_predicate("embedding_selected"))
+    calls: dict[int, list[str]] = {id(model): [], id(reference): []}
+    for m in (reference, model):
+        m.blocks[1].fc1.weight.register_hook(lambda g, c=calls[id(m)]: c.append("hook"))
+        m.blocks[1].fc1.weight.register_post_accumulate_grad_hook(lambda p, c=calls[id(m)]: c.append("post"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    tokens = torch.randint(0, 32, (4, 6))
+    for i in range(4):
+        for m in (reference, model):
+            loss = m(tokens).logsumexp(-1).mean()
+            m.blocks[1].requires_grad_(i % 2 == 1)  # frozen in steps 0 and 2, with an old grad in 2
+            m.embed.requires_grad_(i != 2)
+            if overlapped and m is model:
+                offtensor.backward_and_step(loss, opt)
+            else:
+                loss.backward()
+        assert_grads_match(model, reference, rtol=0, atol=0)
+        if not overlapped:
+            opt.step()
+        ref_opt.step()
+        assert_params_match(model, reference, rtol=0, atol=0)
+        for m, o in ((reference, ref_opt), (model, opt)):
+            m.requires_grad_(True)
+            o.zero_grad(set_to_none=i == 0)  # in step 2 the frozen parameters keep a zero .grad
+    assert calls[id(model)] == calls[id(reference)]
+    assert_all_scopes_offloaded(model)
+
+
 # --------------------------------------------------------------------------------------------
 # Weight averaging
 # --------------------------------------------------------------------------------------------
