@@ -67,6 +67,7 @@ worker error in place, for the parent's next wait to raise.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -79,6 +80,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from ._compile import in_compiled_region, run_outside_dynamo
 from ._engine import Engine
 from ._grads import publish, set_grads
 from ._param import OffloadedParameter, without_subclass_dispatch
@@ -176,6 +178,10 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
                 offtensor.backward_and_step(loss, optimizer, zero_grad=True)
     """
     global _current
+    if in_compiled_region():  # called from a compiled training step: Note [torch.compile]
+        return run_outside_dynamo(functools.partial(
+            backward_and_step, loss, optimizer, zero_grad=zero_grad, spare_threads=spare_threads,
+            piece_bytes=piece_bytes, **backward_kwargs), ())
     spare_threads = SPARE_THREADS if spare_threads is None else spare_threads
     piece_bytes = STEP_PIECE_BYTES if piece_bytes is None else piece_bytes
     if isinstance(spare_threads, bool) or not isinstance(spare_threads, int) or spare_threads < 0:
@@ -292,6 +298,8 @@ def last_stepped() -> list[str]:
 
 def wait_for_steps() -> None:
     """Block until the latest `backward_and_step` has stepped every parameter."""
+    if in_compiled_region():  # Note [torch.compile] in _compile.py
+        return run_outside_dynamo(wait_for_steps, ())
     stepper = _current
     if stepper is not None:
         stepper.close_if_abandoned()
