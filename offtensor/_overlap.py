@@ -315,6 +315,7 @@ def _check_optimizer(optimizer: Any) -> None:
                           and "param_groups" in getattr(optimizer, "__dict__", {})
                           and not isinstance(getattr(type(optimizer), "param_groups", None), property))
     if groups_are_its_own:
+        _check_step_not_replaced(optimizer)
         return
     inner = getattr(optimizer, "optimizer", None)
     wraps = f", a wrapper around {type(inner).__name__}" if isinstance(inner, torch.optim.Optimizer) else ""
@@ -326,6 +327,27 @@ def _check_optimizer(optimizer: Any) -> None:
         "accumulation call backward_and_step only on the micro-batch that steps "
         "(accelerator.sync_gradients, the loss divided by the accumulation steps), "
         "accelerator.backward(loss) on the others"
+    )
+
+
+def _check_step_not_replaced(optimizer: torch.optim.Optimizer) -> None:
+    """The worker's views call the class's `step` (step_subset), so a `step` set on the optimizer
+    object would be skipped without a word: `optimizer.step = torch.compile(optimizer.step)`, or a
+    wrapper adding work around the step. An LR scheduler's wrapper (it only marks the optimizer as
+    stepped, which step_subset does too) is the one allowed."""
+    step = optimizer.__dict__.get("step")
+    if step is None:
+        return
+    if getattr(step, "_wrapped_by_lr_sched", False) and getattr(step, "__wrapped__", None) is type(optimizer).step:
+        return
+    what = "torch.compile(optimizer.step)" if hasattr(step, "_torchdynamo_orig_callable") else "a wrapper"
+    cls = type(optimizer).__name__
+    raise TypeError(
+        f"offtensor.backward_and_step: optimizer.step was replaced on the {cls} object ({what}), "
+        f"which backward_and_step would bypass: it steps parts of the optimizer through {cls}.step "
+        "itself. Remove the replacement (on the CPU, fused=True is the fast step), put extra work "
+        "in step hooks or a subclass's step (each runs once per part), or use loss.backward(); "
+        "optimizer.step()"
     )
 
 
