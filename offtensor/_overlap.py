@@ -35,7 +35,8 @@ out-of-memory error, a user hook, Ctrl-C) or in the optimizer itself can leave s
 stepped and others not, and which ones depends on timing. This cannot be rolled back (the
 optimizer state changed too), so it is made visible: the exception is re-raised with a note
 naming the parameters stepped (Python 3.10: a RuntimeError from it), and `last_stepped()` lists
-them all.
+them all. A parameter counts as stepped once its optimizer update is done, before the step
+post-hooks run: a post-hook that raises follows an update (step_subset's `updated`).
 
 # Note [early handover]
 The step of the last block, which the next forward needs last, is the worker's last piece of
@@ -576,8 +577,8 @@ class _OverlappedStep:
         rest = self._ids - self._handed
         self.report.rest_params = len(rest)
         if rest:
-            step_subset(self.optimizer, rest, self._hyper)
-            self._locked(self._stepped.extend, [self._names.get(i, "?") for i in rest])
+            names = [self._names.get(i, "?") for i in rest]
+            step_subset(self.optimizer, rest, self._hyper, updated=lambda: self._locked(self._stepped.extend, names))
             if self.zero_grad:
                 for g in self.optimizer.param_groups:
                     for p in g["params"]:
@@ -670,8 +671,9 @@ class _OverlappedStep:
         if not times[1]:
             times[1] = self.elapsed()
         publish(piece.slots)
-        step_subset(self.optimizer, {id(s.param) for s in piece.slots}, self._hyper)
-        self._stepped.extend(s.name for s in piece.slots)
+        names = [s.name for s in piece.slots]
+        step_subset(self.optimizer, {id(s.param) for s in piece.slots}, self._hyper,
+                    updated=lambda: self._stepped.extend(names))
         if self.zero_grad:
             without_subclass_dispatch(set_grads, piece.slots, [None] * len(piece.slots))
         times[2] = self.elapsed()
@@ -696,11 +698,14 @@ class _OverlappedStep:
                 _current = None
 
 
-def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], hyper: list[dict] | None = None) -> None:
+def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], hyper: list[dict] | None = None,
+                updated: Any = None) -> None:
     """`optimizer.step()` over only the parameters whose ids are in `ids`, through a view of the
     optimizer (same state and hooks, its own param groups), so that the optimizer object itself
     is never modified while another thread uses it. `hyper` gives each group's hyperparameters
-    (default: the current ones). Group entries that the step changes are written back."""
+    (default: the current ones). Group entries that the step changes are written back.
+    `updated()` is called once the update is done, before the step post-hooks (Note [partial
+    steps]: a post-hook that raises follows an update)."""
     groups = []
     for i, g in enumerate(optimizer.param_groups):
         params = [p for p in g["params"] if id(p) in ids]
@@ -714,6 +719,9 @@ def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], hyper: list[dic
     view.__dict__.pop("step", None)  # an instance-level wrapper (LR schedulers) calls the original
     view.param_groups = [sub for _, sub in groups]
     view._offtensor_view = True  # type: ignore[attr-defined]  # its step pre-hook must not wait for the steps it is part of
+    if updated is not None:  # the view's own post-hooks: `updated` first, then the optimizer's
+        hooks = optimizer._optimizer_step_post_hooks
+        view._optimizer_step_post_hooks = {-1: lambda *_: updated(), **hooks}  # type: ignore[assignment]
     before = [dict(sub) for _, sub in groups]
     view.step()
     optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers look for
