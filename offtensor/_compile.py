@@ -49,6 +49,12 @@ chunk of a copy or a deferred optimizer step. So the two halves are kept apart:
   compiled backward fails on any input with released storage.
 - Progressive loads (Note [progressive loads]) do not apply: a compiled graph has no per-op hook
   to wait in, so the first op of a block waits for the whole scope.
+- `backward_and_step` and `wait_for_steps` (_overlap.py) call themselves through
+  `run_outside_dynamo` in a compiled region. Called from a compiled training step
+  (`torch.compile` around forward, loss and the optimizer), dynamo went on into backward with its
+  frame callback installed, compiled the gradient path's frames (each parameter's shape a
+  recompile, then dynamic shapes) and failed on the host copy of a gradient. Outside it, backward
+  and the optimizer's steps run eagerly, as `loss.backward()` does in compiled code.
 A parameter read outside its own scope in compiled code (a tied weight read by another module)
 is still an OffloadedParameter there: its `__torch_function__` calls `run_outside_dynamo`, so
 the graph breaks at that op, which runs eagerly with a temporary device copy as in eager mode.

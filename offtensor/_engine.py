@@ -366,7 +366,9 @@ class Engine:
             # pre_backward prefetches the next ones), or, when checkpointing recomputes a split
             # block, with another scope of that block: prefetch that while the loss is computed.
             # (Not the former: the loss's peak memory plus a prefetch would raise the peak.)
-            self.schedule.prefetch(self.schedule.backward_starts_elsewhere(scope), scope, with_grads=True)
+            # Its weights only: the user may still write `p.grad` before backward, unseen
+            # (Note [stale gradient fetches] in _scope.py); its pre_backward fetches them.
+            self.schedule.prefetch(self.schedule.backward_starts_elsewhere(scope), scope, with_grads=False)
             return  # needed early in backward: no release and reload
         if backward_expected and scope.policy.keep_for_backward:
             return

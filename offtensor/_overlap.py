@@ -35,7 +35,8 @@ out-of-memory error, a user hook, Ctrl-C) or in the optimizer itself can leave s
 stepped and others not, and which ones depends on timing. This cannot be rolled back (the
 optimizer state changed too), so it is made visible: the exception is re-raised with a note
 naming the parameters stepped (Python 3.10: a RuntimeError from it), and `last_stepped()` lists
-them all.
+them all. A parameter counts as stepped once its optimizer update is done, before the step
+post-hooks run: a post-hook that raises follows an update (step_subset's `updated`).
 
 # Note [early handover]
 The step of the last block, which the next forward needs last, is the worker's last piece of
@@ -83,6 +84,7 @@ worker error in place, for the parent's next wait to raise.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -95,6 +97,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from ._compile import in_compiled_region, run_outside_dynamo
 from ._engine import Engine
 from ._grads import publish, set_grads
 from ._param import OffloadedParameter, without_subclass_dispatch
@@ -193,6 +196,10 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
                 offtensor.backward_and_step(loss, optimizer, zero_grad=True)
     """
     global _current
+    if in_compiled_region():  # called from a compiled training step: Note [torch.compile]
+        return run_outside_dynamo(functools.partial(
+            backward_and_step, loss, optimizer, zero_grad=zero_grad, spare_threads=spare_threads,
+            piece_bytes=piece_bytes, **backward_kwargs), ())
     spare_threads = SPARE_THREADS if spare_threads is None else spare_threads
     piece_bytes = STEP_PIECE_BYTES if piece_bytes is None else piece_bytes
     if isinstance(spare_threads, bool) or not isinstance(spare_threads, int) or spare_threads < 0:
@@ -309,6 +316,8 @@ def last_stepped() -> list[str]:
 
 def wait_for_steps() -> None:
     """Block until the latest `backward_and_step` has stepped every parameter."""
+    if in_compiled_region():  # Note [torch.compile] in _compile.py
+        return run_outside_dynamo(wait_for_steps, ())
     stepper = _current
     if stepper is not None:
         stepper.close_if_abandoned()
@@ -324,6 +333,7 @@ def _check_optimizer(optimizer: Any) -> None:
                           and "param_groups" in getattr(optimizer, "__dict__", {})
                           and not isinstance(getattr(type(optimizer), "param_groups", None), property))
     if groups_are_its_own:
+        _check_step_not_replaced(optimizer)
         return
     inner = getattr(optimizer, "optimizer", None)
     wraps = f", a wrapper around {type(inner).__name__}" if isinstance(inner, torch.optim.Optimizer) else ""
@@ -335,6 +345,27 @@ def _check_optimizer(optimizer: Any) -> None:
         "accumulation call backward_and_step only on the micro-batch that steps "
         "(accelerator.sync_gradients, the loss divided by the accumulation steps), "
         "accelerator.backward(loss) on the others"
+    )
+
+
+def _check_step_not_replaced(optimizer: torch.optim.Optimizer) -> None:
+    """The worker's views call the class's `step` (step_subset), so a `step` set on the optimizer
+    object would be skipped without a word: `optimizer.step = torch.compile(optimizer.step)`, or a
+    wrapper adding work around the step. An LR scheduler's wrapper (it only marks the optimizer as
+    stepped, which step_subset does too) is the one allowed."""
+    step = optimizer.__dict__.get("step")
+    if step is None:
+        return
+    if getattr(step, "_wrapped_by_lr_sched", False) and getattr(step, "__wrapped__", None) is type(optimizer).step:
+        return
+    what = "torch.compile(optimizer.step)" if hasattr(step, "_torchdynamo_orig_callable") else "a wrapper"
+    cls = type(optimizer).__name__
+    raise TypeError(
+        f"offtensor.backward_and_step: optimizer.step was replaced on the {cls} object ({what}), "
+        f"which backward_and_step would bypass: it steps parts of the optimizer through {cls}.step "
+        "itself. Remove the replacement (on the CPU, fused=True is the fast step), put extra work "
+        "in step hooks or a subclass's step (each runs once per part), or use loss.backward(); "
+        "optimizer.step()"
     )
 
 
@@ -564,8 +595,8 @@ class _OverlappedStep:
         rest = self._ids - self._handed
         self.report.rest_params = len(rest)
         if rest:
-            step_subset(self.optimizer, rest, self._hyper)
-            self._locked(self._stepped.extend, [self._names.get(i, "?") for i in rest])
+            names = [self._names.get(i, "?") for i in rest]
+            step_subset(self.optimizer, rest, self._hyper, updated=lambda: self._locked(self._stepped.extend, names))
             if self.zero_grad:
                 for g in self.optimizer.param_groups:
                     for p in g["params"]:
@@ -666,8 +697,9 @@ class _OverlappedStep:
         if not times[1]:
             times[1] = self.elapsed()
         publish(piece.slots)
-        step_subset(self.optimizer, {id(s.param) for s in piece.slots}, self._hyper)
-        self._stepped.extend(s.name for s in piece.slots)
+        names = [s.name for s in piece.slots]
+        step_subset(self.optimizer, {id(s.param) for s in piece.slots}, self._hyper,
+                    updated=lambda: self._stepped.extend(names))
         if self.zero_grad:
             without_subclass_dispatch(set_grads, piece.slots, [None] * len(piece.slots))
         times[2] = self.elapsed()
@@ -692,11 +724,14 @@ class _OverlappedStep:
                 _current = None
 
 
-def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], hyper: list[dict] | None = None) -> None:
+def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], hyper: list[dict] | None = None,
+                updated: Any = None) -> None:
     """`optimizer.step()` over only the parameters whose ids are in `ids`, through a view of the
     optimizer (same state and hooks, its own param groups), so that the optimizer object itself
     is never modified while another thread uses it. `hyper` gives each group's hyperparameters
-    (default: the current ones). Group entries that the step changes are written back."""
+    (default: the current ones). Group entries that the step changes are written back.
+    `updated()` is called once the update is done, before the step post-hooks (Note [partial
+    steps]: a post-hook that raises follows an update)."""
     groups = []
     for i, g in enumerate(optimizer.param_groups):
         params = [p for p in g["params"] if id(p) in ids]
@@ -710,6 +745,9 @@ def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], hyper: list[dic
     view.__dict__.pop("step", None)  # an instance-level wrapper (LR schedulers) calls the original
     view.param_groups = [sub for _, sub in groups]
     view._offtensor_view = True  # type: ignore[attr-defined]  # its step pre-hook must not wait for the steps it is part of
+    if updated is not None:  # the view's own post-hooks: `updated` first, then the optimizer's
+        hooks = optimizer._optimizer_step_post_hooks
+        view._optimizer_step_post_hooks = {-1: lambda *_: updated(), **hooks}  # type: ignore[assignment]
     before = [dict(sub) for _, sub in groups]
     view.step()
     optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers look for

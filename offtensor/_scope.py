@@ -50,11 +50,15 @@ carries no graph) and raises.
 
 # Note [stale gradient fetches]
 When a backward will add to an existing `p.grad` (gradient accumulation), the old host gradient
-is fetched to the device together with the scope's weights (`_fetch_old_grads`), possibly before
-backward starts: at the end of the forward, a prefetch for backward. The user may change `p.grad`
-in between: `optimizer.zero_grad()` between forward and backward zeroes it in place or sets it to
-None. So each fetch remembers the tensor it copied and that tensor's version counter, and
-`take_old_grad` uses the fetched copy only if `p.grad` is still that tensor, unwritten since;
+is fetched to the device together with the scope's weights (`_fetch_old_grads`), once backward
+has started (its pre_backward, or a prefetch in backward). Not before: the prefetch for backward
+at the end of the forward loads weights only, because between forward and backward the user may
+change `p.grad` in ways no check can see: `p.grad.data.zero_()` or `p.grad.data.mul_(s)` write
+through a tensor with a version counter of its own, and backward added to the gradient as it was
+before the write. Writes that can still come after a fetch (`optimizer.zero_grad()` in a hook,
+or before the next backward when an interrupted one left a kept scope's fetch behind) are caught
+as far as possible: each fetch remembers the tensor it copied and that tensor's version counter,
+and `take_old_grad` uses the fetched copy only if `p.grad` is still that tensor, unwritten since;
 otherwise the gradient path reads `p.grad` as it is now (or starts afresh when it is None).
 
 # Note [writes during a scope's call]

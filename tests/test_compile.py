@@ -255,6 +255,49 @@ def test_backward_and_step_matches_compiled_unwrapped_model(device):
     train_both(model, reference, mlp_batches(device), mse, tolerances(device, "aot_eager"), step)
 
 
+@pytest.mark.parametrize("overlap", [pytest.param(False, id="step", marks=pytest.mark.full_tier),  # compiles: seconds
+                                     pytest.param(True, id="backward_and_step")])
+def test_a_compiled_training_step_function_trains_like_the_unwrapped_one(overlap):
+    """torch.compile around the whole training step: forward, loss, backward and the optimizer.
+    Regression: with `backward_and_step` in it, dynamo went on through backward_and_step into
+    backward, compiled the gradient hooks' frames and failed tracing a host copy of a gradient;
+    backward_and_step now runs outside dynamo, its optimizer steps eagerly (so the reference's
+    step does too: a compiled AdamW rounds differently)."""
+    model = mlp_of_blocks(n_blocks=2)
+    reference = reference_then_offload(model, "cpu")
+    batches = mlp_batches("cpu", 3)
+    losses = []
+    for m, how in ((reference, "eager_step" if overlap else "in_graph"),
+                   (model, "backward_and_step" if overlap else "in_graph")):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+        @torch.compile(backend="aot_eager")
+        def train_step(x: torch.Tensor, y: torch.Tensor, m: nn.Module = m, opt: torch.optim.Optimizer = opt,
+                       how: str = how) -> torch.Tensor:
+            loss = F.mse_loss(m(x), y)
+            if how == "backward_and_step":
+                offtensor.backward_and_step(loss, opt, zero_grad=True)
+            elif how == "in_graph":
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            return loss
+
+        step_losses = []
+        for x, y in batches:
+            loss = train_step(x, y)
+            if how == "eager_step":
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            step_losses.append(loss.detach())
+        losses.append(torch.stack(step_losses))
+    offtensor.wait_for_steps()
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0)
+    assert_params_match(model, reference, rtol=0, atol=0)
+    assert_all_scopes_offloaded(model)
+
+
 @pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
 @pytest.mark.parametrize("device", devices)
 def test_a_vram_budget_keeping_the_first_block_matches_compiled_unwrapped_model(device):

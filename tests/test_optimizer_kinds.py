@@ -275,3 +275,43 @@ def test_autograd_grad_over_an_offloaded_parameter_runs_its_register_hook_hooks(
     assert grads[1][0].abs().max() <= 1e-2
     assert model.blocks[0].fc1.weight.grad is None
     assert_all_scopes_offloaded(model)
+
+
+# --------------------------------------------------------------------------------------------
+# What backward_and_step cannot step
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("replacement", ["torch_compile", "wrapper"])
+def test_error_if_backward_and_step_is_given_an_optimizer_whose_step_was_replaced(replacement):
+    """Regression: the worker steps views of the optimizer through its class's `step`, so a
+    `step` set on the optimizer object was skipped without a word: a wrapper clipping the
+    gradients before stepping never clipped, `torch.compile(optimizer.step)` ran eagerly. Now it
+    raises before anything changes; an LR scheduler's own wrapper is fine."""
+    model = mlp_of_blocks(n_blocks=2)
+    reference = reference_then_offload(model, "cpu")
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    for o in (opt, ref_opt):
+        torch.optim.lr_scheduler.StepLR(o, 1, 0.5)  # its wrapper of `step` comes first
+        if replacement == "torch_compile":
+            o.step = torch.compile(o.step)
+        else:
+            def clipped_step(o: torch.optim.Optimizer = o, step=o.step) -> None:
+                torch.nn.utils.clip_grad_value_([p for g in o.param_groups for p in g["params"]], 1e-3)
+                step()
+
+            o.step = clipped_step
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    what = r"torch\.compile\(optimizer\.step\)" if replacement == "torch_compile" else "a wrapper"
+    with pytest.raises(TypeError, match=rf"optimizer\.step was replaced on the SGD object \({what}\), which "
+                                        r"backward_and_step would bypass.*SGD\.step itself.*loss\.backward\(\); "
+                                        r"optimizer\.step\(\)"):
+        offtensor.backward_and_step(F.mse_loss(model(x), y), opt)
+    assert all(p.grad is None for p in model.parameters())
+    assert_params_match(model, reference, rtol=0, atol=0)
+    if replacement == "wrapper":  # the plain loop runs the wrapper
+        for m, o in ((model, opt), (reference, ref_opt)):
+            F.mse_loss(m(x), y).backward()
+            o.step()
+        assert_params_match(model, reference, rtol=0, atol=0)
+    assert_all_scopes_offloaded(model)

@@ -95,3 +95,28 @@ def test_error_before_any_step_says_no_weight_changed(device):
     handle.remove()
     assert offtensor.last_stepped() == [] and _changed(before, model) == set()
     assert "no weight changed" in "\n".join(getattr(info.value, "__notes__", []))
+
+
+@pytest.mark.parametrize("where", ["worker", "calling_thread"])
+def test_error_in_a_step_post_hook_counts_the_parameters_it_followed_as_stepped(where):
+    """Regression: a step post-hook runs after the update, but a raise there left the piece out
+    of the stepped list, and the note said those parameters were not stepped (they were)."""
+    model = offload(mlp_of_blocks(n_blocks=3), "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    bad = model.blocks[1].fc1.weight if where == "worker" else model.head.weight
+
+    def fail(optimizer, args, kwargs):
+        if any(p is bad for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError("post-hook failed")
+
+    opt.register_step_post_hook(fail)
+    before = _snapshot(model)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    with pytest.raises(ValueError, match="post-hook failed") as info:
+        offtensor.backward_and_step(F.mse_loss(model(x), y), opt).wait()
+    # Parameters that are not offloaded are named by their place in the optimizer.
+    names = {f"param_groups[0][{i}]": n for i, (n, _) in enumerate(model.named_parameters())}
+    stepped = {names.get(n, n) for n in offtensor.last_stepped()}
+    assert ("blocks.1.fc1.weight" if where == "worker" else "head.weight") in stepped
+    assert stepped == _changed(before, model)
+    assert f"stepped {len(stepped)} of its" in "\n".join(getattr(info.value, "__notes__", []))

@@ -79,3 +79,25 @@ def test_in_place_write_to_grad_between_forward_and_backward_is_seen(device):
                 p.grad.mul_(0.5)
         loss.backward()
     assert_grads_match(model, reference, **tolerances(device))
+
+
+@pytest.mark.parametrize("write", ["zero", "scale"])
+def test_a_write_to_grad_through_its_data_between_forward_and_backward_is_seen(write):
+    """Regression: `p.grad.data.zero_()` (older training loops zero or scale gradients so) has a
+    version counter of its own, so the fetch of the old gradient at the end of the forward (split
+    scopes under reentrant checkpointing) still looked current, and backward added to the
+    gradient from before the write: no error, every gradient of that block wrong."""
+    model, reference = mlp_and_reference("cpu", split=True, checkpoint="reentrant")
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    for m in (model, reference):
+        F.mse_loss(m(x), y).backward()
+    for m in (model, reference):
+        loss = F.mse_loss(m(x), y)
+        for p in m.parameters():
+            if write == "zero":
+                p.grad.data.zero_()
+            else:
+                p.grad.data.mul_(0.5)
+        loss.backward()
+    assert_grads_match(model, reference, rtol=0, atol=0)
+    assert_all_scopes_offloaded(model)
