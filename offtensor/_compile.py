@@ -69,6 +69,8 @@ Training under it is not supported yet (the test raised an overwritten-output er
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Any
 
 import torch
@@ -141,3 +143,25 @@ def untraced(fn: Any, *args: Any, **kwargs: Any) -> Any:
         for mode in modes:
             if mode is not None:
                 torch._C._set_dispatch_mode(mode)
+
+
+# Note [compiling beside the optimizer worker]
+# `torch.compiler.is_compiling()` reads one flag for the whole process, which dynamo sets for as
+# long as it compiles a frame, on whichever thread. The optimizer worker (Note [deferred steps]
+# in _overlap.py) steps while the next forward runs, and the first calls of a compiled forward
+# compile: its torch.optim code then took the compiler's paths, on real tensors (AdamW's bias
+# corrections as float32 tensors instead of Python floats, one step in 7 or so an ulp away from
+# `optimizer.step()`; foreach and fused steps skip grouping their tensors by device and dtype).
+# Dynamo compiles, and holds that flag, under its `compile_lock`; the worker steps each piece
+# holding the same lock (`not_compiling`), so no compilation runs beside a step: a compile
+# waits for the piece being stepped, a piece for the compile. Neither waits for the other while
+# holding it: compiling reads masters without waiting for their steps (`_compiled_region_op` in
+# _param.py). `torch.export` sets the flag without that lock and is not covered.
+
+
+def not_compiling() -> Any:
+    """A context in which dynamo compiles nothing on any other thread (Note [compiling beside
+    the optimizer worker]); a no-op until dynamo is imported, which this does not do."""
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    lock = getattr(convert_frame, "compile_lock", None)
+    return lock if lock is not None else contextlib.nullcontext()

@@ -97,7 +97,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from ._compile import in_compiled_region, run_outside_dynamo
+from ._compile import in_compiled_region, not_compiling, run_outside_dynamo
 from ._engine import Engine
 from ._grads import publish, set_grads
 from ._param import OffloadedParameter, without_subclass_dispatch
@@ -655,7 +655,8 @@ class _OverlappedStep:
                 self.report.all_thread_pieces += waited_for and spared < threads
                 began = time.perf_counter()
                 try:
-                    self._step_piece(piece)
+                    with not_compiling():  # Note [compiling beside the optimizer worker] (_compile.py)
+                        self._step_piece(piece)
                 finally:
                     self.report.pieces += 1
                     self.report.worker_busy_s += time.perf_counter() - began

@@ -298,6 +298,49 @@ def test_a_compiled_training_step_function_trains_like_the_unwrapped_one(overlap
     assert_all_scopes_offloaded(model)
 
 
+def test_the_optimizer_worker_never_steps_while_dynamo_compiles_on_another_thread():
+    """Note [compiling beside the optimizer worker]: `torch.compiler.is_compiling()` is one flag
+    for the process, set while dynamo compiles on any thread. The worker's deferred steps ran
+    while the next (compiled) forward compiled, and torch.optim took the compiler's paths on
+    real tensors: AdamW's bias corrections as float32 tensors, an ulp away from optimizer.step()
+    (a compiled training step with backward_and_step failed about one run in seven). A thread
+    standing in for dynamo holds its compile lock and sets the flag as dynamo does; the worker's
+    pieces must neither start during it nor see the flag."""
+    import threading
+    import time
+
+    from torch._dynamo import convert_frame
+
+    model = mlp_of_blocks(n_blocks=2)
+    reference = reference_then_offload(model, "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    compiling = threading.Event()
+    seen: list[bool] = []
+
+    def record(*_):
+        if threading.current_thread() is not threading.main_thread():
+            compiling.wait(1.0)  # without the lock, the compiler thread is in its session by now
+            seen.append(torch.compiler.is_compiling())
+
+    def compiler() -> None:
+        with convert_frame.compile_lock, torch.compiler._compile_session_context():
+            compiling.set()
+            time.sleep(0.3)
+
+    opt.register_step_pre_hook(record)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    report = offtensor.backward_and_step(F.mse_loss(model(x), y), opt, piece_bytes=1)
+    thread = threading.Thread(target=compiler)
+    thread.start()
+    report.wait()
+    thread.join()
+    assert seen and not any(seen), seen
+    F.mse_loss(reference(x), y).backward()
+    ref_opt.step()
+    assert_params_match(model, reference, rtol=0, atol=0)
+
+
 @pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
 @pytest.mark.parametrize("device", devices)
 def test_a_vram_budget_keeping_the_first_block_matches_compiled_unwrapped_model(device):
