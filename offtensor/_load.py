@@ -20,13 +20,28 @@ device).
 
 The parts of the model that no scope offloads (embeddings, final norm, head, buffers still on
 the meta device) are then loaded the same way onto `rest_device`: directly on the compute
-device by default, without a host copy.
+device by default, without a host copy. Persistent buffers that are real (accelerate's
+`init_empty_weights` keeps buffers real: a batch norm's running statistics hold their defaults)
+are overwritten from the checkpoint, wherever they are, as `load_state_dict` does; non-persistent
+ones (rotary tables, computed by the constructor) keep their values.
+
+# Note [checkpoint keys]
+A checkpoint key is a parameter's name, possibly less `.base_layer` (PEFT) and leading
+components (PEFT's `base_model.model.`, an outer wrapper's attribute). Dropping a different
+prefix for each parameter would let a checkpoint fill parameters it does not hold: one of a
+decoder alone (`0.fc.weight`) fills `encoder.0.fc.weight` and `decoder.0.fc.weight` alike. So
+the prefix the first match drops is the one every later match must drop (`Checkpoint.find`), and
+a name that matches only under another prefix raises, naming both. And since `init=` fills every
+parameter the checkpoint lacks, a checkpoint that matches nothing (another architecture, another
+prefix) would give a randomly initialized model silently: `load` warns naming the tensors it did
+not use, as `from_pretrained` reports unexpected keys.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,7 +78,9 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
         weights: a Hugging Face checkpoint: a directory with `model.safetensors.index.json`
             (sharded) or `model.safetensors`, or one `.safetensors` file. Keys are the model's
             parameter names; a name that is not found is also tried without PEFT's `.base_layer`
-            and without leading components (`base_model.model.`).
+            and without leading components (`base_model.model.`), the same ones for every key
+            (Note [checkpoint keys]). Persistent buffers are read from it too. Tensors it holds
+            that nothing was read from are named in a warning.
         predicate: as for `wrap`.
         init: `init(module_name, module)` initializes, in place, the parameters that the
             checkpoint lacks (all of them without `weights`): called once per module that
@@ -108,6 +125,8 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
     assert engine is not None
     rest = torch.device(rest_device) if rest_device is not None else engine.device
     _load_rest(model, checkpoint, init, rest)
+    if checkpoint is not None:
+        checkpoint.warn_unused()
     return model
 
 
@@ -120,6 +139,8 @@ class Checkpoint:
         self._safe_open = safe_open
         path = Path(path)
         self.files: dict[str, Path] = {}
+        self.used: set[str] = set()  # the keys read (Note [checkpoint keys])
+        self._first: tuple[str, str, str] | None = None  # the first match: name, key, prefix dropped
         if path.is_dir() and (path / _INDEX).is_file():
             weight_map = json.loads((path / _INDEX).read_text())["weight_map"]
             self.files = {key: path / name for key, name in weight_map.items()}
@@ -137,15 +158,40 @@ class Checkpoint:
             self.files.update((key, file) for key in f.keys())
 
     def find(self, names: list[str]) -> str | None:
-        """The checkpoint's key for a tensor known by `names` (its names in the model)."""
+        """The checkpoint's key for a tensor known by `names` (its names in the model), dropping
+        the same leading components as every earlier match (Note [checkpoint keys])."""
         for name in names:
             for candidate in (name, name.replace(".base_layer", "")):
                 parts = candidate.split(".")
                 for i in range(len(parts)):
                     key = ".".join(parts[i:])
-                    if key in self.files:
-                        return key
+                    if key not in self.files:
+                        continue
+                    prefix = candidate[: len(candidate) - len(key)]
+                    if self._first is None:
+                        self._first = (name, key, prefix)
+                    elif prefix != self._first[2]:
+                        first, first_key, first_prefix = self._first
+                        raise ValueError(
+                            f"offtensor.load: {name!r} would be read from checkpoint key {key!r}, dropping "
+                            f"{prefix!r}, but {first!r} was read from key {first_key!r}, dropping "
+                            f"{first_prefix!r}: a checkpoint's keys must be the model's names less one "
+                            "common prefix. Is this the checkpoint of part of the model? Load that part "
+                            "(offtensor.load(model.part, ...)) or rename the checkpoint's keys")
+                    self.used.add(key)
+                    return key
         return None
+
+    def warn_unused(self) -> None:
+        """Warn naming the tensors no parameter or buffer was read from (Note [checkpoint keys])."""
+        unused = [key for key in self.files if key not in self.used]
+        if unused:
+            names = ", ".join(repr(k) for k in unused[:5]) + (", ..." if len(unused) > 5 else "")
+            warnings.warn(
+                f"offtensor.load: did not load {len(unused)} of the checkpoint's {len(self.files)} tensors "
+                f"({names}): no parameter or buffer on the meta device, nor persistent buffer, has their "
+                "names. Check that the checkpoint is the model's (a different architecture or prefix "
+                "leaves the parameters to init=)", stacklevel=3)
 
     def rows(self, key: str, qual: str, like: torch.Tensor) -> _Rows:
         """A RowReader of the tensor `key`, checked against `like` (parameter `qual`)."""
@@ -280,10 +326,16 @@ def _load_rest(model: nn.Module, checkpoint: Checkpoint | None, init: InitFn | N
                 done[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
             module._parameters[pname] = done[id(p)]
         for bname, b in list(module._buffers.items()):
-            if b is None or not b.is_meta:
+            if b is None or not b.is_meta and (checkpoint is None or bname in module._non_persistent_buffers_set):
                 continue
             qual = f"{mname}.{bname}" if mname else bname
             key = checkpoint.find([qual]) if checkpoint is not None else None
+            if not b.is_meta:  # a real persistent buffer: the checkpoint's values (Note [loading scope by scope])
+                if key is not None:
+                    assert checkpoint is not None
+                    with torch.no_grad():
+                        b.copy_(checkpoint.rows(key, qual, b).read())
+                continue
             if key is not None:
                 assert checkpoint is not None
                 module._buffers[bname] = checkpoint.rows(key, qual, b).read().to(device)

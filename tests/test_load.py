@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,113 @@ def test_load_with_a_peft_model_finds_the_base_weights(tmp_path):
     offtensor.load(model, tmp_path, init=init, device="cpu", policy=policy)
     with torch.no_grad():
         torch.testing.assert_close(model(_ids("cpu")).logits, reference(_ids("cpu")).logits, rtol=0, atol=0)
+
+
+
+class _Block(torch.nn.Module):
+    """A linear, a batch norm and a persistent buffer of its own."""
+
+    def __init__(self, h: int = 16) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(h, h)
+        self.norm = torch.nn.BatchNorm1d(h)
+        self.register_buffer("gain", torch.ones(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x)) * self.gain
+
+
+class _EncoderDecoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.ModuleList(_Block() for _ in range(2))
+        self.decoder = torch.nn.ModuleList(_Block() for _ in range(2))
+        self.norm = torch.nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in [*self.encoder, *self.decoder]:
+            x = block(x)
+        return self.norm(x)
+
+
+def _is_block(name: str, module: torch.nn.Module) -> bool:
+    return isinstance(module, _Block)
+
+
+def _save(module: torch.nn.Module, path: Path, prefix: str = "") -> None:
+    from safetensors.torch import save_file
+
+    save_file({prefix + k: v.contiguous() for k, v in module.state_dict().items()}, path)
+
+
+def _trained_encoder_decoder() -> torch.nn.Module:
+    """Random weights and batch-norm statistics, so that a buffer left at its default shows."""
+    model = _EncoderDecoder().eval()
+    gen = torch.Generator().manual_seed(0)
+    for module in model.modules():
+        for b in module.buffers(recurse=False):
+            if b.is_floating_point():
+                b.copy_(torch.rand(b.shape, generator=gen) + 0.5)
+    return model
+
+
+def test_load_fills_persistent_buffers_that_init_empty_weights_keeps_real(tmp_path):
+    """init_empty_weights (the documented way to build the model) keeps buffers real: a
+    batch norm's running statistics and other persistent buffers must still come from the
+    checkpoint, in the scopes and outside them, as load_state_dict gives them."""
+    reference = _trained_encoder_decoder()
+    _save(reference, tmp_path / "model.safetensors")
+    with accelerate.init_empty_weights():
+        model = _EncoderDecoder().eval()
+    offtensor.load(model, tmp_path, _is_block, device="cpu")
+    for name, b in reference.named_buffers():
+        assert torch.equal(model.get_buffer(name), b), name
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+
+
+def test_load_refuses_checkpoint_keys_that_match_only_under_different_prefixes(tmp_path):
+    """Dropping leading components of a parameter's name (PEFT's `base_model.model.`) must drop
+    the same ones for every parameter: a checkpoint of the decoder alone (`0.fc.weight`) must not
+    fill the encoder's `encoder.0.fc.weight` and the decoder's `decoder.0.fc.weight` alike."""
+    decoder = _trained_encoder_decoder().decoder
+    _save(decoder, tmp_path / "decoder.safetensors")
+    with torch.device("meta"):
+        model = _EncoderDecoder()
+    with pytest.raises(ValueError, match=r"'decoder.0.fc.weight' .*key '0.fc.weight', dropping 'decoder.', but "
+                                         r"'encoder.0.fc.weight' .*key '0.fc.weight', dropping 'encoder.'"):
+        offtensor.load(model, tmp_path / "decoder.safetensors", _is_block, device="cpu", init=lambda n, m: None)
+    # One prefix for every key (a checkpoint of the model with a wrapper's prefix) still loads.
+    reference = _trained_encoder_decoder()
+    with accelerate.init_empty_weights():
+        outer = torch.nn.Module()
+        outer.base = torch.nn.Module()
+        outer.base.inner = _EncoderDecoder().eval()
+    _save(reference, tmp_path / "model.safetensors")
+    offtensor.load(outer, tmp_path / "model.safetensors", _is_block, device="cpu")
+    for name, t in reference.state_dict().items():
+        assert torch.equal(outer.base.inner.state_dict()[name], t), name
+
+
+def test_load_warns_naming_the_checkpoint_tensors_it_did_not_load(tmp_path):
+    """With init= every parameter the checkpoint lacks is initialized, so a checkpoint whose keys
+    match nothing (another architecture, another prefix) gave a randomly initialized model without
+    a word: the tensors left unused are named, as from_pretrained's unexpected keys are."""
+    reference = _trained_encoder_decoder()
+    _save(reference, tmp_path / "model.safetensors", prefix="transformer.")
+    with torch.device("meta"):
+        model = _EncoderDecoder()
+    with pytest.warns(UserWarning, match=r"did not load 37 of the checkpoint's 37 tensors "
+                                         r"\('transformer.decoder.0.fc.bias'"):
+        offtensor.load(model, tmp_path, _is_block, device="cpu", init=lambda n, m: None)
+    _save(reference, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        model = _EncoderDecoder()
+    model.extra = torch.nn.Linear(2, 2, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # everything used: no warning
+        offtensor.load(model, tmp_path, _is_block, device="cpu", init=lambda n, m: None)
 
 
 _RSS_SCRIPT = textwrap.dedent("""
