@@ -978,6 +978,24 @@ def test_local_loads_copy_whole_scopes_without_collectives(one_rank_group):
     assert not loader.holds
 
 
+def test_training_goes_on_after_a_local_loads_pass_between_steps(one_rank_group):
+    # local_loads put back the engine's learned order with each value copied: the Scope where
+    # the last pass began became a copy of it, which the next forward loaded (KeyError: not one
+    # of the loader's scopes), and on two ranks the other rank then waited for the load.
+    model = offtensor.data_parallel(offtensor.wrap(mlp_of_blocks(), device="cpu"), timeout=5, shard_loads=True)
+    engine = model._offtensor_engine
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    opt.step()
+
+    with torch.no_grad(), offtensor.local_loads(model):
+        model(x)
+    model(x).sum().backward()
+
+    assert engine.schedule.last_begin in engine.scopes
+
+
 def test_error_if_local_loads_is_given_a_model_that_is_not_wrapped():
     with pytest.raises(ValueError, match="offtensor.local_loads: this BlockStack is not wrapped"):
         offtensor.local_loads(mlp_of_blocks())
