@@ -324,8 +324,7 @@ def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weig
     if shard_loads:
         reducer.loads = _shard_loads(engines, group, ranks, entries[0]["job"])
     for p in _resident(model):
-        if p.requires_grad:  # a frozen one has no gradient to average (hooks need requires_grad)
-            reducer.handles.append(p.register_post_accumulate_grad_hook(weakly(reducer.reduce_resident)))
+        reducer.handles.append(_hook_resident(p, reducer))
     for engine in engines:
         engine.grads.reducer = reducer
     return model
@@ -402,6 +401,27 @@ def _engines_in(model: nn.Module) -> list[Engine]:
             "model you wrapped"
         )
     return list(found.values())
+
+
+def _hook_resident(p: nn.Parameter, reducer: GradReducer) -> torch.utils.hooks.RemovableHandle:
+    """Average `p.grad` after each accumulation, also once a parameter frozen now is unfrozen.
+
+    # Note [resident parameters frozen at data_parallel]
+    A parameter that is not offloaded is averaged by its post-accumulate-grad hook. One frozen
+    when data_parallel runs has none to give yet, but may be unfrozen later (a fine-tuning
+    schedule unfreezing layers): without a hook each rank would then step it with its own
+    gradient and the ranks' weights would silently diverge. Registering a hook needs
+    requires_grad, so it is set for the registration only; the hook is kept on the tensor and
+    runs whenever the parameter is trainable again (a frozen one gets no gradient: no call).
+    """
+    frozen = not p.requires_grad
+    if frozen:
+        p.requires_grad_(True)
+    try:
+        return p.register_post_accumulate_grad_hook(weakly(reducer.reduce_resident))
+    finally:
+        if frozen:
+            p.requires_grad_(False)
 
 
 def _resident(model: nn.Module) -> list[nn.Parameter]:

@@ -185,6 +185,25 @@ def _train(model: nn.Module, scenario: Scenario, xs: torch.Tensor, ys: torch.Ten
     return opt
 
 
+def _frozen_then_unfrozen(model: nn.Module, step: int | None) -> nn.Module:
+    """Before the first step (`step` None) the head (resident) and blocks.0 (offloaded) are
+    frozen; from step 0 they train; from step 1 the input Linear (resident) is frozen."""
+    model.head.requires_grad_(step is not None)
+    model.blocks[0].requires_grad_(step is not None)
+    model.input.requires_grad_(step is None or step < 1)
+    return model
+
+
+def _train_freezing_between_steps(model: nn.Module, xs: torch.Tensor, ys: torch.Tensor) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        _frozen_then_unfrozen(model, step)
+        F.mse_loss(model(xs[step]), ys[step]).backward()
+        opt.step()
+        opt.zero_grad()
+    offtensor.wait_for_steps()
+
+
 # ---- the job each rank runs ----------------------------------------------------------------
 
 
@@ -357,6 +376,15 @@ def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
         offtensor.data_parallel(mixed, timeout=30)
         results["mixed_dtypes"] = {n: host(p).clone() for n, p in mixed.named_parameters()}
 
+        # Which parameters train changes after data_parallel, between steps.
+        torch.manual_seed(0 if rank == 0 else 100 + rank)
+        model = _frozen_then_unfrozen(mlp_of_blocks(), step=None)
+        offtensor.wrap(model, device=device).to(device)
+        offtensor.data_parallel(model, timeout=30)
+        _train_freezing_between_steps(model, xs[:, shard].to(device), ys[:, shard].to(device))
+        results["unfrozen_after_data_parallel"] = {n: host(p).clone() for n, p in model.named_parameters()}
+        offtensor.unwrap(model)
+
         results["host_memory"] = {shard: _host_memory(shard, device) for shard in (False, True)}
         results["inference"] = _sharded_inference(rank, device)
 
@@ -481,6 +509,21 @@ def test_two_ranks_on_half_batches_match_one_process_on_the_whole_batch(job, nam
                                        msg=lambda m, n=n, rank=rank: f"rank {rank}, {n}: {m}")
     trained = [n for n, p in initial.items() if not torch.equal(p, reference[n])]
     assert trained, "the reference did not train"
+
+
+def test_parameters_unfrozen_and_frozen_after_data_parallel_train_like_one_process(job):
+    # A parameter that is not offloaded and was frozen at data_parallel got no averaging hook:
+    # unfrozen later, each rank stepped it with its own gradient and the ranks' heads diverged.
+    device_type, results = job
+    device = "cuda:0" if device_type == "cuda" else "cpu"
+    torch.manual_seed(0)
+    reference = _frozen_then_unfrozen(mlp_of_blocks(), step=None).to(device)
+    xs, ys = _data()
+    _train_freezing_between_steps(reference, xs.to(device), ys.to(device))
+    for rank, res in enumerate(results):
+        for n, p in reference.named_parameters():
+            torch.testing.assert_close(res["unfrozen_after_data_parallel"][n], host(p), **_tolerances(device_type),
+                                       msg=lambda m, n=n, rank=rank: f"rank {rank}, {n}: {m}")
 
 
 def test_no_sync_leaves_each_rank_its_own_gradients(job):
