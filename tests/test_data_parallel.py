@@ -437,6 +437,21 @@ def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
         errors["read_before_sync_masters"] = _error(lambda: model.state_dict())
         offtensor.sync_masters(model)
         results["read_after_sync_masters"] = _error(lambda: model.state_dict())
+        if device_type == "cpu":  # checked on CUDA only with CHECK_ENV=1 (a host sync per averaging)
+            # A branch taken on rank 0 only: rank 1's backward skips blocks.2.
+            model = wrapped()
+            offtensor.data_parallel(model, timeout=10)
+
+            def one_rank_skips_a_block() -> None:
+                h = model.input(x)
+                for block in model.blocks[: len(model.blocks) - rank]:
+                    h = block(h)
+                model.head(h).sum().backward()
+
+            errors["a_branch_on_one_rank"] = _error(one_rank_skips_a_block)
+            model.zero_grad()
+            model(x).sum().backward()
+            results["grads_after_a_branch"] = {n: host(p.grad).clone() for n, p in model.named_parameters()}
         model = wrapped()
         errors["ddp_around_a_wrapped_model"] = _error(lambda: nn.parallel.DistributedDataParallel(model))
         # Last: rank 1 never calls data_parallel, so rank 0 must give up after its timeout.
@@ -524,6 +539,26 @@ def test_parameters_unfrozen_and_frozen_after_data_parallel_train_like_one_proce
         for n, p in reference.named_parameters():
             torch.testing.assert_close(res["unfrozen_after_data_parallel"][n], host(p), **_tolerances(device_type),
                                        msg=lambda m, n=n, rank=rank: f"rank {rank}, {n}: {m}")
+
+
+def test_error_on_every_rank_if_one_ranks_backward_reaches_other_parameters_then_training_goes_on(job):
+    # Averagings are matched by order: rank 0's gradient of blocks.2 was averaged with rank 1's
+    # of blocks.1 (the same shapes), silently, and the ranks stayed shifted by one collective.
+    device_type, results = job
+    if device_type != "cpu":
+        pytest.skip("checked on CUDA only with OFFTENSOR_CHECK_DATA_PARALLEL=1")
+    names = ["'blocks.2.fc2.bias'", "'blocks.1.fc2.bias'"]
+    for rank, res in enumerate(results):
+        assert res["errors"]["a_branch_on_one_rank"] == (
+            f"RuntimeError: offtensor.data_parallel: rank {rank}'s averaging of the gradient of {names[rank]} "
+            f"(its 3rd averaging) was matched with rank {1 - rank}'s averaging of {names[1 - rank]} (its 3rd): "
+            "the ranks' backward passes differ. Every rank must give gradients to the same parameters in "
+            "the same order in each backward outside no_sync (as DistributedDataParallel without "
+            "find_unused_parameters): take the same branches on every rank, or make an unused parameter "
+            "part of the loss (+ 0 * p.sum())")
+    first, second = (res["grads_after_a_branch"] for res in results)
+    for n in first:
+        torch.testing.assert_close(first[n], second[n], rtol=0, atol=0, msg=n)
 
 
 def test_no_sync_leaves_each_rank_its_own_gradients(job):
