@@ -165,8 +165,11 @@ class GradReducer:
         a hang where they do not. Before each averaging the ranks all-gather (the parameter's
         index, how many averagings this rank launched) and compare, so such backwards raise the
         same error on every rank, naming the parameters, at the collective where they part; the
-        ranks stay matched for the next backward. A rank that stopped issuing averagings (its
-        backward raised) leaves the others' gather to the process group's timeout.
+        ranks stay matched for the next backward. A rank whose backward raised stops issuing
+        averagings: the others' gather meets its next backward's, whose tag differs (they raise
+        in turn, then all are matched again), or ends at the process group's timeout. Not
+        caught: a rank that raised before its first averaging (in the forward) and goes on with
+        the next batch, whose averagings match the others' of the batch before, as under DDP.
         """
         index = self.index.get(id(p), -1)
         count = self.reductions + 1
@@ -178,7 +181,8 @@ class GradReducer:
         fix = ("Every rank must give gradients to the same parameters in the same order in each "
                "backward outside no_sync (as DistributedDataParallel without find_unused_parameters): "
                "take the same branches on every rank, or make an unused parameter part of the loss "
-               "(+ 0 * p.sum())")
+               "(+ 0 * p.sum()). A rank whose backward raised first shows its own error; once every rank "
+               "has raised, the next backward is matched again")
         try:
             _all_gather(tags, tag, self.group).wait()
         except RuntimeError as e:

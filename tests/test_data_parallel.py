@@ -555,7 +555,8 @@ def test_error_on_every_rank_if_one_ranks_backward_reaches_other_parameters_then
             "the ranks' backward passes differ. Every rank must give gradients to the same parameters in "
             "the same order in each backward outside no_sync (as DistributedDataParallel without "
             "find_unused_parameters): take the same branches on every rank, or make an unused parameter "
-            "part of the loss (+ 0 * p.sum())")
+            "part of the loss (+ 0 * p.sum()). A rank whose backward raised first shows its own error; "
+            "once every rank has raised, the next backward is matched again")
     first, second = (res["grads_after_a_branch"] for res in results)
     for n in first:
         torch.testing.assert_close(first[n], second[n], rtol=0, atol=0, msg=n)
