@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import socket
 import weakref
 from typing import Any
@@ -60,7 +61,7 @@ from ._engine import Engine
 from ._overlap import wait_for_steps
 from ._param import OffloadedParameter
 from ._quantized import weights_of
-from ._sharded_loads import ShardedLoads, shardable
+from ._sharded_loads import ShardedLoads, _all_gather, shardable
 from ._shared_masters import (
     Sharding,
     new_job_id,
@@ -76,16 +77,23 @@ from ._wrap import _engine_of
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 _STORE_PREFIX = "offtensor/data_parallel"
+# On CUDA the check of Note [matching the averagings] costs a host sync per averaging: opt-in.
+CHECK_ENV = "OFFTENSOR_CHECK_DATA_PARALLEL"
 _calls: dict[tuple[int, ...], int] = {}  # data_parallel calls per group (ranks), for store keys
 
 
 class GradReducer:
     """Averages the gradients of one data-parallel model over a process group."""
 
-    def __init__(self, group: Any, world: int, engines: list[Engine]) -> None:
+    def __init__(self, group: Any, world: int, engines: list[Engine], names: list[tuple[nn.Parameter, str]]) -> None:
         self.group = group
         self.world = world
         self.engines = engines
+        # Every parameter's index in the model (the same on every rank), for the tags of Note
+        # [matching the averagings]; checked on the CPU, on CUDA only with CHECK_ENV=1.
+        self.names = [name for _, name in names]
+        self.index = {id(p): i for i, (p, _) in enumerate(names)}
+        self.checked = engines[0].device.type != "cuda" or os.environ.get(CHECK_ENV) == "1"
         self.handles: list[torch.utils.hooks.RemovableHandle] = []  # resident parameters' hooks
         # Active no_sync() contexts; weak, so one whose __exit__ an interrupt skipped stops
         # counting once it is collected (as no_offload's holds, Note [interrupts]).
@@ -110,6 +118,8 @@ class GradReducer:
         the device, or None), averaged over the ranks; on CUDA the d2h stream waits for the
         all-reduce (Note [data parallel]). None: another rank owns it (shard_optimizer). Called
         by GradOffload."""
+        if self.checked and self.syncing():
+            self._check(slot.param, grad.device)
         if self.sharding is not None:
             out = self.sharding.reduce(slot, grad, old, self.syncing())
             self.reductions += self.syncing()
@@ -135,6 +145,8 @@ class GradReducer:
         grad = p.grad
         if grad is None or not self.syncing():
             return
+        if self.checked:
+            self._check(p, grad.device)
         flat = grad if grad.is_contiguous() else grad.contiguous()
         flat.div_(self.world)
         work = torch.distributed.all_reduce(flat, group=self.group, async_op=True)
@@ -142,6 +154,54 @@ class GradReducer:
         work.wait()  # on CUDA: the current stream waits, the host does not
         if flat is not grad:
             grad.copy_(flat)
+
+    def _check(self, p: torch.Tensor, device: torch.device) -> None:
+        """Before averaging `p`'s gradient: every rank is averaging the same parameter's.
+
+        # Note [matching the averagings]
+        Collectives are matched by their order, so a rank whose backward reached other parameters
+        (a branch taken on some ranks only, a parameter used on one rank) would average its
+        gradient with another parameter's: silently wrong where the sizes agree, a gloo abort or
+        a hang where they do not. Before each averaging the ranks all-gather (the parameter's
+        index, how many averagings this rank launched) and compare, so such backwards raise the
+        same error on every rank, naming the parameters, at the collective where they part; the
+        ranks stay matched for the next backward. A rank whose backward raised stops issuing
+        averagings: the others' gather meets its next backward's, whose tag differs (they raise
+        in turn, then all are matched again), or ends at the process group's timeout. Not
+        caught: a rank that raised before its first averaging (in the forward) and goes on with
+        the next batch, whose averagings match the others' of the batch before, as under DDP.
+        """
+        index = self.index.get(id(p), -1)
+        count = self.reductions + 1
+        tag = torch.tensor([index, count], dtype=torch.int64, device=device)
+        tags = torch.empty(2 * self.world, dtype=torch.int64, device=device)
+        rank = torch.distributed.get_rank()
+        where = (f"offtensor.data_parallel: rank {rank}'s averaging of the gradient of "
+                 f"{self._name(index)} (its {_ordinal_short(count)} averaging)")
+        fix = ("Every rank must give gradients to the same parameters in the same order in each "
+               "backward outside no_sync (as DistributedDataParallel without find_unused_parameters): "
+               "take the same branches on every rank, or make an unused parameter part of the loss "
+               "(+ 0 * p.sum()). A rank whose backward raised first shows its own error; once every rank "
+               "has raised, the next backward is matched again")
+        try:
+            _all_gather(tags, tag, self.group).wait()
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"{where}: the other ranks did not join it within the process group's timeout "
+                f"({e}). {fix}"
+            ) from e
+        ranks = torch.distributed.get_process_group_ranks(self.group)
+        rows = tags.view(self.world, 2).tolist()
+        odd = next((i for i, row in enumerate(rows) if row != [index, count]), None)
+        if odd is not None:
+            other, n = rows[odd]
+            raise RuntimeError(
+                f"{where} was matched with rank {ranks[odd]}'s averaging of {self._name(other)} "
+                f"(its {_ordinal_short(n)}): the ranks' backward passes differ. {fix}"
+            )
+
+    def _name(self, index: int) -> str:
+        return f"{self.names[index]!r}" if 0 <= index < len(self.names) else "an unknown parameter"
 
     def close(self) -> None:
         """Leave data-parallel mode (offtensor.unwrap calls this)."""
@@ -318,14 +378,13 @@ def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weig
     if broadcast_weights:
         # With shard_optimizer the first rank's masters reach the others through shared memory.
         _broadcast_weights(model, engines, group, src=ranks[0], with_masters=not shard_optimizer)
-    reducer = GradReducer(group, len(ranks), engines)
+    reducer = GradReducer(group, len(ranks), engines, [(p, n) for n, p in model.named_parameters()])
     if shard_optimizer:
         reducer.sharding = _share(model, engines, group, ranks, entries, timeout)
     if shard_loads:
         reducer.loads = _shard_loads(engines, group, ranks, entries[0]["job"])
     for p in _resident(model):
-        if p.requires_grad:  # a frozen one has no gradient to average (hooks need requires_grad)
-            reducer.handles.append(p.register_post_accumulate_grad_hook(weakly(reducer.reduce_resident)))
+        reducer.handles.append(_hook_resident(p, reducer))
     for engine in engines:
         engine.grads.reducer = reducer
     return model
@@ -402,6 +461,27 @@ def _engines_in(model: nn.Module) -> list[Engine]:
             "model you wrapped"
         )
     return list(found.values())
+
+
+def _hook_resident(p: nn.Parameter, reducer: GradReducer) -> torch.utils.hooks.RemovableHandle:
+    """Average `p.grad` after each accumulation, also once a parameter frozen now is unfrozen.
+
+    # Note [resident parameters frozen at data_parallel]
+    A parameter that is not offloaded is averaged by its post-accumulate-grad hook. One frozen
+    when data_parallel runs has none to give yet, but may be unfrozen later (a fine-tuning
+    schedule unfreezing layers): without a hook each rank would then step it with its own
+    gradient and the ranks' weights would silently diverge. Registering a hook needs
+    requires_grad, so it is set for the registration only; the hook is kept on the tensor and
+    runs whenever the parameter is trainable again (a frozen one gets no gradient: no call).
+    """
+    frozen = not p.requires_grad
+    if frozen:
+        p.requires_grad_(True)
+    try:
+        return p.register_post_accumulate_grad_hook(weakly(reducer.reduce_resident))
+    finally:
+        if frozen:
+            p.requires_grad_(False)
 
 
 def _resident(model: nn.Module) -> list[nn.Parameter]:
@@ -482,6 +562,10 @@ def _exchange(ranks: list[int], entry: dict[str, Any], timeout: datetime.timedel
 
 def _ordinal(n: int) -> str:
     return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
+
+
+def _ordinal_short(n: int) -> str:
+    return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
 
 
 def _check_agreement(entries: list[dict[str, Any]]) -> None:

@@ -52,7 +52,8 @@ on the H200 machine). PCIe bytes per rank drop N-fold.
   is expected): ranks that ran the same passes learned the same. So data_parallel starts every
   rank from nothing learned, a failure (DESYNCED) forgets it again on the rank that failed (the
   others forget theirs when their own load fails), and `local_loads` puts back on exit what the
-  engine had learned before the local pass.
+  engine had learned before the local pass (its lists, dicts and sets copied, the scopes in
+  them kept: a copied Scope loaded later is not one the loader knows).
 """
 
 from __future__ import annotations
@@ -301,8 +302,11 @@ def _forget_learned(engine: Engine) -> None:
 
 
 def _learned(engine: Engine) -> dict[str, Any]:
-    """What the engine learned from the passes so far, to put back after a local pass."""
-    saved = {name: copy.copy(value) for name, value in vars(engine.schedule).items()}
+    """What the engine learned from the passes so far, to put back after a local pass. The
+    containers are copied (the local pass changes them in place), the scopes they and the other
+    attributes name are not: a copy of a Scope (`last_begin`) is not the model's scope."""
+    saved = {name: copy.copy(value) if isinstance(value, (list, dict, set)) else value
+             for name, value in vars(engine.schedule).items()}
     saved["training"] = engine.training
     return saved
 

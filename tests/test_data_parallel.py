@@ -185,6 +185,25 @@ def _train(model: nn.Module, scenario: Scenario, xs: torch.Tensor, ys: torch.Ten
     return opt
 
 
+def _frozen_then_unfrozen(model: nn.Module, step: int | None) -> nn.Module:
+    """Before the first step (`step` None) the head (resident) and blocks.0 (offloaded) are
+    frozen; from step 0 they train; from step 1 the input Linear (resident) is frozen."""
+    model.head.requires_grad_(step is not None)
+    model.blocks[0].requires_grad_(step is not None)
+    model.input.requires_grad_(step is None or step < 1)
+    return model
+
+
+def _train_freezing_between_steps(model: nn.Module, xs: torch.Tensor, ys: torch.Tensor) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        _frozen_then_unfrozen(model, step)
+        F.mse_loss(model(xs[step]), ys[step]).backward()
+        opt.step()
+        opt.zero_grad()
+    offtensor.wait_for_steps()
+
+
 # ---- the job each rank runs ----------------------------------------------------------------
 
 
@@ -357,6 +376,15 @@ def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
         offtensor.data_parallel(mixed, timeout=30)
         results["mixed_dtypes"] = {n: host(p).clone() for n, p in mixed.named_parameters()}
 
+        # Which parameters train changes after data_parallel, between steps.
+        torch.manual_seed(0 if rank == 0 else 100 + rank)
+        model = _frozen_then_unfrozen(mlp_of_blocks(), step=None)
+        offtensor.wrap(model, device=device).to(device)
+        offtensor.data_parallel(model, timeout=30)
+        _train_freezing_between_steps(model, xs[:, shard].to(device), ys[:, shard].to(device))
+        results["unfrozen_after_data_parallel"] = {n: host(p).clone() for n, p in model.named_parameters()}
+        offtensor.unwrap(model)
+
         results["host_memory"] = {shard: _host_memory(shard, device) for shard in (False, True)}
         results["inference"] = _sharded_inference(rank, device)
 
@@ -409,6 +437,21 @@ def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
         errors["read_before_sync_masters"] = _error(lambda: model.state_dict())
         offtensor.sync_masters(model)
         results["read_after_sync_masters"] = _error(lambda: model.state_dict())
+        if device_type == "cpu":  # checked on CUDA only with CHECK_ENV=1 (a host sync per averaging)
+            # A branch taken on rank 0 only: rank 1's backward skips blocks.2.
+            model = wrapped()
+            offtensor.data_parallel(model, timeout=10)
+
+            def one_rank_skips_a_block() -> None:
+                h = model.input(x)
+                for block in model.blocks[: len(model.blocks) - rank]:
+                    h = block(h)
+                model.head(h).sum().backward()
+
+            errors["a_branch_on_one_rank"] = _error(one_rank_skips_a_block)
+            model.zero_grad()
+            model(x).sum().backward()
+            results["grads_after_a_branch"] = {n: host(p.grad).clone() for n, p in model.named_parameters()}
         model = wrapped()
         errors["ddp_around_a_wrapped_model"] = _error(lambda: nn.parallel.DistributedDataParallel(model))
         # Last: rank 1 never calls data_parallel, so rank 0 must give up after its timeout.
@@ -481,6 +524,42 @@ def test_two_ranks_on_half_batches_match_one_process_on_the_whole_batch(job, nam
                                        msg=lambda m, n=n, rank=rank: f"rank {rank}, {n}: {m}")
     trained = [n for n, p in initial.items() if not torch.equal(p, reference[n])]
     assert trained, "the reference did not train"
+
+
+def test_parameters_unfrozen_and_frozen_after_data_parallel_train_like_one_process(job):
+    # A parameter that is not offloaded and was frozen at data_parallel got no averaging hook:
+    # unfrozen later, each rank stepped it with its own gradient and the ranks' heads diverged.
+    device_type, results = job
+    device = "cuda:0" if device_type == "cuda" else "cpu"
+    torch.manual_seed(0)
+    reference = _frozen_then_unfrozen(mlp_of_blocks(), step=None).to(device)
+    xs, ys = _data()
+    _train_freezing_between_steps(reference, xs.to(device), ys.to(device))
+    for rank, res in enumerate(results):
+        for n, p in reference.named_parameters():
+            torch.testing.assert_close(res["unfrozen_after_data_parallel"][n], host(p), **_tolerances(device_type),
+                                       msg=lambda m, n=n, rank=rank: f"rank {rank}, {n}: {m}")
+
+
+def test_error_on_every_rank_if_one_ranks_backward_reaches_other_parameters_then_training_goes_on(job):
+    # Averagings are matched by order: rank 0's gradient of blocks.2 was averaged with rank 1's
+    # of blocks.1 (the same shapes), silently, and the ranks stayed shifted by one collective.
+    device_type, results = job
+    if device_type != "cpu":
+        pytest.skip("checked on CUDA only with OFFTENSOR_CHECK_DATA_PARALLEL=1")
+    names = ["'blocks.2.fc2.bias'", "'blocks.1.fc2.bias'"]
+    for rank, res in enumerate(results):
+        assert res["errors"]["a_branch_on_one_rank"] == (
+            f"RuntimeError: offtensor.data_parallel: rank {rank}'s averaging of the gradient of {names[rank]} "
+            f"(its 3rd averaging) was matched with rank {1 - rank}'s averaging of {names[1 - rank]} (its 3rd): "
+            "the ranks' backward passes differ. Every rank must give gradients to the same parameters in "
+            "the same order in each backward outside no_sync (as DistributedDataParallel without "
+            "find_unused_parameters): take the same branches on every rank, or make an unused parameter "
+            "part of the loss (+ 0 * p.sum()). A rank whose backward raised first shows its own error; "
+            "once every rank has raised, the next backward is matched again")
+    first, second = (res["grads_after_a_branch"] for res in results)
+    for n in first:
+        torch.testing.assert_close(first[n], second[n], rtol=0, atol=0, msg=n)
 
 
 def test_no_sync_leaves_each_rank_its_own_gradients(job):
@@ -976,6 +1055,24 @@ def test_local_loads_copy_whole_scopes_without_collectives(one_rank_group):
     assert loader.gathers == 0
     assert loader.host_bytes == sum(scope.nbytes for scope in model._offtensor_engine.scopes)
     assert not loader.holds
+
+
+def test_training_goes_on_after_a_local_loads_pass_between_steps(one_rank_group):
+    # local_loads put back the engine's learned order with each value copied: the Scope where
+    # the last pass began became a copy of it, which the next forward loaded (KeyError: not one
+    # of the loader's scopes), and on two ranks the other rank then waited for the load.
+    model = offtensor.data_parallel(offtensor.wrap(mlp_of_blocks(), device="cpu"), timeout=5, shard_loads=True)
+    engine = model._offtensor_engine
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    opt.step()
+
+    with torch.no_grad(), offtensor.local_loads(model):
+        model(x)
+    model(x).sum().backward()
+
+    assert engine.schedule.last_begin in engine.scopes
 
 
 def test_error_if_local_loads_is_given_a_model_that_is_not_wrapped():
