@@ -60,6 +60,10 @@ or before the next backward when an interrupted one left a kept scope's fetch be
 as far as possible: each fetch remembers the tensor it copied and that tensor's version counter,
 and `take_old_grad` uses the fetched copy only if `p.grad` is still that tensor, unwritten since;
 otherwise the gradient path reads `p.grad` as it is now (or starts afresh when it is None).
+A frozen parameter's `p.grad` (frozen after training, with `zero_grad(set_to_none=False)`) is not
+fetched: no gradient comes to take the copy (the gradient path drops what a parameter frozen
+since the forward gets, Note [frozen since the forward] in _grads.py), and a kept scope held it
+on the device, beyond the budget, until a write to its masters released the scope.
 
 # Note [writes during a scope's call]
 A frozen parameter used as state (a step counter, an EMA codebook) may be written in its own
@@ -119,7 +123,7 @@ from torch import nn
 
 from ._api import Policy, Residency, ScopeState
 from ._host_memory import HostBuffer
-from ._param import master_grad, without_subclass_dispatch
+from ._param import master_grad, master_requires_grad, without_subclass_dispatch
 from ._slot import ParamSlot, alive, weakly
 from ._streams import Streams
 
@@ -279,8 +283,10 @@ class Scope:
     def _old_grads_to_fetch(self) -> list[tuple[ParamSlot, torch.Tensor]]:
         """(slot, its host `p.grad`) for each parameter whose existing gradient is not fetched
         yet and not already added to in this backward; not a sparse one, which is added to on
-        the host (Note [sparse gradients] in _grads.py)."""
+        the host (Note [sparse gradients] in _grads.py), nor one of a frozen parameter, which
+        gets no gradient to add to it (Note [stale gradient fetches])."""
         return [(slot, g) for slot in self.slots if slot.old_grad is None and not slot.grad_written
+                and master_requires_grad(slot.param)
                 and (g := master_grad(slot.param)) is not None and g.layout == torch.strided]
 
     def num_params(self) -> int:
