@@ -465,6 +465,9 @@ class Engine:
             scope.grad_calls_since_backward = 0
             scope.grad_calls_this_pass = 0
         self._create_graph = False
+        for scope in self.scopes:  # Note [stale gradient fetches] in _scope.py
+            if scope.state is not ScopeState.OFFLOADED:
+                scope.drop_old_grads()
         if not self.hold():
             self.live.release_all(keep_carried=True)
             if self.grads.stepper is not None:

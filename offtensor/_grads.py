@@ -61,7 +61,7 @@ import torch
 from torch.autograd import Variable
 
 from ._host_memory import host_empty
-from ._param import master_grad, run_grad_hooks, without_subclass_dispatch
+from ._param import master_grad, master_requires_grad, run_grad_hooks, without_subclass_dispatch
 from ._scope import Scope
 from ._slot import ParamSlot
 from ._streams import Streams
@@ -142,7 +142,7 @@ class GradOffload:
 
     def _add(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         """Add one gradient, after the user's hooks, to the host gradient."""
-        if not without_subclass_dispatch(_requires_grad, slot.param):  # Note [frozen since the forward]
+        if not master_requires_grad(slot.param):  # Note [frozen since the forward]
             if slot.post_hooks and slot not in self._frozen:
                 self._frozen.append(slot)
             return
@@ -325,10 +325,6 @@ class GradOffload:
             for scope in self._scopes:
                 for slot in scope.slots:
                     slot.device_leaf.grad = None
-
-
-def _requires_grad(p: torch.Tensor) -> bool:
-    return p.requires_grad
 
 
 def _host_grad_is_sparse(slot: ParamSlot) -> bool:

@@ -212,6 +212,14 @@ def master_grad(p: torch.Tensor) -> torch.Tensor | None:
 _GRAD_OF = _TensorBase.grad.__get__  # type: ignore[union-attr]
 
 
+def master_requires_grad(p: torch.Tensor) -> bool:
+    """`p.requires_grad` of the master, without a round trip through `__torch_function__`."""
+    return without_subclass_dispatch(_REQUIRES_GRAD_OF, p)
+
+
+_REQUIRES_GRAD_OF = _TensorBase.requires_grad.__get__  # type: ignore[attr-defined]
+
+
 def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter]) -> Any:
     if not params or func in _MASTER_ONLY:
         return func(*args, **kwargs)

@@ -60,6 +60,12 @@ or before the next backward when an interrupted one left a kept scope's fetch be
 as far as possible: each fetch remembers the tensor it copied and that tensor's version counter,
 and `take_old_grad` uses the fetched copy only if `p.grad` is still that tensor, unwritten since;
 otherwise the gradient path reads `p.grad` as it is now (or starts afresh when it is None).
+A fetch that no gradient takes (a parameter the forward did not use, or one unfrozen since it)
+is freed at the end of the backward (`Engine.end_backward`, `drop_old_grads`), not only at the
+release: a kept or carried scope outlives the backward, and held it on the device beyond the
+budget until a write to its masters released the scope. A frozen parameter's `p.grad` (frozen
+after training, with `zero_grad(set_to_none=False)`) is not fetched at all: the gradient path
+drops what such a parameter gets (Note [frozen since the forward] in _grads.py).
 
 # Note [writes during a scope's call]
 A frozen parameter used as state (a step counter, an EMA codebook) may be written in its own
@@ -119,7 +125,7 @@ from torch import nn
 
 from ._api import Policy, Residency, ScopeState
 from ._host_memory import HostBuffer
-from ._param import master_grad, without_subclass_dispatch
+from ._param import master_grad, master_requires_grad, without_subclass_dispatch
 from ._slot import ParamSlot, alive, weakly
 from ._streams import Streams
 
@@ -279,8 +285,10 @@ class Scope:
     def _old_grads_to_fetch(self) -> list[tuple[ParamSlot, torch.Tensor]]:
         """(slot, its host `p.grad`) for each parameter whose existing gradient is not fetched
         yet and not already added to in this backward; not a sparse one, which is added to on
-        the host (Note [sparse gradients] in _grads.py)."""
+        the host (Note [sparse gradients] in _grads.py), nor one of a frozen parameter, which
+        gets no gradient to add to it (Note [stale gradient fetches])."""
         return [(slot, g) for slot in self.slots if slot.old_grad is None and not slot.grad_written
+                and master_requires_grad(slot.param)
                 and (g := master_grad(slot.param)) is not None and g.layout == torch.strided]
 
     def num_params(self) -> int:
@@ -576,13 +584,8 @@ class Scope:
         streams = self.streams
         compute = streams.compute()
         streams.wait(compute, self.weights_ready)  # a prefetch nobody used: the free must follow it
-        streams.wait(compute, self.grads_ready)
-        if self.grads_ready is not None and any(s.old_grad_source is not None for s in self.slots):
-            self.grads_ready.synchronize()  # unused fetches: their host sources may go below
-        self.grads_ready = None
+        self.drop_old_grads()
         self.loading = None
-        for slot in self.slots:
-            slot.old_grad = slot.old_grad_source = None
         self.written_in_call.clear()  # the next load copies the masters as they are
         if self.graph_saved:
             self._retire_device_storage()  # Note [higher-order gradients]
@@ -630,6 +633,17 @@ class Scope:
         for slot, g, old in fetched:
             slot.old_grad_source = (g, g._version)
             slot.old_grad = old
+
+    def drop_old_grads(self) -> None:
+        """Free the fetched gradients no gradient took, after their copies: the end of a
+        backward that leaves the scope resident, or its release (Note [stale gradient fetches])."""
+        streams = self.streams
+        streams.wait(streams.compute(), self.grads_ready)
+        if self.grads_ready is not None and any(s.old_grad_source is not None for s in self.slots):
+            self.grads_ready.synchronize()  # unused fetches: their host sources may go below
+        self.grads_ready = None
+        for slot in self.slots:
+            slot.old_grad = slot.old_grad_source = None
 
     def take_old_grad(self, slot: ParamSlot) -> torch.Tensor | None:
         """The device copy of `p.grad` fetched with the scope's weights, if `p.grad` is still

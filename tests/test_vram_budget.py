@@ -416,3 +416,30 @@ def test_peak_device_memory_of_the_weights_stays_within_the_budget():
     kept_bytes = 2 * _block_bytes(model)
     assert base >= kept_bytes  # the kept scopes stay between passes
     assert torch.cuda.max_memory_allocated() - base <= budget - kept_bytes + 2**20
+
+
+@pytest.mark.parametrize("device", devices)
+def test_a_frozen_parameter_with_an_old_grad_leaves_no_gradient_on_a_kept_scope(device, most_device_bytes):
+    """A parameter frozen after training keeps its (zeroed) `.grad`; the backward that adds to
+    the other gradients fetched that one to the device too, and no gradient came to take it: a
+    kept scope held it from then on, beyond the budget, until a write to its masters."""
+    model = mlp_of_blocks(n_blocks=N_BLOCKS)
+    budget = _budget(model, kept=1)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    assert _kept_blocks(model) == [0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        if step == 1:  # frozen with a zeroed .grad (zero_grad(set_to_none=False)): kept, unused
+            for m in (model, reference):
+                m.blocks[0].fc1.weight.requires_grad_(False)
+                m.blocks[3].fc1.weight.requires_grad_(False)
+        x, y = random_batch(device)
+        F.mse_loss(model(x), y).backward()
+        F.mse_loss(reference(x), y).backward()
+        assert_grads_match(model, reference, **tolerances(device))
+        assert_all_scopes_offloaded(model)  # the kept scope holds its weights, no gradient
+        opt.step(), ref_opt.step()
+        opt.zero_grad(set_to_none=False), ref_opt.zero_grad(set_to_none=False)
+    assert_params_match(model, reference, **tolerances(device))
+    assert most_device_bytes[0] <= budget

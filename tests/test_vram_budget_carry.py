@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
+    BlockStack,
     assert_all_scopes_offloaded,
     assert_grads_match,
     assert_params_match,
@@ -622,3 +623,40 @@ def test_an_interrupt_with_carried_scopes_leaks_nothing_and_training_goes_on(dev
         assert_all_scopes_offloaded(model)
     assert_params_match(model, reference, **tol)
     assert most_device_bytes[0] <= budget
+
+
+class _SkippableBranch(torch.nn.Module):
+    """`x + a(x) + b(x)`, or without `b` while `use_b` is off (a layer the forward skips)."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(hidden, hidden)
+        self.b = torch.nn.Linear(hidden, hidden)
+        self.use_b = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.a(x) + (self.b(x) if self.use_b else 0)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_old_gradients_no_gradient_takes_leave_the_kept_and_carried_scopes(device):
+    """Accumulating into zeroed gradients (zero_grad(set_to_none=False)) fetches each one to
+    the device with its scope; a parameter the forward did not use gets no gradient to add it
+    to, and the kept scope (and the carried ones) held its copy past the backward, beyond the
+    budget, until a write to their masters released them."""
+    model = BlockStack([_SkippableBranch() for _ in range(6)], 8, 16, 4)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=_budget(model, kept=1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        for m in (model, reference):
+            for block in m.blocks:
+                block.use_b = step != 1
+        for _ in range(2):
+            _backward_both(model, reference, device)
+            assert_grads_match(model, reference, **tolerances(device))
+            assert_all_scopes_offloaded(model)  # kept and carried scopes hold their weights only
+        assert _carried(model) == ["blocks.1", "blocks.2"]
+        opt.step(), ref_opt.step()
+        opt.zero_grad(set_to_none=False), ref_opt.zero_grad(set_to_none=False)
+    assert_params_match(model, reference, **tolerances(device))
