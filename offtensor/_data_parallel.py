@@ -61,7 +61,7 @@ from ._engine import Engine
 from ._overlap import wait_for_steps
 from ._param import OffloadedParameter
 from ._quantized import weights_of
-from ._sharded_loads import ShardedLoads, _all_gather, shardable
+from ._sharded_loads import ShardedLoads, odd_tag, ordinal, shardable
 from ._shared_masters import (
     Sharding,
     new_job_id,
@@ -173,31 +173,27 @@ class GradReducer:
         """
         index = self.index.get(id(p), -1)
         count = self.reductions + 1
-        tag = torch.tensor([index, count], dtype=torch.int64, device=device)
-        tags = torch.empty(2 * self.world, dtype=torch.int64, device=device)
         rank = torch.distributed.get_rank()
         where = (f"offtensor.data_parallel: rank {rank}'s averaging of the gradient of "
-                 f"{self._name(index)} (its {_ordinal_short(count)} averaging)")
+                 f"{self._name(index)} (its {ordinal(count)} averaging)")
         fix = ("Every rank must give gradients to the same parameters in the same order in each "
                "backward outside no_sync (as DistributedDataParallel without find_unused_parameters): "
                "take the same branches on every rank, or make an unused parameter part of the loss "
                "(+ 0 * p.sum()). A rank whose backward raised first shows its own error; once every rank "
                "has raised, the next backward is matched again")
         try:
-            _all_gather(tags, tag, self.group).wait()
+            odd = odd_tag((index, count), self.group, self.world, device)
         except RuntimeError as e:
             raise RuntimeError(
                 f"{where}: the other ranks did not join it within the process group's timeout "
                 f"({e}). {fix}"
             ) from e
-        ranks = torch.distributed.get_process_group_ranks(self.group)
-        rows = tags.view(self.world, 2).tolist()
-        odd = next((i for i, row in enumerate(rows) if row != [index, count]), None)
         if odd is not None:
-            other, n = rows[odd]
+            at, (other, n) = odd
+            ranks = torch.distributed.get_process_group_ranks(self.group)
             raise RuntimeError(
-                f"{where} was matched with rank {ranks[odd]}'s averaging of {self._name(other)} "
-                f"(its {_ordinal_short(n)}): the ranks' backward passes differ. {fix}"
+                f"{where} was matched with rank {ranks[at]}'s averaging of {self._name(other)} "
+                f"(its {ordinal(n)}): the ranks' backward passes differ. {fix}"
             )
 
     def _name(self, index: int) -> str:
@@ -562,10 +558,6 @@ def _exchange(ranks: list[int], entry: dict[str, Any], timeout: datetime.timedel
 
 def _ordinal(n: int) -> str:
     return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
-
-
-def _ordinal_short(n: int) -> str:
-    return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
 
 
 def _check_agreement(entries: list[dict[str, Any]]) -> None:

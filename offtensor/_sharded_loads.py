@@ -114,7 +114,18 @@ def _all_gather(out: torch.Tensor, part: torch.Tensor, group: Any) -> Any:
     return gather(out, part, group=group, async_op=True)
 
 
-def _ordinal(n: int) -> str:
+def odd_tag(tag: tuple[int, int], group: Any, world: int, device: torch.device) -> tuple[int, list[int]] | None:
+    """All-gather every rank's (what, how many times) `tag` and compare: the position in the
+    group of the first rank whose tag differs, with that tag, or None when all agree. A rank that
+    does not join raises the collective's RuntimeError after the process group's timeout."""
+    mine = torch.tensor(tag, dtype=torch.int64, device=device)
+    tags = torch.empty(2 * world, dtype=torch.int64, device=device)
+    _all_gather(tags, mine, group).wait()
+    rows = tags.view(world, 2).tolist()
+    return next(((i, row) for i, row in enumerate(rows) if row != list(tag)), None)
+
+
+def ordinal(n: int) -> str:
     return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
 
 
@@ -231,30 +242,25 @@ class ShardedLoads:
     def _check_tag(self, scope: Scope, plan: _Plan, count: int) -> None:
         """All-gather (scope index, count) first and compare: different loads raise the same
         error on every rank instead of mixing buffers."""
-        device = scope.device_flat.device
-        tag = torch.tensor([plan.index, count], dtype=torch.int64, device=device)
-        tags = torch.empty(2 * self.world, dtype=torch.int64, device=device)
         try:
-            _all_gather(tags, tag, self.group).wait()
+            odd = odd_tag((plan.index, count), self.group, self.world, scope.device_flat.device)
         except RuntimeError as e:
             raise RuntimeError(
                 f"{self._where(scope, count)}: the other ranks did not join it within the process "
                 f"group's timeout ({self.timeout.total_seconds():g} s) ({e}). {self._fix}"
             ) from e
-        rows = tags.view(self.world, 2).tolist()
-        odd = next((i for i, row in enumerate(rows) if row != [plan.index, count]), None)
         if odd is not None:
-            index, n = rows[odd]
-            theirs = (f"scope {self.names[index]!r} for the {_ordinal(n)} time"
-                      if 0 <= index < len(self.names) else f"an unknown scope (tag {rows[odd]})")
+            at, (index, n) = odd
+            theirs = (f"scope {self.names[index]!r} for the {ordinal(n)} time"
+                      if 0 <= index < len(self.names) else f"an unknown scope (tag {[index, n]})")
             raise RuntimeError(
-                f"{self._where(scope, count)} was matched with rank {self.ranks[odd]}'s load of "
+                f"{self._where(scope, count)} was matched with rank {self.ranks[at]}'s load of "
                 f"{theirs}: the ranks' passes differ. {self._fix}"
             )
 
     def _where(self, scope: Scope, count: int) -> str:
         return (f"offtensor.data_parallel(shard_loads=True): rank {self.rank}'s load of scope "
-                f"{scope.name!r} (its {_ordinal(count)} sharded load)")
+                f"{scope.name!r} (its {ordinal(count)} sharded load)")
 
     _fix = ("Every rank must run the same forward and backward passes (their loads are collective); "
             "wrap a pass that runs on some ranks only (evaluation on rank 0) in "
