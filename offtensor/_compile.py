@@ -120,14 +120,17 @@ def compiling() -> bool:
 # freed when the scope is released. It raises, naming the parameter (_param.py); passing the
 # parameters in (`functional_call`) or unwrapping are the ways out.
 
-_TRACING_MODES = (torch._C._TorchDispatchModeKey.PROXY, torch._C._TorchDispatchModeKey.FAKE)
 _PROXY = torch._C._TorchDispatchModeKey.PROXY
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+_TRACING_MODES = (_PROXY, _FAKE)
+_get_mode = torch._C._get_dispatch_mode
 
 
 def tracing() -> bool:
     """make_fx is tracing the code calling this (Note [tracing with make_fx]); also before
     autograd (pre-dispatch, as torch.export does)."""
-    return (any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
+    # Read at every engine entry point and op on an offloaded parameter: no generator.
+    return (_get_mode(_PROXY) is not None or _get_mode(_FAKE) is not None
             or torch._ops._get_dispatch_mode_pre_dispatch(_PROXY) is not None)
 
 

@@ -173,28 +173,30 @@ class GradReducer:
         """
         index = self.index.get(id(p), -1)
         count = self.reductions + 1
-        rank = torch.distributed.get_rank()
-        where = (f"offtensor.data_parallel: rank {rank}'s averaging of the gradient of "
-                 f"{self._name(index)} (its {ordinal(count)} averaging)")
-        fix = ("Every rank must give gradients to the same parameters in the same order in each "
-               "backward outside no_sync (as DistributedDataParallel without find_unused_parameters): "
-               "take the same branches on every rank, or make an unused parameter part of the loss "
-               "(+ 0 * p.sum()). A rank whose backward raised first shows its own error; once every rank "
-               "has raised, the next backward is matched again")
         try:
             odd = odd_tag((index, count), self.group, self.world, device)
         except RuntimeError as e:
             raise RuntimeError(
-                f"{where}: the other ranks did not join it within the process group's timeout "
-                f"({e}). {fix}"
+                f"{self._where(index, count)}: the other ranks did not join it within the process "
+                f"group's timeout ({e}). {self._fix}"
             ) from e
         if odd is not None:
             at, (other, n) = odd
             ranks = torch.distributed.get_process_group_ranks(self.group)
             raise RuntimeError(
-                f"{where} was matched with rank {ranks[at]}'s averaging of {self._name(other)} "
-                f"(its {ordinal(n)}): the ranks' backward passes differ. {fix}"
+                f"{self._where(index, count)} was matched with rank {ranks[at]}'s averaging of "
+                f"{self._name(other)} (its {ordinal(n)}): the ranks' backward passes differ. {self._fix}"
             )
+
+    def _where(self, index: int, count: int) -> str:
+        return (f"offtensor.data_parallel: rank {torch.distributed.get_rank()}'s averaging of the "
+                f"gradient of {self._name(index)} (its {ordinal(count)} averaging)")
+
+    _fix = ("Every rank must give gradients to the same parameters in the same order in each "
+            "backward outside no_sync (as DistributedDataParallel without find_unused_parameters): "
+            "take the same branches on every rank, or make an unused parameter part of the loss "
+            "(+ 0 * p.sum()). A rank whose backward raised first shows its own error; once every rank "
+            "has raised, the next backward is matched again")
 
     def _name(self, index: int) -> str:
         return f"{self.names[index]!r}" if 0 <= index < len(self.names) else "an unknown parameter"

@@ -39,7 +39,7 @@ from torch import nn
 from . import _compile, _distributed
 from ._api import Policy, Residency, ScopeState
 from ._grads import GradOffload
-from ._param import without_subclass_dispatch
+from ._param import master_requires_grad
 from ._schedule import Schedule
 from ._scope import LiveScopes, Scope
 from ._slot import ParamSlot, in_backward, on_optimizer_worker
@@ -453,7 +453,7 @@ class Engine:
         """A parameter of the scope requires grad. Read without dispatch: `p.requires_grad`
         through OffloadedParameter waits for the scope's deferred step, which at the end of
         backward_and_step's backward is the wait it exists to avoid."""
-        return any(without_subclass_dispatch(lambda p: p.requires_grad, slot.param) for slot in scope.slots)
+        return any(master_requires_grad(slot.param) for slot in scope.slots)
 
     @_outside_transforms
     def end_backward(self) -> None:
@@ -465,9 +465,6 @@ class Engine:
             scope.grad_calls_since_backward = 0
             scope.grad_calls_this_pass = 0
         self._create_graph = False
-        for scope in self.scopes:  # Note [stale gradient fetches] in _scope.py
-            if scope.state is not ScopeState.OFFLOADED:
-                scope.drop_old_grads()
         if not self.hold():
             self.live.release_all(keep_carried=True)
             if self.grads.stepper is not None:
@@ -477,6 +474,11 @@ class Engine:
                 for scope in self.scopes:
                     if scope.residency is Residency.KEPT and self._trainable(scope):
                         scope.release(force=True)
+        # Fetched old gradients nothing took, on the scopes left resident (a release drops its
+        # own): Note [stale gradient fetches] in _scope.py.
+        for scope in self.scopes:
+            if scope.state is not ScopeState.OFFLOADED:
+                scope.drop_old_grads()
 
     def _forget_backward(self) -> None:
         self.backward_scope = None

@@ -326,11 +326,12 @@ def _load_rest(model: nn.Module, checkpoint: Checkpoint | None, init: InitFn | N
                 done[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
             module._parameters[pname] = done[id(p)]
         for bname, b in list(module._buffers.items()):
-            if b is None or not b.is_meta and (checkpoint is None or bname in module._non_persistent_buffers_set):
-                continue
+            real = b is not None and not b.is_meta
+            if b is None or (real and (checkpoint is None or bname in module._non_persistent_buffers_set)):
+                continue  # nothing to fill: a real buffer the checkpoint has no say on
             qual = f"{mname}.{bname}" if mname else bname
             key = checkpoint.find([qual]) if checkpoint is not None else None
-            if not b.is_meta:  # a real persistent buffer: the checkpoint's values (Note [loading scope by scope])
+            if real:  # a real persistent buffer: the checkpoint's values (Note [loading scope by scope])
                 if key is not None:
                     assert checkpoint is not None
                     with torch.no_grad():

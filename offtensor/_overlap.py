@@ -645,13 +645,17 @@ class _OverlappedStep:
             worker_state.active = True
             # OpenMP thread counts are per calling thread: this sets the worker's alone.
             spared = max(1, threads - self.spare_threads)
+            current = None
             while True:
                 piece, waited_for = self._next_piece()
                 if piece is None:
                     return
                 # Every core while a thread waits for a step, else leave the launching thread
                 # its spare ones (Note [worker threads]).
-                torch.set_num_threads(threads if waited_for else spared)
+                wanted = threads if waited_for else spared
+                if wanted != current:
+                    torch.set_num_threads(wanted)
+                    current = wanted
                 self.report.all_thread_pieces += waited_for and spared < threads
                 began = time.perf_counter()
                 try:

@@ -196,8 +196,6 @@ def _reads_values(func: Any) -> bool:
     return func not in _METADATA
 
 
-
-
 def master_grad(p: torch.Tensor) -> torch.Tensor | None:
     """`p.grad` of the master itself, once its deferred step is done (Note [step fences] in
     _slot.py), without a round trip through `__torch_function__`: a property read on a tensor
@@ -245,7 +243,7 @@ def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter])
     subs = _replacements(params, _op_device(args, kwargs))
     if not subs:
         return func(*args, **kwargs)
-    args, kwargs = _substitute(args, subs), {k: _sub_one(v, subs) for k, v in kwargs.items()}
+    args, kwargs = _substitute(args, kwargs, subs)
     try:
         return func(*args, **kwargs)
     except RuntimeError as e:
@@ -266,11 +264,12 @@ def _replacements(params: list[OffloadedParameter], op_device: torch.device | No
     """What an op on `params` gets in place of each (by id): a device or temporary copy
     (Engine.materialize); none where the op acts on the master."""
     subs: dict[int, torch.Tensor] = {}
+    tracing = _compile.tracing()
     for p in params:
         slot = getattr(p, "_ot", None)
         if slot is None:
             continue
-        if _compile.tracing():
+        if tracing:
             raise RuntimeError(
                 f"offtensor: make_fx traced an op on offloaded parameter {slot.name!r} "
                 "(torch.func.linearize, aot_function, torch.export): the graph would keep its "
@@ -324,8 +323,8 @@ def _sub_one(a: Any, subs: dict[int, torch.Tensor]) -> Any:
     return a
 
 
-def _substitute(args: tuple, subs: dict[int, torch.Tensor]) -> tuple:
-    return tuple(_sub_one(a, subs) for a in args)
+def _substitute(args: tuple, kwargs: dict, subs: dict[int, torch.Tensor]) -> tuple[tuple, dict]:
+    return tuple(_sub_one(a, subs) for a in args), {k: _sub_one(v, subs) for k, v in kwargs.items()}
 
 
 def _is_inplace(func, args: tuple) -> bool:
@@ -621,7 +620,7 @@ def _function_apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
 def _materialized_arguments(args: tuple, kwargs: dict, params: list[OffloadedParameter]) -> tuple[tuple, dict]:
     _await_steps(params, _function_apply)
     subs = _replacements(params, _op_device(args, kwargs))
-    return _substitute(args, subs), {k: _sub_one(v, subs) for k, v in kwargs.items()}
+    return _substitute(args, kwargs, subs)
 
 
 _PLAIN_FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"].__func__

@@ -16,7 +16,7 @@ import torch
 from .measure import GiB, version
 from .optimizer import format_optimizer_speed
 from .results import Extras, Row
-from .rooflines import COMPRESSED_PEERS, RELATIVE_TO, compile_times
+from .rooflines import COMPRESSED_PEERS, RELATIVE_TO, beside_copies_ms, compile_times
 from .run import Run
 from .scenarios import ModelShape, Scenario
 
@@ -150,7 +150,7 @@ def format_same_time(r: Row, fwd_bwd_ms: float | None) -> str:
         return f"  {r.peer}/{r.scenario} measured in turn with the plain step: {st['error']}"
     fb = fwd_bwd_ms or 0.0
     alone, spared, every = st["alone_median_ms"], st["beside_median_ms"], st.get("beside_all_median_ms")
-    beside = min((t for t in (spared, every) if t is not None), default=None)  # as _judge_in_turn
+    beside = beside_copies_ms(st)
 
     def listed(ts: list[float]) -> str:
         return ", ".join(f"{t:.0f}" for t in ts)

@@ -284,15 +284,20 @@ def _judge_vram(r: Row) -> None:
     r.verdict = "PASS" if r.peak_vram_bytes < r.vram_cap_bytes else "FAIL"
 
 
+def beside_copies_ms(same_time: dict[str, Any]) -> float | None:
+    """AdamW beside the step's copies as measured in turn (Row.same_time): the faster of the
+    worker's spared thread count and every thread, since the worker takes every thread while the
+    forward waits for it (Note [worker threads]); None when not measured."""
+    return min((t for t in (same_time.get("beside_median_ms"), same_time.get("beside_all_median_ms"))
+                if t is not None), default=None)
+
+
 def _judge_in_turn(r: Row, entry: dict[str, Any]) -> None:
     """The overlapped step against max(fwd+bwd, AdamW beside the step's copies), both measured
-    in turn (Row.same_time); the run's own main timing is not, so it is not the ratio here. The
-    AdamW time is the faster of the worker's spared thread count and every thread: the worker
-    takes every thread while the forward waits for it (Note [worker threads])."""
+    in turn (Row.same_time); the run's own main timing is not, so it is not the ratio here."""
     st = r.same_time or {}
     variants = st.get("variants") or []
-    beside = min((t for t in (st.get("beside_median_ms"), st.get("beside_all_median_ms")) if t is not None),
-                 default=None)
+    beside = beside_copies_ms(st)
     fb = entry["peers"].get(r.peer, {}).get("fwd_bwd_roofline_ms")
     if r.status != "ok" or not r.valid_training or beside is None or fb is None or not variants:
         return
