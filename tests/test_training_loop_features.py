@@ -502,8 +502,9 @@ def test_a_parameter_frozen_between_forward_and_backward_gets_no_gradient_like_u
     reference = reference_then_offload(model, "cpu", tied_lm_predicate("embedding_selected"))
     calls: dict[int, list[str]] = {id(model): [], id(reference): []}
     for m in (reference, model):
-        m.blocks[1].fc1.weight.register_hook(lambda g, c=calls[id(m)]: c.append("hook"))
-        m.blocks[1].fc1.weight.register_post_accumulate_grad_hook(lambda p, c=calls[id(m)]: c.append("post"))
+        seen = calls[id(m)]
+        m.blocks[1].fc1.weight.register_hook(lambda g, c=seen: c.append("hook"))
+        m.blocks[1].fc1.weight.register_post_accumulate_grad_hook(lambda p, c=seen: c.append("post"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     tokens = torch.randint(0, 32, (4, 6))
