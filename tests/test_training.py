@@ -265,37 +265,6 @@ def test_the_worker_leaves_spare_threads_unless_a_thread_waits_for_its_steps(spa
     assert_params_match(model, reference, **tolerances("cpu"))
 
 
-def test_the_worker_keeps_every_thread_while_a_forward_waits_piece_after_piece():
-    """Note [worker threads]: a piece taken just after a thread stopped waiting (a forward
-    bound by the optimizer runs for a moment between two waits) still gets every thread when
-    that thread waited while the piece before it ran; once the worker has had to wait for a
-    piece, or a whole piece ran with no thread waiting, it is back to the spared count."""
-    import threading
-    from types import SimpleNamespace
-
-    from offtensor._overlap import _OverlappedStep, _Piece
-
-    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(2))])
-    stepper = _OverlappedStep(opt, zero_grad=False, spare_threads=1, piece_bytes=1)
-    pieces = [_Piece(f"s{i}", [], None, (i, 0)) for i in range(4)]
-    stepper._pieces.extend(pieces[:3])
-    stepped = SimpleNamespace(step_pending=False)
-
-    def waited_once():  # a wait that ends at once: the thread is running again at the next take
-        assert stepper._locked(stepper._wait_locked, stepped) is None
-
-    assert stepper._next_piece() == (pieces[0], False)  # nothing waited yet
-    waited_once()  # ... while pieces[0] ran
-    assert stepper._next_piece() == (pieces[1], True)
-    assert stepper._next_piece() == (pieces[2], False)  # pieces[1] ran with no thread waiting
-    waited_once()  # while pieces[2] ran; then the worker has to wait for the next piece
-    threading.Timer(0.2, lambda: stepper._locked(lambda: (stepper._pieces.append(pieces[3]),
-                                                          stepper._cond.notify_all()))).start()
-    assert stepper._next_piece() == (pieces[3], False)
-    stepper._closed = True
-    assert stepper._next_piece() == (None, False)
-
-
 @pytest.mark.parametrize("kwargs, message", [
     ({"spare_threads": -1}, "spare_threads must be an int >= 0, got -1"),
     ({"piece_bytes": 0}, "piece_bytes must be an int >= 1, got 0"),
