@@ -96,6 +96,22 @@ def _gparams(numel: int, seconds: float) -> float:
     return numel / seconds / 1e9
 
 
+def plain_adamw_step(params: Sequence[torch.Tensor], seed: int) -> Callable[[], float]:
+    """A fused AdamW over plain CPU tensors shaped as `params`, with random grads, its state
+    allocated by one untimed step; returns a function that runs one more step and gives its
+    milliseconds."""
+    plain = plain_like(params, random_pool(params[0].dtype, seed))
+    opt = torch.optim.AdamW(plain, lr=ADAMW_LR, fused=True)
+    opt.step()
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.step()
+        return (time.perf_counter() - t0) * 1e3
+
+    return step
+
+
 def measure_plain_adamw(params: Sequence[torch.Tensor], seed: int, reps: int = 5, *,
                         device: torch.device | None = None, pcie_bytes: tuple[int, int] | None = None,
                         worker: WorkerSettings | None = None) -> dict[str, Any]:

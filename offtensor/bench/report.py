@@ -114,6 +114,8 @@ def format_step_breakdown(name: str, e: dict[str, Any]) -> str:
         parts += [f"h2d {_fmt(v, '.1f')} ms ({p})" for p, v in h2ds.items()]
     parts.append(f"d2h {_fmt(e.get('d2h_ms'), '.1f')} ms")
     parts.append(f"optimizer {_fmt(e['optimizer_ms'], '.1f')} ms")
+    parts += [f"optimizer in turn with {p}'s steps {v['optimizer_ms']:.1f} ms" for p, v in peers.items()
+              if v.get("optimizer_ms") is not None]
     if e.get("optimizer_beside_copies_ms") is not None:
         parts.append(f"optimizer beside the step's copies {e['optimizer_beside_copies_ms']:.1f} ms")
     rl = ", ".join(f"{p} {_fmt(v['roofline_ms'], '.1f')} ms ({v['formula']})" for p, v in peers.items())

@@ -30,6 +30,8 @@ class Row:
     optimizer: str | None = None  # step scenarios: the optimizer(s) and how they were stepped
     fwd_bwd_ms: float | None = None  # resident, step scenarios: forward+backward alone, no step
     fwd_ms: float | None = None  # resident, step scenarios: the forward (and loss) alone
+    # standard offtensor steps: plain fused AdamW, one step after each timed iteration (ms)
+    optimizer_in_turn_ms: list[float] | None = None
     overlap: dict | None = None  # offtensor-overlap: the last step's OverlapReport, in ms
     same_time: dict | None = None  # offtensor-overlap: measure_same_time
     phases_ms: dict[str, float] | None = None  # median ms per phase: forward, backward, step

@@ -23,10 +23,23 @@ judged against it; inference and the LoRA step against max(resident, all copies 
 the floor the issue's targets name. The full fine-tune step (its CPU AdamW has no measured term
 here: a plain copy of 8B masters and their state does not fit beside them) has no roofline; its
 target is offtensor-capped's peak VRAM under the cap.
+
+# Note [optimizer term in turn]
+The plain CPU AdamW that the standard step's roofline adds is measured once per dtype, before
+the first step scenario (`Extras.plain_adamw`, in the first peer that runs one). The benchmark
+host's CPU speed drifts by more than the targets' margins within one run: in one H200 run that
+step took 227.8 ms there and 307.9 ms some minutes later, when the same run measured it in turn
+with the overlapped step, so the standard offtensor step, whose own optimizer phase took 309 ms,
+read 1.19x a roofline built on the early figure. So each standard offtensor peer also runs one
+plain AdamW step after each of its timed iterations (`Row.optimizer_in_turn_ms`), and its
+roofline's optimizer term is the median of those; the early figure stays in the entry
+(`optimizer_ms`) and is used where a peer has none (--shape, or the measurement failed). The
+overlapped peer's verdict is measured in turn in its own way (measure_same_time).
 """
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from .peers import STEP_PEERS
@@ -127,10 +140,16 @@ def _step_compute_term(s: Scenario, rows: list[Row]) -> tuple[float | None, str 
 
 
 def _peer_step_roofline(entry: dict[str, Any], vb: VariantBytes | None, bw: dict[str, Any], h2d_per_byte: float,
-                        overlapped: bool, fwd: float | None) -> dict[str, Any]:
-    """One offtensor peer's step roofline from the scenario's compute and optimizer terms."""
+                        overlapped: bool, fwd: float | None, in_turn: list[float] | None) -> dict[str, Any]:
+    """One offtensor peer's step roofline from the scenario's compute and optimizer terms; the
+    optimizer term is the one measured in turn with the peer's steps, when it has one (Note
+    [optimizer term in turn])."""
     compute, o, beside = entry["compute_ms"], entry["optimizer_ms"], entry["optimizer_beside_copies_ms"]
     p: dict[str, Any] = {}
+    if in_turn:
+        o = p["optimizer_ms"] = statistics.median(in_turn)
+        p["optimizer_source"] = (f"the same plain AdamW, one step after each of this peer's {len(in_turn)} timed "
+                                 "iterations (median)")
     if vb is not None:
         h2d, d2h = int(2 * vb.wrapped_bytes * h2d_per_byte), vb.wrapped_trainable_bytes
         p.update(h2d_bytes=h2d, d2h_bytes=d2h, h2d_ms=h2d / bw["h2d"] * 1e3, d2h_ms=d2h / bw["d2h"] * 1e3)
@@ -172,7 +191,8 @@ def step_roofline(s: Scenario, rows: list[Row], bw: dict[str, Any], vb: VariantB
     entry: dict[str, Any] = {"compute_ms": compute, "compute_source": source,
                              "optimizer_ms": opt.get("median_ms"),
                              "optimizer_source": f"fused torch.optim.AdamW on plain CPU {dtype} tensors "
-                                                 "shaped as the wrapped parameters (median of 5)",
+                                                 "shaped as the wrapped parameters (median of 5, before the "
+                                                 "first step scenario)",
                              "optimizer_beside_copies_ms": opt.get("beside_copies", {}).get("median_ms"),
                              "peers": {}}
     notes = []
@@ -183,7 +203,9 @@ def step_roofline(s: Scenario, rows: list[Row], bw: dict[str, Any], vb: VariantB
     resident_own = _ok_row(rows, s.name, "resident")
     fwd = resident_own.fwd_ms if resident_own else None
     for peer, (h2d_per_byte, overlapped) in STEP_PEERS[s.kind].items():
-        entry["peers"][peer] = _peer_step_roofline(entry, vb, bw, h2d_per_byte, overlapped, fwd)
+        own = _ok_row(rows, s.name, peer)
+        entry["peers"][peer] = _peer_step_roofline(entry, vb, bw, h2d_per_byte, overlapped, fwd,
+                                                   own.optimizer_in_turn_ms if own else None)
     first = next(iter(entry["peers"].values()))
     for k in ("h2d_bytes", "d2h_bytes", "h2d_ms", "d2h_ms", "roofline_ms"):
         entry[k] = first.get(k)  # the scenario's headline: the first (standard) peer's

@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from .optimizer import (
     measure_optimizer_speed,
     measure_plain_adamw,
     measure_same_time,
+    plain_adamw_step,
 )
 from .peers import PEER_SETUP, STEP_PEERS, PeerOptions, compile_layers, offloaded_bytes, step_pcie_bytes
 from .results import Extras, Row, VariantBytes
@@ -56,8 +57,9 @@ def overlap_record(report: Any, worker: WorkerSettings) -> dict[str, Any]:
 
 
 def _timed_iterations(work: Workload, device: torch.device, warmup: int, iters: int, max_seconds: float,
-                      row: Row) -> list[float]:
-    """Seconds per micro-batch of each timed iteration, after `warmup` warm-up iterations."""
+                      row: Row, between: Callable[[], None] | None = None) -> list[float]:
+    """Seconds per micro-batch of each timed iteration, after `warmup` warm-up iterations;
+    `between`, when given, runs (untimed here) after each timed iteration."""
     last = timed(device, work.first_step)
     row.first_call_ms, row.per_iteration = last * 1e3, work.per_step
     for _ in range(warmup - 1):
@@ -74,6 +76,8 @@ def _timed_iterations(work: Workload, device: torch.device, warmup: int, iters: 
         times.append(timed(device, work.step) / work.per_step)
         if work.clock is not None:
             work.clock.collect(work.per_step)  # after timed()'s sync: its events are complete
+        if between is not None:
+            between()
     # Steps that finish in the background belong to the loop: the last one's rest is added to
     # the last iteration (the earlier ones ran inside the next iteration's time).
     times[-1] += timed(device, work.drain) / work.per_step
@@ -112,7 +116,8 @@ def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *,
         sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         row.vram_before_bytes = torch.cuda.memory_allocated(device)
-    row.times_ms = [t * 1e3 for t in _timed_iterations(work, device, warmup, iters, max_seconds, row)]
+    between = _plain_optimizer_in_turn(built, scenario, peer, row)
+    row.times_ms = [t * 1e3 for t in _timed_iterations(work, device, warmup, iters, max_seconds, row, between)]
     row.median_ms = statistics.median(row.times_ms)
     row.phases_ms = work.clock.medians() if work.clock is not None else None
     if device.type == "cuda":
@@ -134,6 +139,27 @@ def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *,
     work.optimizers.clear()  # frees the optimizer state
     if scenario.kind != "infer":
         built.model.zero_grad(set_to_none=True)
+
+
+def _plain_optimizer_in_turn(built: BuiltModel, scenario: Scenario, peer: str, row: Row) -> Callable[[], None] | None:
+    """For a standard (not overlapped) offtensor step: one plain fused AdamW step after each
+    timed iteration, timed into `row.optimizer_in_turn_ms`, so that the roofline's optimizer
+    term is measured in the same minutes as the step it bounds (Note [optimizer term in turn]
+    in rooflines.py). Not at --shape sizes: plain copies of a full fine-tune's masters and
+    AdamW state would not fit in host memory beside them."""
+    if STEP_PEERS.get(scenario.kind, {}).get(peer, (0, True))[1] or built.fill is not None:
+        return None
+    params = [p for p in built.layers.parameters() if p.requires_grad and p.device.type == "cpu"]
+    if not params:
+        return None
+    step = plain_adamw_step(params, seed=0)
+    row.optimizer_in_turn_ms = []
+
+    def between() -> None:
+        assert row.optimizer_in_turn_ms is not None
+        row.optimizer_in_turn_ms.append(step())
+
+    return between
 
 
 def iterations(args: argparse.Namespace, scenario: Scenario) -> tuple[int, int]:
