@@ -251,12 +251,18 @@ def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter])
         if cast is None or "dtype" not in str(e):
             raise
         slot = cast._ot
+        name, dtype, kind = getattr(func, "__name__", func), slot.device_view.dtype, slot.device_view.device.type
+        if torch.is_autocast_enabled(kind):
+            # CPU autocast leaves layer_norm and group_norm alone (CUDA's runs them in fp32), so
+            # a norm's bf16 copy meets fp32 activations there under autocast too.
+            fix = (f"torch.autocast is on, but it does not cast the inputs of {name} on {kind}: "
+                   f"cast them to {dtype} before this op")
+        else:
+            fix = f"Run the model under torch.autocast(device_type, dtype={dtype}), or cast the inputs to {dtype}"
         raise RuntimeError(
-            f"offtensor: {getattr(func, '__name__', func)} failed on offloaded parameter "
-            f"{slot.name!r}, which computes in {slot.device_view.dtype} "
-            f"(Policy(compute_dtype=...)) while its master is {cast.dtype}: the other inputs "
-            "must be of the compute dtype. Run the model under torch.autocast(device_type, "
-            f"dtype={slot.device_view.dtype}), or cast the inputs to {slot.device_view.dtype}"
+            f"offtensor: {name} failed on offloaded parameter {slot.name!r}, which computes in "
+            f"{dtype} (Policy(compute_dtype=...)) while its master is {cast.dtype}: the other "
+            f"inputs must be of the compute dtype. {fix}"
         ) from e
 
 

@@ -480,7 +480,13 @@ def _split_large(selected: list[tuple[str, nn.Module, Policy]]) -> list[tuple[st
         limit = policy.max_scope_bytes
         children = list(module.named_children())
         nbytes = sum(p.numel() * p.element_size() for p in module.parameters())
-        if limit is None or nbytes <= limit or not children:
+        # Note [splitting containers]
+        # A scope loads when its module's forward starts. A container without a forward
+        # (ModuleList, ModuleDict: a UNet block's `upsamplers`) is never called, so as a scope
+        # it never loaded, and every op on its weights made a temporary copy of its own. Its
+        # elements, which are called, become the scopes instead, whatever its size.
+        never_called = type(module).forward is nn.Module.forward
+        if limit is None or (nbytes <= limit and not never_called) or not children:
             out.append((name, module, policy, True, block))
             return
         out.append((name, module, policy, False, block))

@@ -21,7 +21,8 @@ Only around forward and backward::
 Optimizer steps, ``zero_grad``, ``state_dict``, ``unwrap``, ``copy.deepcopy`` legitimately act
 on masters: keep them outside. (Ops run by offtensor's own optimizer steps, on its worker thread
 or on this one, are not checked either: dispatch modes are thread-local, and the guard skips ops
-while offtensor's ``worker_state.active``/``own_step`` flag is set.) On CUDA the autograd engine
+while offtensor's ``worker_state.active`` flag is set or an optimizer view of its
+``step_subset`` is stepping on this thread.) On CUDA the autograd engine
 runs backward on a device thread; the mode follows it there through autograd's thread-local
 state on recent PyTorch, and if it does not, backward is simply unchecked.
 
@@ -65,6 +66,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any, Self
 
@@ -112,6 +114,18 @@ def _worker_state() -> Any:
     except ImportError:  # the core moved it: then optimizer steps on this thread are checked too
         return None
     return worker_state
+
+
+def _in_own_step() -> bool:
+    """An optimizer view of offtensor's `step_subset` is stepping on this thread: what
+    `backward_and_step` steps after backward, on the calling thread (parameters used outside
+    their scope). Looked up only for a violation, so its cost is off the hot path."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if getattr(frame.f_locals.get("self"), "_offtensor_view", False):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class MasterGuard(TorchDispatchMode):
@@ -258,8 +272,10 @@ class MasterGuard(TorchDispatchMode):
 
     def _violation(self, func, t: torch.Tensor, what: str) -> None:
         ws = self._ws
-        if ws is not None and (getattr(ws, "active", False) or getattr(ws, "own_step", False)):
-            return  # offtensor's own optimizer step, on its worker thread or this one
+        if ws is not None and getattr(ws, "active", False):
+            return  # offtensor's own optimizer step, on its worker thread
+        if _in_own_step():
+            return  # backward_and_step stepping the rest on this thread (step_subset's view)
         name = self.name_of(t)
         self.violations.append((str(func), name))
         if self.raise_on_violation:

@@ -811,3 +811,22 @@ def test_architecture(name: str, mode: str, device: str) -> None:
         assert_outputs_match(arch, out, ref_out, loss, ref_loss, stepped)
     else:
         raise AssertionError(mode)
+
+
+# --------------------------------------------------------------------------------------------
+# Other granularities
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", devices)
+def test_leaf_linear_scopes_of_a_seq2seq_model_train_with_backward_and_step(device):
+    """Every nn.Linear a scope (BART's head among them, tied to the embedding that stays
+    resident): backward_and_step steps the head, used outside its scope, on the calling thread
+    after backward, which the guard must not take for an op of the backward."""
+    arch = build("bart")
+    reference = unwrapped_reference(arch.model, device)
+    offtensor.wrap(arch.model, lambda name, m: isinstance(m, nn.Linear), device=device)
+    arch.model.to(device)
+    assert any(s.name == "lm_head" for s in offtensor.summary(arch.model).scopes)
+    train_in_lockstep(arch.model, reference, arch, arch.make_inputs(device), 2, tolerances(device),
+                      order="backward_and_step")

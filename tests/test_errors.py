@@ -213,6 +213,17 @@ def test_error_if_activations_are_not_of_the_compute_dtype_says_to_use_autocast(
     assert model.blocks[0](torch.randn(4, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
 
+def test_error_if_autocast_leaves_an_op_of_the_compute_dtype_says_to_cast_its_inputs():
+    """CPU autocast does not cast layer_norm's inputs: the advice to use autocast would be
+    wrong there, the user already does (a BART or Whisper layer under compute_dtype on the CPU)."""
+    model = mlp_of_blocks()
+    offload(model, "cpu", policy=offtensor.Policy(compute_dtype=torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            RuntimeError, match=r"'blocks\.0\.norm\.weight'.*autocast is on, but it does not cast the "
+                                r"inputs of layer_norm on cpu: cast them to torch.bfloat16"):
+        model.blocks[0](torch.randn(4, 16))  # fp32 activations, as a model's own fp32 ops give
+
+
 class Waits(nn.Module):
     """A block whose forward waits until told to go on (to be inside it from another thread)."""
 

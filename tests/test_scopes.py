@@ -268,6 +268,44 @@ def test_hf_llama_split_into_attention_norm_and_mlp_scopes_trains_like_unwrapped
     assert_all_scopes_offloaded(model)
 
 
+class PartsInLists(nn.Module):
+    """A block whose parts sit in ModuleLists, as diffusers' `resnets` and `upsamplers` do."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(2))
+        self.upsamplers = nn.ModuleList([nn.Linear(hidden, hidden)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for resnet in self.resnets:
+            x = torch.relu(resnet(x))
+        return x + self.upsamplers[0](x)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_split_never_makes_a_scope_of_a_list_whose_forward_never_runs(device):
+    """A ModuleList under the limit used to become a scope: never called, it was never loaded,
+    and every op on its weights made a temporary copy of its own (a UNet's `upsamplers`). A
+    container is split into its elements whatever its size."""
+    model = BlockStack([PartsInLists(16) for _ in range(2)], 8, 16, 4)
+    block_bytes = param_bytes(model.blocks[0])
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(max_scope_bytes=block_bytes // 2))
+    names = [s.name for s in offtensor.summary(model).scopes]
+    assert names == [f"blocks.{i}.{part}" for i in range(2)
+                     for part in ("resnets.0", "resnets.1", "upsamplers.0")], names
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    x, y = torch.randn(6, 8, device=device), torch.randn(6, 4, device=device)
+    for _ in range(3):
+        F.mse_loss(model(x), y).backward()
+        F.mse_loss(reference(x), y).backward()
+        assert_grads_match(model, reference, **tolerances(device))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert all(s.loads > 0 for s in offtensor.summary(model).scopes), offtensor.summary(model)
+    assert_all_scopes_offloaded(model)
+
+
 def _loads_on_demand(model: nn.Module) -> int:
     return sum(s.loads_on_demand for s in offtensor.summary(model).scopes)
 
