@@ -14,6 +14,19 @@ checkpointing, where the forward runs without grad), otherwise as INFERENCE (rel
 after its forward). The wrapped model's own forward is tracked separately (`ModelForward`),
 since its hooks may be missing (a wrapped ModuleList).
 
+# Note [calls inside a checkpointed region]
+`Scope.grad_calls_since_backward` counts the calls whose backward may add to the scope's
+gradients; `backward_and_step` hands a scope's parameters to the optimizer at the end of its
+backward only when it counts one (several calls give several contributions, the later ones
+after the handover). Reentrant checkpointing runs its region without grad, so a call there is
+told apart from a no-grad evaluation by an input that requires grad; but only the region's
+first module gets the region's inputs: a scope further in (a block split into a scope per child,
+the second block of a `checkpoint_sequential` segment) gets tensors computed without grad. With
+two forwards before one backward (a loss over two batches, chosen and rejected halves), such a
+scope counted none, was handed over after the first of its two backwards and raised at the
+second contribution. So once a call of the pass counted, every later call of the pass counts too:
+a no-grad call inside a training forward at worst makes its scope wait for the end of backward.
+
 # Note [torch.func transforms]
 Under `torch.func.grad`/`vjp`/`jacrev`/`vmap` every op, offtensor's own copies included, goes
 through the transform, which refuses in-place writes into tensors captured from outside it (the
@@ -239,8 +252,9 @@ class Engine:
         self._advance(scope)
         scope.calls_this_pass += 1
         # Only a call that can add to a gradient counts: grad enabled or, for the forward that
-        # reentrant checkpointing runs without grad, an input that requires grad.
-        if torch.is_grad_enabled() or any(t.requires_grad for t in inputs):
+        # reentrant checkpointing runs without grad, an input that requires grad, or an earlier
+        # call of this pass that counted (Note [calls inside a checkpointed region]).
+        if torch.is_grad_enabled() or self._pass_counted or any(t.requires_grad for t in inputs):
             scope.grad_calls_since_backward += 1
             scope.grad_calls_this_pass += 1
             self._pass_counted = True

@@ -14,12 +14,15 @@ import torch.nn.functional as F
 from conftest import (
     assert_all_scopes_offloaded,
     assert_grads_match,
+    assert_params_match,
     assert_trains_like,
     devices,
+    mlp_and_reference,
     mlp_of_blocks,
     random_batch,
     reference_then_offload,
     tolerances,
+    train_step,
 )
 
 import offtensor
@@ -101,3 +104,22 @@ def test_checkpointed_grads_land_on_cpu_master(device, model_and_reference):
         assert p.grad is not None, f"blocks.{name} got no grad through the recompute"
         assert type(p.grad) is torch.Tensor, name
         assert p.grad.device == torch.device("cpu"), name
+
+
+@pytest.mark.parametrize("checkpoint", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "backward_and_step"])
+def test_two_forwards_of_split_checkpointed_blocks_then_one_step_match_unwrapped(checkpoint, overlap):
+    # Reentrant checkpointing runs a block's forward without grad: its later child scopes (fc1,
+    # fc2) got inputs that did not require grad and counted no call that could add to their
+    # gradients. backward_and_step handed them to the optimizer after the second forward's
+    # backward and raised at the first's contribution, at every step.
+    model, reference = mlp_and_reference("cpu", split=True, checkpoint=checkpoint)
+    optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)}
+    for _ in range(2):
+        (x1, y1), (x2, y2) = random_batch("cpu"), random_batch("cpu")
+        for m in (reference, model):
+            loss = F.mse_loss(m(x1), y1) + F.mse_loss(m(x2), y2)
+            train_step(loss, optimizers[id(m)], overlap=overlap and m is model)
+    offtensor.wait_for_steps()
+    assert_params_match(model, reference, rtol=0, atol=0)
+    assert_all_scopes_offloaded(model)
