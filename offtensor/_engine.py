@@ -114,6 +114,10 @@ class Engine:
         self.schedule = Schedule(self.scopes, policy)
         self.holds: weakref.WeakSet[Any] = weakref.WeakSet()  # no_offload(model) for this model
         self.model_forward = ModelForward.OUTSIDE
+        # A gradient came after backward_and_step had handed its scope over at the end of the
+        # scope's backward: the calls that can add to gradients were miscounted, so from then on
+        # backward_and_step steps this model's scopes after backward (GradOffload.accumulate).
+        self.late_gradients = False
         self.training = TrainingState.INFERENCE
         # The scope whose backward runs now (pre_backward to post_backward). A checkpoint
         # recompute that does not pass through the module's hooks (transformers >= 5.2x

@@ -115,16 +115,20 @@ class GradOffload:
     def accumulate(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         self.enter_backward()
         if self.stepper is not None and self.stepper.handed(slot):
-            for other in slot.scope.slots:  # the next backward_and_step waits for the whole scope
-                other.single_grad = False
+            if slot.single_grad:  # handed on its own gradient: the next ones wait for the scope's end
+                for other in slot.scope.slots:
+                    other.single_grad = False
+                later = "hands it over once its whole scope's backward is done"
+            else:  # handed at its scope's end: calls were miscounted, maybe in other scopes too
+                slot.scope.engine.late_gradients = True
+                later = "steps this model's offloaded parameters after backward, without overlap"
             raise RuntimeError(
                 f"offtensor.backward_and_step: parameter {slot.name!r} received another gradient "
                 "contribution after it was handed to the optimizer, which may already have "
                 "stepped it on the partial gradient: this step's update of it is wrong. Its "
                 "gradient came in one piece in the last backward and in several now (a module "
                 "whose use changed, or reentrant checkpointing of parts of one scope). The next "
-                "backward_and_step waits for its whole scope; or use loss.backward() then "
-                "optimizer.step()."
+                f"backward_and_step {later}; or use loss.backward() then optimizer.step()."
             )
         if slot.grad_hooks:
             if slot.used_outside or slot.retired:  # several leaves: Note [hooks on the sum]

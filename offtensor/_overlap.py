@@ -52,7 +52,9 @@ used outside its scope, a scope called more than once since the last backward (c
 reentrant checkpointing of parts of one scope gives several, and these do not change between
 steps of a training loop. Should a second contribution arrive anyway, the worker may already
 have stepped the parameter on the first: backward raises, saying so, rather than let the late
-part go missing silently, and the parameter is no longer handed over early.
+part go missing silently, and the parameter is no longer handed over early (a parameter that
+was handed over at its scope's end, whose scope's calls were then miscounted, makes the model's
+scopes wait for the end of backward: `Engine.late_gradients`).
 
 # Note [worker threads]
 The CPU optimizer's step is bound by the cores it runs on: fused bf16 AdamW over the benchmark's
@@ -474,7 +476,8 @@ class _OverlappedStep:
         """Called right after a parameter's gradient copy was enqueued, when that gradient is
         its only one in this backward (Note [early handover]); `landed`: the copy's event."""
         scope = slot.scope
-        if scope.grad_calls_since_backward > 1 or slot.used_outside or id(slot.param) not in self._ids:
+        if (scope.grad_calls_since_backward > 1 or scope.engine.late_gradients or slot.used_outside
+                or id(slot.param) not in self._ids):
             return
         batch, nbytes = self._early.get(scope, ([], 0))
         batch.append(slot)
@@ -489,7 +492,7 @@ class _OverlappedStep:
         """Called at a scope's post_backward, after its d2h copies were enqueued: hand over its
         parameters not handed yet."""
         self._early.pop(scope, None)
-        if scope.grad_calls_since_backward > 1 or id(scope) in self._queued:
+        if scope.grad_calls_since_backward > 1 or scope.engine.late_gradients or id(scope) in self._queued:
             return  # another call's backward may still add to these grads; or queued already
         self._queued.add(id(scope))
         order = scope.copy_order or scope.slots
