@@ -1,0 +1,165 @@
+"""What a training loop does to the optimizer right after `backward_and_step` returns, while its
+last steps are still deferred, gives what it gives after `loss.backward(); optimizer.step()`.
+
+Each test holds the optimizer worker before its pieces (`HeldWorker`) until the loop's action
+is done, so the steps are surely still deferred when it runs, then compares with the unwrapped
+model trained by `backward(); step()` and the same action.
+
+Regressions: changing `param_groups` after the call (a group popped, a group's `params` cut to
+freeze layers) gave the deferred steps another group's hyperparameters or skipped them; and
+the optimizer's `state` was read, reset or copied without waiting for the deferred steps (a
+KeyError or stale moments, steps landing in the reset state, copies missing entries).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import pickle
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_params_match, mlp_and_reference, random_batch
+
+import offtensor
+from offtensor import _overlap
+
+WORKER = "offtensor-optimizer"
+
+
+class HeldWorker:
+    """Holds the optimizer worker before each piece (a post-accumulate-grad hook, which it runs
+    before stepping) until `release()`, or until a thread waits for its steps (the behaviour
+    under test: the action then goes on instead of hanging)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._go = threading.Event()
+        for p in model.parameters():
+            if isinstance(p, offtensor.OffloadedParameter):
+                p.register_post_accumulate_grad_hook(self._hold)
+
+    def _hold(self, _: torch.Tensor) -> None:
+        if threading.current_thread().name != WORKER:
+            return
+        deadline = time.monotonic() + 30
+        while not self._go.wait(timeout=0.005) and time.monotonic() < deadline:
+            stepper = _overlap._current
+            if stepper is not None and stepper._waiting:
+                return
+
+    def hold(self) -> None:
+        self._go.clear()
+
+    def release(self) -> None:
+        self._go.set()
+
+
+def _pending(model: torch.nn.Module) -> bool:
+    return any(p._ot.step_pending for p in model.parameters() if isinstance(p, offtensor.OffloadedParameter))
+
+
+Action = Callable[[int, torch.nn.Module, torch.optim.Optimizer], object]
+
+
+def _train_both(make_optimizer: Callable, action: Action, steps: int = 3) -> tuple[list, list]:
+    """`steps` steps of the unwrapped reference (backward, step, action, zero_grad), then of the
+    wrapped model (backward_and_step with the worker held, action, release); the actions'
+    results, and the parameters compared."""
+    model, reference = mlp_and_reference("cpu")
+    batches = [random_batch("cpu") for _ in range(steps)]
+    ref_opt = make_optimizer(reference)
+    expected = []
+    for i, (x, y) in enumerate(batches):
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        expected.append(action(i, reference, ref_opt))
+        ref_opt.zero_grad()
+    opt = make_optimizer(model)
+    worker = HeldWorker(model)
+    got = []
+    for i, (x, y) in enumerate(batches):
+        worker.hold()
+        offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True)
+        assert _pending(model), "the worker was held: steps must still be deferred"
+        try:
+            got.append(action(i, model, opt))
+        finally:
+            worker.release()
+    offtensor.wait_for_steps()
+    assert_params_match(model, reference, rtol=0, atol=0)
+    return got, expected
+
+
+def _two_groups(m: torch.nn.Module) -> torch.optim.Optimizer:
+    """The input layer and the first block in a group of their own, with another lr."""
+    params = list(m.parameters())
+    return torch.optim.AdamW([{"params": params[:8], "lr": 0.1}, {"params": params[8:], "lr": 1e-2}])
+
+
+def _pop_first_group(i: int, m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    if i == 1:
+        opt.param_groups.pop(0)
+
+
+def _freeze_first_block(i: int, m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    if i == 1:  # keep the input layer, drop blocks.0 from the optimizer
+        opt.param_groups[0]["params"] = opt.param_groups[0]["params"][:2]
+
+
+def _lr_per_group(i: int, m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    for j, g in enumerate(opt.param_groups):
+        g["lr"] = 0.01 * (i + 2) * (j + 1)
+
+
+@pytest.mark.parametrize("action", [_pop_first_group, _freeze_first_block, _lr_per_group],
+                         ids=["pop_group", "cut_group_params", "lr_per_group"])
+def test_param_groups_changed_while_steps_are_deferred_apply_from_the_next_step(action):
+    _train_both(_two_groups, action)
+
+
+def _adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+
+def _read_moments(i: int, m: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [opt.state[p]["exp_avg"].clone() for p in m.parameters()]
+
+
+def _clear_state(i: int, m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    if i == 1:
+        opt.state.clear()
+
+
+def _new_state(i: int, m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    if i == 1:
+        opt.state = collections.defaultdict(dict)
+
+
+def _zero_moments(i: int, m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    for p in m.parameters():
+        opt.state[p]["exp_avg_sq"].zero_()
+
+
+def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    state = opt.state_dict()["state"]
+    return [t for i in sorted(state) for t in state[i].values()]
+
+
+def _deepcopy(i: int, m: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return _state_tensors(copy.deepcopy(opt))
+
+
+def _pickle(i: int, m: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return _state_tensors(pickle.loads(pickle.dumps(opt)))
+
+
+@pytest.mark.parametrize("action", [_read_moments, _clear_state, _new_state, _zero_moments, _deepcopy, _pickle],
+                         ids=["read", "clear", "new_dict", "write_moments", "deepcopy", "pickle"])
+def test_optimizer_state_used_while_steps_are_deferred_is_the_stepped_state(action):
+    got, expected = _train_both(_adamw, action)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
