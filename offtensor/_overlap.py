@@ -54,6 +54,14 @@ steps of a training loop. Should a second contribution arrive anyway, the worker
 have stepped the parameter on the first: backward raises, saying so, rather than let the late
 part go missing silently, and the parameter is no longer handed over early.
 
+"Used outside its scope" (`ParamSlot.used_outside`, checked at every handover, early or at the
+scope's end) means: a temporary copy made for an op outside the scope with grad on is still
+alive, so a graph holds it and its gradient may come after the scope's backward (a tied
+embedding read by the head). A copy is dead once its graph is: a loop that logs
+`parameters_to_vector(model.parameters()).norm().item()` with grad on made such copies, and
+when the flag was set for good every later step of those parameters ran after backward, on the
+calling thread, with nothing overlapped.
+
 # Note [worker threads]
 The CPU optimizer's step is bound by the cores it runs on: fused bf16 AdamW over the benchmark's
 8 layers took 1102, 589, 329 and 307 ms on 4, 8, 15 and 16 threads of the H200's host. But a

@@ -163,3 +163,30 @@ def test_optimizer_state_used_while_steps_are_deferred_is_the_stepped_state(acti
     got, expected = _train_both(_adamw, action)
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def _weight_norm(model: torch.nn.Module) -> torch.Tensor:
+    """What a loop logs, with grad mode on: ops on the parameters outside the forward."""
+    return torch.nn.utils.parameters_to_vector(model.parameters()).norm()
+
+
+def test_an_op_on_the_parameters_outside_the_forward_leaves_their_steps_overlapped():
+    """Regression: an op with grad on an offloaded parameter outside its scope (logging the
+    weights' norm) made a temporary copy that could get a gradient, and the parameter was taken
+    for one used outside its scope for good: every later backward_and_step stepped it after
+    backward on the calling thread, with nothing overlapped. Only a copy whose graph is still
+    alive can get a gradient."""
+    model, reference = mlp_and_reference("cpu")
+    resident = sum(not isinstance(p, offtensor.OffloadedParameter) for p in model.parameters())
+    opt, ref_opt = _adamw(model), _adamw(reference)
+    norms = []
+    for x, y in [random_batch("cpu") for _ in range(3)]:
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        report = offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True)
+        assert report.rest_params == resident
+        norms.append((_weight_norm(model).item(), _weight_norm(reference).item()))  # its graph dropped
+    assert [got for got, _ in norms] == [expected for _, expected in norms]
+    offtensor.wait_for_steps()
+    assert_params_match(model, reference, rtol=0, atol=0)
