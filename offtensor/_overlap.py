@@ -98,11 +98,19 @@ therefore replaces a plain `defaultdict` state by a `_FencedState`, a subclass h
 entries: a parameter's entry (`state[p]`, `p in state`, `del state[p]`) first waits for that
 parameter's step, and what reads or changes the whole dict (iteration, `len`, `clear`,
 deepcopy, pickling: a plain `defaultdict`) waits for every step; the optimizer worker, which
-is the one writing, never waits. The steps go into the state dict the optimizer had when the
+is the one writing, never waits, and neither does a gradient hook of the backward that hands
+the steps over (it would wait for its own backward's end). The steps go into the state dict the optimizer had when the
 call was made (`_OverlappedStep._state`): one the caller puts there afterwards
 (`optimizer.state = defaultdict(dict)`) starts empty, as after `optimizer.step()`. Not covered: a
 state tensor taken before the call and read after it (a plain tensor, as `p.detach()` is), and
 a state of another type than `defaultdict` (a custom optimizer's), which is left as it is.
+
+# Note [exit while steps are deferred]
+A script whose last call is `backward_and_step` ends while the worker, a daemon thread, is still
+stepping; the interpreter's shutdown then tore it down inside PyTorch's C++ code, and the
+process died with "terminate called without an active exception" (SIGABRT, exit status 134)
+about one run in six. An atexit handler waits for the deferred steps (`settle`: a worker error
+is not raised there) before the interpreter shuts down.
 
 # Note [fork while steps are deferred]
 A forked process has only the thread that forked: the optimizer worker is not there. A
@@ -118,6 +126,7 @@ worker error in place, for the parent's next wait to raise.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import functools
 import gc
@@ -416,6 +425,16 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
     os.register_at_fork(before=_settle_before_fork)
 
 
+def _settle_at_exit() -> None:
+    """atexit: Note [exit while steps are deferred]."""
+    stepper = _current
+    if stepper is not None:
+        stepper.settle()
+
+
+atexit.register(_settle_at_exit)
+
+
 def _engines_of(optimizer: torch.optim.Optimizer) -> list[Engine]:
     """The engines of the wrapped models whose offloaded parameters the optimizer holds."""
     found: dict[int, Engine] = {}
@@ -458,8 +477,14 @@ def _await_param(key: Any) -> None:
 
 
 def _await_all() -> None:
-    if not on_optimizer_worker():
-        wait_for_steps()
+    """Wait for every deferred step, unless called inside the backward that hands them over
+    (a gradient hook): that backward's steps cannot all end before it does."""
+    stepper = _current
+    if stepper is None or on_optimizer_worker():
+        return
+    stepper.close_if_abandoned()
+    if stepper.closed:
+        stepper.wait()
 
 
 class _FencedState(collections.defaultdict):
