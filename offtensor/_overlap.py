@@ -56,6 +56,14 @@ part go missing silently, and the parameter is no longer handed over early (a pa
 was handed over at its scope's end, whose scope's calls were then miscounted, makes the model's
 scopes wait for the end of backward: `Engine.late_gradients`).
 
+"Used outside its scope" (`ParamSlot.used_outside`, checked at every handover, early or at the
+scope's end) means: a temporary copy made for an op outside the scope with grad on is still
+alive, so a graph holds it and its gradient may come after the scope's backward (a tied
+embedding read by the head). A copy is dead once its graph is: a loop that logs
+`parameters_to_vector(model.parameters()).norm().item()` with grad on made such copies, and
+when the flag was set for good every later step of those parameters ran after backward, on the
+calling thread, with nothing overlapped.
+
 # Note [worker threads]
 The CPU optimizer's step is bound by the cores it runs on: fused bf16 AdamW over the benchmark's
 8 layers took 1102, 589, 329 and 307 ms on 4, 8, 15 and 16 threads of the H200's host. But a
@@ -72,6 +80,40 @@ step took 438.3 against 444.8 ms (faster in 6 of 7 rounds), the worker busy 399.
 407.6 ms. The count is chosen per piece, so a thread that starts waiting mid-piece gets its
 core back at the next piece.
 
+# Note [param groups as of the call]
+A deferred step is part of the `optimizer.step()` that backward_and_step stands for, so it
+steps each parameter with its group as the group was when the call was made, whatever the
+caller does to `param_groups` before the worker gets to it: an LR scheduler writing `lr` (a
+tensor lr in place), a group popped or its `params` list cut to freeze layers. The call copies
+each group's entries (tensors by value) and its list of parameters; the views the worker steps
+are built from those copies. Looked up in the groups as they are at the step, a popped group
+gave its hyperparameters to the next one, and parameters taken out of their group were never
+stepped.
+
+# Note [optimizer state of deferred steps]
+The optimizer's `state` is where deferred steps write (`exp_avg`, `step`, created at a
+parameter's first step), so reading or changing it while they run raced them: a state tensor
+read for logging was a step behind or missing (a KeyError), `optimizer.state.clear()` (resetting
+the moments) was followed by the steps still deferred, which started their parameters' state
+afresh, and deepcopy or pickling of the optimizer missed their entries. backward_and_step
+therefore replaces a plain `defaultdict` state by a `_FencedState`, a subclass holding the same
+entries: a parameter's entry (`state[p]`, `p in state`, `del state[p]`) first waits for that
+parameter's step, and what reads or changes the whole dict (iteration, `len`, `clear`,
+deepcopy, pickling: a plain `defaultdict`) waits for every step; the optimizer worker, which
+is the one writing, never waits, and neither does a gradient hook of the backward that hands
+the steps over (it would wait for its own backward's end). The steps go into the state dict the optimizer had when the
+call was made (`_OverlappedStep._state`): one the caller puts there afterwards
+(`optimizer.state = defaultdict(dict)`) starts empty, as after `optimizer.step()`. Not covered: a
+state tensor taken before the call and read after it (a plain tensor, as `p.detach()` is), and
+a state of another type than `defaultdict` (a custom optimizer's), which is left as it is.
+
+# Note [exit while steps are deferred]
+A script whose last call is `backward_and_step` ends while the worker, a daemon thread, is still
+stepping; the interpreter's shutdown then tore it down inside PyTorch's C++ code, and the
+process died with "terminate called without an active exception" (SIGABRT, exit status 134)
+about one run in six. An atexit handler waits for the deferred steps (`settle`: a worker error
+is not raised there) before the interpreter shuts down.
+
 # Note [fork while steps are deferred]
 A forked process has only the thread that forked: the optimizer worker is not there. A
 DataLoader's worker processes fork at `iter(loader)`, typically right after a
@@ -86,6 +128,8 @@ worker error in place, for the parent's next wait to raise.
 
 from __future__ import annotations
 
+import atexit
+import collections
 import functools
 import gc
 import os
@@ -224,6 +268,7 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
         if engine.grads.stepper is not None and not engine.grads.stepper.closed:
             raise RuntimeError("offtensor.backward_and_step: already inside a backward_and_step on this model")
     _install_optimizer_hooks(optimizer)
+    _fence_state(optimizer)
     stepper = _OverlappedStep(optimizer, zero_grad, spare_threads, piece_bytes)
     # Everything that changes module state happens inside the try, so that an interrupt at any
     # point is undone (Note [interrupts]): an engine left pointing at a stepper would refuse
@@ -382,6 +427,16 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
     os.register_at_fork(before=_settle_before_fork)
 
 
+def _settle_at_exit() -> None:
+    """atexit: Note [exit while steps are deferred]."""
+    stepper = _current
+    if stepper is not None:
+        stepper.settle()
+
+
+atexit.register(_settle_at_exit)
+
+
 def _engines_of(optimizer: torch.optim.Optimizer) -> list[Engine]:
     """The engines of the wrapped models whose offloaded parameters the optimizer holds."""
     found: dict[int, Engine] = {}
@@ -410,6 +465,126 @@ def _install_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
     _hooked_optimizers.add(optimizer)  # last: an interrupt before here registers them again
 
 
+def _fence_state(optimizer: torch.optim.Optimizer) -> None:
+    """Make `optimizer.state` wait for the deferred steps (Note [optimizer state of deferred
+    steps]); again after `load_state_dict` or the caller put a new dict there."""
+    state = optimizer.state
+    if type(state) is collections.defaultdict:
+        optimizer.state = _FencedState(state.default_factory, state)
+
+
+def _await_param(key: Any) -> None:
+    if isinstance(key, OffloadedParameter) and hasattr(key, "_ot"):
+        key._ot.wait_for_step()
+
+
+def _await_all() -> None:
+    """Wait for every deferred step, unless called inside the backward that hands them over
+    (a gradient hook): that backward's steps cannot all end before it does."""
+    stepper = _current
+    if stepper is None or on_optimizer_worker():
+        return
+    stepper.close_if_abandoned()
+    if stepper.closed:
+        stepper.wait()
+
+
+class _FencedState(collections.defaultdict):
+    """An optimizer's `state` that waits for the deferred steps: Note [optimizer state of
+    deferred steps]. A parameter's entry waits for that parameter's step, the whole dict for
+    every step; the optimizer worker never waits."""
+
+    def __getitem__(self, key: Any) -> Any:
+        _await_param(key)
+        return super().__getitem__(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        _await_param(key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        _await_param(key)
+        super().__delitem__(key)
+
+    def __contains__(self, key: Any) -> bool:
+        _await_param(key)
+        return super().__contains__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        _await_param(key)
+        return super().get(key, default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        _await_param(key)
+        return super().pop(key, *default)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        _await_param(key)
+        return super().setdefault(key, default)
+
+    def __iter__(self) -> Any:
+        _await_all()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        _await_all()
+        return super().__len__()
+
+    def keys(self) -> Any:
+        _await_all()
+        return super().keys()
+
+    def values(self) -> Any:
+        _await_all()
+        return super().values()
+
+    def items(self) -> Any:
+        _await_all()
+        return super().items()
+
+    def clear(self) -> None:
+        _await_all()
+        super().clear()
+
+    def popitem(self) -> Any:
+        _await_all()
+        return super().popitem()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        _await_all()
+        super().update(*args, **kwargs)
+
+    def __ior__(self, other: Any) -> _FencedState:
+        self.update(other)
+        return self
+
+    def __or__(self, other: Any) -> Any:
+        result = self.copy()
+        result.update(other)
+        return result
+
+    def copy(self) -> Any:
+        _await_all()
+        return collections.defaultdict(self.default_factory, dict.items(self))
+
+    __copy__ = copy
+
+    def __eq__(self, other: object) -> bool:
+        _await_all()
+        return super().__eq__(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        _await_all()
+        return super().__repr__()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # deepcopy, pickle (torch.save of the optimizer): a plain defaultdict, once stepped.
+        _await_all()
+        return collections.defaultdict, (self.default_factory,), None, None, iter(dict.items(self))
+
+
 @dataclass(eq=False)
 class _Piece:
     """Parameters of one scope stepped together, in the order the next forward uses them."""
@@ -433,10 +608,12 @@ class _OverlappedStep:
         # Names of the offloaded parameters; the others are named by their position.
         self._names = {id(p): p._ot.name if hasattr(p, "_ot") else f"param_groups[{i}][{j}]"
                        for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])}
-        # Hyperparameters as of this call: a scheduler may change them before the worker is done.
-        # By value: a scheduler writes a tensor lr in place (`group["lr"].fill_()`), which the
-        # group's own tensor would pass on to the steps still deferred.
-        self._hyper = [{k: _by_value(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        # The param groups as of this call (Note [param groups as of the call]).
+        self._groups = [(g, {**{k: _by_value(v) for k, v in g.items() if k != "params"}, "params": list(g["params"])})
+                        for g in optimizer.param_groups]
+        # The state it steps into: the caller may put a new dict there before the worker is done
+        # (Note [optimizer state of deferred steps]).
+        self._state = optimizer.state
         # A C lock: `with` on it has no Python __enter__ for an interrupt to land in.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -599,7 +776,8 @@ class _OverlappedStep:
         self.report.rest_params = len(rest)
         if rest:
             names = [self._names.get(i, "?") for i in rest]
-            step_subset(self.optimizer, rest, self._hyper, updated=lambda: self._locked(self._stepped.extend, names))
+            step_subset(self.optimizer, rest, self._groups, self._state,
+                        updated=lambda: self._locked(self._stepped.extend, names))
             if self.zero_grad:
                 for g in self.optimizer.param_groups:
                     for p in g["params"]:
@@ -706,7 +884,7 @@ class _OverlappedStep:
             times[1] = self.elapsed()
         publish(piece.slots)
         names = [s.name for s in piece.slots]
-        step_subset(self.optimizer, {id(s.param) for s in piece.slots}, self._hyper,
+        step_subset(self.optimizer, {id(s.param) for s in piece.slots}, self._groups, self._state,
                     updated=lambda: self._stepped.extend(names))
         if self.zero_grad:
             without_subclass_dispatch(set_grads, piece.slots, [None] * len(piece.slots))
@@ -732,25 +910,28 @@ class _OverlappedStep:
                 _current = None
 
 
-def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], hyper: list[dict] | None = None,
-                updated: Any = None) -> None:
+def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], as_of: list[tuple[dict, dict]] | None = None,
+                state: Any = None, updated: Any = None) -> None:
     """`optimizer.step()` over only the parameters whose ids are in `ids`, through a view of the
     optimizer (same state and hooks, its own param groups), so that the optimizer object itself
-    is never modified while another thread uses it. `hyper` gives each group's hyperparameters
-    (default: the current ones). Group entries that the step changes are written back.
+    is never modified while another thread uses it. `as_of` pairs each param group with what it
+    held when backward_and_step was called (default: what it holds now; Note [param groups as
+    of the call]), and `state` the state dict it steps (default: the optimizer's). Group entries
+    that the step changes are written back to the group.
     `updated()` is called once the update is done, before the step post-hooks (Note [partial
     steps]: a post-hook that raises follows an update)."""
     groups = []
-    for i, g in enumerate(optimizer.param_groups):
-        params = [p for p in g["params"] if id(p) in ids]
+    for g, then in as_of if as_of is not None else [(g, g) for g in optimizer.param_groups]:
+        params = [p for p in then["params"] if id(p) in ids]
         if params:
-            base = hyper[i] if hyper is not None else g
-            groups.append((g, {**base, "params": params}))
+            groups.append((g, {**then, "params": params}))
     if not groups:
         return
     view = object.__new__(type(optimizer))
     view.__dict__.update(optimizer.__dict__)
     view.__dict__.pop("step", None)  # an instance-level wrapper (LR schedulers) calls the original
+    if state is not None:
+        view.state = state
     view.param_groups = [sub for _, sub in groups]
     view._offtensor_view = True  # type: ignore[attr-defined]  # its step pre-hook must not wait for the steps it is part of
     if updated is not None:  # the view's own post-hooks: `updated` first, then the optimizer's

@@ -321,7 +321,6 @@ class Scope:
             if op_device.type == "cuda":
                 self.streams.reads_masters(self.streams.record(torch.cuda.current_stream(op_device)))
         if needs_grad:
-            slot.used_outside = True  # its grad may come after its scope's backward
             copy.requires_grad_(True)
             copy.register_post_accumulate_grad_hook(weakly(self.grad_sink, slot))
             slot.temporaries = alive(slot.temporaries) + [weakref.ref(copy)]

@@ -156,7 +156,6 @@ class ParamSlot:
     grad_buffer_uses: int = 0  # tensors on grad_buffer when only offtensor holds it
     grads_in_backward: int = 0  # contributions written to host_grad in the current backward
     single_grad: bool = False  # exactly one contribution in the last whole backward (Note [early handover])
-    used_outside: bool = False  # ever materialized for an op outside its scope
     last_d2h: Any = None  # event after the latest device-to-host copy into host_grad
     old_grad: torch.Tensor | None = None  # device copy of `p.grad`, fetched for accumulation
     # The host `p.grad` that old_grad was copied from, and its version counter then.
@@ -190,6 +189,12 @@ class ParamSlot:
         if self.packed is not None:
             return self.packed.nbytes
         return self.master.numel() * self.master.element_size()
+
+    @property
+    def used_outside(self) -> bool:
+        """A temporary copy made for an op outside the scope may still get a gradient, maybe
+        after the scope's backward: a graph holds it (Note [early handover] in _overlap.py)."""
+        return any(ref() is not None for ref in self.temporaries)
 
     @property
     def step_pending(self) -> bool:
