@@ -368,6 +368,14 @@ def wait_for_steps() -> None:
     stepper = _current
     if stepper is not None:
         stepper.close_if_abandoned()
+        if not stepper.closed and torch._C._current_graph_task_id() != -1:
+            # A gradient hook of the call's own backward: its steps end after that backward.
+            raise RuntimeError(
+                "offtensor.backward_and_step: optimizer.step(), optimizer.state_dict(), "
+                "load_state_dict() or offtensor.wait_for_steps() inside the backward of "
+                "backward_and_step (in a gradient hook) would wait for steps that end only "
+                "after this backward: it waited forever. Call it after backward_and_step returns"
+            )
         stepper.wait()
 
 

@@ -189,6 +189,49 @@ def test_a_gradient_hook_reading_the_whole_optimizer_state_during_backward_and_s
     assert not thread.is_alive(), "a gradient hook waited for the steps of its own backward"
     assert len(sizes) == 3 and len(opt.state) == len(list(model.parameters()))
 
+@pytest.mark.parametrize("call", ["state_dict", "step", "wait_for_steps"])
+def test_a_gradient_hook_waiting_for_every_step_during_backward_and_step_raises_and_training_goes_on(call):
+    """optimizer.state_dict() or step(), or wait_for_steps(), waits for every deferred step; in a
+    gradient hook of the backward that hands them over it waited forever (they end after that
+    backward). It raises instead, naming the fix, and training goes on."""
+    model, reference = mlp_and_reference("cpu")
+    opt, ref_opt = _adamw(model), _adamw(reference)
+    actions = {"state_dict": opt.state_dict, "step": opt.step, "wait_for_steps": offtensor.wait_for_steps}
+    armed = [True]
+
+    def hook(_: torch.Tensor) -> None:
+        if armed[0]:
+            actions[call]()
+
+    handle = model.head.weight.register_post_accumulate_grad_hook(hook)
+    raised: list[BaseException] = []
+
+    def failing_step() -> None:
+        x, y = random_batch("cpu")
+        try:
+            offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True)
+        except RuntimeError as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=failing_step, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), f"{call} in a gradient hook waited for the steps of its own backward"
+    assert len(raised) == 1 and "would wait for steps that end only after this backward" in str(raised[0])
+    armed[0] = False
+    handle.remove()
+    offtensor.wait_for_steps()
+    opt.zero_grad()
+    reference.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for x, y in [random_batch("cpu") for _ in range(2)]:
+        offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True).wait()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_params_match(model, reference)
+
+
 def _weight_norm(model: torch.nn.Module) -> torch.Tensor:
     """What a loop logs, with grad mode on: ops on the parameters outside the forward."""
     return torch.nn.utils.parameters_to_vector(model.parameters()).norm()
