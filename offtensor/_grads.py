@@ -38,6 +38,18 @@ post-accumulate-grad hooks still run. `_add` does the same with the master's fla
 `register_hook` hooks, and the end of backward runs the post-accumulate-grad hooks of such
 parameters. Without it the frozen parameter got the gradient and the optimizer stepped it.
 
+# Note [a backward that raised]
+A backward that raises (a user's hook, a failed recompute) never runs its graph task's
+end-of-backward callback, so the task stayed in `_tasks` and its partial gradients in
+`_written`. The next forward forgot them (`reset_if_stale`), but a backward without a forward
+in between (a retained graph differentiated again, the second of two forwards' graphs) ended
+its own task with the failed one still listed: it never finalized, and every offloaded
+parameter silently kept its old `.grad` (None after `zero_grad`), with the partial gradient
+of the failed backward underneath. The autograd engine drops a failed task's callbacks with
+the task, so `_tasks` refers to each queued callback weakly: a dead reference is a task that
+raised. The next backward's first hook (and `in_backward`) forgets those, and with the
+outermost one what it wrote, as the next forward does.
+
 # Note [sparse gradients]
 `nn.Embedding(sparse=True)` and `nn.EmbeddingBag(sparse=True)` give a sparse COO gradient, and
 a plain parameter's `p.grad` is then sparse (SparseAdam requires it; SGD and Adagrad step only
@@ -54,6 +66,7 @@ Not supported with `data_parallel` (raises): sparse gradients are not averaged.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -74,7 +87,9 @@ class GradOffload:
         self._streams = streams
         self._scopes = scopes
         self._end_backward = end_backward  # the engine's: releases what is still resident
-        self._tasks: list[int] = []  # graph tasks with a queued end callback, outermost first
+        # graph tasks with a queued end callback, outermost first -> that callback, weakly
+        # (dead: the task raised; Note [a backward that raised])
+        self._tasks: dict[int, weakref.ref[Callable[[], None]]] = {}
         self._written: list[ParamSlot] = []  # slots whose host_grad changed in this backward
         self._inflight: list[tuple[Scope, Any, torch.Tensor]] = []  # (scope, d2h event, device grad)
         self._last_d2h: Any = None
@@ -89,14 +104,29 @@ class GradOffload:
 
     def in_backward(self) -> bool:
         """A backward through the wrapped model is running (from its first hook to its end)."""
+        self._forget_failed_tasks()
         return bool(self._tasks)
 
     def enter_backward(self) -> None:
         task = torch._C._current_graph_task_id()
         if task == -1 or task in self._tasks:
             return
-        self._tasks.append(task)
-        Variable._execution_engine.queue_callback(lambda: self._on_task_end(task))
+        self._forget_failed_tasks()
+        end = lambda: self._on_task_end(task)  # noqa: E731  (weakly referenced below)
+        self._tasks[task] = weakref.ref(end)
+        Variable._execution_engine.queue_callback(end)
+
+    def _forget_failed_tasks(self) -> None:
+        """Drop the graph tasks that raised (Note [a backward that raised]); if the outermost
+        one did, forget what it wrote, as the next forward would."""
+        failed = [task for task, end in self._tasks.items() if end() is None]
+        if not failed:
+            return
+        for task in failed:
+            del self._tasks[task]
+            self._held.pop(task, None)
+        if not self._tasks:
+            self.reset_if_stale()
 
     def on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None:
         grad = leaf.grad
@@ -278,8 +308,7 @@ class GradOffload:
     def _on_task_end(self, task: int) -> None:
         for slot, grad in self._held.pop(task, {}).values():
             self._add(slot, run_grad_hooks(slot, grad))
-        if task in self._tasks:
-            self._tasks.remove(task)
+        self._tasks.pop(task, None)
         if not self._tasks:
             self.finalize()
 

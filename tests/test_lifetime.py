@@ -22,6 +22,7 @@ from conftest import (
     assert_grads_match,
     assert_params_match,
     devices,
+    mlp_and_reference,
     mlp_of_blocks,
     offload,
     param_bytes,
@@ -200,6 +201,37 @@ def test_exception_in_forward_leaves_scopes_offloaded_and_model_usable(device, g
     out = model(x)
     F.mse_loss(out, y).backward()
     torch.testing.assert_close(out, reference(x), **tolerances(device))
+    assert_grads_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant"])
+@pytest.mark.parametrize("next_graph", ["retained", "another_forward"])
+@pytest.mark.parametrize("device", devices)
+def test_a_backward_after_one_that_raised_without_a_forward_between_gives_every_gradient(device, next_graph,
+                                                                                         checkpoint):
+    """A gradient hook raises in one backward; the next backward runs on a graph made before it
+    (a retained one, or a second forward's). Its gradients were lost: the failed backward's
+    graph task, never ended, kept every later backward from finishing (Note [a backward that
+    raised] in _grads.py)."""
+    model, reference = mlp_and_reference(device, checkpoint=checkpoint)
+    x, y = random_batch(device)
+    for m in (reference, model):  # learn the orders
+        F.mse_loss(m(x), y).backward()
+        m.zero_grad()
+    for m in (reference, model):
+        first = F.mse_loss(m(x), y)
+        second = F.mse_loss(m(2 * x), y) if next_graph == "another_forward" else first
+
+        def fail(grad):
+            raise ValueError("user hook failed")
+
+        handle = m.blocks[1].fc1.weight.register_hook(fail)
+        with pytest.raises(ValueError, match="user hook failed"):
+            first.backward(retain_graph=True)
+        handle.remove()
+        m.zero_grad()
+        second.backward()
     assert_grads_match(model, reference, **tolerances(device))
     assert_all_scopes_offloaded(model)
 
