@@ -18,6 +18,7 @@ subclass: ops run with subclass dispatch off (`without_subclass_dispatch`), so o
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from typing import Any
 
@@ -579,6 +580,32 @@ def _autograd_backward(tensors: Any, grad_tensors: Any = None, retain_graph: boo
                             create_graph=create_graph, inputs=inputs, **kwargs)
 
 
+# Note [embeddings with max_norm]
+# `F.embedding(..., max_norm=m)` and `F.embedding_bag` renormalize the rows they look up in
+# place, under no_grad, before reading them: the module's weight changes for good. Dispatched as
+# one op, the function got the scope's device copy and renormalized only that: each forward's
+# output was right, but the master kept its old rows, so the optimizer stepped unnormalized
+# weights and training drifted from the unwrapped model. So the renormalization is an op of its
+# own on the parameter, an in-place write of the master (with the indices on the master's
+# device: a host sync, only with max_norm), which marks the device copy for a refresh before the
+# lookup (Note [writes during a scope's call] in _scope.py); the lookup then runs without max_norm.
+def _renormalizing(func: Any) -> Any:
+    signature = inspect.signature(func)
+
+    def handler(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        weight, max_norm = bound.arguments["weight"], bound.arguments.get("max_norm")
+        if max_norm is not None and isinstance(weight, OffloadedParameter):
+            indices = bound.arguments["input"].to(weight.device).contiguous()
+            norm_type = float(bound.arguments.get("norm_type", 2.0))
+            with torch.no_grad():
+                _dispatch(torch.embedding_renorm_, (weight, indices, max_norm, norm_type), {}, [weight])
+            bound.arguments["max_norm"] = None
+        return _dispatch(func, bound.args, bound.kwargs, _find_params(bound.args, bound.kwargs))
+
+    return handler
+
+
 # Note [user gradient hooks]: the device copy, not the master, is what autograd differentiates,
 # so hooks registered on the master would never fire. We keep them on the ParamSlot and call them
 # from the gradient path (_grads.py): `register_hook` hooks see each backward contribution (on
@@ -592,6 +619,8 @@ _HANDLERS = {
     ),
     torch.Tensor.register_hook: _hook_registrar("grad_hooks", torch.Tensor.register_hook),
     torch.Tensor.detach: _detach,
+    nn.functional.embedding: _renormalizing(nn.functional.embedding),  # Note [embeddings with max_norm]
+    nn.functional.embedding_bag: _renormalizing(nn.functional.embedding_bag),
 }
 _AUTOGRAD_ENTRIES = {torch.autograd.grad: _autograd_grad, torch.autograd.backward: _autograd_backward}
 

@@ -28,6 +28,7 @@ from conftest import (
     reference_then_offload,
     step_both,
     tolerances,
+    train_step,
 )
 from torch import nn
 
@@ -306,3 +307,38 @@ def test_strided_expanded_channels_last_and_many_tiny_parameters_train_like_unwr
     model = Stack(LayoutBlock)
     reference = reference_then_offload(model, "cpu")
     _train_both(model, reference, "cpu", tol={"rtol": 1e-5, "atol": 1e-6})
+
+
+class MaxNormBlock(nn.Module):
+    """An Embedding and an EmbeddingBag with `max_norm`: their forward renormalizes the rows it
+    looks up in place, under no_grad, before reading them."""
+
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(20, HIDDEN, max_norm=1.0, sparse=sparse)
+        self.bag = nn.EmbeddingBag(20, HIDDEN, max_norm=0.5, norm_type=1.0, mode="sum", sparse=sparse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        indices = (x.abs() * 7).long() % 20
+        return torch.tanh(x + self.embedding(indices).sum(1) + self.bag(indices))
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_embeddings_with_max_norm_renormalize_the_masters_like_unwrapped(sparse, overlapped):
+    """The renormalization wrote only the scope's device copy: the output of each forward
+    matched, but the masters kept their old norms, and the steps that followed diverged."""
+    model = Stack(lambda: MaxNormBlock(sparse))
+    reference = reference_then_offload(model, "cpu")
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference))
+    for _ in range(3):
+        x = torch.randn(3, HIDDEN)
+        expected, out = reference(x), model(x)
+        torch.testing.assert_close(out, expected)
+        expected.square().sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        train_step(out.square().sum(), opt, overlap=overlapped)
+    offtensor.wait_for_steps()
+    assert_params_match(model, reference)
+    assert_all_scopes_offloaded(model)
