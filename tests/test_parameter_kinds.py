@@ -342,3 +342,55 @@ def test_embeddings_with_max_norm_renormalize_the_masters_like_unwrapped(sparse,
     offtensor.wait_for_steps()
     assert_params_match(model, reference)
     assert_all_scopes_offloaded(model)
+
+
+class AliasedBlock(nn.Module):
+    """Parameters or buffers whose memory overlaps: `alias` says which."""
+
+    def __init__(self, alias: str) -> None:
+        super().__init__()
+        base = torch.randn(HIDDEN, 2 * HIDDEN)
+        self.whole = nn.Parameter(base)
+        if alias == "view_of_parameter":
+            self.left = nn.Parameter(base[:, :HIDDEN])
+        elif alias == "strided_view":
+            self.left = nn.Parameter(base[:, 2::2])
+        elif alias == "buffer":
+            self.register_buffer("left", base[:, :HIDDEN])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.whole[:, :HIDDEN] + x @ self.left[:, :HIDDEN // 2].repeat(1, 2))
+
+
+@pytest.mark.parametrize("alias", ["view_of_parameter", "strided_view", "buffer"])
+def test_error_if_offloaded_parameters_share_memory_with_another_tensor_of_the_model(alias):
+    """Each master is a tensor of its own: wrap split the shared memory silently, and the
+    optimizer's updates of one no longer reached the other (the plain model's do)."""
+    model = Stack(lambda: AliasedBlock(alias))
+    with pytest.raises(ValueError, match=r"'blocks\.0\.whole' and 'blocks\.0\.left' share memory.*clone\(\)"):
+        offtensor.wrap(model, device="cpu")
+    assert not offtensor.is_wrapped(model)
+    assert not any(isinstance(p, offtensor.OffloadedParameter) for p in model.parameters())
+
+
+class SlicedBlock(nn.Module):
+    """Two linears whose weights are interleaved rows of one tensor: their byte ranges overlap,
+    their elements do not, so separate masters train as the plain model does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        base = torch.randn(2 * HIDDEN, HIDDEN)
+        self.a, self.b = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.a.weight, self.b.weight = nn.Parameter(base[0::2]), nn.Parameter(base[1::2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.b(torch.tanh(self.a(x))))
+
+
+def test_weights_slicing_one_tensor_without_overlap_train_like_unwrapped():
+    torch.manual_seed(0)
+    model = Stack(SlicedBlock)
+    torch.manual_seed(0)
+    reference = Stack(SlicedBlock)  # not a deep copy, which would keep no sharing to test
+    offtensor.wrap(model, device="cpu")
+    _train_both(model, reference, "cpu")
