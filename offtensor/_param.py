@@ -141,7 +141,7 @@ def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
             return _dispatch(func, args, kwargs, params)  # `w.T` is an op on w
         return func(*args, **kwargs)  # `p.grad`, `p.shape`: the parameter itself
     if any(packed_of(p) is not None for p in params):  # Note [compressed masters] (_compress.py)
-        written = _written(args, kwargs) if _is_inplace(func, args) else set()
+        written = _written(args, kwargs) if _is_inplace(func, args, kwargs) else set()
         return packed_torch_function(func, args, kwargs, params, written, _MASTER_ONLY,
                                      lambda: _dispatch(func, args, kwargs, params))
     handler = _HANDLERS.get(func)
@@ -222,7 +222,7 @@ _REQUIRES_GRAD_OF = _TensorBase.requires_grad.__get__  # type: ignore[attr-defin
 def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter]) -> Any:
     if not params or func in _MASTER_ONLY:
         return func(*args, **kwargs)
-    if _is_inplace(func, args):
+    if _is_inplace(func, args, kwargs):
         # Writes always go to the master (under grad mode PyTorch then raises its usual
         # leaf-in-place error, as for a plain parameter). Every offloaded argument counts as
         # written (safe if a write is not recognised below); those that are surely only read
@@ -334,7 +334,12 @@ def _substitute(args: tuple, kwargs: dict, subs: dict[int, torch.Tensor]) -> tup
     return tuple(_sub_one(a, subs) for a in args), {k: _sub_one(v, subs) for k, v in kwargs.items()}
 
 
-def _is_inplace(func, args: tuple) -> bool:
+def _is_inplace(func, args: tuple, kwargs: dict) -> bool:
+    if kwargs.get("inplace") is True:
+        # torch.nn.functional's `inplace=True` (F.relu, F.dropout, F.hardtanh: their own
+        # dispatch passes it by keyword) writes its input: dispatched as a read, it wrote the
+        # device copy only, lost at the next load.
+        return True
     if func is _SETITEM:
         # `p[i] = v` writes p (dispatched as an op, it wrote the device copy inside p's scope,
         # and a temporary copy elsewhere in a forward: lost); `h[i] = p` only reads p.

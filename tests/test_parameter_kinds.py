@@ -160,21 +160,28 @@ class StatefulBlock(nn.Module):
         elif self.write == "data_assign":
             self.count.data = self.count.data + 1
             self.codebook.data = self.codebook.data * 0.5 + x.mean(0)
+        elif self.write == "inplace_functional":  # `inplace=True` of torch.nn.functional
+            self.count.add_(1)
+            with torch.no_grad():
+                self.codebook.mul_(2.0)
+                F.hardtanh(self.codebook, -1.0, 1.0, inplace=True)
         return torch.tanh(h * self.count + self.codebook)
 
 
 # Writes that compute on the master, a CPU tensor, with the block's device activations: on CUDA
 # they raise PyTorch's device-mismatch error (seen on the H200), where the unwrapped model's
 # parameter is on the device. `p.copy_(expr)` and `p[i] = v` copy across devices and work.
-_WRITES_ON_THE_MASTER = ("in_place", "detached", "data", "data_assign")
+_WRITES_ON_THE_MASTER = ("in_place", "detached", "data", "data_assign", "inplace_functional")
 
 
-@pytest.mark.parametrize("write", ["in_place", "copy_", "setitem", "detached", "data", "data_assign"])
+@pytest.mark.parametrize("write", ["in_place", "copy_", "setitem", "detached", "data", "data_assign",
+                                   "inplace_functional"])
 @pytest.mark.parametrize("device", devices)
 def test_frozen_parameters_written_during_their_scopes_forward_are_read_back_like_unwrapped(device, write):
     """The writes reach the masters and, for the rest of that forward, the scope's device copy:
     an in-place write went to the master while later reads in the same forward got the copy
-    loaded before it, and `p[i] = v` wrote the device copy only (lost at the next load)."""
+    loaded before it, and `p[i] = v` and `F.hardtanh(p, inplace=True)` wrote the device copy
+    only (lost at the next load)."""
     model = Stack(lambda: StatefulBlock(write))
     reference = reference_then_offload(model, device)
     if device == "cuda" and write in _WRITES_ON_THE_MASTER:
