@@ -18,6 +18,7 @@ subclass: ops run with subclass dispatch off (`without_subclass_dispatch`), so o
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from typing import Any
 
@@ -140,7 +141,7 @@ def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
             return _dispatch(func, args, kwargs, params)  # `w.T` is an op on w
         return func(*args, **kwargs)  # `p.grad`, `p.shape`: the parameter itself
     if any(packed_of(p) is not None for p in params):  # Note [compressed masters] (_compress.py)
-        written = _written(args, kwargs) if _is_inplace(func, args) else set()
+        written = _written(args, kwargs) if _is_inplace(func, args, kwargs) else set()
         return packed_torch_function(func, args, kwargs, params, written, _MASTER_ONLY,
                                      lambda: _dispatch(func, args, kwargs, params))
     handler = _HANDLERS.get(func)
@@ -221,7 +222,7 @@ _REQUIRES_GRAD_OF = _TensorBase.requires_grad.__get__  # type: ignore[attr-defin
 def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter]) -> Any:
     if not params or func in _MASTER_ONLY:
         return func(*args, **kwargs)
-    if _is_inplace(func, args):
+    if _is_inplace(func, args, kwargs):
         # Writes always go to the master (under grad mode PyTorch then raises its usual
         # leaf-in-place error, as for a plain parameter). Every offloaded argument counts as
         # written (safe if a write is not recognised below); those that are surely only read
@@ -333,7 +334,12 @@ def _substitute(args: tuple, kwargs: dict, subs: dict[int, torch.Tensor]) -> tup
     return tuple(_sub_one(a, subs) for a in args), {k: _sub_one(v, subs) for k, v in kwargs.items()}
 
 
-def _is_inplace(func, args: tuple) -> bool:
+def _is_inplace(func, args: tuple, kwargs: dict) -> bool:
+    if kwargs.get("inplace") is True:
+        # torch.nn.functional's `inplace=True` (F.relu, F.dropout, F.hardtanh: their own
+        # dispatch passes it by keyword) writes its input: dispatched as a read, it wrote the
+        # device copy only, lost at the next load.
+        return True
     if func is _SETITEM:
         # `p[i] = v` writes p (dispatched as an op, it wrote the device copy inside p's scope,
         # and a temporary copy elsewhere in a forward: lost); `h[i] = p` only reads p.
@@ -579,6 +585,32 @@ def _autograd_backward(tensors: Any, grad_tensors: Any = None, retain_graph: boo
                             create_graph=create_graph, inputs=inputs, **kwargs)
 
 
+# Note [embeddings with max_norm]
+# `F.embedding(..., max_norm=m)` and `F.embedding_bag` renormalize the rows they look up in
+# place, under no_grad, before reading them: the module's weight changes for good. Dispatched as
+# one op, the function got the scope's device copy and renormalized only that: each forward's
+# output was right, but the master kept its old rows, so the optimizer stepped unnormalized
+# weights and training drifted from the unwrapped model. So the renormalization is an op of its
+# own on the parameter, an in-place write of the master (with the indices on the master's
+# device: a host sync, only with max_norm), which marks the device copy for a refresh before the
+# lookup (Note [writes during a scope's call] in _scope.py); the lookup then runs without max_norm.
+def _renormalizing(func: Any) -> Any:
+    signature = inspect.signature(func)
+
+    def handler(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        weight, max_norm = bound.arguments["weight"], bound.arguments.get("max_norm")
+        if max_norm is not None and isinstance(weight, OffloadedParameter):
+            indices = bound.arguments["input"].to(weight.device).contiguous()
+            norm_type = float(bound.arguments.get("norm_type", 2.0))
+            with torch.no_grad():
+                _dispatch(torch.embedding_renorm_, (weight, indices, max_norm, norm_type), {}, [weight])
+            bound.arguments["max_norm"] = None
+        return _dispatch(func, bound.args, bound.kwargs, _find_params(bound.args, bound.kwargs))
+
+    return handler
+
+
 # Note [user gradient hooks]: the device copy, not the master, is what autograd differentiates,
 # so hooks registered on the master would never fire. We keep them on the ParamSlot and call them
 # from the gradient path (_grads.py): `register_hook` hooks see each backward contribution (on
@@ -592,6 +624,8 @@ _HANDLERS = {
     ),
     torch.Tensor.register_hook: _hook_registrar("grad_hooks", torch.Tensor.register_hook),
     torch.Tensor.detach: _detach,
+    nn.functional.embedding: _renormalizing(nn.functional.embedding),  # Note [embeddings with max_norm]
+    nn.functional.embedding_bag: _renormalizing(nn.functional.embedding_bag),
 }
 _AUTOGRAD_ENTRIES = {torch.autograd.grad: _autograd_grad, torch.autograd.backward: _autograd_backward}
 

@@ -156,6 +156,7 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
     if pin and not torch.cuda.is_available():
         raise ValueError("offtensor.wrap: Policy(pin_memory=True) needs CUDA; this machine has none")
     plans = _plan_scopes(selected)
+    _check_memory_not_shared(model, plans)
     _check_budget(plans, policy)
     engine = Engine(device, policy)
     intercept_function_apply()  # Note [custom autograd Functions] (_param.py)
@@ -257,6 +258,69 @@ def _plan_scopes(selected: list[tuple[str, nn.Module, Policy]]) -> list[_Plan]:
             "peft.get_peft_model) before wrapping"
         )
     return plans
+
+
+# Note [parameters sharing memory]
+# Each offloaded parameter gets a master of its own in its scope's host buffer. A parameter
+# whose memory overlaps another tensor of the model (one is a view of the other, a buffer that
+# is a view of a weight) shares it no longer after wrap: the optimizer's updates of one do not
+# reach the other, where in the plain model they do. That would train silently differently, so
+# wrap refuses it, naming both. Parameters that merely slice one tensor without overlapping
+# (disjoint or interleaved rows) are independent anyway and are accepted: the check compares
+# the bytes each tensor covers, exactly, when their byte ranges overlap. Tensors outside the
+# model (the `base` a parameter was cut from) cannot be seen.
+def _check_memory_not_shared(model: nn.Module, plans: list[_Plan]) -> None:
+    offloaded = {id(p) for *_, params, _ in plans for _, p in params}
+    by_storage: dict[tuple[torch.device, int], list[tuple[str, torch.Tensor]]] = {}
+    named = (*model.named_parameters(), *model.named_buffers())
+    order = {name: i for i, (name, _) in enumerate(named)}  # the error names them in this order
+    for name, t in named:
+        if type(t) not in (nn.Parameter, torch.Tensor, nn.Buffer) or t.is_meta or t.numel() == 0:
+            continue  # a quantized weight's inner tensors are checked as its parts are not
+        by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((name, t))
+    for tensors in by_storage.values():
+        # By first byte, each compared only with those before it not ended yet: a checkpoint
+        # loaded by slicing one storage puts every weight in one list.
+        tensors.sort(key=lambda named: _byte_span(named[1])[0])
+        active: list[tuple[str, torch.Tensor]] = []
+        for name, t in tensors:
+            start = _byte_span(t)[0]
+            active = [(n, o) for n, o in active if _byte_span(o)[1] > start]
+            for other_name, other in active:
+                if (id(t) in offloaded or id(other) in offloaded) and _overlap(t, other):
+                    first, second = sorted((name, other_name), key=order.__getitem__)
+                    raise ValueError(
+                        f"offtensor.wrap: {first!r} and {second!r} share memory (one is a "
+                        "view of the other, or both of one tensor); an offloaded parameter gets "
+                        "a master of its own, so writes to one (optimizer steps) would no longer "
+                        "reach the other. Make them separate tensors (nn.Parameter(t.clone())), "
+                        "or keep one parameter and take the view in forward"
+                    )
+            active.append((name, t))
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b, on one storage, have a byte in common."""
+    (a_start, a_end), (b_start, b_end) = _byte_span(a), _byte_span(b)
+    if a_end <= b_start or b_end <= a_start:
+        return False
+    start = min(a_start, b_start)
+    marks = torch.zeros(max(a_end, b_end) - start, dtype=torch.uint8)
+    _bytes_of(marks, a, start).fill_(1)
+    return bool(_bytes_of(marks, b, start).any())
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    size = t.element_size()
+    first = t.storage_offset() * size
+    return first, first + size * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)))
+
+
+def _bytes_of(marks: torch.Tensor, t: torch.Tensor, start: int) -> torch.Tensor:
+    """The bytes of `marks` (which begins at byte `start` of t's storage) that t covers."""
+    size = t.element_size()
+    return marks.as_strided((*t.shape, size), (*(s * size for s in t.stride()), 1),
+                            t.storage_offset() * size - start)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -28,6 +28,7 @@ from conftest import (
     reference_then_offload,
     step_both,
     tolerances,
+    train_step,
 )
 from torch import nn
 
@@ -159,21 +160,28 @@ class StatefulBlock(nn.Module):
         elif self.write == "data_assign":
             self.count.data = self.count.data + 1
             self.codebook.data = self.codebook.data * 0.5 + x.mean(0)
+        elif self.write == "inplace_functional":  # `inplace=True` of torch.nn.functional
+            self.count.add_(1)
+            with torch.no_grad():
+                self.codebook.mul_(2.0)
+                F.hardtanh(self.codebook, -1.0, 1.0, inplace=True)
         return torch.tanh(h * self.count + self.codebook)
 
 
 # Writes that compute on the master, a CPU tensor, with the block's device activations: on CUDA
 # they raise PyTorch's device-mismatch error (seen on the H200), where the unwrapped model's
 # parameter is on the device. `p.copy_(expr)` and `p[i] = v` copy across devices and work.
-_WRITES_ON_THE_MASTER = ("in_place", "detached", "data", "data_assign")
+_WRITES_ON_THE_MASTER = ("in_place", "detached", "data", "data_assign", "inplace_functional")
 
 
-@pytest.mark.parametrize("write", ["in_place", "copy_", "setitem", "detached", "data", "data_assign"])
+@pytest.mark.parametrize("write", ["in_place", "copy_", "setitem", "detached", "data", "data_assign",
+                                   "inplace_functional"])
 @pytest.mark.parametrize("device", devices)
 def test_frozen_parameters_written_during_their_scopes_forward_are_read_back_like_unwrapped(device, write):
     """The writes reach the masters and, for the rest of that forward, the scope's device copy:
     an in-place write went to the master while later reads in the same forward got the copy
-    loaded before it, and `p[i] = v` wrote the device copy only (lost at the next load)."""
+    loaded before it, and `p[i] = v` and `F.hardtanh(p, inplace=True)` wrote the device copy
+    only (lost at the next load)."""
     model = Stack(lambda: StatefulBlock(write))
     reference = reference_then_offload(model, device)
     if device == "cuda" and write in _WRITES_ON_THE_MASTER:
@@ -306,3 +314,90 @@ def test_strided_expanded_channels_last_and_many_tiny_parameters_train_like_unwr
     model = Stack(LayoutBlock)
     reference = reference_then_offload(model, "cpu")
     _train_both(model, reference, "cpu", tol={"rtol": 1e-5, "atol": 1e-6})
+
+
+class MaxNormBlock(nn.Module):
+    """An Embedding and an EmbeddingBag with `max_norm`: their forward renormalizes the rows it
+    looks up in place, under no_grad, before reading them."""
+
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(20, HIDDEN, max_norm=1.0, sparse=sparse)
+        self.bag = nn.EmbeddingBag(20, HIDDEN, max_norm=0.5, norm_type=1.0, mode="sum", sparse=sparse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        indices = (x.abs() * 7).long() % 20
+        return torch.tanh(x + self.embedding(indices).sum(1) + self.bag(indices))
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_embeddings_with_max_norm_renormalize_the_masters_like_unwrapped(sparse, overlapped):
+    """The renormalization wrote only the scope's device copy: the output of each forward
+    matched, but the masters kept their old norms, and the steps that followed diverged."""
+    model = Stack(lambda: MaxNormBlock(sparse))
+    reference = reference_then_offload(model, "cpu")
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference))
+    for _ in range(3):
+        x = torch.randn(3, HIDDEN)
+        expected, out = reference(x), model(x)
+        torch.testing.assert_close(out, expected)
+        expected.square().sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        train_step(out.square().sum(), opt, overlap=overlapped)
+    offtensor.wait_for_steps()
+    assert_params_match(model, reference)
+    assert_all_scopes_offloaded(model)
+
+
+class AliasedBlock(nn.Module):
+    """Parameters or buffers whose memory overlaps: `alias` says which."""
+
+    def __init__(self, alias: str) -> None:
+        super().__init__()
+        base = torch.randn(HIDDEN, 2 * HIDDEN)
+        self.whole = nn.Parameter(base)
+        if alias == "view_of_parameter":
+            self.left = nn.Parameter(base[:, :HIDDEN])
+        elif alias == "strided_view":
+            self.left = nn.Parameter(base[:, 2::2])
+        elif alias == "buffer":
+            self.register_buffer("left", base[:, :HIDDEN])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.whole[:, :HIDDEN] + x @ self.left[:, :HIDDEN // 2].repeat(1, 2))
+
+
+@pytest.mark.parametrize("alias", ["view_of_parameter", "strided_view", "buffer"])
+def test_error_if_offloaded_parameters_share_memory_with_another_tensor_of_the_model(alias):
+    """Each master is a tensor of its own: wrap split the shared memory silently, and the
+    optimizer's updates of one no longer reached the other (the plain model's do)."""
+    model = Stack(lambda: AliasedBlock(alias))
+    with pytest.raises(ValueError, match=r"'blocks\.0\.whole' and 'blocks\.0\.left' share memory.*clone\(\)"):
+        offtensor.wrap(model, device="cpu")
+    assert not offtensor.is_wrapped(model)
+    assert not any(isinstance(p, offtensor.OffloadedParameter) for p in model.parameters())
+
+
+class SlicedBlock(nn.Module):
+    """Two linears whose weights are interleaved rows of one tensor: their byte ranges overlap,
+    their elements do not, so separate masters train as the plain model does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        base = torch.randn(2 * HIDDEN, HIDDEN)
+        self.a, self.b = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.a.weight, self.b.weight = nn.Parameter(base[0::2]), nn.Parameter(base[1::2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.b(torch.tanh(self.a(x))))
+
+
+def test_weights_slicing_one_tensor_without_overlap_train_like_unwrapped():
+    torch.manual_seed(0)
+    model = Stack(SlicedBlock)
+    torch.manual_seed(0)
+    reference = Stack(SlicedBlock)  # not a deep copy, which would keep no sharing to test
+    offtensor.wrap(model, device="cpu")
+    _train_both(model, reference, "cpu")
