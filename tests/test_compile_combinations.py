@@ -451,3 +451,30 @@ def test_compiled_forward_methods_of_blocks_are_one_graph_each_and_train_exactly
     assert len(params) == 6  # norm, fc1 and fc2 weights and biases
     assert [type(t) for t in params] == [nn.Parameter] * 6
     assert not any(t.untyped_storage().data_ptr() in masters for t in params)
+
+
+@pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
+@pytest.mark.parametrize("device", devices)
+def test_dynamic_shapes_with_changing_batch_sizes_match_compiled_model(device):
+    """`compile(dynamic=True)` under a budget keeping the first block, with backward_and_step:
+    each batch size differs, the symbolic graph serves them all (no recompile after the
+    first two steps), and the values match the unwrapped model compiled alike."""
+    model = mlp_of_blocks(n_blocks=4)
+    budget = 4 * device_layout_bytes(model.blocks[0])  # streaming (prefetch 1) + 1 kept
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    for m in (model, reference):
+        m.compile(backend="aot_eager", dynamic=True)
+    tol = tolerances(device, "aot_eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for i, n in enumerate((3, 5, 7, 2, 9)):
+        x, y = torch.randn(n, 8, device=device), torch.randn(n, 4, device=device)
+        with _warm(i):
+            loss, ref_loss = F.mse_loss(model(x), y), F.mse_loss(reference(x), y)
+            offtensor.backward_and_step(loss, opt, zero_grad=True)
+            ref_loss.backward()
+            ref_opt.step(), ref_opt.zero_grad()
+        torch.testing.assert_close(loss, ref_loss, **tol)
+        assert_all_scopes_offloaded(model)
+    offtensor.wait_for_steps()
+    assert_params_match(model, reference, **tol)
