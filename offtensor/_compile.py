@@ -93,6 +93,24 @@ def in_compiled_region() -> bool:
     return torch.compiler.is_compiling() or _eval_frame_callback() is not None
 
 
+# Note [a compiled forward method]
+# `block.forward = torch.compile(block.forward)` compiles the forward alone: the module's hooks
+# run before and after it in eager code, where `in_compiled_region()` is false. The eager hooks
+# left the OffloadedParameters registered, so each op on one in the compiled forward was a graph
+# break (`__torch_function__` runs outside dynamo): the block ran op by op, eagerly, and
+# `fullgraph=True` failed at its first op. So the eager hooks also take the compiled path
+# (expose the device copies, hide them after) when the module's `forward` is a function that
+# torch.compile returned (`compiled_function`); called from a compiled region, the hooks take it
+# anyway. Run eagerly instead (dynamo's recompile limit, an error it suppresses), the forward
+# computes with the exposed device copies as a graph break inside a compiled block does.
+
+
+def compiled_function(fn: Any) -> bool:
+    """`fn` is what torch.compile returned for a function or method (Note [a compiled forward
+    method])."""
+    return getattr(fn, "_torchdynamo_orig_callable", None) is not None
+
+
 def _no_callback() -> None:
     return None
 

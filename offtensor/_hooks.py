@@ -58,8 +58,8 @@ class ScopeHooks:
     def install(self) -> None:
         module = self.scope.module
         # Called from compiled code, the hooks also expose the device copies (Note [torch.compile]).
-        pre = Hook(self._pre_forward, self.compiled_pre_forward)
-        post = Hook(self._post_forward, self.compiled_post_forward)
+        pre = Hook(self._eager_pre_forward, self.compiled_pre_forward)
+        post = Hook(self._eager_post_forward, self.compiled_post_forward)
         self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         self.handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
 
@@ -113,6 +113,20 @@ class ScopeHooks:
         self.engine.pre_backward(self.scope, create_graph=torch.is_grad_enabled())
 
     # ---- torch.compile (Note [torch.compile] in _compile.py) -------------------------------
+
+    def _eager_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The forward pre-hook run by eager code; the compiled path for a module whose own
+        `forward` is compiled (Note [a compiled forward method] in _compile.py)."""
+        if _compile.compiled_function(module.forward):
+            self.compiled_pre_forward(module, args, kwargs)
+        else:
+            self._pre_forward(module, args, kwargs)
+
+    def _eager_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._exposed is not None:  # exposed by _eager_pre_forward or a compiled caller
+            self.compiled_post_forward(module, args, kwargs, output)
+        else:
+            self._post_forward(module, args, kwargs, output)
 
     def compiled_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The forward pre-hook when compiled code calls the module: the eager hook, then the

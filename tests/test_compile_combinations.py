@@ -27,7 +27,7 @@ from conftest import (
     offloaded_parameters,
     reference_then_offload,
 )
-from test_compile import compile_both, mlp_batches, mse, no_recompiles, tolerances, train_both
+from test_compile import GraphRecorder, compile_both, mlp_batches, mse, no_recompiles, tolerances, train_both
 from torch import nn
 
 import offtensor
@@ -419,3 +419,62 @@ def test_spread_kept_and_carried_scopes_with_accumulation_match_compiled_model(d
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x), **tol)
     assert_all_scopes_offloaded(model)
+
+
+# --------------------------------------------------------------------------------------------
+# A block's forward method compiled, not the block
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpoint", [None,  # the others compile for seconds: the full tier runs them
+                                        pytest.param("non_reentrant", marks=pytest.mark.full_tier),
+                                        pytest.param("reentrant", marks=pytest.mark.full_tier)])
+@pytest.mark.parametrize("device", devices)
+def test_compiled_forward_methods_of_blocks_are_one_graph_each_and_train_exactly(device, checkpoint):
+    """`block.forward = torch.compile(block.forward, fullgraph=True)`: the hooks run eagerly
+    around it (Note [a compiled forward method] in offtensor/_compile.py). Regression: they left
+    the OffloadedParameters registered, so every op on one broke the graph (the block ran op by
+    op, eagerly) and fullgraph=True raised at the first. Now one graph with the device copies,
+    shared by the blocks, and training matches the unwrapped model compiled alike, also when
+    a checkpoint's recompute calls the compiled forward in backward."""
+    model = mlp_of_blocks(n_blocks=3, checkpoint=checkpoint)
+    reference = reference_then_offload(model, device)
+    recorder = GraphRecorder()
+    for m, backend in ((model, recorder), (reference, "aot_eager")):
+        for block in m.blocks:
+            block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
+    train_both(model, reference, mlp_batches(device, 4), mse, tolerances(device, "aot_eager"))
+    graphs = len(recorder.graphs)  # (not the list in the assert: its repr would read released storage)
+    assert graphs == (2 if checkpoint == "reentrant" else 1)  # reentrant: forward without grad, recompute with
+    masters = {p.untyped_storage().data_ptr() for _, p in offloaded_parameters(model)}
+    params = [t for t in recorder.graphs[0][1] if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
+    assert len(params) == 6  # norm, fc1 and fc2 weights and biases
+    assert [type(t) for t in params] == [nn.Parameter] * 6
+    assert not any(t.untyped_storage().data_ptr() in masters for t in params)
+
+
+@pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
+@pytest.mark.parametrize("device", devices)
+def test_dynamic_shapes_with_changing_batch_sizes_match_compiled_model(device):
+    """`compile(dynamic=True)` under a budget keeping the first block, with backward_and_step:
+    each batch size differs, the symbolic graph serves them all (no recompile after the
+    first two steps), and the values match the unwrapped model compiled alike."""
+    model = mlp_of_blocks(n_blocks=4)
+    budget = 4 * device_layout_bytes(model.blocks[0])  # streaming (prefetch 1) + 1 kept
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    for m in (model, reference):
+        m.compile(backend="aot_eager", dynamic=True)
+    tol = tolerances(device, "aot_eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for i, n in enumerate((3, 5, 7, 2, 9)):
+        x, y = torch.randn(n, 8, device=device), torch.randn(n, 4, device=device)
+        with _warm(i):
+            loss, ref_loss = F.mse_loss(model(x), y), F.mse_loss(reference(x), y)
+            offtensor.backward_and_step(loss, opt, zero_grad=True)
+            ref_loss.backward()
+            ref_opt.step(), ref_opt.zero_grad()
+        torch.testing.assert_close(loss, ref_loss, **tol)
+        assert_all_scopes_offloaded(model)
+    offtensor.wait_for_steps()
+    assert_params_match(model, reference, **tol)
