@@ -51,7 +51,7 @@ from torch import nn
 
 from ._api import Policy
 from ._compress import RowReader, copy_rows
-from ._wrap import Predicate, _find_engine, wrap_filling
+from ._wrap import _ENGINE_ATTR, Predicate, _find_engine, unwrap, wrap_filling
 
 InitFn = Callable[[str, nn.Module], None]
 _INDEX = "model.safetensors.index.json"
@@ -120,14 +120,39 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
     owners = _owners(model)
     source = _ScopeFiller(checkpoint, init, owners,
                           torch.device(init_device) if init_device is not None else torch.device("cpu"))
-    wrap_filling(model, predicate, device, policy, source)
-    engine = _find_engine(model)
-    assert engine is not None
-    rest = torch.device(rest_device) if rest_device is not None else engine.device
-    _load_rest(model, checkpoint, init, rest)
+    meta = _MetaTensors(model)
+    try:
+        wrap_filling(model, predicate, device, policy, source)  # undoes itself should it raise
+        engine = _find_engine(model)
+        assert engine is not None
+        rest = torch.device(rest_device) if rest_device is not None else engine.device
+        _load_rest(model, checkpoint, init, rest)
+    except BaseException:  # Note [a wrap that raised] in _wrap.py: as before the call, for a retry
+        if getattr(model, _ENGINE_ATTR, None) is not None:
+            unwrap(model)
+        meta.put_back()
+        raise
     if checkpoint is not None:
         checkpoint.warn_unused()
     return model
+
+
+class _MetaTensors:
+    """The parameters and buffers of a model on the meta device, to put back after a failed load."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.entries = [(module._parameters if is_param else module._buffers, name, t)
+                        for module in model.modules()
+                        for is_param, tensors in ((True, module._parameters), (False, module._buffers))
+                        for name, t in tensors.items() if t is not None and t.is_meta]
+
+    def put_back(self) -> None:
+        for tensors, name, t in self.entries:
+            if not t.is_meta:  # offloaded and restored, or allocated for init: the same object
+                empty = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                torch.utils.swap_tensors(t, nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter)
+                                         else empty)
+            tensors[name] = t  # the rest loaded is a new tensor
 
 
 class Checkpoint:

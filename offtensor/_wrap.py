@@ -165,6 +165,7 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
     try:
         for name, module, scope_policy, params, block in plans:
             scope = Scope(name, module, scope_policy, engine, pinned=pin, block=block)
+            engine.scopes.append(scope)  # before any change, for the undo below
             if source is None:
                 _offload_params(scope, params, device)
             else:
@@ -173,10 +174,12 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
                 source.end()
             progress.advance(sum(p.numel() * p.element_size() for _, p in params))
             hooks = ScopeHooks(scope, engine)
+            engine.scope_hooks.append(hooks)
             hooks.install()
             engine.handles.extend(attach(scope))  # after the scope's hooks (Note [quantized weights])
-            engine.scope_hooks.append(hooks)
-            engine.scopes.append(scope)
+    except BaseException:
+        _undo_wrap(engine, model)  # Note [a wrap that raised]
+        raise
     finally:
         progress.close()
     engine.scopes_ready()
@@ -343,6 +346,23 @@ def unwrap(model: nn.Module) -> nn.Module:
     wait_for_steps()  # a deferred optimizer step may still write the masters
     if engine.grads.reducer is not None:  # leave data-parallel mode (_data_parallel.py)
         engine.grads.reducer.close()
+    return _undo_wrap(engine, model)
+
+
+# Note [a wrap that raised]
+# `wrap` (and `offtensor.load`, which fills the masters through it) makes one scope's parameters
+# offloaded at a time. An error on the way (a checkpoint tensor of the wrong shape, an `init`
+# function that raises, out of host memory, Ctrl-C) left the scopes before it offloaded and
+# hooked, with no engine on the model: half wrapped. `wrap` and `load` then refused the model
+# ("already offloaded"), and after an `unwrap` the scope that failed kept the uninitialized
+# values `load` had allocated for it, which a retry of `load` keeps ("parameters not on the meta
+# device keep their values"). So a wrap that raises undoes the scopes it built, as `unwrap`
+# does, the one that failed included (its `slots` hold the parameters made offloaded so far),
+# and `load` puts back on the meta device what was there (`_MetaTensors`).
+
+
+def _undo_wrap(engine: Engine, model: nn.Module) -> nn.Module:
+    """`unwrap` once no step is pending: also the undo of a wrap that raised."""
     engine.release_all(force=True)
     for handle in (*engine.handles, *engine.guard_handles):
         handle.remove()

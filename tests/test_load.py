@@ -403,3 +403,40 @@ def test_load_of_a_compressed_qwen2_with_a_tied_embedding_and_adapters_matches_f
     with torch.no_grad():
         got, expected = model(input_ids=_ids(device)).logits, reference(input_ids=_ids(device)).logits
     torch.testing.assert_close(got, expected, **tolerances(device, torch.bfloat16))
+
+
+@pytest.mark.parametrize("where", ["init of a scope", "checkpoint of a scope", "init of the rest"])
+def test_a_load_that_raises_leaves_the_model_as_it_was_and_a_retry_loads_it(tmp_path, where):
+    """Regression: an error in the second scope (an init that raised, a tensor of the wrong shape)
+    left the first scope offloaded and hooked and the second's parameters allocated but never
+    initialized: a retry was refused ("already offloaded"), and after unwrap a retry kept the
+    uninitialized values (Note [a wrap that raised] in offtensor/_wrap.py)."""
+    reference = _saved(tmp_path, shard=None)
+    model = _meta_model()
+    failing = {"init of a scope": "model.layers.1.mlp.up_proj", "init of the rest": "lm_head"}.get(where)
+
+    def init(name, module):
+        if name == failing:
+            raise KeyError("init failed")
+        _init(name, module)
+
+    if where == "checkpoint of a scope":
+        weights, match, wrong = tmp_path, "has shape", model.model.layers[1].mlp
+        wrong.down_proj = torch.nn.Linear(128, 32, bias=False, device="meta", dtype=torch.bfloat16)
+    else:
+        weights, match = None, "init failed"
+    with pytest.raises((KeyError, ValueError), match=match):
+        offtensor.load(model, weights, init=init, device="cpu")
+    assert not offtensor.is_wrapped(model)
+    assert not any(hasattr(m, "_offtensor_engine") or m._forward_pre_hooks for m in model.modules())
+    assert all(p.is_meta and type(p) is torch.nn.Parameter for p in model.parameters())
+    if where == "checkpoint of a scope":
+        wrong.down_proj = torch.nn.Linear(128, 64, bias=False, device="meta", dtype=torch.bfloat16)
+        offtensor.load(model, tmp_path, device="cpu")
+    else:
+        offtensor.load(model, init=_init, device="cpu")
+        reference = transformers.LlamaForCausalLM(_config()).to(torch.bfloat16).eval()
+        for name, module in reference.named_modules():
+            _init(name, module)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids("cpu")).logits, reference(_ids("cpu")).logits)
