@@ -801,7 +801,10 @@ class _OverlappedStep:
         """Until `slot`'s step is done (every step, when None); raises a worker error once."""
         error = self._locked(self._wait_locked, slot)
         if error is not None:
-            _raise_partial(error, self, "the optimizer step")
+            # Once the call has returned, the error comes out of whatever waits next (the next
+            # forward, `p.grad`, a later call): say which step it was.
+            _raise_partial(error, self, "the optimizer step deferred past its backward_and_step call "
+                                        "(which had returned)" if self._rest_done else "the optimizer step")
 
     def settle(self) -> None:
         """Until the worker has stopped, if no more pieces come; its error stays to be raised

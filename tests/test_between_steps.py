@@ -232,6 +232,34 @@ def test_a_gradient_hook_waiting_for_every_step_during_backward_and_step_raises_
         assert_params_match(model, reference)
 
 
+def test_an_error_in_a_deferred_step_says_it_comes_from_the_call_that_returned():
+    """A step hook raising in a step deferred past its call comes out of the next wait (here the
+    next forward): the note says it was that earlier call's deferred step, and what it stepped."""
+    model, _ = mlp_and_reference("cpu")
+    opt = _adamw(model)
+    last = model.blocks[-1].fc2.weight
+
+    def hook(o: torch.optim.Optimizer, *_: object) -> None:
+        if any(p is last for g in o.param_groups for p in g["params"]):
+            raise KeyError("user hook")
+
+    worker = HeldWorker(model)
+    x, y = random_batch("cpu")
+    worker.hold()
+    offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True)
+    assert _pending(model), "the worker was held: steps must still be deferred"
+    opt.register_step_pre_hook(hook)
+    try:
+        with pytest.raises((KeyError, RuntimeError)) as raised:  # RuntimeError: Python 3.10 (no notes)
+            model(x)
+    finally:
+        worker.release()
+    text = "\n".join([str(raised.value), *getattr(raised.value, "__notes__", [])])
+    assert "user hook" in text
+    assert "deferred past its backward_and_step call (which had returned) raised after" in text, text
+    assert "blocks.2.fc2.weight" not in offtensor.last_stepped()
+
+
 def _weight_norm(model: torch.nn.Module) -> torch.Tensor:
     """What a loop logs, with grad mode on: ops on the parameters outside the forward."""
     return torch.nn.utils.parameters_to_vector(model.parameters()).norm()
