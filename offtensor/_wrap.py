@@ -878,6 +878,13 @@ class no_offload(contextlib.ContextDecorator):
         self._holds.discard(self)
         if in_backward():
             return
+        # Note [no_offload in several threads]
+        # The exit releases what the holds kept, but only of models whose latest forward ran on
+        # this thread. Another thread may be inside its own model's forward (one wrapped model
+        # per thread): releasing those scopes freed the device copies its ops were reading
+        # ("out of bounds for storage of size 0"), even when this no_offload named another
+        # model. What such a model kept under a hold of every model is released by its own
+        # thread's next pass, which releases what an earlier pass left resident.
         for engine in list(_engine.engines):
-            if not engine.hold():
+            if not engine.hold() and not engine.run_by_another_thread():
                 engine.release_all()

@@ -116,3 +116,44 @@ def test_two_models_stepped_at_once_in_two_threads_train_as_alone(monkeypatch, r
         F.mse_loss(ref(batch[0]), batch[1]).backward()
         ref_opt.step()
         assert_params_match(model, ref, rtol=0.0, atol=0.0)
+
+
+def test_no_offload_exiting_in_one_thread_leaves_another_threads_forward_alone():
+    """Regression: the exit of `no_offload(a)` released every wrapped model's scopes, b's too
+    while b's backward was computing with them in another thread (freed device copies)."""
+    (a, _), (b, ref_b) = mlp_and_reference("cpu"), mlp_and_reference("cpu")
+    inside, go = threading.Event(), threading.Event()
+
+    def pause(grad: torch.Tensor) -> None:
+        inside.set()
+        go.wait(TIMEOUT_S)
+
+    def pause_in_backward(_module: torch.nn.Module, _args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(pause)
+
+    # b pauses in the middle of blocks[1]'s backward: fc1's backward, to come, reads its weight.
+    b.blocks[1].fc1.register_forward_hook(pause_in_backward)
+    x, y = random_batch("cpu")
+    outcome: list[object] = []
+
+    def train_b() -> None:
+        try:
+            F.mse_loss(b(x), y).backward()
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - raised below, on the test's thread
+            outcome.append(e)
+
+    thread = threading.Thread(target=train_b)
+    thread.start()
+    try:
+        assert inside.wait(TIMEOUT_S)
+        with offtensor.no_offload(a), torch.no_grad():
+            a(x)
+    finally:
+        go.set()
+        thread.join(TIMEOUT_S)
+    assert outcome == [None], outcome
+    F.mse_loss(ref_b(x), y).backward()
+    assert_params_match(b, ref_b, rtol=0.0, atol=0.0)
+    for name, p in b.named_parameters():
+        torch.testing.assert_close(p.grad, dict(ref_b.named_parameters())[name].grad, rtol=0.0, atol=0.0)
