@@ -212,11 +212,16 @@ def _check_arguments(model: nn.Module, predicate: Predicate | None, policy: Poli
             f"({len(getattr(model, _ENGINE_ATTR).scopes)} scopes); call offtensor.unwrap(model) "
             "first, then wrap it again with the new predicate or policy"
         )
-    already = [n for n, p in model.named_parameters() if isinstance(p, OffloadedParameter)]
+    already = [(n, p) for n, p in model.named_parameters() if isinstance(p, OffloadedParameter)]
     if already:
+        name, p = already[0]
+        scope = f" (its scope {p._ot.scope.name!r} there)" if hasattr(p, "_ot") else ""
         raise RuntimeError(
-            f"offtensor.wrap: parameter {already[0]!r} is already offloaded by another "
-            "offtensor.wrap call (on a parent or submodule); call offtensor.unwrap on that model first"
+            f"offtensor.wrap: parameter {name!r} is already offloaded by another offtensor.wrap "
+            f"call{scope}, on a parent or a submodule of this model, or on another model sharing "
+            "the module that holds it; call offtensor.unwrap on that model first. Models sharing "
+            "modules are wrapped together: put them in one nn.Module (an nn.ModuleList of both) "
+            "and wrap that"
         )
 
 
