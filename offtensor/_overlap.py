@@ -407,9 +407,7 @@ def _pending_calls() -> list[_OverlappedStep]:
 
 def _forget(stepper: _OverlappedStep) -> None:
     """`stepper` has nothing left to wait for: no step pending, no error to raise."""
-    with _calls_lock:
-        if stepper in _calls:
-            _calls.remove(stepper)
+    with _calls_lock: _calls[:] = [s for s in _calls if s is not stepper]  # noqa: E701  (Note [interrupts])
 
 
 def _check_optimizer(optimizer: Any) -> None:
