@@ -98,7 +98,10 @@ are a list (`_calls`), not one latest call: `wait_for_steps()`, the optimizer's 
 the whole-state waits and the waits before a fork and at exit wait for each. With one latest
 call, the first of two such calls was forgotten: waits returned while its worker still stepped,
 and the process aborted at exit one run in a few. A call leaves the list when its steps are
-done, or when its error has been raised.
+done, or when its error has been raised. That error is raised on the thread that made the call
+(while it runs: once it has ended, by whichever thread waits next): a wait for every call (the
+next `backward_and_step` of another thread's model, its optimizer's `step`) raised the failure
+of the other thread's optimizer, which that thread then never saw.
 
 # Note [param groups as of the call]
 A deferred step is part of the `optimizer.step()` that backward_and_step stands for, so it
@@ -397,7 +400,7 @@ def wait_for_steps() -> None:
                 "backward_and_step (in a gradient hook) would wait for steps that end only "
                 "after this backward: it waited forever. Call it after backward_and_step returns"
             )
-        stepper.wait()
+        stepper.wait(from_any_thread=False)
 
 
 def _pending_calls() -> list[_OverlappedStep]:
@@ -524,7 +527,7 @@ def _await_all() -> None:
     for stepper in _pending_calls():
         stepper.close_if_abandoned()
         if stepper.closed:
-            stepper.wait()
+            stepper.wait(from_any_thread=False)
 
 
 class _FencedState(collections.defaultdict):
@@ -831,9 +834,11 @@ class _OverlappedStep:
         self._rest_done = self.elapsed()
         self._finish_report()
 
-    def wait(self, slot: ParamSlot | None = None) -> None:
-        """Until `slot`'s step is done (every step, when None); raises a worker error once."""
-        error = self._locked(self._wait_locked, slot)
+    def wait(self, slot: ParamSlot | None = None, *, from_any_thread: bool = True) -> None:
+        """Until `slot`'s step is done (every step, when None); raises a worker error once.
+        `from_any_thread=False`: the error of a call made on another thread that still runs is
+        left for that thread (Note [calls in several threads])."""
+        error = self._locked(self._wait_locked, slot, from_any_thread)
         if error is not None:
             _forget(self)  # the worker has stopped; its error is raised once, here
             _raise_partial(error, self, "the optimizer step")
@@ -847,7 +852,7 @@ class _OverlappedStep:
         while self._closed and not self._done:
             self._cond.wait()
 
-    def _wait_locked(self, slot: ParamSlot | None) -> BaseException | None:
+    def _wait_locked(self, slot: ParamSlot | None, from_any_thread: bool = True) -> BaseException | None:
         self._waiting += 1
         try:
             if slot is None:
@@ -858,6 +863,9 @@ class _OverlappedStep:
                     self._cond.wait()
         finally:
             self._waiting -= 1
+        if (self._error is not None and not from_any_thread and threading.get_ident() != self._caller
+                and self._caller in sys._current_frames()):
+            return None
         error, self._error = self._error, None
         return error
 

@@ -7,7 +7,9 @@ was forgotten: `offtensor.wait_for_steps()`, the optimizer's `state_dict()`, the
 fork and the one at exit returned while its worker still stepped (a race, and at exit a
 "terminate called without an active exception" abort). And each worker restored the intra-op
 thread count it found on its own new thread, which a worker stepping beside it had lowered:
-every thread started afterwards computed on one thread fewer.
+every thread started afterwards computed on one thread fewer. A failed deferred step of one
+thread's call was raised by the other thread's next wait. And `no_offload()` exiting in one
+thread released the scopes another thread's model was computing with.
 """
 
 from __future__ import annotations
@@ -157,3 +159,44 @@ def test_no_offload_exiting_in_one_thread_leaves_another_threads_forward_alone()
     assert_params_match(b, ref_b, rtol=0.0, atol=0.0)
     for name, p in b.named_parameters():
         torch.testing.assert_close(p.grad, dict(ref_b.named_parameters())[name].grad, rtol=0.0, atol=0.0)
+
+
+def test_a_deferred_step_that_fails_raises_in_the_thread_that_made_the_call():
+    """Regression: the next wait for every call (here b's backward_and_step in the main thread)
+    raised the failure of a's deferred step, made by another thread, which never saw it."""
+    (a, _), (b, ref_b) = mlp_and_reference("cpu"), mlp_and_reference("cpu")
+    opt_a, opt_b = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
+
+    def fail(*_: object) -> None:
+        if threading.current_thread().name == WORKER:
+            raise ValueError("a's optimizer failed")
+
+    opt_a.register_step_pre_hook(fail)
+    returned, b_trained = threading.Event(), threading.Event()
+    _hold_worker(a, threading.Event(), returned)  # a's steps fail once a's call has returned
+    x, y = random_batch("cpu")
+    seen_by_a: list[BaseException] = []
+
+    def train_a() -> None:
+        offtensor.backward_and_step(F.mse_loss(a(x), y), opt_a, zero_grad=True)
+        returned.set()
+        b_trained.wait(TIMEOUT_S)
+        try:
+            offtensor.wait_for_steps()
+        except ValueError as e:
+            seen_by_a.append(e)
+
+    thread = threading.Thread(target=train_a)
+    thread.start()
+    try:
+        assert returned.wait(TIMEOUT_S)
+        offtensor.backward_and_step(F.mse_loss(b(x), y), opt_b, zero_grad=True)
+        offtensor.wait_for_steps()
+    finally:
+        b_trained.set()
+        thread.join(TIMEOUT_S)
+    assert [str(e) for e in seen_by_a] == ["a's optimizer failed"]
+    ref_opt = torch.optim.AdamW(ref_b.parameters(), lr=1e-2)
+    F.mse_loss(ref_b(x), y).backward()
+    ref_opt.step()
+    assert_params_match(b, ref_b, rtol=0.0, atol=0.0)
