@@ -557,6 +557,11 @@ class Engine:
             )
         self._thread = thread
 
+    def run_by_another_thread(self) -> bool:
+        """The model's latest forward ran on another thread than the caller's, which owns what
+        it left on the device (Note [no_offload in several threads] in _wrap.py)."""
+        return self._thread is not None and self._thread != threading.get_ident()
+
     def foreign_thread(self) -> bool:
         """A forward hook runs on another thread than the forward in progress (check_thread
         refused its call). Backward runs on autograd's threads: never foreign."""

@@ -80,6 +80,29 @@ step took 438.3 against 444.8 ms (faster in 6 of 7 rounds), the worker busy 399.
 407.6 ms. The count is chosen per piece, so a thread that starts waiting mid-piece gets its
 core back at the next piece.
 
+`torch.set_num_threads` also sets the count that threads started later begin with (PyTorch keeps
+one default for the process, read by a thread at its first parallel op). The worker is such a
+new thread, so it takes its count from the calling thread (`_OverlappedStep.threads`) and sets
+that back when it stops: restoring what it found on itself, a worker starting while another
+model's worker stepped with its spare cores left found one thread fewer and made that the
+default of every thread started afterwards. While a worker steps, a thread making its first
+parallel op still starts with the worker's count: a thread that trains a model of its own
+should call `torch.set_num_threads` first (as the tests do) for the same numerics as the main
+thread.
+
+# Note [calls in several threads]
+Two threads may each train a wrapped model of their own with `backward_and_step` (the engines
+refuse only a second thread on one model). Each call first waits for the earlier calls' steps,
+but two calls can get past that wait together, so the calls whose steps may still be pending
+are a list (`_calls`), not one latest call: `wait_for_steps()`, the optimizer's entry points,
+the whole-state waits and the waits before a fork and at exit wait for each. With one latest
+call, the first of two such calls was forgotten: waits returned while its worker still stepped,
+and the process aborted at exit one run in a few. A call leaves the list when its steps are
+done, or when its error has been raised. That error is raised on the thread that made the call
+(while it runs: once it has ended, by whichever thread waits next): a wait for every call (the
+next `backward_and_step` of another thread's model, its optimizer's `step`) raised the failure
+of the other thread's optimizer, which that thread then never saw.
+
 # Note [param groups as of the call]
 A deferred step is part of the `optimizer.step()` that backward_and_step stands for, so it
 steps each parameter with its group as the group was when the call was made, whatever the
@@ -155,7 +178,10 @@ STEP_PIECE_BYTES = 64 * 2**20  # backward_and_step(piece_bytes=) default; see No
 # need them (Note [worker threads]); backward_and_step(spare_threads=) default.
 SPARE_THREADS = 1
 
-_current: _OverlappedStep | None = None  # the latest backward_and_step; its steps may be pending
+# The backward_and_step calls whose steps may be pending: one per thread training a model of its
+# own (Note [calls in several threads]); guarded by _calls_lock.
+_calls: list[_OverlappedStep] = []
+_calls_lock = threading.Lock()
 _last_stepped: list[str] = []  # what the last failed backward_and_step had stepped
 _hooked_optimizers: weakref.WeakSet = weakref.WeakSet()
 
@@ -241,7 +267,6 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
             else:
                 offtensor.backward_and_step(loss, optimizer, zero_grad=True)
     """
-    global _current
     if in_compiled_region():  # called from a compiled training step: Note [torch.compile]
         return run_outside_dynamo(functools.partial(
             backward_and_step, loss, optimizer, zero_grad=zero_grad, spare_threads=spare_threads,
@@ -275,7 +300,7 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
     # every later call, a worker never closed would be waited for forever.
     try:
         stepper.start()
-        _current = stepper
+        with _calls_lock: _calls.append(stepper)  # noqa: E701  (one line: Note [interrupts])
         for engine in engines:
             engine.grads.stepper = stepper
         loss.backward(**backward_kwargs)
@@ -365,8 +390,7 @@ def wait_for_steps() -> None:
     """Block until the latest `backward_and_step` has stepped every parameter."""
     if in_compiled_region():  # Note [torch.compile] in _compile.py
         return run_outside_dynamo(wait_for_steps, ())
-    stepper = _current
-    if stepper is not None:
+    for stepper in _pending_calls():
         stepper.close_if_abandoned()
         if not stepper.closed and torch._C._current_graph_task_id() != -1:
             # A gradient hook of the call's own backward: its steps end after that backward.
@@ -376,7 +400,17 @@ def wait_for_steps() -> None:
                 "backward_and_step (in a gradient hook) would wait for steps that end only "
                 "after this backward: it waited forever. Call it after backward_and_step returns"
             )
-        stepper.wait()
+        stepper.wait(from_any_thread=False)
+
+
+def _pending_calls() -> list[_OverlappedStep]:
+    """The backward_and_step calls whose steps may be pending (Note [calls in several threads])."""
+    with _calls_lock: return list(_calls)  # noqa: E701
+
+
+def _forget(stepper: _OverlappedStep) -> None:
+    """`stepper` has nothing left to wait for: no step pending, no error to raise."""
+    with _calls_lock: _calls[:] = [s for s in _calls if s is not stepper]  # noqa: E701  (Note [interrupts])
 
 
 def _check_optimizer(optimizer: Any) -> None:
@@ -426,9 +460,9 @@ def _check_step_not_replaced(optimizer: torch.optim.Optimizer) -> None:
 
 def _settle_before_fork() -> None:
     """os.register_at_fork's `before`: Note [fork while steps are deferred]."""
-    stepper = _current
-    if stepper is not None and not on_optimizer_worker():
-        stepper.settle()
+    if not on_optimizer_worker():
+        for stepper in _pending_calls():
+            stepper.settle()
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
@@ -437,8 +471,7 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
 
 def _settle_at_exit() -> None:
     """atexit: Note [exit while steps are deferred]."""
-    stepper = _current
-    if stepper is not None:
+    for stepper in _pending_calls():
         stepper.settle()
 
 
@@ -489,12 +522,12 @@ def _await_param(key: Any) -> None:
 def _await_all() -> None:
     """Wait for every deferred step, unless called inside the backward that hands them over
     (a gradient hook): that backward's steps cannot all end before it does."""
-    stepper = _current
-    if stepper is None or on_optimizer_worker():
+    if on_optimizer_worker():
         return
-    stepper.close_if_abandoned()
-    if stepper.closed:
-        stepper.wait()
+    for stepper in _pending_calls():
+        stepper.close_if_abandoned()
+        if stepper.closed:
+            stepper.wait(from_any_thread=False)
 
 
 class _FencedState(collections.defaultdict):
@@ -612,6 +645,9 @@ class _OverlappedStep:
         self.zero_grad = zero_grad
         self.spare_threads = spare_threads  # left to the launching thread (backward_and_step)
         self.piece_bytes = piece_bytes  # parameter bytes per worker step (Note [deferred steps])
+        # The calling thread's intra-op thread count, which the worker starts from and leaves as
+        # the default of new threads (Note [worker threads]).
+        self.threads = torch.get_num_threads()
         self._ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         # Names of the offloaded parameters; the others are named by their position.
         self._names = {id(p): p._ot.name if hasattr(p, "_ot") else f"param_groups[{i}][{j}]"
@@ -754,6 +790,7 @@ class _OverlappedStep:
         if self._thread.is_alive():  # else not started, or starting: it finds nothing to do
             self._thread.join()
         self._error = None
+        _forget(self)
 
     def _drop_pending(self) -> None:
         self._closed = True
@@ -797,10 +834,13 @@ class _OverlappedStep:
         self._rest_done = self.elapsed()
         self._finish_report()
 
-    def wait(self, slot: ParamSlot | None = None) -> None:
-        """Until `slot`'s step is done (every step, when None); raises a worker error once."""
-        error = self._locked(self._wait_locked, slot)
+    def wait(self, slot: ParamSlot | None = None, *, from_any_thread: bool = True) -> None:
+        """Until `slot`'s step is done (every step, when None); raises a worker error once.
+        `from_any_thread=False`: the error of a call made on another thread that still runs is
+        left for that thread (Note [calls in several threads])."""
+        error = self._locked(self._wait_locked, slot, from_any_thread)
         if error is not None:
+            _forget(self)  # the worker has stopped; its error is raised once, here
             # Once the call has returned, the error comes out of whatever waits next (the next
             # forward, `p.grad`, a later call): say which step it was.
             _raise_partial(error, self, "the optimizer step deferred past its backward_and_step call "
@@ -815,7 +855,7 @@ class _OverlappedStep:
         while self._closed and not self._done:
             self._cond.wait()
 
-    def _wait_locked(self, slot: ParamSlot | None) -> BaseException | None:
+    def _wait_locked(self, slot: ParamSlot | None, from_any_thread: bool = True) -> BaseException | None:
         self._waiting += 1
         try:
             if slot is None:
@@ -826,13 +866,16 @@ class _OverlappedStep:
                     self._cond.wait()
         finally:
             self._waiting -= 1
+        if (self._error is not None and not from_any_thread and threading.get_ident() != self._caller
+                and self._caller in sys._current_frames()):
+            return None
         error, self._error = self._error, None
         return error
 
     # ---- the worker thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        threads = torch.get_num_threads()
+        threads = self.threads
         try:
             worker_state.active = True
             # OpenMP thread counts are per calling thread: this sets the worker's alone.
@@ -910,15 +953,13 @@ class _OverlappedStep:
     def _finish_report(self) -> None:
         """Called under the lock when the worker or the rest finishes; fills in the report and,
         when all went well, lets go of the optimizer (a kept report must not keep its state)."""
-        global _current
         if not (self._done and self._rest_done):
             return
         self.report.scopes = [(name, *t) for name, t in self._times.items()]  # type: ignore[misc]
         self.report.total_s = max(self._rest_done, max((t[2] for t in self._times.values()), default=0.0))
         if self._error is None:
             self.report._stepper = None
-            if _current is self:
-                _current = None
+            _forget(self)
 
 
 def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], as_of: list[tuple[dict, dict]] | None = None,

@@ -215,11 +215,16 @@ def _check_arguments(model: nn.Module, predicate: Predicate | None, policy: Poli
             f"({len(getattr(model, _ENGINE_ATTR).scopes)} scopes); call offtensor.unwrap(model) "
             "first, then wrap it again with the new predicate or policy"
         )
-    already = [n for n, p in model.named_parameters() if isinstance(p, OffloadedParameter)]
+    already = [(n, p) for n, p in model.named_parameters() if isinstance(p, OffloadedParameter)]
     if already:
+        name, p = already[0]
+        scope = f" (its scope {p._ot.scope.name!r} there)" if hasattr(p, "_ot") else ""
         raise RuntimeError(
-            f"offtensor.wrap: parameter {already[0]!r} is already offloaded by another "
-            "offtensor.wrap call (on a parent or submodule); call offtensor.unwrap on that model first"
+            f"offtensor.wrap: parameter {name!r} is already offloaded by another offtensor.wrap "
+            f"call{scope}, on a parent or a submodule of this model, or on another model sharing "
+            "the module that holds it; call offtensor.unwrap on that model first. Models sharing "
+            "modules are wrapped together: put them in one nn.Module (an nn.ModuleList of both) "
+            "and wrap that"
         )
 
 
@@ -898,6 +903,13 @@ class no_offload(contextlib.ContextDecorator):
         self._holds.discard(self)
         if in_backward():
             return
+        # Note [no_offload in several threads]
+        # The exit releases what the holds kept, but only of models whose latest forward ran on
+        # this thread. Another thread may be inside its own model's forward (one wrapped model
+        # per thread): releasing those scopes freed the device copies its ops were reading
+        # ("out of bounds for storage of size 0"), even when this no_offload named another
+        # model. What such a model kept under a hold of every model is released by its own
+        # thread's next pass, which releases what an earlier pass left resident.
         for engine in list(_engine.engines):
-            if not engine.hold():
+            if not engine.hold() and not engine.run_by_another_thread():
                 engine.release_all()

@@ -51,8 +51,7 @@ class HeldWorker:
             return
         deadline = time.monotonic() + 30
         while not self._go.wait(timeout=0.005) and time.monotonic() < deadline:
-            stepper = _overlap._current
-            if stepper is not None and stepper._waiting:
+            if any(stepper._waiting for stepper in _overlap._pending_calls()):
                 return
 
     def hold(self) -> None:

@@ -116,6 +116,25 @@ def test_error_if_a_submodule_of_a_wrapped_model_is_wrapped(device):
         offtensor.wrap(model.blocks, device=device)
 
 
+def test_error_if_a_model_sharing_a_module_with_a_wrapped_model_is_wrapped_says_to_wrap_them_together():
+    a, b = mlp_of_blocks(), mlp_of_blocks()
+    b.blocks[1] = a.blocks[1]  # one block shared by two models
+    offtensor.wrap(a, device="cpu")
+
+    # Even left out by b's predicate, the shared block's parameters are a's offloaded ones.
+    with pytest.raises(RuntimeError, match=r"'blocks\.1\.norm\.weight' is already offloaded .*scope "
+                                           r"'blocks\.1'.*sharing.*wrap that"):
+        offtensor.wrap(b, lambda name, _: name == "blocks.0", device="cpu")
+    assert not hasattr(b, "_offtensor_engine"), "the refused wrap left b wrapped"
+
+    pair = torch.nn.ModuleList([b])
+    offtensor.unwrap(a)
+    pair.append(a)
+    offtensor.wrap(pair, lambda name, _: name.count(".") == 2 and ".blocks." in name, device="cpu")
+    assert {s.name for s in offtensor.summary(pair).scopes} == {
+        "0.blocks.0", "0.blocks.1", "0.blocks.2", "1.blocks.0", "1.blocks.2"}
+
+
 @pytest.mark.cuda
 @requires_cuda
 def test_error_if_input_on_cpu_while_computing_on_cuda_names_scope_and_device():
