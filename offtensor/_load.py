@@ -141,10 +141,12 @@ class _MetaTensors:
     """The parameters and buffers of a model on the meta device, to put back after a failed load."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.entries = [(module._parameters if is_param else module._buffers, name, t)
-                        for module in model.modules()
-                        for is_param, tensors in ((True, module._parameters), (False, module._buffers))
-                        for name, t in tensors.items() if t is not None and t.is_meta]
+        # (the module's _parameters or _buffers, the name there, the meta tensor)
+        self.entries: list[tuple[dict[str, Any], str, torch.Tensor]] = [
+            (tensors, name, t)
+            for module in model.modules()
+            for tensors in (module._parameters, module._buffers)
+            for name, t in tensors.items() if t is not None and t.is_meta]
 
     def put_back(self) -> None:
         for tensors, name, t in self.entries:

@@ -530,70 +530,26 @@ def _await_all() -> None:
             stepper.wait(from_any_thread=False)
 
 
+def _fenced(name: str, *, per_key: bool) -> Any:
+    """defaultdict's method `name`, run once the steps it reads or changes are done: the step of
+    the parameter it is given (`per_key`), or every step."""
+    method = getattr(collections.defaultdict, name)
+
+    @functools.wraps(method)
+    def fenced(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if per_key:
+            _await_param(args[0])
+        else:
+            _await_all()
+        return method(self, *args, **kwargs)
+
+    return fenced
+
+
 class _FencedState(collections.defaultdict):
     """An optimizer's `state` that waits for the deferred steps: Note [optimizer state of
     deferred steps]. A parameter's entry waits for that parameter's step, the whole dict for
     every step; the optimizer worker never waits."""
-
-    def __getitem__(self, key: Any) -> Any:
-        _await_param(key)
-        return super().__getitem__(key)
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        _await_param(key)
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key: Any) -> None:
-        _await_param(key)
-        super().__delitem__(key)
-
-    def __contains__(self, key: Any) -> bool:
-        _await_param(key)
-        return super().__contains__(key)
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        _await_param(key)
-        return super().get(key, default)
-
-    def pop(self, key: Any, *default: Any) -> Any:
-        _await_param(key)
-        return super().pop(key, *default)
-
-    def setdefault(self, key: Any, default: Any = None) -> Any:
-        _await_param(key)
-        return super().setdefault(key, default)
-
-    def __iter__(self) -> Any:
-        _await_all()
-        return super().__iter__()
-
-    def __len__(self) -> int:
-        _await_all()
-        return super().__len__()
-
-    def keys(self) -> Any:
-        _await_all()
-        return super().keys()
-
-    def values(self) -> Any:
-        _await_all()
-        return super().values()
-
-    def items(self) -> Any:
-        _await_all()
-        return super().items()
-
-    def clear(self) -> None:
-        _await_all()
-        super().clear()
-
-    def popitem(self) -> Any:
-        _await_all()
-        return super().popitem()
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        _await_all()
-        super().update(*args, **kwargs)
 
     def __ior__(self, other: Any) -> _FencedState:
         self.update(other)
@@ -609,21 +565,18 @@ class _FencedState(collections.defaultdict):
         return collections.defaultdict(self.default_factory, dict.items(self))
 
     __copy__ = copy
-
-    def __eq__(self, other: object) -> bool:
-        _await_all()
-        return super().__eq__(other)
-
     __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        _await_all()
-        return super().__repr__()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # deepcopy, pickle (torch.save of the optimizer): a plain defaultdict, once stepped.
         _await_all()
         return collections.defaultdict, (self.default_factory,), None, None, iter(dict.items(self))
+
+
+for _name in ("__getitem__", "__setitem__", "__delitem__", "__contains__", "get", "pop", "setdefault"):
+    setattr(_FencedState, _name, _fenced(_name, per_key=True))
+for _name in ("__iter__", "__len__", "keys", "values", "items", "clear", "popitem", "update", "__eq__", "__repr__"):
+    setattr(_FencedState, _name, _fenced(_name, per_key=False))
 
 
 @dataclass(eq=False)

@@ -319,9 +319,10 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The first byte of t in its storage and the byte after its last."""
     size = t.element_size()
-    first = t.storage_offset() * size
-    return first, first + size * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)))
+    first = int(t.storage_offset()) * size
+    return first, first + size * (1 + sum((int(n) - 1) * int(s) for n, s in zip(t.shape, t.stride(), strict=True)))
 
 
 def _bytes_of(marks: torch.Tensor, t: torch.Tensor, start: int) -> torch.Tensor:
