@@ -52,7 +52,7 @@ from torch import nn
 from . import _compile, _distributed
 from ._api import Policy, Residency, ScopeState
 from ._grads import GradOffload
-from ._param import master_requires_grad
+from ._param import master_requires_grad, watch_compiled_steps
 from ._schedule import Schedule
 from ._scope import LiveScopes, Scope
 from ._slot import ParamSlot, in_backward, on_optimizer_worker
@@ -138,6 +138,7 @@ class Engine:
         # step with them (Note [sharded loads] in _sharded_loads.py).
         self.on_abort: list[Callable[[], None]] = []
         engines.add(self)
+        watch_compiled_steps()  # Note [a compiled optimizer step] (_param.py)
 
     def __deepcopy__(self, memo: dict) -> None:
         return None  # a copy of the model is not wrapped (Note [copies of a wrapped model])

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from . import _compile, _distributed
@@ -346,6 +347,54 @@ def _is_inplace(func, args: tuple, kwargs: dict) -> bool:
         return bool(args) and isinstance(args[0], OffloadedParameter)
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+
+
+# Note [a compiled optimizer step]
+# An eager `optimizer.step()` writes each master through an in-place op on the parameter, which
+# `_dispatch` sees: `before_master_write` waits for the copies still reading masters
+# (`sync_master_reads`) and releases a scope that the VRAM budget keeps (its copy would be
+# stale). A compiled step (`torch.compile(opt.step)`, or a compiled training step calling
+# `opt.step()`) does not: dynamo traces the optimizer's ops on fake tensors (`compiling()`: the
+# master's metadata), the parameters are graph inputs and AOTAutograd applies their mutations
+# to the real masters after the graph ran. Under aot_eager that write-back is `aten.copy_.default`
+# on the parameter, an overload `_is_inplace` does not recognise; under inductor the kernel
+# writes the master's memory and no op is dispatched at all. So a kept scope's copy was stale
+# after the step (the next forward reloads it, having seen the masters' versions change) and,
+# on CUDA, a prefetch still reading a master could see it half written. No per-op hook exists
+# inside a compiled graph, so the step itself is the hook: a global optimizer step pre-hook
+# (`before_optimizer_step`), registered with the first engine, runs
+# `_before_compiled_step` outside dynamo (a graph break before the step's graph, one per step;
+# also for a compiled step of another optimizer once a model is wrapped). It treats each
+# offloaded parameter with a gradient (those an eager step writes) as an eager in-place write
+# does, before the step writes: no copy reads it, kept scopes are released, graphs that saved a
+# copy see it modified. Nothing between the hook and the write loads a scope. An eager step
+# pays one hook call that returns at once: `in_compiled_region()` is false.
+
+
+def before_optimizer_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    """The global optimizer step pre-hook (Note [a compiled optimizer step])."""
+    if _compile.in_compiled_region():
+        _compile.run_outside_dynamo(_before_compiled_step, (optimizer,))
+
+
+def _before_compiled_step(optimizer: torch.optim.Optimizer) -> None:
+    if getattr(optimizer, "_offtensor_view", False) or on_optimizer_worker():
+        return  # backward_and_step's own steps, eager (Note [torch.compile] in _compile.py)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            slot = getattr(p, "_ot", None) if isinstance(p, OffloadedParameter) else None
+            if slot is not None and master_grad(p) is not None:
+                slot.scope.engine.before_master_write(slot)
+                slot.device_copies_written()
+
+
+_step_hook: list[RemovableHandle] = []
+
+
+def watch_compiled_steps() -> None:
+    """Register `before_optimizer_step` once per process (Note [a compiled optimizer step])."""
+    if not _step_hook:
+        _step_hook.append(register_optimizer_step_pre_hook(before_optimizer_step))
 
 
 def _set_data(p: OffloadedParameter, value: torch.Tensor, what: str = "set .data of") -> None:

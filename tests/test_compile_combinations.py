@@ -478,3 +478,49 @@ def test_dynamic_shapes_with_changing_batch_sizes_match_compiled_model(device):
         assert_all_scopes_offloaded(model)
     offtensor.wait_for_steps()
     assert_params_match(model, reference, **tol)
+
+
+# --------------------------------------------------------------------------------------------
+# a compiled optimizer step writes masters (Note [a compiled optimizer step] in _param.py)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["step", pytest.param("training_step", marks=pytest.mark.full_tier)])  # seconds
+@pytest.mark.parametrize("device", devices)
+def test_a_compiled_optimizer_step_under_a_vram_budget_leaves_no_stale_kept_copy(device, how):
+    """Regression: `torch.compile(opt.step)`, or a compiled function doing forward, backward,
+    step and zero_grad, wrote the masters without offtensor's write handling (the graph's
+    write-back of its parameter inputs is no op on the parameter): the kept scopes' device
+    copies were stale after the step, and on CUDA a prefetch still reading a master was not
+    waited for. A step pre-hook treats the masters as an eager step's writes do. Values match
+    the unwrapped model stepped eagerly (the compiled AdamW rounds its bias corrections as
+    tensors: not bit for bit)."""
+    model = mlp_of_blocks(n_blocks=4)
+    budget = 4 * device_layout_bytes(model.blocks[0])  # streaming (prefetch 1) + 1 kept
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    assert any(s.kept for s in offtensor.summary(model).scopes)
+    tol = tolerances(device, "inductor")  # not bit for bit (above)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+
+    def training_step(m: nn.Module, o: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss.detach()
+
+    compiled_step = torch.compile(opt.step, backend="aot_eager")
+    compiled_training_step = torch.compile(training_step, backend="aot_eager")
+    for x, y in mlp_batches(device, n=3):
+        ref_loss = training_step(reference, ref_opt, x, y)
+        if how == "step":
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            compiled_step()
+            opt.zero_grad()
+        else:
+            loss = compiled_training_step(model, opt, x, y)
+        assert_all_scopes_offloaded(model)
+        torch.testing.assert_close(loss.detach(), ref_loss, **tol)
+        assert_params_match(model, reference, **tol)
