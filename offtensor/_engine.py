@@ -26,6 +26,12 @@ two forwards before one backward (a loss over two batches, chosen and rejected h
 scope counted none, was handed over after the first of its two backwards and raised at the
 second contribution. So once a call of the pass counted, every later call of the pass counts too:
 a no-grad call inside a training forward at worst makes its scope wait for the end of backward.
+That still needs one counted call: where no offloaded scope is a region's first module (a block
+whose first module, its norm, stays on the device, and whose Linears are the scopes), none was
+counted, and the first step raised on a half-stepped model. So a call also counts inside the
+forward of a custom autograd Function that autograd records (grad on, an input that requires
+grad): reentrant checkpointing's CheckpointFunction, seen through offtensor's Function.apply
+(`recorded_functions`, Note [custom autograd Functions] in _param.py).
 
 # Note [torch.func transforms]
 Under `torch.func.grad`/`vjp`/`jacrev`/`vmap` every op, offtensor's own copies included, goes
@@ -52,7 +58,7 @@ from torch import nn
 from . import _compile, _distributed
 from ._api import Policy, Residency, ScopeState
 from ._grads import GradOffload
-from ._param import master_requires_grad, watch_compiled_steps
+from ._param import master_requires_grad, recorded_functions, watch_compiled_steps
 from ._schedule import Schedule
 from ._scope import LiveScopes, Scope
 from ._slot import ParamSlot, in_backward, on_optimizer_worker
@@ -257,9 +263,11 @@ class Engine:
         self._advance(scope)
         scope.calls_this_pass += 1
         # Only a call that can add to a gradient counts: grad enabled or, for the forward that
-        # reentrant checkpointing runs without grad, an input that requires grad, or an earlier
-        # call of this pass that counted (Note [calls inside a checkpointed region]).
-        if torch.is_grad_enabled() or self._pass_counted or any(t.requires_grad for t in inputs):
+        # reentrant checkpointing runs without grad, a call inside a Function that autograd
+        # records (its CheckpointFunction), an input that requires grad, or an earlier call of
+        # this pass that counted (Note [calls inside a checkpointed region]).
+        if (torch.is_grad_enabled() or self._pass_counted or recorded_functions.depth
+                or any(t.requires_grad for t in inputs)):
             scope.grad_calls_since_backward += 1
             scope.grad_calls_this_pass += 1
             self._pass_counted = True

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -699,11 +700,25 @@ _AUTOGRAD_ENTRIES = {torch.autograd.grad: _autograd_grad, torch.autograd.backwar
 
 def _function_apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
     """`torch.autograd.Function.apply` with offloaded arguments replaced (Note [custom autograd
-    Functions])."""
+    Functions]); counted in `recorded_functions` while its forward runs, when autograd records
+    it (Note [calls inside a checkpointed region] in _engine.py)."""
     params = _find_params(args, kwargs)
     if params and not on_optimizer_worker():
         args, kwargs = without_subclass_dispatch(_materialized_arguments, args, kwargs, params)
-    return _PLAIN_FUNCTION_APPLY(cls, *args, **kwargs)
+    if not (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+        return _PLAIN_FUNCTION_APPLY(cls, *args, **kwargs)
+    recorded_functions.depth += 1
+    try:
+        return _PLAIN_FUNCTION_APPLY(cls, *args, **kwargs)
+    finally:
+        recorded_functions.depth -= 1
+
+
+class _RecordedFunctions(threading.local):
+    depth = 0  # custom autograd Functions recorded by autograd whose forward runs on this thread
+
+
+recorded_functions = _RecordedFunctions()
 
 
 def _materialized_arguments(args: tuple, kwargs: dict, params: list[OffloadedParameter]) -> tuple[tuple, dict]:

@@ -127,6 +127,26 @@ def test_two_forwards_of_split_checkpointed_blocks_then_one_step_match_unwrapped
     assert_all_scopes_offloaded(model)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "backward_and_step"])
+def test_two_forwards_where_no_scope_begins_a_reentrant_region_then_one_step_match_unwrapped(overlap):
+    # The blocks' Linears are the scopes and each block's norm, its first module, stays on the
+    # device: every scope gets tensors computed without grad, so no call of the pass counted
+    # and backward_and_step raised at the first step, a half-stepped model, until the calls
+    # inside a recorded Function (reentrant checkpointing's) counted.
+    model = mlp_of_blocks(checkpoint="reentrant")
+    reference = copy.deepcopy(model)
+    offtensor.wrap(model, lambda name, module: name.endswith(("fc1", "fc2")), device="cpu")
+    optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)}
+    for _ in range(2):
+        (x1, y1), (x2, y2) = random_batch("cpu"), random_batch("cpu")
+        for m in (reference, model):
+            loss = F.mse_loss(m(x1), y1) + F.mse_loss(m(x2), y2)
+            train_step(loss, optimizers[id(m)], overlap=overlap and m is model)
+    offtensor.wait_for_steps()
+    assert_params_match(model, reference, rtol=0, atol=0)
+    assert_all_scopes_offloaded(model)
+
+
 def test_a_late_gradient_after_a_handover_at_a_scopes_end_steps_the_scope_after_backward_from_then_on(monkeypatch):
     # The case above with the counting of that fix undone: every step, fc2's scope counts one
     # call, is handed over at the end of the second forward's backward, and the first's
