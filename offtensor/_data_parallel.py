@@ -61,7 +61,7 @@ from ._engine import Engine
 from ._overlap import wait_for_steps
 from ._param import OffloadedParameter
 from ._quantized import weights_of
-from ._sharded_loads import ShardedLoads, odd_tag, ordinal, shardable
+from ._sharded_loads import ShardedLoads, check_tag, ordinal, shardable
 from ._shared_masters import (
     Sharding,
     new_job_id,
@@ -88,6 +88,7 @@ class GradReducer:
     def __init__(self, group: Any, world: int, engines: list[Engine], names: list[tuple[nn.Parameter, str]]) -> None:
         self.group = group
         self.world = world
+        self.ranks = torch.distributed.get_process_group_ranks(group)  # by position in the group
         self.engines = engines
         # Every parameter's index in the model (the same on every rank), for the tags of Note
         # [matching the averagings]; checked on the CPU, on CUDA only with CHECK_ENV=1.
@@ -173,20 +174,9 @@ class GradReducer:
         """
         index = self.index.get(id(p), -1)
         count = self.reductions + 1
-        try:
-            odd = odd_tag((index, count), self.group, self.world, device)
-        except RuntimeError as e:
-            raise RuntimeError(
-                f"{self._where(index, count)}: the other ranks did not join it within the process "
-                f"group's timeout ({e}). {self._fix}"
-            ) from e
-        if odd is not None:
-            at, (other, n) = odd
-            ranks = torch.distributed.get_process_group_ranks(self.group)
-            raise RuntimeError(
-                f"{self._where(index, count)} was matched with rank {ranks[at]}'s averaging of "
-                f"{self._name(other)} (its {ordinal(n)}): the ranks' backward passes differ. {self._fix}"
-            )
+        check_tag((index, count), self.group, self.world, device, self.ranks, where=self._where(index, count),
+                  theirs=lambda tag: f"averaging of {self._name(tag[0])} (its {ordinal(tag[1])})",
+                  differs="backward passes", fix=self._fix)
 
     def _where(self, index: int, count: int) -> str:
         return (f"offtensor.data_parallel: rank {torch.distributed.get_rank()}'s averaging of the "

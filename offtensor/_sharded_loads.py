@@ -63,6 +63,7 @@ import datetime
 import enum
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +124,22 @@ def odd_tag(tag: tuple[int, int], group: Any, world: int, device: torch.device) 
     _all_gather(tags, mine, group).wait()
     rows = tags.view(world, 2).tolist()
     return next(((i, row) for i, row in enumerate(rows) if row != list(tag)), None)
+
+
+def check_tag(tag: tuple[int, int], group: Any, world: int, device: torch.device, ranks: list[int], *,
+              where: str, theirs: Callable[[list[int]], str], differs: str, fix: str, timeout: str = "") -> None:
+    """Raise on every rank unless all ranks gave `tag` (odd_tag): `where` names this rank's
+    collective, `theirs` the odd rank's from its tag, `differs` what then differs; `timeout`
+    (" (30 s)") follows the words "the process group's timeout"."""
+    try:
+        odd = odd_tag(tag, group, world, device)
+    except RuntimeError as e:
+        raise RuntimeError(f"{where}: the other ranks did not join it within the process group's "
+                           f"timeout{timeout} ({e}). {fix}") from e
+    if odd is not None:
+        at, other = odd
+        raise RuntimeError(f"{where} was matched with rank {ranks[at]}'s {theirs(other)}: the ranks' "
+                           f"{differs} differ. {fix}")
 
 
 def ordinal(n: int) -> str:
@@ -242,21 +259,14 @@ class ShardedLoads:
     def _check_tag(self, scope: Scope, plan: _Plan, count: int) -> None:
         """All-gather (scope index, count) first and compare: different loads raise the same
         error on every rank instead of mixing buffers."""
-        try:
-            odd = odd_tag((plan.index, count), self.group, self.world, scope.device_flat.device)
-        except RuntimeError as e:
-            raise RuntimeError(
-                f"{self._where(scope, count)}: the other ranks did not join it within the process "
-                f"group's timeout ({self.timeout.total_seconds():g} s) ({e}). {self._fix}"
-            ) from e
-        if odd is not None:
-            at, (index, n) = odd
-            theirs = (f"scope {self.names[index]!r} for the {ordinal(n)} time"
-                      if 0 <= index < len(self.names) else f"an unknown scope (tag {[index, n]})")
-            raise RuntimeError(
-                f"{self._where(scope, count)} was matched with rank {self.ranks[at]}'s load of "
-                f"{theirs}: the ranks' passes differ. {self._fix}"
-            )
+        check_tag((plan.index, count), self.group, self.world, scope.device_flat.device, self.ranks,
+                  where=self._where(scope, count), theirs=self._load_of, differs="passes", fix=self._fix,
+                  timeout=f" ({self.timeout.total_seconds():g} s)")
+
+    def _load_of(self, tag: list[int]) -> str:
+        index, n = tag
+        return (f"load of scope {self.names[index]!r} for the {ordinal(n)} time" if 0 <= index < len(self.names)
+                else f"load of an unknown scope (tag {tag})")
 
     def _where(self, scope: Scope, count: int) -> str:
         return (f"offtensor.data_parallel(shard_loads=True): rank {self.rank}'s load of scope "
