@@ -109,14 +109,9 @@ def test_checkpointed_grads_land_on_cpu_master(device, model_and_reference):
         assert p.grad.device == torch.device("cpu"), name
 
 
-@pytest.mark.parametrize("checkpoint", ["reentrant", "non_reentrant"])
-@pytest.mark.parametrize("overlap", [False, True], ids=["step", "backward_and_step"])
-def test_two_forwards_of_split_checkpointed_blocks_then_one_step_match_unwrapped(checkpoint, overlap):
-    # Reentrant checkpointing runs a block's forward without grad: its later child scopes (fc1,
-    # fc2) got inputs that did not require grad and counted no call that could add to their
-    # gradients. backward_and_step handed them to the optimizer after the second forward's
-    # backward and raised at the first's contribution, at every step.
-    model, reference = mlp_and_reference("cpu", split=True, checkpoint=checkpoint)
+def _two_forwards_per_step_train_alike(model: torch.nn.Module, reference: torch.nn.Module, overlap: bool) -> None:
+    """Two steps, each a loss over two forwards then one step (with backward_and_step when
+    `overlap`), exactly as the unwrapped reference trains; nothing left on the device."""
     optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)}
     for _ in range(2):
         (x1, y1), (x2, y2) = random_batch("cpu"), random_batch("cpu")
@@ -126,6 +121,17 @@ def test_two_forwards_of_split_checkpointed_blocks_then_one_step_match_unwrapped
     offtensor.wait_for_steps()
     assert_params_match(model, reference, rtol=0, atol=0)
     assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("checkpoint", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "backward_and_step"])
+def test_two_forwards_of_split_checkpointed_blocks_then_one_step_match_unwrapped(checkpoint, overlap):
+    # Reentrant checkpointing runs a block's forward without grad: its later child scopes (fc1,
+    # fc2) got inputs that did not require grad and counted no call that could add to their
+    # gradients. backward_and_step handed them to the optimizer after the second forward's
+    # backward and raised at the first's contribution, at every step.
+    model, reference = mlp_and_reference("cpu", split=True, checkpoint=checkpoint)
+    _two_forwards_per_step_train_alike(model, reference, overlap)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["step", "backward_and_step"])
@@ -137,15 +143,7 @@ def test_two_forwards_where_no_scope_begins_a_reentrant_region_then_one_step_mat
     model = mlp_of_blocks(checkpoint="reentrant")
     reference = copy.deepcopy(model)
     offtensor.wrap(model, lambda name, module: name.endswith(("fc1", "fc2")), device="cpu")
-    optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)}
-    for _ in range(2):
-        (x1, y1), (x2, y2) = random_batch("cpu"), random_batch("cpu")
-        for m in (reference, model):
-            loss = F.mse_loss(m(x1), y1) + F.mse_loss(m(x2), y2)
-            train_step(loss, optimizers[id(m)], overlap=overlap and m is model)
-    offtensor.wait_for_steps()
-    assert_params_match(model, reference, rtol=0, atol=0)
-    assert_all_scopes_offloaded(model)
+    _two_forwards_per_step_train_alike(model, reference, overlap)
 
 
 def test_a_late_gradient_after_a_handover_at_a_scopes_end_steps_the_scope_after_backward_from_then_on(monkeypatch):
