@@ -707,11 +707,12 @@ def _function_apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = without_subclass_dispatch(_materialized_arguments, args, kwargs, params)
     if not (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
         return _PLAIN_FUNCTION_APPLY(cls, *args, **kwargs)
-    recorded_functions.depth += 1
-    try:
+    depth = recorded_functions.depth
+    try:  # set and restored inside: an interrupt anywhere leaves the depth as it was (Note [interrupts])
+        recorded_functions.depth = depth + 1
         return _PLAIN_FUNCTION_APPLY(cls, *args, **kwargs)
     finally:
-        recorded_functions.depth -= 1
+        recorded_functions.depth = depth
 
 
 class _RecordedFunctions(threading.local):

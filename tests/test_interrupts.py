@@ -40,6 +40,7 @@ from conftest import (
 
 import offtensor
 from offtensor import _slot
+from offtensor._param import recorded_functions
 
 OFFTENSOR_DIR = os.path.dirname(os.path.abspath(offtensor.__file__)) + os.sep
 # torch's grad-mode context managers: fuzzed where offtensor calls them (not where torch's
@@ -122,7 +123,7 @@ def _global_state() -> dict[str, object]:
         "torch function all disabled": torch._C._is_torch_function_all_disabled(),
         "intra-op threads": torch.get_num_threads(),
         "worker_state.active": getattr(_slot.worker_state, "active", False),
-        "worker_state.own_step": getattr(_slot.worker_state, "own_step", False),
+        "recorded Functions": recorded_functions.depth,
     }
 
 
@@ -131,7 +132,7 @@ def _restore_global_state(expected: dict[str, object]) -> None:
     torch._C._set_grad_enabled(True)
     torch.set_num_threads(expected["intra-op threads"])  # type: ignore[arg-type]
     _slot.worker_state.active = False
-    _slot.worker_state.own_step = False
+    recorded_functions.depth = 0
     if not torch._C._is_torch_function_enabled():
         # An unentered guard's exit sets the state it saved at creation: ENABLED.
         torch._C.DisableTorchFunctionSubclass().__exit__(None, None, None)
