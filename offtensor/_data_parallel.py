@@ -174,7 +174,8 @@ class GradReducer:
         """
         index = self.index.get(id(p), -1)
         count = self.reductions + 1
-        check_tag((index, count), self.group, self.world, device, self.ranks, where=self._where(index, count),
+        check_tag((index, count), self.group, self.world, device, self.ranks,
+                  where=lambda: self._where(index, count),
                   theirs=lambda tag: f"averaging of {self._name(tag[0])} (its {ordinal(tag[1])})",
                   differs="backward passes", fix=self._fix)
 

@@ -127,18 +127,20 @@ def odd_tag(tag: tuple[int, int], group: Any, world: int, device: torch.device) 
 
 
 def check_tag(tag: tuple[int, int], group: Any, world: int, device: torch.device, ranks: list[int], *,
-              where: str, theirs: Callable[[list[int]], str], differs: str, fix: str, timeout: str = "") -> None:
-    """Raise on every rank unless all ranks gave `tag` (odd_tag): `where` names this rank's
+              where: Callable[[], str], theirs: Callable[[list[int]], str], differs: str, fix: str,
+              timeout: str = "") -> None:
+    """Raise on every rank unless all ranks gave `tag` (odd_tag): `where()` names this rank's
     collective, `theirs` the odd rank's from its tag, `differs` what then differs; `timeout`
-    (" (30 s)") follows the words "the process group's timeout"."""
+    (" (30 s)") follows the words "the process group's timeout". The words are made only for an
+    error: the check runs for every averaging."""
     try:
         odd = odd_tag(tag, group, world, device)
     except RuntimeError as e:
-        raise RuntimeError(f"{where}: the other ranks did not join it within the process group's "
+        raise RuntimeError(f"{where()}: the other ranks did not join it within the process group's "
                            f"timeout{timeout} ({e}). {fix}") from e
     if odd is not None:
         at, other = odd
-        raise RuntimeError(f"{where} was matched with rank {ranks[at]}'s {theirs(other)}: the ranks' "
+        raise RuntimeError(f"{where()} was matched with rank {ranks[at]}'s {theirs(other)}: the ranks' "
                            f"{differs} differ. {fix}")
 
 
@@ -260,7 +262,7 @@ class ShardedLoads:
         """All-gather (scope index, count) first and compare: different loads raise the same
         error on every rank instead of mixing buffers."""
         check_tag((plan.index, count), self.group, self.world, scope.device_flat.device, self.ranks,
-                  where=self._where(scope, count), theirs=self._load_of, differs="passes", fix=self._fix,
+                  where=lambda: self._where(scope, count), theirs=self._load_of, differs="passes", fix=self._fix,
                   timeout=f" ({self.timeout.total_seconds():g} s)")
 
     def _load_of(self, tag: list[int]) -> str:
