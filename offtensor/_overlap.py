@@ -90,6 +90,22 @@ parallel op still starts with the worker's count: a thread that trains a model o
 should call `torch.set_num_threads` first (as the tests do) for the same numerics as the main
 thread.
 
+# Note [worker steps without subclass dispatch]
+Each op of the worker's step on an offloaded parameter went through `__torch_function__`, which
+on the worker only passes it on to the master (`_dispatch`, "masters only") after marking an
+in-place write (`before_master_write`, `device_copies_written`). That Python ran per op: AdamW's
+`_init_group` alone makes four per parameter (`p.grad` three times, `torch.is_complex`), and a
+single-tensor optimizer one per in-place update. For torch.optim's own optimizers, which do
+nothing to a parameter but read its metadata and `.grad` and update it in place, the worker
+marks the piece's parameters as written first and then runs the step with subclass dispatch
+off: the same ops on the same masters, without the Python per op. On the CPU, per piece of two
+small parameters: fused AdamW 107 -> 40 us, single-tensor AdamW 198 -> 77 us, SGD with momentum
+75 -> 28 us. On the H200's host the worker's time outside the fused kernel is then 0.5 ms per
+piece (20 ms of a 400 ms step; the kernel itself is the rest of its busy time). Other optimizers
+(and compressed masters, whose writes need their own dispatch) keep it: their code or their
+state tensors may rely on a subclass's `__torch_function__`. The step's hooks run with dispatch
+off too; on the worker dispatch only passed their ops on to the masters.
+
 # Note [calls in several threads]
 Two threads may each train a wrapped model of their own with `backward_and_step` (the engines
 refuse only a second thread on one model). Each call first waits for the earlier calls' steps,
@@ -611,6 +627,8 @@ class _OverlappedStep:
         # The state it steps into: the caller may put a new dict there before the worker is done
         # (Note [optimizer state of deferred steps]).
         self._state = optimizer.state
+        # Note [worker steps without subclass dispatch]
+        self._plain_steps = type(optimizer).__module__.startswith("torch.optim.")
         # A C lock: `with` on it has no Python __enter__ for an interrupt to land in.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -891,8 +909,16 @@ class _OverlappedStep:
             times[1] = self.elapsed()
         publish(piece.slots)
         names = [s.name for s in piece.slots]
-        step_subset(self.optimizer, {id(s.param) for s in piece.slots}, self._groups, self._state,
-                    updated=lambda: self._stepped.extend(names))
+        args = (self.optimizer, {id(s.param) for s in piece.slots}, self._groups, self._state,
+                lambda: self._stepped.extend(names))
+        if self._plain_steps and all(slot.packed is None for slot in piece.slots):
+            # Note [worker steps without subclass dispatch]
+            for slot in piece.slots:
+                slot.scope.engine.before_master_write(slot)
+                slot.device_copies_written()
+            without_subclass_dispatch(step_subset, *args)
+        else:
+            step_subset(*args)
         if self.zero_grad:
             without_subclass_dispatch(set_grads, piece.slots, [None] * len(piece.slots))
         times[2] = self.elapsed()

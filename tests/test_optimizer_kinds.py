@@ -182,6 +182,51 @@ def test_optimizers_train_like_unwrapped_with_step_and_backward_and_step(optimiz
     assert_all_scopes_offloaded(model)
 
 
+class _ClippingAdamW(torch.optim.AdamW):
+    """An optimizer of the user's own: clamps every parameter it steps to [-0.05, 0.05]."""
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.clamp_(-0.05, 0.05)
+        return loss
+
+
+@pytest.mark.parametrize("kind", ["torch.optim", "own class"])
+def test_the_worker_steps_torch_optim_optimizers_without_subclass_dispatch_and_others_with_it(kind, monkeypatch):
+    """The worker runs torch.optim's steps with subclass dispatch off (Note [worker steps
+    without subclass dispatch]): no `__torch_function__` of an offloaded parameter on its
+    thread. An optimizer of another module keeps it. Both train like the unwrapped model (that
+    the writes still reach saved graphs: test_kept_graph_used_after_backward_and_step_raises_...
+    in test_higher_order.py)."""
+    make = (lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if kind == "torch.optim" else (
+        lambda ps: _ClippingAdamW(ps, lr=1e-2))
+    model = mlp_of_blocks()
+    reference = reference_then_offload(model, "cpu")
+    on_worker = []
+    original = offtensor.OffloadedParameter.__torch_function__.__func__
+
+    def counting(cls, func, types, args=(), kwargs=None):
+        if threading.current_thread() is not threading.main_thread():
+            on_worker.append(getattr(func, "__name__", func))
+        return original(cls, func, types, args, kwargs)
+
+    monkeypatch.setattr(offtensor.OffloadedParameter, "__torch_function__", classmethod(counting))
+    opts = [make(m.parameters()) for m in (model, reference)]
+    for _ in range(3):
+        x, y = torch.randn(4, 8), torch.randn(4, 4)
+        offtensor.backward_and_step(F.mse_loss(model(x), y), opts[0], zero_grad=True)
+        train_step(F.mse_loss(reference(x), y), opts[1], overlap=False)
+    offtensor.wait_for_steps()
+    assert_params_match(model, reference, **tolerances("cpu"))
+    if kind == "torch.optim":
+        assert on_worker == []
+    else:
+        assert "clamp_" in on_worker and "is_complex" in on_worker
+
+
 # --------------------------------------------------------------------------------------------
 # User gradient hooks
 # --------------------------------------------------------------------------------------------

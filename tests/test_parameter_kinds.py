@@ -170,8 +170,9 @@ class StatefulBlock(nn.Module):
 
 # Writes that compute on the master, a CPU tensor, with the block's device activations: on CUDA
 # they raise PyTorch's device-mismatch error (seen on the H200), where the unwrapped model's
-# parameter is on the device. `p.copy_(expr)` and `p[i] = v` copy across devices and work.
-_WRITES_ON_THE_MASTER = ("in_place", "detached", "data", "data_assign", "inplace_functional")
+# parameter is on the device. `p.copy_(expr)` and `p[i] = v` copy across devices and work, and
+# so do the in-place writes of "inplace_functional", which use no activation.
+_WRITES_ON_THE_MASTER = ("in_place", "detached", "data", "data_assign")
 
 
 @pytest.mark.parametrize("write", ["in_place", "copy_", "setitem", "detached", "data", "data_assign",
