@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._ops import OpOverload
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
@@ -143,7 +144,7 @@ def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
             return _dispatch(func, args, kwargs, params)  # `w.T` is an op on w
         return func(*args, **kwargs)  # `p.grad`, `p.shape`: the parameter itself
     if any(packed_of(p) is not None for p in params):  # Note [compressed masters] (_compress.py)
-        written = _written(args, kwargs) if _is_inplace(func, args, kwargs) else set()
+        written = _written(func, args, kwargs) if _is_inplace(func, args, kwargs) else set()
         return packed_torch_function(func, args, kwargs, params, written, _MASTER_ONLY,
                                      lambda: _dispatch(func, args, kwargs, params))
     handler = _HANDLERS.get(func)
@@ -229,7 +230,7 @@ def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter])
         # leaf-in-place error, as for a plain parameter). Every offloaded argument counts as
         # written (safe if a write is not recognised below); those that are surely only read
         # (`h.add_(self.bias)` in a forward) are then materialized as for any other op.
-        written = _written(args, kwargs)
+        written = _written(func, args, kwargs)
         for p in params:
             slot = getattr(p, "_ot", None)
             if slot is not None:
@@ -294,11 +295,18 @@ def _replacements(params: list[OffloadedParameter], op_device: torch.device | No
     return subs
 
 
-def _written(args: tuple, kwargs: dict) -> set[int]:
-    """ids of the offloaded parameters an in-place op writes: its first argument (`self`, the
-    list of a `_foreach_*_` op, `nn.init`'s `tensor=` keyword) and `out=`."""
-    first = args[:1] if args else tuple(kwargs.values())[:1]
-    return {id(p) for p in _find_params(first, {"out": kwargs["out"]} if "out" in kwargs else {})}
+def _written(func: Any, args: tuple, kwargs: dict) -> set[int]:
+    """ids of the offloaded parameters an in-place op writes: `out=` when given, the arguments
+    an aten overload's schema marks as written, else its first argument (`self`, the list of a
+    `_foreach_*_` op, `nn.init`'s `tensor=` keyword). Note [writes the name does not show]."""
+    written: tuple[Any, ...]
+    if "out" in kwargs:
+        written = (kwargs["out"],)
+    elif isinstance(func, OpOverload) and _mutated_positions(func):
+        written = tuple(args[i] if i < len(args) else kwargs.get(name) for i, name in _mutated_positions(func))
+    else:
+        written = args[:1] if args else tuple(kwargs.values())[:1]
+    return {id(p) for p in _find_params(written, {})}
 
 
 def _find_params(args: tuple, kwargs: dict) -> list[OffloadedParameter]:
@@ -346,8 +354,36 @@ def _is_inplace(func, args: tuple, kwargs: dict) -> bool:
         # `p[i] = v` writes p (dispatched as an op, it wrote the device copy inside p's scope,
         # and a temporary copy elsewhere in a forward: lost); `h[i] = p` only reads p.
         return bool(args) and isinstance(args[0], OffloadedParameter)
+    # Note [writes the name does not show]
+    if "out" in kwargs and _find_params((), {"out": kwargs["out"]}):
+        return True
+    if isinstance(func, OpOverload):
+        return bool(_mutated_positions(func))
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+
+
+# Note [writes the name does not show]
+# An op is taken for an in-place write by its name (`add_`, `__iadd__`), and such a write goes to
+# the master. Two kinds of write have no such name: `torch.add(a, b, out=p)` writes `p`, and an
+# aten overload called directly (`torch.ops.aten.add_.Tensor(p, t)`, `aten.copy_.default`) is
+# named `add_.Tensor`. Dispatched as reads, both wrote the scope's device copy (or a temporary
+# copy) inside a forward, and the write was lost at the next load: a step counter that never
+# counted. So an `out=` holding a parameter makes the op a write of the `out` tensors, and an
+# overload is a write of the arguments its schema marks as written (`Tensor(a!)`).
+
+
+def _mutated_positions(func: OpOverload) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument that the overload's schema marks as written."""
+    found = _MUTATED.get(func)
+    if found is None:
+        found = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                      if a.alias_info is not None and a.alias_info.is_write)
+        _MUTATED[func] = found
+    return found
+
+
+_MUTATED: dict[OpOverload, tuple[tuple[int, str], ...]] = {}
 
 
 # Note [a compiled optimizer step]

@@ -165,24 +165,33 @@ class StatefulBlock(nn.Module):
             with torch.no_grad():
                 self.codebook.mul_(2.0)
                 F.hardtanh(self.codebook, -1.0, 1.0, inplace=True)
+        elif self.write == "aten_overload":  # named `add_.Tensor`, `copy_.default`
+            torch.ops.aten.add_.Tensor(self.count, 1)
+            with torch.no_grad():
+                torch.ops.aten.copy_.default(self.codebook, self.codebook * 0.5 + x.mean(0))
+        elif self.write == "out":
+            torch.add(self.count, 1, out=self.count)
+            with torch.no_grad():
+                torch.mul(self.codebook, 2.0, out=self.codebook)
+                torch.clamp(self.codebook, -1.0, 1.0, out=self.codebook)
         return torch.tanh(h * self.count + self.codebook)
 
 
 # Writes that compute on the master, a CPU tensor, with the block's device activations: on CUDA
 # they raise PyTorch's device-mismatch error (seen on the H200), where the unwrapped model's
 # parameter is on the device. `p.copy_(expr)` and `p[i] = v` copy across devices and work, and
-# so do the in-place writes of "inplace_functional", which use no activation.
+# so do the in-place writes of "inplace_functional" and "out", which use no activation.
 _WRITES_ON_THE_MASTER = ("in_place", "detached", "data", "data_assign")
 
 
 @pytest.mark.parametrize("write", ["in_place", "copy_", "setitem", "detached", "data", "data_assign",
-                                   "inplace_functional"])
+                                   "inplace_functional", "aten_overload", "out"])
 @pytest.mark.parametrize("device", devices)
 def test_frozen_parameters_written_during_their_scopes_forward_are_read_back_like_unwrapped(device, write):
     """The writes reach the masters and, for the rest of that forward, the scope's device copy:
     an in-place write went to the master while later reads in the same forward got the copy
-    loaded before it, and `p[i] = v` and `F.hardtanh(p, inplace=True)` wrote the device copy
-    only (lost at the next load)."""
+    loaded before it, and `p[i] = v`, `F.hardtanh(p, inplace=True)`, `torch.add(p, 1, out=p)`
+    and `torch.ops.aten.add_.Tensor(p, 1)` wrote the device copy only (lost at the next load)."""
     model = Stack(lambda: StatefulBlock(write))
     reference = reference_then_offload(model, device)
     if device == "cuda" and write in _WRITES_ON_THE_MASTER:
