@@ -205,6 +205,13 @@ class Engine:
         (an optimizer step in a post-accumulate-grad hook) acts on the host master."""
         return self.model_forward is not ModelForward.OUTSIDE or any(s.running_calls for s in self.scopes)
 
+    def master_written(self, slot: ParamSlot) -> None:
+        """Called before a write of the master (an in-place op, `p.data = t`, an optimizer step):
+        `before_master_write`, then graphs that saved a copy of it see it modified (Note [writes
+        under a saved graph] in _slot.py)."""
+        self.before_master_write(slot)
+        slot.device_copies_written()
+
     def before_master_write(self, slot: ParamSlot, *, written: bool = True) -> None:
         """Called before an in-place op on a master: no copy may still be reading it, and a
         device copy made from the old value is stale. `written`: False for an offloaded argument

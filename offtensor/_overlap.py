@@ -93,7 +93,7 @@ thread.
 # Note [worker steps without subclass dispatch]
 Each op of the worker's step on an offloaded parameter went through `__torch_function__`, which
 on the worker only passes it on to the master (`_dispatch`, "masters only") after marking an
-in-place write (`before_master_write`, `device_copies_written`). That Python ran per op: AdamW's
+in-place write (`Engine.master_written`). That Python ran per op: AdamW's
 `_init_group` alone makes four per parameter (`p.grad` three times, `torch.is_complex`), and a
 single-tensor optimizer one per in-place update. For torch.optim's own optimizers, which do
 nothing to a parameter but read its metadata and `.grad` and update it in place, the worker
@@ -914,8 +914,7 @@ class _OverlappedStep:
         if self._plain_steps and all(slot.packed is None for slot in piece.slots):
             # Note [worker steps without subclass dispatch]
             for slot in piece.slots:
-                slot.scope.engine.before_master_write(slot)
-                slot.device_copies_written()
+                slot.scope.engine.master_written(slot)
             without_subclass_dispatch(step_subset, *args)
         else:
             step_subset(*args)

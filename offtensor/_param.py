@@ -233,10 +233,10 @@ def _dispatch(func, args: tuple, kwargs: dict, params: list[OffloadedParameter])
         written = _written(func, args, kwargs)
         for p in params:
             slot = getattr(p, "_ot", None)
-            if slot is not None:
-                slot.scope.engine.before_master_write(slot, written=id(p) in written)
-                if id(p) in written:
-                    slot.device_copies_written()  # Note [writes under a saved graph] (_slot.py)
+            if slot is not None and id(p) in written:
+                slot.scope.engine.master_written(slot)
+            elif slot is not None:
+                slot.scope.engine.before_master_write(slot, written=False)
         if on_optimizer_worker():  # the optimizer thread: masters only
             return func(*args, **kwargs)
         params = [p for p in params if id(p) not in written]
@@ -302,8 +302,8 @@ def _written(func: Any, args: tuple, kwargs: dict) -> set[int]:
     written: tuple[Any, ...]
     if "out" in kwargs:
         written = (kwargs["out"],)
-    elif isinstance(func, OpOverload) and _mutated_positions(func):
-        written = tuple(args[i] if i < len(args) else kwargs.get(name) for i, name in _mutated_positions(func))
+    elif isinstance(func, OpOverload) and (positions := _mutated_positions(func)):
+        written = tuple(args[i] if i < len(args) else kwargs.get(name) for i, name in positions)
     else:
         written = args[:1] if args else tuple(kwargs.values())[:1]
     return {id(p) for p in _find_params(written, {})}
@@ -393,11 +393,11 @@ _MUTATED: dict[OpOverload, tuple[tuple[int, str], ...]] = {}
 # stale). A compiled step (`torch.compile(opt.step)`, or a compiled training step calling
 # `opt.step()`) does not: dynamo traces the optimizer's ops on fake tensors (`compiling()`: the
 # master's metadata), the parameters are graph inputs and AOTAutograd applies their mutations
-# to the real masters after the graph ran. Under aot_eager that write-back is `aten.copy_.default`
-# on the parameter, an overload `_is_inplace` does not recognise; under inductor the kernel
-# writes the master's memory and no op is dispatched at all. So a kept scope's copy was stale
-# after the step (the next forward reloads it, having seen the masters' versions change) and,
-# on CUDA, a prefetch still reading a master could see it half written. No per-op hook exists
+# to the real masters after the graph ran: under aot_eager as `aten.copy_.default` on the
+# parameter, once the new values are computed, under inductor in the kernel, with no op
+# dispatched at all. So a kept scope's copy was stale after the step (the next forward reloads
+# it, having seen the masters' versions change) and, on CUDA, a prefetch still reading a master
+# could see it half written. No per-op hook exists
 # inside a compiled graph, so the step itself is the hook: a global optimizer step pre-hook
 # (`before_optimizer_step`), registered with the first engine, runs
 # `_before_compiled_step` outside dynamo (a graph break before the step's graph, one per step;
@@ -421,8 +421,7 @@ def _before_compiled_step(optimizer: torch.optim.Optimizer) -> None:
         for p in group["params"]:
             slot = getattr(p, "_ot", None) if isinstance(p, OffloadedParameter) else None
             if slot is not None and master_grad(p) is not None:
-                slot.scope.engine.before_master_write(slot)
-                slot.device_copies_written()
+                slot.scope.engine.master_written(slot)
 
 
 _step_hook: list[RemovableHandle] = []
@@ -450,8 +449,7 @@ def _set_data(p: OffloadedParameter, value: torch.Tensor, what: str = "set .data
             f"{value.dtype}; offloaded masters keep their shape and dtype. Copy values with "
             "p.data.copy_(t), or call offtensor.unwrap(model) first"
         )
-    slot.scope.engine.before_master_write(slot)
-    slot.device_copies_written()  # Note [writes under a saved graph] (_slot.py)
+    slot.scope.engine.master_written(slot)
     # Detached: autograd records nothing, without grad mode (Note [interrupts]); `p.detach()`
     # shares p's version counter, so the write bumps it as `p.copy_` under no_grad did.
     p.detach().copy_(value.detach())
