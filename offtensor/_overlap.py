@@ -183,6 +183,14 @@ from typing import Any, NoReturn
 import torch
 
 from ._compile import in_compiled_region, not_compiling, run_outside_dynamo
+from ._device_steps import (
+    DEVICE_MIN_READY,
+    DEVICE_PIECE_FACTOR,
+    DEVICE_PIECES_IN_FLIGHT,
+    DeviceStep,
+    ineligible,
+    step_on_device,
+)
 from ._engine import Engine
 from ._grads import publish, set_grads
 from ._param import OffloadedParameter, without_subclass_dispatch
@@ -193,6 +201,9 @@ STEP_PIECE_BYTES = 64 * 2**20  # backward_and_step(piece_bytes=) default; see No
 # Cores the worker leaves to the thread that launches the device's kernels while that thread may
 # need them (Note [worker threads]); backward_and_step(spare_threads=) default.
 SPARE_THREADS = 1
+# The most of the optimizer's offloaded bytes stepped on the device per call (Note [device
+# steps] in _device_steps.py); backward_and_step(device_share=) default: none.
+DEVICE_SHARE = 0.0
 
 # The backward_and_step calls whose steps may be pending: one per thread training a model of its
 # own (Note [calls in several threads]); guarded by _calls_lock.
@@ -219,6 +230,8 @@ class OverlapReport:
     # end of backward (Note [early handover])
     worker_busy_s: float = 0.0  # time the worker spent stepping (compare: the plain CPU step)
     all_thread_pieces: int = 0  # pieces stepped on every thread, a thread waiting (Note [worker threads])
+    device_pieces: int = 0  # pieces stepped on the device (Note [device steps] in _device_steps.py)
+    device_steps_off: str = ""  # why device_share was given but every piece stepped on the host
     _stepper: Any = field(default=None, repr=False, compare=False)
 
     def wait(self) -> OverlapReport:
@@ -230,7 +243,7 @@ class OverlapReport:
 
 def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, zero_grad: bool = False,
                       spare_threads: int | None = None, piece_bytes: int | None = None,
-                      **backward_kwargs: Any) -> OverlapReport:
+                      device_share: float | None = None, **backward_kwargs: Any) -> OverlapReport:
     """`loss.backward(); optimizer.step()`, with the optimizer overlapped with backward and with
     the next forward.
 
@@ -269,6 +282,15 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
             are stepped in pieces of about this size, so that a piece the next forward needs
             soon never waits behind a whole scope (Note [deferred steps]). Default (None):
             `STEP_PIECE_BYTES`, 64 MiB. A tuning knob; `--overlap-piece-mib` in the benchmark.
+        device_share: for a host whose CPU optimizer is slower than forward+backward: up to
+            this fraction of the optimizer's offloaded bytes may be stepped on the device, their
+            masters, gradients and optimizer state copied there and back, while the host thread
+            steps the others: whenever two or more pieces are ready, the device takes the one
+            the next forward needs last (Note [device steps] in _device_steps.py). SGD, Adam and
+            AdamW without step hooks of the user's; other optimizers step every piece on the
+            host (`report.device_steps_off` says why). Uses device memory for the pieces queued
+            there, so not with a VRAM budget. Default (None): `DEVICE_SHARE`, 0.0 (off);
+            `--overlap-device-share` in the benchmark.
         **backward_kwargs: passed to `loss.backward` (e.g. `retain_graph`).
 
     Returns:
@@ -286,13 +308,17 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
     if in_compiled_region():  # called from a compiled training step: Note [torch.compile]
         return run_outside_dynamo(functools.partial(
             backward_and_step, loss, optimizer, zero_grad=zero_grad, spare_threads=spare_threads,
-            piece_bytes=piece_bytes, **backward_kwargs), ())
+            piece_bytes=piece_bytes, device_share=device_share, **backward_kwargs), ())
     spare_threads = SPARE_THREADS if spare_threads is None else spare_threads
     piece_bytes = STEP_PIECE_BYTES if piece_bytes is None else piece_bytes
     if isinstance(spare_threads, bool) or not isinstance(spare_threads, int) or spare_threads < 0:
         raise ValueError(f"offtensor.backward_and_step: spare_threads must be an int >= 0, got {spare_threads!r}")
     if isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int) or piece_bytes < 1:
         raise ValueError(f"offtensor.backward_and_step: piece_bytes must be an int >= 1, got {piece_bytes!r}")
+    device_share = DEVICE_SHARE if device_share is None else device_share
+    if isinstance(device_share, bool) or not isinstance(device_share, (int, float)) or not 0 <= device_share <= 1:
+        raise ValueError(
+            f"offtensor.backward_and_step: device_share must be a number from 0 to 1, got {device_share!r}")
     if _scaled_by_grad_scaler(loss):
         raise RuntimeError(
             "offtensor.backward_and_step: the loss was scaled by a torch.amp.GradScaler "
@@ -305,12 +331,21 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
     _check_optimizer(optimizer)
     wait_for_steps()
     engines = _engines_of(optimizer)
+    budgeted = [e for e in engines if e.policy.vram_budget is not None]
+    if device_share and budgeted:
+        raise ValueError(
+            f"offtensor.backward_and_step: device_share={device_share} steps parts of the model on the "
+            f"device, which takes device memory outside the VRAM budget ({budgeted[0].policy.vram_budget} "
+            "bytes) of the model's Policy; leave device_share at 0 with a VRAM budget")
     for engine in engines:
         if engine.grads.stepper is not None and not engine.grads.stepper.closed:
             raise RuntimeError("offtensor.backward_and_step: already inside a backward_and_step on this model")
     _install_optimizer_hooks(optimizer)
     _fence_state(optimizer)
-    stepper = _OverlappedStep(optimizer, zero_grad, spare_threads, piece_bytes)
+    # Note [device steps] in _device_steps.py: which optimizers and models may.
+    device_off = (ineligible(optimizer) or next(("the model is data_parallel" for e in engines if e.grads.reducer),
+                                                None)) if device_share else None
+    stepper = _OverlappedStep(optimizer, zero_grad, spare_threads, piece_bytes, float(device_share), device_off)
     # Everything that changes module state happens inside the try, so that an interrupt at any
     # point is undone (Note [interrupts]): an engine left pointing at a stepper would refuse
     # every later call, a worker never closed would be waited for forever.
@@ -603,13 +638,15 @@ class _Piece:
     slots: list[ParamSlot]
     landed: Any  # event after the device-to-host copies of its gradients (None on the CPU)
     deadline: tuple[int, int]  # (scope's position in the forward order, first slot's position)
+    nbytes: int  # its parameters' bytes
+    on_device: bool = False  # stepped on the device (Note [device steps] in _device_steps.py)
 
 
 class _OverlappedStep:
     """One backward_and_step call: the worker thread, its queue and what is still pending."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, zero_grad: bool, spare_threads: int,
-                 piece_bytes: int) -> None:
+                 piece_bytes: int, device_share: float = 0.0, device_off: str | None = None) -> None:
         self.optimizer = optimizer
         self.zero_grad = zero_grad
         self.spare_threads = spare_threads  # left to the launching thread (backward_and_step)
@@ -629,6 +666,14 @@ class _OverlappedStep:
         self._state = optimizer.state
         # Note [worker steps without subclass dispatch]
         self._plain_steps = type(optimizer).__module__.startswith("torch.optim.")
+        # Note [device steps] in _device_steps.py: the bytes the device may still step in this
+        # call, the pieces queued there whose copies back may not have landed yet.
+        offloaded = sum(_nbytes(p._ot) for g in optimizer.param_groups for p in g["params"]
+                        if isinstance(p, OffloadedParameter) and hasattr(p, "_ot"))
+        self._device_bytes = 0.0 if device_off is not None else device_share * offloaded
+        self._in_flight: list[tuple[_Piece, DeviceStep]] = []
+        self._counts_on_device = {id(p) for g in optimizer.param_groups if g.get("fused") or g.get("capturable")
+                                  for p in g["params"]}
         # A C lock: `with` on it has no Python __enter__ for an interrupt to land in.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -649,6 +694,8 @@ class _OverlappedStep:
         self._call: FrameType | None = sys._getframe(1)
         self._caller = threading.get_ident()
         self.report = OverlapReport(_stepper=self)
+        if device_off is not None:
+            self.report.device_steps_off = device_off
         self._thread = threading.Thread(target=self._run, name="offtensor-optimizer", daemon=True)
 
     def start(self) -> None:
@@ -714,7 +761,7 @@ class _OverlappedStep:
             first = min(slot.copy_index for slot in slots)
             # Queued before marked pending: the worker clears the marks of what it was given,
             # so an interrupt between the two leaves no mark that nothing would clear.
-            self._pieces.append(_Piece(scope.name, slots, landed, (rank, first)))
+            self._pieces.append(_Piece(scope.name, slots, landed, (rank, first), sum(map(_nbytes, slots))))
             for slot in slots:
                 slot.pending_step = self  # its fence (Note [step fences] in _slot.py)
                 self._handed.add(id(slot.param))
@@ -809,7 +856,12 @@ class _OverlappedStep:
         """Until `slot`'s step is done (every step, when None); raises a worker error once.
         `from_any_thread=False`: the error of a call made on another thread that still runs is
         left for that thread (Note [calls in several threads])."""
-        error = self._locked(self._wait_locked, slot, from_any_thread)
+        while True:
+            error, on_device = self._locked(self._wait_locked, slot, from_any_thread)
+            if on_device is None:
+                break
+            on_device.synchronize()  # its piece steps on the device: clear the fence now
+            self._finish_device_steps()
         if error is not None:
             _forget(self)  # the worker has stopped; its error is raised once, here
             # Once the call has returned, the error comes out of whatever waits next (the next
@@ -826,7 +878,10 @@ class _OverlappedStep:
         while self._closed and not self._done:
             self._cond.wait()
 
-    def _wait_locked(self, slot: ParamSlot | None, from_any_thread: bool = True) -> BaseException | None:
+    def _wait_locked(self, slot: ParamSlot | None,
+                     from_any_thread: bool = True) -> tuple[BaseException | None, DeviceStep | None]:
+        """Under the lock: wait until `slot`'s step is done (every step, when None), or until its
+        piece is queued on the device (returned: the caller waits for that outside the lock)."""
         self._waiting += 1
         try:
             if slot is None:
@@ -834,14 +889,18 @@ class _OverlappedStep:
                     self._cond.wait()
             else:
                 while slot.step_pending:
+                    on_device = next((step for piece, step in self._in_flight
+                                      if any(s is slot for s in piece.slots)), None)
+                    if on_device is not None:
+                        return None, on_device
                     self._cond.wait()
         finally:
             self._waiting -= 1
         if (self._error is not None and not from_any_thread and threading.get_ident() != self._caller
                 and self._caller in sys._current_frames()):
-            return None
+            return None, None
         error, self._error = self._error, None
-        return error
+        return error, None
 
     # ---- the worker thread -------------------------------------------------------------------
 
@@ -857,21 +916,26 @@ class _OverlappedStep:
                 if piece is None:
                     return
                 # Every core while a thread waits for a step, else leave the launching thread
-                # its spare ones (Note [worker threads]).
+                # its spare ones (Note [worker threads]); a piece stepped on the device runs no
+                # host kernel to thread.
                 wanted = threads if waited_for else spared
-                if wanted != current:
+                if wanted != current and not piece.on_device:
                     torch.set_num_threads(wanted)
                     current = wanted
                 self.report.all_thread_pieces += waited_for and spared < threads
                 began = time.perf_counter()
+                queued = None
                 try:
                     with not_compiling():  # Note [compiling beside the optimizer worker] (_compile.py)
-                        self._step_piece(piece)
+                        queued = self._step_piece(piece)
                 finally:
                     self.report.pieces += 1
                     self.report.worker_busy_s += time.perf_counter() - began
                     with self._cond:
-                        self._clear_pending([piece])
+                        if queued is None:
+                            self._clear_pending([piece])
+                        else:  # its fence stays until its copies back land (_finish_device_steps)
+                            self._in_flight.append((piece, queued))
                         self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - raised on the calling thread by wait()
             with self._cond:
@@ -879,8 +943,11 @@ class _OverlappedStep:
                 self._clear_pending(self._pieces)
                 self._pieces.clear()
         finally:
-            torch.set_num_threads(threads)
-            worker_state.active = False
+            try:
+                self._finish_device_steps(block=True)
+            finally:
+                torch.set_num_threads(threads)
+                worker_state.active = False
             with self._cond:
                 self._done = True
                 self._finish_report()
@@ -888,30 +955,77 @@ class _OverlappedStep:
 
     def _next_piece(self) -> tuple[_Piece | None, bool]:
         """The landed piece that the next forward needs first (None once all are done), and
-        whether a thread is waiting for a step as it is taken."""
+        whether a thread is waiting for a step as it is taken; or, while DEVICE_MIN_READY are
+        ready and the device has room, the one it needs last, to step on the device (Note
+        [device steps] in _device_steps.py)."""
         while True:
+            self._finish_device_steps()
             with self._cond:
-                while not self._pieces and not self._closed:
+                while not self._pieces and not self._closed and not self._in_flight:
                     self._cond.wait()
-                if not self._pieces:
+                if not self._pieces and not self._in_flight:
                     return None, False
                 ready = [p for p in self._pieces if p.landed is None or p.landed.query()]
+                if (self._device_bytes > 0 and len(ready) >= DEVICE_MIN_READY
+                        and len(self._in_flight) < DEVICE_PIECES_IN_FLIGHT):
+                    # The host keeps the DEVICE_MIN_READY - 1 needed first; the device takes the
+                    # one needed last of the others that it may take.
+                    limit = min(self._device_bytes, DEVICE_PIECE_FACTOR * self.piece_bytes)
+                    others = sorted(ready, key=lambda p: p.deadline)[max(0, DEVICE_MIN_READY - 1):]
+                    last = next((p for p in reversed(others)
+                                 if p.nbytes <= limit and all(slot.packed is None for slot in p.slots)), None)
+                    if last is not None:
+                        self._device_bytes -= last.nbytes
+                        last.on_device = True
+                        self._pieces.remove(last)
+                        return last, False
                 if ready:
                     piece = min(ready, key=lambda p: p.deadline)
                     self._pieces.remove(piece)
                     return piece, self._waiting > 0
-                first = self._pieces[0]  # handed over first, so its copies land first
-            first.landed.synchronize()
+                # Nothing to start: wait for the oldest device step, else for the first piece
+                # handed over (its copies land first).
+                wait_for = self._in_flight[0][1] if self._in_flight else self._pieces[0].landed
+            wait_for.synchronize()
 
-    def _step_piece(self, piece: _Piece) -> None:
+    def _finish_device_steps(self, block: bool = False) -> None:
+        """Clear the fences of the pieces stepped on the device whose copies back have landed
+        (`block`: wait for all of them first). Any thread; not under the lock."""
+        with self._cond:
+            in_flight = list(self._in_flight)
+        if not in_flight:
+            return
+        if block:
+            for _, step in in_flight:
+                step.synchronize()
+        finished = [piece for piece, step in in_flight if step.done()]
+        if finished:
+            with self._cond:
+                self._in_flight = [(p, step) for p, step in self._in_flight if all(p is not f for f in finished)]
+                self._clear_pending(finished)
+                self._cond.notify_all()
+
+    def _step_piece(self, piece: _Piece) -> DeviceStep | None:
+        """Step one piece; for one stepped on the device, return its queued step."""
         times = self._times[piece.scope]
         if not times[1]:
             times[1] = self.elapsed()
         publish(piece.slots)
         names = [s.name for s in piece.slots]
-        args = (self.optimizer, {id(s.param) for s in piece.slots}, self._groups, self._state,
-                lambda: self._stepped.extend(names))
-        if self._plain_steps and all(slot.packed is None for slot in piece.slots):
+        ids = {id(s.param) for s in piece.slots}
+        args = (self.optimizer, ids, self._groups, self._state, lambda: self._stepped.extend(names))
+        queued = None
+        if piece.on_device:  # Note [device steps] in _device_steps.py
+            for slot in piece.slots:
+                slot.scope.engine.master_written(slot)
+
+            def run(copies: dict[int, torch.Tensor], state: Any) -> None:
+                step_subset(self.optimizer, ids, self._groups, state, args[4], substitute=copies)
+
+            queued = without_subclass_dispatch(step_on_device, piece.slots, self._state,
+                                               piece.slots[0].scope.engine.streams, self._counts_on_device, run)
+            self.report.device_pieces += 1
+        elif self._plain_steps and all(slot.packed is None for slot in piece.slots):
             # Note [worker steps without subclass dispatch]
             for slot in piece.slots:
                 slot.scope.engine.master_written(slot)
@@ -920,7 +1034,8 @@ class _OverlappedStep:
             step_subset(*args)
         if self.zero_grad:
             without_subclass_dispatch(set_grads, piece.slots, [None] * len(piece.slots))
-        times[2] = self.elapsed()
+        times[2] = self.elapsed()  # for a piece on the device: queued there
+        return queued
 
     @staticmethod
     def _clear_pending(pieces: list[_Piece]) -> None:
@@ -941,7 +1056,7 @@ class _OverlappedStep:
 
 
 def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], as_of: list[tuple[dict, dict]] | None = None,
-                state: Any = None, updated: Any = None) -> None:
+                state: Any = None, updated: Any = None, substitute: dict[int, torch.Tensor] | None = None) -> None:
     """`optimizer.step()` over only the parameters whose ids are in `ids`, through a view of the
     optimizer (same state and hooks, its own param groups), so that the optimizer object itself
     is never modified while another thread uses it. `as_of` pairs each param group with what it
@@ -949,10 +1064,11 @@ def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], as_of: list[tup
     of the call]), and `state` the state dict it steps (default: the optimizer's). Group entries
     that the step changes are written back to the group.
     `updated()` is called once the update is done, before the step post-hooks (Note [partial
-    steps]: a post-hook that raises follows an update)."""
+    steps]: a post-hook that raises follows an update). `substitute` maps a parameter's id to
+    the tensor stepped in its place (its device copy: Note [device steps] in _device_steps.py)."""
     groups = []
     for g, then in as_of if as_of is not None else [(g, g) for g in optimizer.param_groups]:
-        params = [p for p in then["params"] if id(p) in ids]
+        params = [p if substitute is None else substitute[id(p)] for p in then["params"] if id(p) in ids]
         if params:
             groups.append((g, {**then, "params": params}))
     if not groups:

@@ -13,6 +13,9 @@ One `Streams` object per wrapped model owns every stream and event (created lazi
   next copy until they finish (the copy stream runs in order), so the PCIe link would idle
   while they run. On a stream of their own, each chunk's conversion waits only for that
   chunk's copy, and the copies go on back to back (Note [progressive loads] in _scope.py).
+- step: the copies and kernels of optimizer steps run on the device during backward_and_step
+  (Note [device steps] in _device_steps.py), issued by the optimizer worker: on a stream of
+  their own they neither wait behind the next forward's loads nor hold them back.
 - gathered: waits for the all-gathers of sharded loads (`data_parallel(shard_loads=True)`, Note
   [sharded loads] in _sharded_loads.py); a load's `weights_ready` is recorded there, so the copy
   stream goes on with the next scope's slice while NCCL gathers this one.
@@ -35,7 +38,7 @@ import torch
 
 
 class Streams:
-    """The compute stream and the side streams (copy-in, copy-out, cast, gathered) of one
+    """The compute stream and the side streams (copy-in, copy-out, cast, gathered, step) of one
     wrapped model, and the events of the copies that may still read host masters."""
 
     def __init__(self, device: torch.device) -> None:
@@ -61,6 +64,9 @@ class Streams:
 
     def gathered(self) -> Any:
         return self._side_stream("gathered")
+
+    def step(self) -> Any:
+        return self._side_stream("step")
 
     def _side_stream(self, name: str) -> Any:
         """The side stream `name` (see the Note), created on first use; None on the CPU."""

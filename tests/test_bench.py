@@ -113,16 +113,22 @@ def test_a_row_that_kept_no_gradients_gets_no_ratio():
 
 
 def test_worker_settings_default_to_backward_and_step_defaults():
-    assert WorkerSettings() == WorkerSettings(_overlap.SPARE_THREADS, _overlap.STEP_PIECE_BYTES)
+    """WorkerSettings are the library's defaults; the benchmark's single-GPU overlapped peer lets
+    the device step pieces (device_share=1.0) unless told otherwise, its several-rank one not."""
+    assert WorkerSettings() == WorkerSettings(_overlap.SPARE_THREADS, _overlap.STEP_PIECE_BYTES, _overlap.DEVICE_SHARE)
     args = bench.parse_args(["--overlap-spare-threads", "0", "--overlap-piece-mib", "16"])
-    assert args.worker == WorkerSettings(0, 16 * 2**20)
+    assert args.worker == WorkerSettings(0, 16 * 2**20, 1.0)
+    assert bench.parse_args(["--overlap-device-share", "0"]).worker == WorkerSettings(device_share=0.0)
+    assert bench.parse_args(["--nproc", "2"]).worker == WorkerSettings()
 
 
 def test_overlap_variants_are_checked():
-    for bad in ("64", "1:inf", "x:64"):
+    for bad in ("64", "1:inf", "x:64", "1:64:2", "1:64:0.5:1"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--overlap-variants", bad])
-    assert bench.parse_args(["--overlap-variants", "0:16"]).overlap_variants == [WorkerSettings(0, 16 * 2**20)]
+    assert bench.parse_args(["--overlap-variants", "0:16"]).overlap_variants == [WorkerSettings(0, 16 * 2**20, 1.0)]
+    assert bench.parse_args(["--overlap-variants", "0:16:0.25"]).overlap_variants == [
+        WorkerSettings(0, 16 * 2**20, 0.25)]
 
 
 @pytest.mark.parametrize("command", list(cli.COMMANDS))

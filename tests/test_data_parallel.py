@@ -15,6 +15,7 @@ check waits at most a few seconds here.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import gc
 import os
@@ -1123,3 +1124,20 @@ def test_one_rank_sharded_loads_train_like_the_plain_model(device_type, tmp_path
         assert all(scope.device_storage.nbytes() == 0 for scope in engine.scopes)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_data_parallel_model_steps_every_piece_on_the_host_and_says_why(one_rank_group):
+    """backward_and_step(device_share=...) on a data_parallel model: no device steps (Note
+    [device steps] in _device_steps.py), the report says why, and the step is the plain one."""
+    model = mlp_of_blocks()
+    reference = copy.deepcopy(model)
+    offtensor.data_parallel(offtensor.wrap(model, device="cpu"))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    F.mse_loss(reference(x), y).backward()
+    ref_opt.step()
+    report = offtensor.backward_and_step(F.mse_loss(model(x), y), opt, device_share=1.0).wait()
+    assert report.device_pieces == 0 and report.device_steps_off == "the model is data_parallel"
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0)

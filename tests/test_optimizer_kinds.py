@@ -194,15 +194,17 @@ class _ClippingAdamW(torch.optim.AdamW):
         return loss
 
 
-@pytest.mark.parametrize("kind", ["torch.optim", "own class"])
+@pytest.mark.parametrize("kind", ["torch.optim", "torch.optim, device steps", "own class"])
 def test_the_worker_steps_torch_optim_optimizers_without_subclass_dispatch_and_others_with_it(kind, monkeypatch):
     """The worker runs torch.optim's steps with subclass dispatch off (Note [worker steps
     without subclass dispatch]): no `__torch_function__` of an offloaded parameter on its
     thread. An optimizer of another module keeps it. Both train like the unwrapped model (that
     the writes still reach saved graphs: test_kept_graph_used_after_backward_and_step_raises_...
     in test_higher_order.py)."""
-    make = (lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if kind == "torch.optim" else (
+    make = (lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if kind.startswith("torch.optim") else (
         lambda ps: _ClippingAdamW(ps, lr=1e-2))
+    share = 1.0 if kind.endswith("device steps") else 0.0
+    monkeypatch.setattr("offtensor._overlap.DEVICE_MIN_READY", 1)  # the device takes what it can
     model = mlp_of_blocks()
     reference = reference_then_offload(model, "cpu")
     on_worker = []
@@ -217,11 +219,12 @@ def test_the_worker_steps_torch_optim_optimizers_without_subclass_dispatch_and_o
     opts = [make(m.parameters()) for m in (model, reference)]
     for _ in range(3):
         x, y = torch.randn(4, 8), torch.randn(4, 4)
-        offtensor.backward_and_step(F.mse_loss(model(x), y), opts[0], zero_grad=True)
+        report = offtensor.backward_and_step(F.mse_loss(model(x), y), opts[0], zero_grad=True, device_share=share)
         train_step(F.mse_loss(reference(x), y), opts[1], overlap=False)
     offtensor.wait_for_steps()
     assert_params_match(model, reference, **tolerances("cpu"))
-    if kind == "torch.optim":
+    assert (report.device_pieces > 0) == (share > 0)
+    if kind.startswith("torch.optim"):
         assert on_worker == []
     else:
         assert "clamp_" in on_worker and "is_complex" in on_worker

@@ -103,9 +103,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="offtensor-overlap: backward_and_step(piece_bytes=N MiB) (default 64)")
     p.add_argument("--overlap-spare-threads", type=int, default=None,
                    help="offtensor-overlap: backward_and_step(spare_threads=N) (default 1)")
-    p.add_argument("--overlap-variants", nargs="+", default=[], metavar="SPARE:PIECE_MIB",
-                   help="offtensor-overlap: worker settings (spare threads:piece MiB) to time in turn "
-                        "beside the plain optimizer step (measure_same_time; default: the current one)")
+    p.add_argument("--overlap-device-share", type=float, default=None,
+                   help="offtensor-overlap: backward_and_step(device_share=F): up to this fraction of the "
+                        "offloaded bytes may be stepped on the device when the CPU optimizer falls behind "
+                        "(default 1.0 here, the fastest measured, and 0 with several ranks, where data_parallel "
+                        "models step on the host; the library's default is 0, off)")
+    p.add_argument("--overlap-variants", nargs="+", default=[], metavar="SPARE:PIECE_MIB[:SHARE]",
+                   help="offtensor-overlap: worker settings (spare threads:piece MiB[:device share, default "
+                        "--overlap-device-share's]) to time in turn beside the plain optimizer step "
+                        "(measure_same_time; default: the current one)")
     p.add_argument("--overlap-rounds", type=int, default=3,
                    help="offtensor-overlap: rounds of measure_same_time (default 3)")
     p.add_argument("--compile", action="store_true",
@@ -138,16 +144,21 @@ def _worker_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
     default = WorkerSettings()
     args.worker = WorkerSettings(
         default.spare_threads if args.overlap_spare_threads is None else args.overlap_spare_threads,
-        default.piece_bytes if args.overlap_piece_mib is None else int(args.overlap_piece_mib * 2**20))
-    if args.worker.spare_threads < 0 or args.worker.piece_bytes < 1:
-        p.error("--overlap-spare-threads must be >= 0 and --overlap-piece-mib > 0")
+        default.piece_bytes if args.overlap_piece_mib is None else int(args.overlap_piece_mib * 2**20),
+        (0.0 if args.multi else 1.0) if args.overlap_device_share is None else args.overlap_device_share)
+    if args.worker.spare_threads < 0 or args.worker.piece_bytes < 1 or not 0 <= args.worker.device_share <= 1:
+        p.error("--overlap-spare-threads must be >= 0, --overlap-piece-mib > 0 and --overlap-device-share "
+                "from 0 to 1")
     variants = []
     for v in args.overlap_variants:
         try:
-            spare, mib = v.split(":")
-            variants.append(WorkerSettings(int(spare), int(float(mib) * 2**20)))
+            spare, mib, *share = v.split(":")
+            variants.append(WorkerSettings(int(spare), int(float(mib) * 2**20),
+                                           float(share[0]) if share else args.worker.device_share))
+            if len(share) > 1 or not 0 <= variants[-1].device_share <= 1:
+                raise ValueError(v)
         except (ValueError, OverflowError):
-            p.error(f"--overlap-variants: {v!r} is not SPARE:PIECE_MIB (e.g. 1:64)")
+            p.error(f"--overlap-variants: {v!r} is not SPARE:PIECE_MIB[:SHARE] (e.g. 1:64 or 1:64:0.25)")
     args.overlap_variants = variants
 
 

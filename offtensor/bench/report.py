@@ -166,7 +166,9 @@ def format_same_time(r: Row, fwd_bwd_ms: float | None) -> str:
                 if every else "")]
     for v in st["variants"]:
         m = v["median_ms"]
-        lines.append(f"    {v['spare_threads']} spare threads, {v['piece_mib']:.0f} MiB pieces: {m:.1f} ms "
+        lines.append(f"    {v['spare_threads']} spare threads, {v['piece_mib']:.0f} MiB pieces"
+                     + (f", device share {v['device_share']:g}" if v.get("device_share") else "")
+                     + f": {m:.1f} ms "
                      f"({listed(v['times_ms'])}) = {m / max(fb, alone):.2f}x max(fwd+bwd, AdamW alone)"
                      + (f", {m / max(fb, beside):.2f}x max(fwd+bwd, AdamW beside copies)" if beside else "")
                      + (f"; worker busy {v['worker_busy_median_ms']:.1f} ms of it"
@@ -184,7 +186,8 @@ def format_timeline(r: Row) -> str:
               f"{o['total_ms']:.0f} ms"),
              (f"  the optimizer worker (leaving {o['spare_threads']} thread(s) spare, pieces of <= "
               f"{o['piece_bytes'] / 2**20:.0f} MiB) was busy {o['worker_busy_ms']:.0f} ms in {o['pieces']} "
-              f"pieces ({o.get('all_thread_pieces', 0)} on every thread, a thread waiting for them); "
+              f"pieces ({o.get('all_thread_pieces', 0)} on every thread, a thread waiting for them; "
+              f"{o.get('device_pieces', 0)} stepped on the device, device share {o.get('device_share', 0):g}); "
               f"{o['early_pieces']} pieces were handed over before their scope's backward ended; "
               f"{o['rest_params']} parameters (outside the worker's scopes) were stepped after backward")]
     lines += [f"  scope {s['scope']}: handed to the optimizer at {s['queued_ms']:.0f} ms, grads landed "

@@ -165,7 +165,7 @@ def _training_step(built: BuiltModel, scenario: Scenario, device: torch.device, 
             # waits for the last one (`drain`), so a step's time is the steady-state period.
             reports.append(offtensor.backward_and_step(
                 loss, optimizers[0], zero_grad=not check, spare_threads=settings.spare_threads,
-                piece_bytes=settings.piece_bytes))
+                piece_bytes=settings.piece_bytes, device_share=settings.device_share))
             clock.mark("backward")
             for opt in optimizers[1:]:
                 opt.step()
