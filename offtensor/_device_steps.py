@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch.optim import optimizer as optim_module
 
-from ._host_memory import host_empty
+from ._host_memory import HostBuffer
 from ._param import master_grad
 from ._slot import ParamSlot
 from ._streams import Streams
@@ -74,8 +74,12 @@ DEVICE_PIECE_FACTOR = 2
 _ELIGIBLE_CLASSES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
-def ineligible(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why `optimizer`'s pieces cannot step on the device (Note [device steps]), or None."""
+def ineligible(optimizer: torch.optim.Optimizer, data_parallel: bool) -> str | None:
+    """Why `optimizer`'s pieces cannot step on the device (Note [device steps]), or None.
+    `data_parallel`: a model it steps is in data-parallel mode (untried there: its steps stay
+    on the host)."""
+    if data_parallel:
+        return "the model is data_parallel"
     if type(optimizer) not in _ELIGIBLE_CLASSES:
         return f"{type(optimizer).__name__} is not SGD, Adam or AdamW"
     hooks = [*optimizer._optimizer_step_pre_hooks.values(), *optimizer._optimizer_step_post_hooks.values(),
@@ -156,7 +160,8 @@ def step_on_device(slots: list[ParamSlot], state: Any, streams: Streams, counts_
                         continue
                     home = host.get(key)
                     if not _fits(home, value, pin):
-                        home = host[key] = _host_like(value, pin)
+                        nbytes = value.numel() * value.element_size()  # page-locked on CUDA
+                        home = host[key] = HostBuffer(nbytes, pin=pin).tensor(0, value.dtype, value.shape)
                     home.copy_(value, non_blocking=True)
                     keep.append(home)
             return DeviceStep(streams.record(stream), keep)
@@ -183,10 +188,5 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _fits(home: Any, value: torch.Tensor, pin: bool) -> bool:
     return (isinstance(home, torch.Tensor) and home.device.type == "cpu" and home.shape == value.shape
-            and home.dtype == value.dtype and home.is_contiguous() and (not pin or home.is_pinned()))
-
-
-def _host_like(value: torch.Tensor, pin: bool) -> torch.Tensor:
-    """A host tensor of `value`'s shape and dtype, page-locked on CUDA."""
-    nbytes = value.numel() * value.element_size()
-    return host_empty(nbytes, pin=pin)[:nbytes].view(value.dtype).view(value.shape)
+            and home.dtype == value.dtype and home.is_contiguous()
+            and (not pin or value.numel() == 0 or home.is_pinned()))  # an empty tensor is never pinned

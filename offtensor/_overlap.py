@@ -342,9 +342,7 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
             raise RuntimeError("offtensor.backward_and_step: already inside a backward_and_step on this model")
     _install_optimizer_hooks(optimizer)
     _fence_state(optimizer)
-    # Note [device steps] in _device_steps.py: which optimizers and models may.
-    device_off = (ineligible(optimizer) or next(("the model is data_parallel" for e in engines if e.grads.reducer),
-                                                None)) if device_share else None
+    device_off = ineligible(optimizer, any(e.grads.reducer for e in engines)) if device_share else None
     stepper = _OverlappedStep(optimizer, zero_grad, spare_threads, piece_bytes, float(device_share), device_off)
     # Everything that changes module state happens inside the try, so that an interrupt at any
     # point is undone (Note [interrupts]): an engine left pointing at a stepper would refuse
@@ -667,13 +665,16 @@ class _OverlappedStep:
         # Note [worker steps without subclass dispatch]
         self._plain_steps = type(optimizer).__module__.startswith("torch.optim.")
         # Note [device steps] in _device_steps.py: the bytes the device may still step in this
-        # call, the pieces queued there whose copies back may not have landed yet.
-        offloaded = sum(_nbytes(p._ot) for g in optimizer.param_groups for p in g["params"]
-                        if isinstance(p, OffloadedParameter) and hasattr(p, "_ot"))
-        self._device_bytes = 0.0 if device_off is not None else device_share * offloaded
+        # call, the parameters whose step counts live on the device, the pieces queued there
+        # whose copies back may not have landed yet.
+        self._device_bytes = 0.0
+        self._counts_on_device: set[int] = set()
+        if device_share and device_off is None:
+            self._device_bytes = device_share * sum(_nbytes(p._ot) for g in optimizer.param_groups for p in g["params"]
+                                                    if isinstance(p, OffloadedParameter) and hasattr(p, "_ot"))
+            self._counts_on_device = {id(p) for g in optimizer.param_groups if g.get("fused") or g.get("capturable")
+                                      for p in g["params"]}
         self._in_flight: list[tuple[_Piece, DeviceStep]] = []
-        self._counts_on_device = {id(p) for g in optimizer.param_groups if g.get("fused") or g.get("capturable")
-                                  for p in g["params"]}
         # A C lock: `with` on it has no Python __enter__ for an interrupt to land in.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -723,7 +724,7 @@ class _OverlappedStep:
         nbytes += _nbytes(slot)
         if nbytes >= self.piece_bytes:
             self._early.pop(scope, None)
-            self._hand(scope, [batch], landed, early=True)
+            self._hand(scope, [(batch, nbytes)], landed, early=True)
         else:
             self._early[scope] = (batch, nbytes)
 
@@ -737,31 +738,34 @@ class _OverlappedStep:
         order = scope.copy_order or scope.slots
         slots = [s for s in order if s.grad_written and id(s.param) in self._ids and not s.used_outside
                  and id(s.param) not in self._handed]
-        pieces, current, nbytes = [], [], 0
+        pieces: list[tuple[list[ParamSlot], int]] = []
+        current: list[ParamSlot] = []
+        nbytes = 0
         for i, slot in enumerate(slots):
             current.append(slot)
             nbytes += _nbytes(slot)
             if nbytes >= self.piece_bytes or i == len(slots) - 1:
-                pieces.append(current)
+                pieces.append((current, nbytes))
                 current, nbytes = [], 0
         self._hand(scope, pieces, grads_offloaded, early=False)
 
-    def _hand(self, scope: Scope, pieces: list[list[ParamSlot]], landed: Any, *, early: bool) -> None:
-        """Queue pieces of one scope for the worker, each stepped once `landed` has passed."""
+    def _hand(self, scope: Scope, pieces: list[tuple[list[ParamSlot], int]], landed: Any, *, early: bool) -> None:
+        """Queue pieces of one scope (each: its slots, their bytes) for the worker, each stepped
+        once `landed` has passed."""
         if not pieces:
             return
         self._locked(self._queue, scope, pieces, landed, early)
 
-    def _queue(self, scope: Scope, pieces: list[list[ParamSlot]], landed: Any, early: bool) -> None:
+    def _queue(self, scope: Scope, pieces: list[tuple[list[ParamSlot], int]], landed: Any, early: bool) -> None:
         if self._done:
             return  # the worker failed: the error is raised on the calling thread
         rank = scope.engine.forward_position(scope)
         self._times.setdefault(scope.name, [self.elapsed(), 0.0, 0.0])
-        for slots in pieces:
+        for slots, nbytes in pieces:
             first = min(slot.copy_index for slot in slots)
             # Queued before marked pending: the worker clears the marks of what it was given,
             # so an interrupt between the two leaves no mark that nothing would clear.
-            self._pieces.append(_Piece(scope.name, slots, landed, (rank, first), sum(map(_nbytes, slots))))
+            self._pieces.append(_Piece(scope.name, slots, landed, (rank, first), nbytes))
             for slot in slots:
                 slot.pending_step = self  # its fence (Note [step fences] in _slot.py)
                 self._handed.add(id(slot.param))
