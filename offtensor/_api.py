@@ -75,8 +75,15 @@ class Policy:
             optimizer step changes their masters) instead of in forward and again in backward.
             A backward leaves the streamed scopes the next forward starts with resident, within
             the streaming room (Note [carried into the next forward]). `summary()` shows which
-            (kept, carried). `None`: every scope streams. Model-wide: taken from the policy
-            given to `wrap`.
+            (kept, carried). `"auto"`: the budget is what the device had free at the peak of
+            the second step (activations included), less a margin: every scope streams until
+            then. `None`: every scope streams. Model-wide: taken from the policy given to `wrap`.
+        layout: how the VRAM budget chooses what to keep. `"timed"`: from the second pass's
+            measured compute per scope and the link's bandwidth, the set whose simulated step
+            is shortest (Note [a timed layout] in _plan.py), chosen when the third pass starts;
+            `summary()` shows its predicted step. `"spread"`: by bytes, spread evenly over the
+            order, from the first pass. `"auto"` (default): `"timed"` on CUDA, `"spread"` on a
+            CPU compute device (nothing overlaps there, so timing has nothing to win).
         frozen_format: `"fp8"` (float8 e4m3) or `"int8"`: keep frozen offloaded parameters
             (requires_grad False at wrap: a LoRA base, every weight of a model for inference)
             compressed on the host, one byte per element plus one scale per output row, and
@@ -95,7 +102,8 @@ class Policy:
     param_filter: Callable[[str, nn.Parameter], bool] | None = None
     compute_dtype: torch.dtype | None = None
     cast: Literal["device", "host"] = "device"
-    vram_budget: int | None = None
+    vram_budget: int | Literal["auto"] | None = None
+    layout: Literal["auto", "timed", "spread"] = "auto"
     frozen_format: Literal["fp8", "int8"] | None = None
 
     def __post_init__(self) -> None:
@@ -119,10 +127,14 @@ class Policy:
                 "offtensor.Policy: param_filter must be callable as param_filter(qualified_name, "
                 f"param) -> bool (e.g. offtensor.frozen_only), or None; got {type(self.param_filter).__name__}"
             )
-        if self.vram_budget is not None and (not isinstance(self.vram_budget, int) or self.vram_budget <= 0):
+        if self.vram_budget is not None and self.vram_budget != "auto" and (
+                not isinstance(self.vram_budget, int) or self.vram_budget <= 0):
             raise ValueError(
-                f"offtensor.Policy: vram_budget must be a positive int (bytes) or None, got {self.vram_budget!r}"
+                f"offtensor.Policy: vram_budget must be a positive int (bytes), 'auto' or None, "
+                f"got {self.vram_budget!r}"
             )
+        if self.layout not in ("auto", "timed", "spread"):
+            raise ValueError(f"offtensor.Policy: layout must be 'auto', 'timed' or 'spread', got {self.layout!r}")
         if self.cast not in ("device", "host"):
             raise ValueError(f"offtensor.Policy: cast must be 'device' or 'host', got {self.cast!r}")
         if self.frozen_format not in (None, "fp8", "int8"):
@@ -154,12 +166,25 @@ class ScopeSummary:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """What the VRAM budget keeps, and, for a timed layout, the step it predicts (ms)."""
+
+    budget: int  # bytes (for vram_budget="auto": as sized from the measured step)
+    kept_bytes: int
+    streamed_bytes: int
+    timed: bool  # chosen from measured times (Note [a timed layout]); False: by bytes
+    predicted_forward_ms: float | None = None
+    predicted_backward_ms: float | None = None  # 0.0 when the measured pass had no backward
+
+
+@dataclass(frozen=True)
 class Summary:
     """What is offloaded, what is resident, and how much device memory each scope takes."""
 
     device: str
     scopes: list[ScopeSummary] = field(default_factory=list)
     device_allocated: int | None = None  # torch.cuda.memory_allocated on CUDA, else None
+    layout: Layout | None = None  # under Policy(vram_budget=...)
 
     @property
     def host_bytes(self) -> int:
@@ -188,4 +213,13 @@ class Summary:
         head = f"offtensor: {len(self.scopes)} scopes computing on {self.device}"
         if self.device_allocated is not None:
             head += f", device memory allocated {self.device_allocated / 2**20:.1f} MiB"
-        return "\n".join([head, *lines])
+        tail = []
+        if self.layout is not None:
+            lay = self.layout
+            tail.append(f"layout ({'timed' if lay.timed else 'by bytes'}): budget {lay.budget / 2**20:.0f} MiB, kept "
+                        f"{lay.kept_bytes / 2**20:.0f} MiB, streamed {lay.streamed_bytes / 2**20:.0f} MiB, carried "
+                        f"{sum(s.device_bytes for s in self.scopes if s.carried) / 2**20:.0f} MiB")
+            if lay.predicted_forward_ms is not None:
+                tail[-1] += (f"; predicted forward {lay.predicted_forward_ms:.1f} ms, "
+                             f"backward {lay.predicted_backward_ms:.1f} ms")
+        return "\n".join([head, *lines, *tail])

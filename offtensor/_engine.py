@@ -59,6 +59,7 @@ from . import _compile, _distributed
 from ._api import Policy, Residency, ScopeState
 from ._grads import GradOffload
 from ._param import master_requires_grad, recorded_functions, watch_compiled_steps
+from ._plan import Measuring, PassTimer, ScopeCost, auto_margin, choose, copy_ms_per_byte, spare_device_bytes
 from ._schedule import Schedule
 from ._scope import LiveScopes, Scope
 from ._slot import ParamSlot, in_backward, on_optimizer_worker
@@ -143,6 +144,7 @@ class Engine:
         # Called when a forward fails (abort): loads collective with other ranks are out of
         # step with them (Note [sharded loads] in _sharded_loads.py).
         self.on_abort: list[Callable[[], None]] = []
+        self.timer: PassTimer | None = None  # measures a pass for a timed layout (Note [a timed layout])
         engines.add(self)
         watch_compiled_steps()  # Note [a compiled optimizer step] (_param.py)
 
@@ -155,6 +157,50 @@ class Engine:
     def scopes_ready(self) -> None:
         """Called by wrap once every scope is built."""
         self.schedule.ready()
+        policy = self.policy
+        if policy.vram_budget is not None and (
+                policy.layout == "timed" or policy.vram_budget == "auto"
+                or (policy.layout == "auto" and self.device.type == "cuda")):
+            self.timer = PassTimer(self.device)
+
+    def _measure_or_lay_out(self) -> None:
+        """Between two passes (the model's forward starts): measure this pass, or, once one was
+        measured, choose the timed layout (Note [a timed layout] in _plan.py)."""
+        timer = self.timer
+        assert timer is not None
+        if timer.state is Measuring.WAITING:
+            if self.schedule.order:  # one pass has run: the order is known, cold kernels are paid
+                timer.state = Measuring.MEASURING
+            return
+        if timer.state is Measuring.MEASURING:
+            timer.state = Measuring.MEASURED  # the measured pass (and its backward) is over
+        if timer.state is not Measuring.MEASURED or self.hold() or self.live_calls():
+            return
+        timer.state = Measuring.DONE
+        if self.grads.reducer is not None or any(s.loader is not None for s in self.scopes):
+            return  # data parallel: ranks must keep the same scopes (they load together)
+        schedule = self.schedule
+        index = {scope: i for i, scope in enumerate(self.scopes)}
+        forward = [index[s] for s in schedule.order]
+        backward = [index[s] for s in schedule.backward_order()] if timer.saw_backward else []
+        largest = max(self.scopes, key=lambda s: s.nbytes)
+        per_byte = copy_ms_per_byte(largest.host_flat if largest.host_shadow is None else largest.host_shadow,
+                                    self.device, self.streams.h2d())
+        costs = [ScopeCost(timer.total_ms(s, "forward"), timer.total_ms(s, "backward"),
+                           (s.nbytes if s.host_shadow is None else s.device_nbytes) * per_byte, s.device_nbytes,
+                           s.block, copied_when_kept=timer.saw_backward and self._trainable(s))
+                 for s in self.scopes]
+        budget = schedule.budget
+        assert budget is not None
+        if self.policy.vram_budget == "auto":
+            spare = spare_device_bytes(self.device)
+            if spare is not None:
+                budget += max(0, spare - auto_margin(self.device))
+        kept, prediction = choose(costs, forward, backward, budget, self.policy.prefetch)
+        schedule.apply_layout({self.scopes[i] for i in kept}, budget, prediction)
+
+    def live_calls(self) -> bool:
+        return any(s.running_calls for s in self.scopes)
 
     def hold(self) -> bool:
         """no_offload() is in effect for this model: nothing is released."""
@@ -287,6 +333,9 @@ class Engine:
             scope.loads_on_demand += 1
         scope.load(with_grads=False)
         self.schedule.prefetch_forward(scope)
+        if self.timer is not None and self.timer.state is Measuring.MEASURING:
+            scope.make_resident()  # compute alone between the events (Note [a timed layout])
+            self.timer.start(scope, "forward")
         # No wait here: each op waits for the chunk holding its weights (materialize).
 
     def _advance(self, scope: Scope) -> None:
@@ -338,6 +387,8 @@ class Engine:
         if _distributed.active():
             _distributed.check_ddp_forward("the model given to offtensor.wrap")
         self.model_forward = ModelForward.STARTING
+        if self.timer is not None and self.timer.state is not Measuring.DONE:
+            self._measure_or_lay_out()
         first = self.schedule.first_of_next_pass()
         if first is None or self.schedule.prefetch_bytes == 0:
             return
@@ -381,6 +432,8 @@ class Engine:
         if failed:
             self.abort()
             return
+        if self.timer is not None:
+            self.timer.end(scope, "forward")
         if scope.running_calls == 0 and scope.written_in_call:
             # Its copy may outlive the call (kept for backward, kept, held): Note [writes during
             # a scope's call] (_scope.py).
@@ -439,6 +492,8 @@ class Engine:
         scope.load(with_grads=True)
         self.schedule.prefetch_backward(scope)
         scope.make_resident()
+        if self.timer is not None:
+            self.timer.start(scope, "backward")
 
     def _make_room(self, scope: Scope) -> None:
         """Under a VRAM budget, before a streamed scope loads on demand in backward: release the
@@ -465,6 +520,8 @@ class Engine:
         if self.backward_scope is scope:
             self.backward_scope = None
         self.grads.scope_done(scope)
+        if self.timer is not None:
+            self.timer.end(scope, "backward")
         if self.hold() or scope.calls_this_pass > 1:
             return  # a module called several times: later calls' backward still needs it
         if scope.state is not ScopeState.OFFLOADED and scope.running_calls == 0:
@@ -538,6 +595,8 @@ class Engine:
             scope.grad_calls_this_pass = 0
         self.schedule.abandon_pass()
         self.model_forward = ModelForward.OUTSIDE
+        if self.timer is not None and self.timer.state is Measuring.MEASURING:
+            self.timer.restart()  # a failed pass measures nothing: the next one is measured
         if not self.hold():
             self.release_all()
         for callback in self.on_abort:

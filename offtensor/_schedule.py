@@ -109,7 +109,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from ._api import Policy, Residency, ScopeState
+from ._api import Layout, Policy, Residency, ScopeState
+from ._plan import Prediction
 from ._scope import Scope
 
 logger = logging.getLogger("offtensor")
@@ -154,6 +155,8 @@ class Schedule:
         # Under a VRAM budget that streams some scopes: the device bytes streamed scopes may
         # take together (Note [VRAM budget]); None without one.
         self.streaming_room: int | None = None
+        self.budget: int | None = None  # Policy.vram_budget in bytes (sized, for "auto")
+        self.prediction: Prediction | None = None  # the timed layout's (Note [a timed layout])
         # offtensor.set_prefetch: the scopes to load when a scope's forward (backward) starts,
         # instead of the learned order's.
         self.forward_override: dict[Scope, list[Scope]] = {}
@@ -169,10 +172,41 @@ class Schedule:
         largest_block = self.largest_block = max(blocks.values(), default=0)
         self.prefetch_bytes = self._policy.prefetch * largest_block
         budget = self._policy.vram_budget
+        if budget == "auto":  # streams everything until the measured step sizes it (Note [a timed layout])
+            total = sum(s.device_nbytes for s in self.scopes)
+            budget = min(total, streaming_bytes(largest_block, self._policy.prefetch))
         if budget is not None:
+            assert isinstance(budget, int)
+            self.budget = budget
             self._keep_within(budget, largest_block)
             if not all(s.residency is Residency.KEPT for s in self.scopes):
                 self.streaming_room = streaming_bytes(largest_block, self._policy.prefetch)
+
+    def apply_layout(self, kept: set[Scope], budget: int, prediction: Prediction | None) -> None:
+        """Keep exactly `kept` from now on, within `budget` (a timed layout, chosen between two
+        passes): a kept scope no longer kept is released; everything the budget does not keep is
+        the streaming room."""
+        for scope in self.scopes:
+            if scope in kept:
+                scope.residency = Residency.KEPT
+            elif scope.residency is Residency.KEPT:
+                scope.residency = Residency.STREAMED
+                scope.release()
+        self.budget = budget
+        self.prediction = prediction
+        kept_bytes = sum(s.device_nbytes for s in kept)
+        everything = all(s.residency is Residency.KEPT for s in self.scopes)
+        self.streaming_room = None if everything else budget - kept_bytes
+
+    def layout(self, timed: bool) -> Layout | None:
+        """What the budget keeps now, for `summary()`."""
+        if self.budget is None:
+            return None
+        kept = sum(s.device_nbytes for s in self.scopes if s.residency is Residency.KEPT)
+        total = sum(s.device_nbytes for s in self.scopes)
+        pred = self.prediction
+        return Layout(self.budget, kept, total - kept, timed and pred is not None,
+                      pred.forward_ms if pred is not None else None, pred.backward_ms if pred is not None else None)
 
     def _keep_within(self, budget: int, largest_block: int) -> None:
         total = sum(s.device_nbytes for s in self.scopes)
@@ -385,6 +419,10 @@ class Schedule:
             return ahead
         i = self._index.get(scope)  # no backward seen yet, or this one departs from it
         return reversed(self.order[:i]) if i is not None else ()
+
+    def backward_order(self) -> list[Scope]:
+        """The scopes in the order the last backward first needed them."""
+        return list(self._bwd_order)
 
     def backward_starts_elsewhere(self, scope: Scope) -> list[Scope]:
         """At the end of the forward: the backward order when backward starts at another scope

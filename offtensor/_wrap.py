@@ -422,7 +422,7 @@ def summary(model: nn.Module) -> Summary:
         for s in engine.scopes if id(s.module) in inside
     ]
     allocated = torch.cuda.memory_allocated(engine.device) if engine.streams.is_cuda else None
-    return Summary(str(engine.device), rows, allocated)
+    return Summary(str(engine.device), rows, allocated, engine.schedule.layout(timed=engine.timer is not None))
 
 
 def set_prefetch(model: nn.Module, module: nn.Module, *, forward: list[nn.Module] | None = None,
@@ -639,7 +639,7 @@ def _check_budget(plans: list[_Plan], policy: Policy) -> None:
     """Policy.vram_budget must leave room for streaming (Note [VRAM budget] in _schedule.py);
     checked before any parameter moves, with the layout the scopes will have."""
     budget = policy.vram_budget
-    if budget is None:
+    if budget is None or budget == "auto":
         return
     blocks: dict[str, int] = {}
     for _, _, scope_policy, params, block in plans:
