@@ -43,7 +43,11 @@ foreach for single-tensor) may round the same fp32 math differently in the last 
 Adam and AdamW (whose state is per-parameter tensors and a step count) step there, and only
 without step hooks of the user's (a hook would see device copies instead of the parameters),
 tensor hyperparameters (a CPU tensor lr beside device parameters) or `differentiable=True`;
-otherwise every piece steps on the host, as `ineligible` says.
+otherwise every piece steps on the host, as `ineligible` says. Nor does a piece whose tensors the
+dense copies cannot hold (`can_take`): a compressed master, a sparse gradient
+(`nn.Embedding(sparse=True)`) or a sparse state entry (SGD's momentum of one). The worker checks
+when it chooses the piece, before any of it is copied: a piece that failed in its copies after
+the pieces before it were stepped left a partial step.
 """
 
 from __future__ import annotations
@@ -95,6 +99,19 @@ def ineligible(optimizer: torch.optim.Optimizer, data_parallel: bool) -> str | N
             if key != "params" and any(isinstance(v, torch.Tensor) for v in values):
                 return f"a param group's {key!r} is a tensor"
     return None
+
+
+def can_take(slots: list[ParamSlot], state: Any) -> bool:
+    """The device can step this piece: every master, gradient and state tensor is a dense one
+    that its copies can hold (Note [device steps]). On the optimizer worker, which writes `state`."""
+    for slot in slots:
+        grad = slot.host_grad  # what the worker publishes as `p.grad` before the step
+        if slot.packed is not None or (grad is not None and grad.layout != torch.strided):
+            return False
+        entries = dict.get(state, slot.param, {})  # the worker never waits on a fence (_FencedState)
+        if any(isinstance(v, torch.Tensor) and v.layout != torch.strided for v in entries.values()):
+            return False
+    return True
 
 
 class DeviceStep:

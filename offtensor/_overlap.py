@@ -188,6 +188,7 @@ from ._device_steps import (
     DEVICE_PIECE_FACTOR,
     DEVICE_PIECES_IN_FLIGHT,
     DeviceStep,
+    can_take,
     ineligible,
     step_on_device,
 )
@@ -977,7 +978,7 @@ class _OverlappedStep:
                     limit = min(self._device_bytes, DEVICE_PIECE_FACTOR * self.piece_bytes)
                     others = sorted(ready, key=lambda p: p.deadline)[max(0, DEVICE_MIN_READY - 1):]
                     last = next((p for p in reversed(others)
-                                 if p.nbytes <= limit and all(slot.packed is None for slot in p.slots)), None)
+                                 if p.nbytes <= limit and can_take(p.slots, self._state)), None)
                     if last is not None:
                         self._device_bytes -= last.nbytes
                         last.on_device = True

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
+    BlockStack,
+    ResidualBlock,
     assert_all_scopes_offloaded,
     assert_params_match,
     devices,
@@ -328,3 +330,51 @@ def test_the_device_takes_no_piece_over_twice_piece_bytes(device, monkeypatch):
     assert sizes and max(sizes) <= 2 * piece, sizes
     assert report.device_pieces < report.pieces
     assert_params_match(model, reference, **tolerances(device))
+
+
+class _SparseEmbedding(torch.nn.Module):
+    """A scope whose one parameter gets a sparse gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(24, 16, sparse=True)
+
+    def forward(self, tokens):
+        return self.embed(tokens)
+
+
+@pytest.mark.usefixtures("device_takes_any")
+@pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["sgd_plain", "sgd_momentum"])
+def test_a_piece_with_a_sparse_gradient_steps_on_the_host(device, momentum, monkeypatch):
+    """Regression: the device took the piece of an Embedding(sparse=True), whose gradient its
+    dense copies cannot hold, and raised "copy_() between dense and sparse Tensors" after the
+    later blocks were stepped (a partial step). That piece stays on the host; the others still
+    go to the device, and five steps match the unwrapped model's."""
+    import offtensor._overlap as overlap
+
+    model = BlockStack([_SparseEmbedding(), ResidualBlock(16), ResidualBlock(16)], 8, 16, 3)
+    model.input = torch.nn.Identity()  # the embedding takes the tokens
+    reference = reference_then_offload(model, device)
+    make = lambda ps: _O.SGD(ps, lr=0.1, momentum=momentum)
+    ref_opt, opt = make(reference.parameters()), make(model.parameters())
+    on_device, real = [], overlap.step_on_device
+
+    def spy(slots, *args):
+        on_device.extend(s.name for s in slots)
+        return real(slots, *args)
+
+    monkeypatch.setattr(overlap, "step_on_device", spy)
+    for _ in range(5):
+        tokens = torch.randint(0, 24, (3, 5), device=device)
+        reference(tokens).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        # 1536 embedding bytes: under twice piece_bytes, so only its sparse gradient keeps it on the host
+        report = offtensor.backward_and_step(model(tokens).pow(2).mean(), opt, zero_grad=True,
+                                             piece_bytes=1024, device_share=1.0)
+        report.wait()
+        assert report.device_pieces > 0
+    assert on_device and "blocks.0.embed.weight" not in on_device, on_device
+    assert_params_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(model)
