@@ -285,7 +285,7 @@ class Engine:
         streamed scope resident outside its calls (the last one of a forward, which its backward
         would use: Note [writes under a saved graph] in _slot.py). Streamed scopes load afresh,
         but under Policy(cast="host") from a shadow cast from the masters: it is re-cast at the
-        next load."""
+        next load. Writes through the alias after that load: Note [p.data aliases] (_slot.py)."""
         scope.shadow_stale = True
         if scope.state is ScopeState.OFFLOADED or on_optimizer_worker():
             return

@@ -139,7 +139,11 @@ def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
         if name == "__set__" and prop == "data":
             return _set_data(args[0], args[1])
         if name == "__get__" and prop == "data" and getattr(args[0], "_ot", None) is not None:
-            args[0]._ot.scope.engine.master_handed_out(args[0]._ot.scope, args[0]._ot)  # Note [VRAM budget]
+            slot = args[0]._ot
+            slot.scope.engine.master_handed_out(slot.scope, slot)  # Note [VRAM budget]
+            alias = func(*args, **kwargs)
+            slot.data_handed_out(alias)  # Note [p.data aliases] (_slot.py)
+            return alias
         if name == "__get__" and prop in _DERIVED_PROPERTIES:
             return _dispatch(func, args, kwargs, params)  # `w.T` is an op on w
         return func(*args, **kwargs)  # `p.grad`, `p.shape`: the parameter itself

@@ -46,7 +46,9 @@ base) once. Writes no op on the parameter sees must release it too, or the next 
 with the old weights: through a view or a detached alias (`p[0].fill_()`, `p.detach().mul_()`)
 they bump `p._version`, which a kept scope's next forward compares with the versions its copy
 was made from (`Scope.written_since_copied`); `p.data` has a version counter of its own, so
-taking it releases a kept copy at once (`Engine.master_handed_out`). A scope no_offload() holds
+taking it releases a kept copy at once (`Engine.master_handed_out`), and a write through it
+after the next load is seen by the versions of the aliases handed out (Note [p.data aliases]
+in _slot.py). A scope no_offload() holds
 is checked the same way (`Engine.outlives_calls`): its copy also outlives its calls. Kept scopes do not count
 against the prefetch budget (their bytes are reserved), but the old gradients a load for
 backward fetches (accumulation) do. The budget covers weights: gradients on their way to the

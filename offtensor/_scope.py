@@ -480,6 +480,7 @@ class Scope:
                 # (Note [writes under a saved graph] in _slot.py).
                 slot.device_copies_written()
             self.copied_versions[slot] = version
+            slot.data_copied()
 
     def written_in_this_call(self, slot: ParamSlot) -> bool:
         """The master changed since its device copy was made, in this call of the scope: by an
@@ -497,9 +498,10 @@ class Scope:
 
     def written_since_copied(self, skip: Any = None) -> bool:
         """A kept (or held) scope's masters changed since their copies were enqueued, by writes that did
-        not go through an op on the parameter (Note [VRAM budget] in _schedule.py); not
-        counting the slots for which `skip(slot)` is true."""
-        return any(_version(slot.param) != v for slot, v in self.copied_versions.items()
+        not go through an op on the parameter (Note [VRAM budget] in _schedule.py), `p.data`
+        aliases' included (Note [p.data aliases] in _slot.py); not counting the slots for which
+        `skip(slot)` is true."""
+        return any(_version(slot.param) != v or slot.data_written() for slot, v in self.copied_versions.items()
                    if skip is None or not skip(slot))
 
     def _mark_chunk(self, h2d: Any) -> None:

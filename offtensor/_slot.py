@@ -40,6 +40,19 @@ the forward, a kept one) compares at `Engine.pre_backward` and reloads, so that 
 and backward differentiates with the master's values. `p.data` has a version counter of its
 own, invisible to autograd: for it, as for a plain parameter, backward differentiates with the
 new values, and nothing raises.
+
+# Note [p.data aliases]
+`p.data` is a plain tensor over the master with a version counter of its own, so a write
+through it bumps nothing a load compares (`Scope.written_since_copied`). Taking it marks the
+cast="host" shadow and a kept copy stale (Engine.master_handed_out), but an alias kept and
+written after the next load left them stale for good. So each `p.data` handed out is held
+weakly with its version (`data_aliases`); the checks before reusing what outlives a load (the
+shadow at each load, a kept or carried copy at each call and backward) ask `data_written`,
+and each copy of the master starts the count afresh (`data_copied`). An alias gone since the
+last copy counts as written: its last writes can no longer be told. This costs a check per
+parameter at those points, none per op; writes through an alias inside the scope's own call
+reach its copies at the next load only. Not the version counters of the device copies: as for
+a plain parameter, a `p.data` write does not make a saved graph raise.
 """
 
 from __future__ import annotations
@@ -177,6 +190,9 @@ class ParamSlot:
     # Temporary copies made with requires_grad for ops outside the scope, while graphs hold
     # them: leaves of the parameter too (Note [gradients with respect to a parameter]).
     temporaries: list[weakref.ref] = field(default_factory=list)
+    # `p.data` tensors handed out, with their versions at the last look (Note [p.data aliases])
+    data_aliases: list[tuple[weakref.ref, int]] = field(default_factory=list)
+    data_alias_written: bool = False  # one of them was written (or dropped) since the last copy
 
     @property
     def grad_written(self) -> bool:
@@ -210,6 +226,32 @@ class ParamSlot:
         fence = self.pending_step
         if fence is not None and not on_optimizer_worker():
             fence.wait(self)
+
+    def data_handed_out(self, alias: torch.Tensor) -> None:
+        """`p.data` returned `alias` (Note [p.data aliases]). Not on the optimizer worker, whose
+        steps mark their parameters written anyway."""
+        if not on_optimizer_worker():
+            self.data_written()  # forgets the aliases gone
+            self.data_aliases = [*self.data_aliases, (weakref.ref(alias), alias._version)]
+
+    def data_written(self) -> bool:
+        """A `p.data` alias may have written the master since its last copy (Note [p.data
+        aliases])."""
+        if self.data_aliases:
+            seen = []
+            for ref, version in self.data_aliases:
+                alias = ref()
+                if alias is None or alias._version != version:
+                    self.data_alias_written = True
+                if alias is not None:
+                    seen.append((ref, alias._version))
+            self.data_aliases = seen
+        return self.data_alias_written
+
+    def data_copied(self) -> None:
+        """The master was copied: only later writes through `p.data` aliases count."""
+        self.data_written()
+        self.data_alias_written = False
 
     def hook_device_leaf(self) -> None:
         """Route the device copy's gradients to the host (Note [gradient path] in _grads.py);

@@ -154,6 +154,40 @@ def test_a_cast_copy_follows_every_write_to_the_master(device, cast, write):
             torch.testing.assert_close(model(x).float(), expected.float(), rtol=0, atol=0)
 
 
+ALIASES_OF_THE_MASTER = {
+    "data": lambda p: p.data,  # a version counter of its own
+    "detach": lambda p: p.detach(),
+    "view": lambda p: p[0],
+}
+
+
+@pytest.mark.every_case  # the failing cases (cast host, p.data) must run every day
+@pytest.mark.parametrize("taken", ["before_the_first_forward", "after_the_first_forward"])
+@pytest.mark.parametrize("alias", list(ALIASES_OF_THE_MASTER))
+@pytest.mark.parametrize("cast", ["host", "device"])
+@pytest.mark.parametrize("device", devices)
+def test_a_cast_copy_follows_writes_through_an_alias_kept_across_forwards(device, cast, alias, taken):
+    """An alias of a master kept across forwards and written after a load refreshed the
+    Policy(cast="host") shadow: `p.data` has a version counter of its own, and taking it marked
+    the shadow stale only until the next load re-cast it, so a write through it after that load
+    left every later forward computing with the old bf16 shadow (0.98 off here before the fix)."""
+    model = mlp_of_blocks()
+    reference = copy.deepcopy(model)
+    offload(model, device, policy=offtensor.Policy(compute_dtype=torch.bfloat16, cast=cast))
+    x = torch.randn(2, 8, device=device)
+    take = ALIASES_OF_THE_MASTER[alias]
+    with torch.no_grad(), torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        if taken == "after_the_first_forward":
+            model(x)
+        aliases = [take(m.blocks[1].fc1.weight) for m in (model, reference)]
+        model(x)
+        for _ in range(2):  # each write after a load that cast the shadow afresh
+            for a in aliases:
+                a.mul_(-3.0)
+            expected = copy.deepcopy(reference).to(device, torch.bfloat16)(x.bfloat16())
+            torch.testing.assert_close(model(x).float(), expected.float(), rtol=0, atol=0)
+
+
 # --------------------------------------------------------------------------------------------
 # backward_and_step: the optimizer overlapped with backward
 # --------------------------------------------------------------------------------------------

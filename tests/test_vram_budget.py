@@ -357,6 +357,29 @@ def test_frozen_kept_scopes_stay_resident_across_training_steps(device):
     assert_params_match(model, reference, **tolerances(device))
 
 
+@pytest.mark.parametrize("taken", ["before_the_first_forward", "after_the_first_forward"])
+@pytest.mark.parametrize("device", devices)
+def test_a_write_through_a_data_alias_kept_across_forwards_reloads_a_kept_scope(device, taken):
+    """`p.data` has a version counter of its own: taking it released a kept copy at once, but
+    a write through it after the next load left the kept copy stale for every later forward."""
+    model = mlp_of_blocks(n_blocks=N_BLOCKS).eval()
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=_budget(model, kept=3)))
+    written = _kept_blocks(model)[1]
+    x = torch.randn(5, 8, device=device)
+    with torch.no_grad():
+        if taken == "after_the_first_forward":
+            model(x)
+        aliases = [m.blocks[written].fc1.weight.data for m in (model, reference)]
+        model(x)
+        for _ in range(2):
+            for a in aliases:
+                a.mul_(-2.0)
+            torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+            torch.testing.assert_close(model(x), reference(x), **tolerances(device))
+    loads = _loads(model)
+    assert loads[f"blocks.{written}"] == (3 if taken == "before_the_first_forward" else 4), loads
+
+
 @pytest.mark.parametrize("device", devices)
 def test_a_write_to_a_kept_master_reloads_it(device):
     model = mlp_of_blocks(n_blocks=N_BLOCKS).eval()
