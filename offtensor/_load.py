@@ -23,7 +23,10 @@ the meta device) are then loaded the same way onto `rest_device`: directly on th
 device by default, without a host copy. Persistent buffers that are real (accelerate's
 `init_empty_weights` keeps buffers real: a batch norm's running statistics hold their defaults)
 are overwritten from the checkpoint, wherever they are, as `load_state_dict` does; non-persistent
-ones (rotary tables, computed by the constructor) keep their values.
+ones (rotary tables, computed by the constructor) keep their values. One the checkpoint lacks
+would keep its constructor value unseen (batch-norm statistics at their defaults), so all are
+looked up, under the prefix the parameters' keys drop, before any is written, and those missing
+raise a KeyError naming them (`strict=False`: a warning), as load_state_dict's missing keys do.
 
 # Note [checkpoint keys]
 A checkpoint key is a parameter's name, possibly less `.base_layer` (PEFT) and leading
@@ -60,7 +63,7 @@ _INDEX = "model.safetensors.index.json"
 def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: Predicate | None = None, *,
          init: InitFn | None = None, device: torch.device | str | None = None, policy: Policy | None = None,
          rest_device: torch.device | str | None = None,
-         init_device: torch.device | str | None = None) -> nn.Module:
+         init_device: torch.device | str | None = None, strict: bool = True) -> nn.Module:
     """`offtensor.wrap` a model built on the meta device, reading its weights scope by scope.
 
     The model's parameters (all or some) are on the meta device: built under
@@ -95,6 +98,11 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
         init_device: where a scope's parameters are allocated for `init` (default: the CPU).
             The compute device makes a random init fast; the values then go to the host masters
             (compressed on that device under `frozen_format`), one scope at a time.
+        strict: a persistent buffer that is not on the meta device (`init_empty_weights`
+            keeps buffers real), in a scope or not, must be in the checkpoint: `KeyError` naming
+            those it lacks, as `load_state_dict` reports missing keys. False: a warning names
+            them, and they keep their values. Parameters and buffers on the meta device have no
+            values to keep: those the checkpoint lacks need `init` either way.
 
     Returns:
         `model`, wrapped.
@@ -126,7 +134,7 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
         engine = _find_engine(model)
         assert engine is not None
         rest = torch.device(rest_device) if rest_device is not None else engine.device
-        _load_rest(model, checkpoint, init, rest)
+        _load_rest(model, checkpoint, init, rest, strict)
     except BaseException:  # Note [a wrap that raised] in _wrap.py: as before the call, for a retry
         if getattr(model, _ENGINE_ATTR, None) is not None:
             unwrap(model)
@@ -184,9 +192,11 @@ class Checkpoint:
         with self._safe_open(str(file), framework="pt") as f:
             self.files.update((key, file) for key in f.keys())
 
-    def find(self, names: list[str]) -> str | None:
+    def find(self, names: list[str], *, other_prefixes: bool = True) -> str | None:
         """The checkpoint's key for a tensor known by `names` (its names in the model), dropping
-        the same leading components as every earlier match (Note [checkpoint keys])."""
+        the same leading components as every earlier match (Note [checkpoint keys]).
+        `other_prefixes` False: once a match set the prefix, a key under another prefix is not
+        looked for (a block's `norm.running_mean` is not the final norm's)."""
         for name in names:
             for candidate in (name, name.replace(".base_layer", "")):
                 parts = candidate.split(".")
@@ -195,6 +205,8 @@ class Checkpoint:
                     if key not in self.files:
                         continue
                     prefix = candidate[: len(candidate) - len(key)]
+                    if not other_prefixes and self._first is not None and prefix != self._first[2]:
+                        continue
                     if self._first is None:
                         self._first = (name, key, prefix)
                     elif prefix != self._first[2]:
@@ -327,8 +339,11 @@ class _ScopeFiller:
         return self.checkpoint.find([qual, *names])
 
 
-def _load_rest(model: nn.Module, checkpoint: Checkpoint | None, init: InitFn | None, device: torch.device) -> None:
-    """The parameters and buffers no scope offloaded, still on the meta device, onto `device`."""
+def _load_rest(model: nn.Module, checkpoint: Checkpoint | None, init: InitFn | None, device: torch.device,
+               strict: bool) -> None:
+    """The parameters and buffers no scope offloaded, still on the meta device, onto `device`;
+    the real persistent buffers, in the scopes too, from the checkpoint."""
+    real_keys = _real_buffer_keys(model, checkpoint, strict) if checkpoint is not None else {}
     done: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its replacement (tied weights)
     owners = _owners(model)
     to_init: dict[int, tuple[str, nn.Module]] = {}
@@ -357,13 +372,14 @@ def _load_rest(model: nn.Module, checkpoint: Checkpoint | None, init: InitFn | N
             if b is None or (real and (checkpoint is None or bname in module._non_persistent_buffers_set)):
                 continue  # nothing to fill: a real buffer the checkpoint has no say on
             qual = f"{mname}.{bname}" if mname else bname
-            key = checkpoint.find([qual]) if checkpoint is not None else None
             if real:  # a real persistent buffer: the checkpoint's values (Note [loading scope by scope])
+                key = real_keys.get(qual)
                 if key is not None:
                     assert checkpoint is not None
                     with torch.no_grad():
                         b.copy_(checkpoint.rows(key, qual, b).read())
                 continue
+            key = checkpoint.find([qual]) if checkpoint is not None else None
             if key is not None:
                 assert checkpoint is not None
                 module._buffers[bname] = checkpoint.rows(key, qual, b).read().to(device)
@@ -379,3 +395,27 @@ def _load_rest(model: nn.Module, checkpoint: Checkpoint | None, init: InitFn | N
     for mname, module in to_init.values():
         assert init is not None
         init(mname, module)
+
+
+def _real_buffer_keys(model: nn.Module, checkpoint: Checkpoint, strict: bool) -> dict[str, str | None]:
+    """The checkpoint key of each real persistent buffer, by qualified name, found before any of
+    them is written: those the checkpoint lacks raise a KeyError naming them, or with
+    `strict=False` are named in a warning and keep their values (Note [loading scope by scope])."""
+    keys: dict[str, str | None] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for bname, b in module._buffers.items():
+            if b is not None and not b.is_meta and bname not in module._non_persistent_buffers_set:
+                qual = f"{mname}.{bname}" if mname else bname
+                keys[qual] = checkpoint.find([qual], other_prefixes=False)
+    missing = [qual for qual, key in keys.items() if key is None]
+    if missing:
+        names = ", ".join(repr(q) for q in missing[:5]) + (", ..." if len(missing) > 5 else "")
+        what = (f"offtensor.load: the checkpoint has no tensor for {len(missing)} persistent "
+                f"buffer{'s' if len(missing) > 1 else ''} ({names})")
+        if strict:
+            raise KeyError(
+                f"{what}: they would keep the values the model was built with, where "
+                "load_state_dict reports them as missing keys. Check that the checkpoint is the "
+                "model's, or pass strict=False to keep those values")
+        warnings.warn(f"{what}: they keep the values the model was built with (strict=False)", stacklevel=4)
+    return keys

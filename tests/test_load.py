@@ -246,6 +246,67 @@ def test_load_fills_persistent_buffers_that_init_empty_weights_keeps_real(tmp_pa
         torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
 
 
+def _save_without(module: torch.nn.Module, path: Path, left_out: set[str]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in module.state_dict().items() if k not in left_out}, path)
+
+
+# Left out of the checkpoint: a scope's buffers (a batch norm's running mean, a buffer of the
+# block's own) or the rest's (the final norm's statistics).
+_LEFT_OUT = {"scope": ["decoder.1.gain", "decoder.1.norm.running_mean"],
+             "rest": ["norm.running_mean", "norm.running_var"]}
+
+
+@pytest.mark.parametrize("where", ["scope", "rest"])
+def test_load_raises_naming_the_persistent_buffers_a_checkpoint_lacks(tmp_path, where):
+    """Regression: a real persistent buffer (init_empty_weights keeps buffers real) that the
+    checkpoint lacked kept the value the model was built with, without a word, where
+    load_state_dict raises "Missing key(s)": batch-norm statistics at their defaults gave
+    another output in eval. Now refused before anything is loaded."""
+    reference = _trained_encoder_decoder()
+    left_out = _LEFT_OUT[where]
+    _save_without(reference, tmp_path / "model.safetensors", set(left_out))
+    with pytest.raises(RuntimeError, match="Missing key"):
+        copy.deepcopy(reference).load_state_dict(
+            {k: v for k, v in reference.state_dict().items() if k not in left_out})
+    with accelerate.init_empty_weights():
+        model = _EncoderDecoder().eval()
+    names = re.escape(", ".join(repr(k) for k in left_out))
+    with pytest.raises(KeyError, match=rf"the checkpoint has no tensor for 2 persistent buffers \({names}\): "
+                                       r"they would keep the values the model was built with.*pass strict=False"):
+        offtensor.load(model, tmp_path, _is_block, device="cpu")
+    assert not offtensor.is_wrapped(model)
+    assert all(p.is_meta for p in model.parameters())
+    with pytest.warns(UserWarning, match="no tensor for 2 persistent buffers"):  # a retry loads
+        offtensor.load(model, tmp_path, _is_block, device="cpu", strict=False)
+
+
+@pytest.mark.parametrize("where", ["scope", "rest"])
+def test_load_with_strict_false_warns_naming_the_buffers_a_checkpoint_lacks_and_keeps_their_values(
+        tmp_path, where):
+    """As load_state_dict(strict=False): the buffers the checkpoint lacks keep the values the
+    model was built with, every other tensor comes from the checkpoint."""
+    reference = _trained_encoder_decoder()
+    left_out = _LEFT_OUT[where]
+    _save_without(reference, tmp_path / "model.safetensors", set(left_out))
+    built = _EncoderDecoder()
+    with torch.no_grad():
+        for name in left_out:
+            reference.get_buffer(name).copy_(built.get_buffer(name))
+    with accelerate.init_empty_weights():
+        model = _EncoderDecoder().eval()
+    names = re.escape(", ".join(repr(k) for k in left_out))
+    with pytest.warns(UserWarning, match=rf"the checkpoint has no tensor for 2 persistent buffers \({names}\): "
+                                         r"they keep the values the model was built with \(strict=False\)"):
+        offtensor.load(model, tmp_path, _is_block, device="cpu", strict=False)
+    for name, b in reference.named_buffers():
+        assert torch.equal(model.get_buffer(name), b), name
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+
+
 def test_load_refuses_checkpoint_keys_that_match_only_under_different_prefixes(tmp_path):
     """Dropping leading components of a parameter's name (PEFT's `base_model.model.`) must drop
     the same ones for every parameter: a checkpoint of the decoder alone (`0.fc.weight`) must not
