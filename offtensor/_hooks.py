@@ -15,8 +15,10 @@ the engine recognises it by the autograd graph task id and neither reloads nor r
 `copy.deepcopy` and pickling (`torch.save(model)`) of a wrapped model, or of part of one, give
 a plain model: each offloaded parameter copies as an `nn.Parameter` holding (a copy of) its
 master, on the CPU, once its deferred optimizer step is done (OffloadedParameter.__deepcopy__,
-__reduce_ex__), and the engine attribute as None, so the copy is not wrapped (an EMA copy of a
-large model stays in host memory). Parameters and buffers that were not offloaded keep their
+__reduce_ex__), with the attributes set on it (`p.no_decay = True`) but not offtensor's `_ot`
+(a plain Parameter's deepcopy drops them; kept here, as its pickling keeps them), and the
+engine attribute as None, so the copy is not wrapped (an EMA copy of a large model stays in
+host memory). Parameters and buffers that were not offloaded keep their
 device, as any deepcopy does. Module hooks cannot be left out of a copy, so offtensor registers
 them as `Hook` objects, which copy as inert hooks: without that, a copy would share the
 original's scopes, streams and buffers. Each master has a storage of its own (Note [one storage

@@ -17,10 +17,12 @@ subclass: ops run with subclass dispatch off (`without_subclass_dispatch`), so o
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import sys
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -71,6 +73,7 @@ class OffloadedParameter(nn.Parameter):
         _await_steps([self], torch.Tensor.clone)  # a deferred optimizer step may still write the master
         result = without_subclass_dispatch(lambda p: nn.Parameter(master_values(p), p.requires_grad), self)
         memo[id(self)] = result
+        result.__dict__.update(copy.deepcopy(_attributes(self), memo))  # `p.no_decay = True`
         return result
 
     def set_(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
@@ -172,7 +175,17 @@ def _repr(p: OffloadedParameter) -> str:
 
 def _reduce(p: OffloadedParameter) -> tuple:
     packed = packed_of(p)  # Note [compressed masters] (_compress.py): its values, unpacked
-    return (torch._utils._rebuild_parameter, (packed.unpack() if packed else p.detach(), p.requires_grad, {}))
+    values = packed.unpack() if packed else p.detach()
+    attributes = _attributes(p)
+    if not attributes:
+        return (torch._utils._rebuild_parameter, (values, p.requires_grad, OrderedDict()))
+    return (torch._utils._rebuild_parameter_with_state, (values, p.requires_grad, OrderedDict(), attributes))
+
+
+def _attributes(p: OffloadedParameter) -> dict[str, Any]:
+    """The attributes set on the parameter (`p.no_decay = True`), before wrap or after, that its
+    copies keep, as nn.Parameter's pickling does; not offtensor's own (`_ot`)."""
+    return {k: v for k, v in p.__dict__.items() if k != "_ot"}
 
 
 def master_values(p: torch.Tensor) -> torch.Tensor:

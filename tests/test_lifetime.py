@@ -390,6 +390,48 @@ def test_a_copy_of_a_wrapped_model_is_a_plain_cpu_model_and_the_original_stays_w
     assert_backward_matches(model, model(x), reference, x, y, device)
 
 
+def _copied(model: nn.Module, how: str) -> nn.Module:
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch_save"])
+def test_a_copy_of_a_wrapped_model_keeps_the_attributes_of_its_parameters(how):
+    """Regression: an offloaded parameter copied (deepcopy) or pickled (torch.save) as a new
+    Parameter of its values alone, so the attributes set on it (`p.no_decay = True` for an
+    optimizer's param groups), before wrap or after, were gone from the copy, where a plain
+    model's torch.save keeps them. They are kept; offtensor's own state (`_ot`) is not."""
+    model = mlp_of_blocks()
+    model.blocks[1].fc1.weight.no_decay = True  # before wrap
+    model.blocks[1].fc1.bias.group = {"lr_scale": 0.5}
+    reference = reference_then_offload(model, "cpu")
+    model.blocks[2].fc2.weight.lr_scale = 0.1  # after wrap
+    expected = {"blocks.1.fc1.weight": {"no_decay": True}, "blocks.1.fc1.bias": {"group": {"lr_scale": 0.5}},
+                "blocks.2.fc2.weight": {"lr_scale": 0.1}}
+    if how == "torch_save":  # as a plain model pickles them (its deepcopy drops them)
+        plain = mlp_of_blocks()
+        for name, attributes in expected.items():
+            plain.get_parameter(name).__dict__.update(attributes)
+        plain = _copied(plain, how)
+        assert {name: vars(plain.get_parameter(name)) for name in expected} == expected
+    copied = _copied(model, how)
+    assert not offtensor.is_wrapped(copied)
+    for name, p in copied.named_parameters():
+        assert type(p) is nn.Parameter, name
+        assert vars(p) == expected.get(name, {}), name
+    assert copied.blocks[1].fc1.bias.group is not model.blocks[1].fc1.bias.group  # copied with the parameter
+    assert model.blocks[1].fc1.weight._ot is not None and model.blocks[1].fc1.weight.no_decay  # the original's stay
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(copied(x), reference(x), rtol=0, atol=0)
+    for (name, p), (_, q) in zip(copied.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
 def test_a_wrapped_model_whose_scopes_mix_dtypes_saves_and_loads():
     """Regression: a scope's masters were views of one host buffer, and torch.save refuses one
     storage seen with two dtypes (Note [one storage per master])."""
