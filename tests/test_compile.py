@@ -349,7 +349,7 @@ def test_a_vram_budget_keeping_the_first_block_matches_compiled_unwrapped_model(
     optimizer step reloads it, training matches and nothing recompiles (train_both)."""
     model = mlp_of_blocks(n_blocks=6)
     budget = (2 + 1 + 1) * device_layout_bytes(model.blocks[0])  # streaming (prefetch 1) + 1 kept
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
     assert [s.kept for s in offtensor.summary(model).scopes] == [True] + [False] * 5
     compile_both(model, reference, "blocks", "inductor")
     train_both(model, reference, mlp_batches(device), mse, tolerances(device, "inductor"))

@@ -138,7 +138,7 @@ def test_a_vram_budget_with_backward_and_step_and_bypassing_writes_matches_compi
     compiled forward reads fresh weights (a stale kept copy would be a silent wrong answer)."""
     model = mlp_of_blocks(n_blocks=6)
     budget = 4 * device_layout_bytes(model.blocks[0])  # streaming (prefetch 1) + 1 kept
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
     assert [s.kept for s in offtensor.summary(model).scopes] == [True] + [False] * 5
     compile_both(model, reference, how, "aot_eager")
     tol = tolerances(device, "aot_eager")
@@ -393,7 +393,7 @@ def test_spread_kept_and_carried_scopes_with_accumulation_match_compiled_model(d
     for i in (1, 2, 3):
         model.blocks[i].requires_grad_(False)
     budget = (2 + 1 + 3) * device_layout_bytes(model.blocks[0])  # streaming (prefetch 1) + 3 kept
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
     scopes = offtensor.summary(model).scopes
     assert [i for i, s in enumerate(scopes) if s.kept] == [0, 4, 7]
     compile_both(model, reference, "blocks", "inductor")
@@ -461,7 +461,7 @@ def test_dynamic_shapes_with_changing_batch_sizes_match_compiled_model(device):
     first two steps), and the values match the unwrapped model compiled alike."""
     model = mlp_of_blocks(n_blocks=4)
     budget = 4 * device_layout_bytes(model.blocks[0])  # streaming (prefetch 1) + 1 kept
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
     for m in (model, reference):
         m.compile(backend="aot_eager", dynamic=True)
     tol = tolerances(device, "aot_eager")
@@ -497,7 +497,7 @@ def test_a_compiled_optimizer_step_under_a_vram_budget_leaves_no_stale_kept_copy
     tensors: not bit for bit)."""
     model = mlp_of_blocks(n_blocks=4)
     budget = 4 * device_layout_bytes(model.blocks[0])  # streaming (prefetch 1) + 1 kept
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
     assert any(s.kept for s in offtensor.summary(model).scopes)
     tol = tolerances(device, "inductor")  # not bit for bit (above)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

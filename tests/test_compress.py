@@ -390,7 +390,7 @@ def test_a_vram_budget_keeps_compressed_frozen_scopes_dequantized_once(device, f
     model.blocks.requires_grad_(False)
     reference = _compressed_reference(model, fmt, device)
     budget = (2 + 1 + 2) * device_layout_bytes(model.blocks[0])  # streaming (prefetch 1) + 2 kept
-    _wrap(model, device, frozen_format=fmt, vram_budget=budget)
+    _wrap(model, device, frozen_format=fmt, layout="spread", vram_budget=budget)
     assert len(_packed_slots(model)) == 12
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)

@@ -100,6 +100,7 @@ def test_peft_lora_on_a_compressed_base_trains_like_the_resident_model(device, a
     policy: dict = {"frozen_format": fmt}
     if mode == "vram_budget":  # layers of about 152 KiB: streaming room (3 of them) plus one kept
         policy["vram_budget"] = 620 * 1024
+        policy["layout"] = "spread"  # the loads asserted below are the byte layout's
     if mode == "compute_dtype":  # fp32 masters, bf16 device copies (dequantized in fp32, cast)
         policy["compute_dtype"] = torch.bfloat16
     offtensor.wrap(model, device=device, policy=offtensor.Policy(**policy))

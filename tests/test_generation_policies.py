@@ -1,6 +1,6 @@
 """Inference beyond one forward under the newer policies: `generate()` of tiny transformers,
 denoising loops of tiny diffusers models, and a TRL-style loop alternating generation with
-LoRA training, under `Policy(vram_budget=...)` (kept and streamed scopes), `Policy(frozen_format=
+LoRA training, under `Policy(layout="spread", vram_budget=...)` (kept and streamed scopes), `Policy(frozen_format=
 "fp8" | "int8")` and both.
 
 The reference is the plain resident model whose compressed matrices hold their
@@ -160,7 +160,7 @@ DECODING = {
 def _policy(name: str, blocks: list[torch.nn.Module]) -> offtensor.Policy:
     fmt = name.split("_")[0] if name.startswith(("fp8", "int8")) else None
     budget = _budget(blocks, keep=[0]) if name.endswith("budget") else None
-    return offtensor.Policy(frozen_format=fmt, vram_budget=budget)  # type: ignore[arg-type]
+    return offtensor.Policy(frozen_format=fmt, layout="spread", vram_budget=budget)  # type: ignore[arg-type]
 
 
 def _generate(model: torch.nn.Module, prompt: torch.Tensor, decoding: dict, check: _CheckBetweenForwards):
@@ -354,7 +354,7 @@ def test_generation_alternating_with_lora_training_matches_the_reference(device,
                                                                         most_device_bytes):
     model = _lora_llama()
     layers = list(model.base_model.model.model.layers)
-    policy = offtensor.Policy(frozen_format=fmt, vram_budget=_budget(layers, keep=[0, 5]))
+    policy = offtensor.Policy(frozen_format=fmt, layout="spread", vram_budget=_budget(layers, keep=[0, 5]))
     reference, n_packed = _wrap_with_reference(model, device, policy)
     assert n_packed == 6 * 5
     assert [s.kept for s in offtensor.summary(model).scopes] == [True] + [False] * 4 + [True]

@@ -1,4 +1,4 @@
-"""Policy(vram_budget=...): the first scope and others spread evenly over the order (by bytes)
+"""Policy(layout="spread", vram_budget=...): the first scope and others spread evenly over the order (by bytes)
 stay resident, within what streaming leaves of the budget; the rest stream.
 
 Checked against the unwrapped model (outputs, grads, several optimizer steps), with the loads
@@ -50,7 +50,7 @@ def _kept_blocks(model) -> list[int]:
 def test_the_plan_keeps_the_first_scope_and_spreads_the_rest_and_summary_shows_it():
     model = mlp_of_blocks(n_blocks=N_BLOCKS)
     budget = _budget(model, kept=3)
-    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=budget))
+    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(layout="spread", vram_budget=budget))
     assert _kept_blocks(model) == [0, 4, 7]  # the first, then 2 spread over the other 7
     assert "offloaded (kept)" in str(offtensor.summary(model))
 
@@ -68,7 +68,7 @@ def test_equal_blocks_keep_the_first_and_the_rest_evenly_spaced(n_blocks, kept, 
     lets the copies catch up on (Note [VRAM budget], "Kept scopes spread"). Fewer than half kept,
     no two are adjacent."""
     model = mlp_of_blocks(n_blocks=n_blocks)
-    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=_budget(model, kept=kept)))
+    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(layout="spread", vram_budget=_budget(model, kept=kept)))
     got = _kept_blocks(model)
     assert got == expected
     if 2 * len(got) < n_blocks:
@@ -81,7 +81,7 @@ def test_a_first_scope_larger_than_the_room_does_not_stop_the_others_being_kept(
     model = _Linears([(16, 256)] + [(16, 16)] * 60)  # the first: 16 times the bytes of each other
     small = device_layout_bytes(model.layers[1])
     largest = device_layout_bytes(model.layers[0])
-    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=3 * largest + 3 * small))
+    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(layout="spread", vram_budget=3 * largest + 3 * small))
     kept = [s.name for s in offtensor.summary(model).scopes if s.kept]
     assert "layers.0" not in kept and len(kept) == 3, kept
 
@@ -121,7 +121,7 @@ def test_unequal_scopes_are_kept_evenly_by_bytes_within_the_room(case, fraction)
     model, policy, block, total_bytes = _unequal_scopes(case)
     streaming = 3 * block
     budget = streaming + int(fraction * total_bytes)
-    offtensor.wrap(model, device="cpu", policy=dataclasses.replace(policy, vram_budget=budget))
+    offtensor.wrap(model, device="cpu", policy=dataclasses.replace(policy, layout="spread", vram_budget=budget))
     modules = dict(model.named_modules())
     rows = offtensor.summary(model).scopes
     sizes = [device_layout_bytes(modules[r.name]) for r in rows]
@@ -142,7 +142,7 @@ def test_unequal_scopes_are_kept_evenly_by_bytes_within_the_room(case, fraction)
 
 def test_a_budget_that_holds_everything_keeps_every_scope():
     model = mlp_of_blocks(n_blocks=N_BLOCKS)
-    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=10 * 2**30))
+    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(layout="spread", vram_budget=10 * 2**30))
     assert all(r.kept for r in offtensor.summary(model).scopes)
 
 
@@ -152,21 +152,21 @@ def test_a_budget_below_what_streaming_needs_says_what_it_needs():
     expected = (rf"Policy\(vram_budget=1000\) \(1000 bytes\) is below what streaming needs, "
                 rf"{need / 1024:.1f} KiB: 3 times the largest selected module.*prefetch=1")
     with pytest.raises(ValueError, match=expected):
-        offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=1000))
+        offtensor.wrap(model, device="cpu", policy=offtensor.Policy(layout="spread", vram_budget=1000))
     assert not offtensor.is_wrapped(model)
 
 
 @pytest.mark.parametrize("bad", [0, -5, 1.5, "1GiB"])
 def test_a_budget_that_is_not_a_positive_int_is_refused(bad):
     with pytest.raises(ValueError, match="vram_budget must be a positive int"):
-        offtensor.Policy(vram_budget=bad)
+        offtensor.Policy(layout="spread", vram_budget=bad)
 
 
 @pytest.mark.parametrize("device", devices)
 def test_inference_loads_kept_scopes_once_and_streams_the_rest(device, most_device_bytes):
     model = mlp_of_blocks(n_blocks=N_BLOCKS).eval()
     budget = _budget(model, kept=3)
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
     x = torch.randn(5, 8, device=device)
     with torch.no_grad():
         for _ in range(4):
@@ -197,7 +197,7 @@ def test_streamed_scopes_fill_the_streaming_room_while_kept_scopes_compute(devic
     n_blocks = 12
     model = mlp_of_blocks(n_blocks=n_blocks).eval()
     budget = _budget(model, kept=3)
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
     kept = _kept_blocks(model)
     assert kept == [0, 6, 11]
     on_device: dict[int, list[int]] = {}
@@ -239,7 +239,7 @@ def test_training_with_a_budget_matches_the_unwrapped_model(device, overlapped, 
     model = mlp_of_blocks(n_blocks=N_BLOCKS)
     model.checkpoint = checkpoint
     budget = _budget(model, kept=3)
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
     reference.checkpoint = checkpoint
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -285,7 +285,7 @@ def test_the_first_backward_of_split_blocks_under_reentrant_checkpointing_stays_
     at 5/3 of the room). A scope backward needs now displaces prefetches not needed yet."""
     model = mlp_of_blocks(n_blocks=6, checkpoint="reentrant")
     budget = _budget(model, kept=1)
-    policy = dataclasses.replace(split_policy(model), vram_budget=budget)
+    policy = dataclasses.replace(split_policy(model), layout="spread", vram_budget=budget)
     reference = reference_then_offload(model, device, policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -316,7 +316,7 @@ def test_a_write_that_bypasses_the_parameter_reloads_a_kept_scope(device, write)
     parameter sees (through `p.data`, a view, a detached alias) left the next forward computing
     with the old weights: a silent wrong answer that streaming (a fresh load per forward) hides."""
     model = mlp_of_blocks(n_blocks=N_BLOCKS).eval()
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=_budget(model, kept=3)))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=_budget(model, kept=3)))
     kept = _kept_blocks(model)
     written = kept[1]  # a kept block other than the first (0, 4, 7 kept here: block 4)
     x = torch.randn(5, 8, device=device)
@@ -340,7 +340,7 @@ def test_frozen_kept_scopes_stay_resident_across_training_steps(device):
     for block in model.blocks:
         block.requires_grad_(False)
     budget = _budget(model, kept=3)
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
     for _ in range(3):
@@ -363,7 +363,7 @@ def test_a_write_through_a_data_alias_kept_across_forwards_reloads_a_kept_scope(
     """`p.data` has a version counter of its own: taking it released a kept copy at once, but
     a write through it after the next load left the kept copy stale for every later forward."""
     model = mlp_of_blocks(n_blocks=N_BLOCKS).eval()
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=_budget(model, kept=3)))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=_budget(model, kept=3)))
     written = _kept_blocks(model)[1]
     x = torch.randn(5, 8, device=device)
     with torch.no_grad():
@@ -383,7 +383,7 @@ def test_a_write_through_a_data_alias_kept_across_forwards_reloads_a_kept_scope(
 @pytest.mark.parametrize("device", devices)
 def test_a_write_to_a_kept_master_reloads_it(device):
     model = mlp_of_blocks(n_blocks=N_BLOCKS).eval()
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=_budget(model, kept=3)))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=_budget(model, kept=3)))
     x = torch.randn(5, 8, device=device)
     with torch.no_grad():
         model(x)
@@ -396,7 +396,7 @@ def test_a_write_to_a_kept_master_reloads_it(device):
 @pytest.mark.parametrize("device", devices)
 def test_an_exception_in_forward_releases_the_streamed_scopes_and_keeps_the_kept(device):
     model = mlp_of_blocks(n_blocks=N_BLOCKS)
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=_budget(model, kept=3)))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=_budget(model, kept=3)))
 
     def boom(module, args):
         raise RuntimeError("boom")
@@ -424,7 +424,7 @@ def test_peak_device_memory_of_the_weights_stays_within_the_budget():
     within the budget (activations, tiny here, get a small allowance)."""
     model = mlp_of_blocks(n_blocks=N_BLOCKS, hidden=512).eval()
     budget = _budget(model, kept=2)
-    offtensor.wrap(model, device="cuda", policy=offtensor.Policy(vram_budget=budget))
+    offtensor.wrap(model, device="cuda", policy=offtensor.Policy(layout="spread", vram_budget=budget))
     model.input.to("cuda")
     model.head.to("cuda")
     x = torch.randn(4, 8, device="cuda")
@@ -448,7 +448,7 @@ def test_a_frozen_parameter_with_an_old_grad_leaves_no_gradient_on_a_kept_scope(
     kept scope held it from then on, beyond the budget, until a write to its masters."""
     model = mlp_of_blocks(n_blocks=N_BLOCKS)
     budget = _budget(model, kept=1)
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
     assert _kept_blocks(model) == [0]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)

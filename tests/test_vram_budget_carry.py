@@ -1,4 +1,4 @@
-"""Policy(vram_budget=...): a backward leaves the scopes the next forward computes first resident
+"""Policy(layout="spread", vram_budget=...): a backward leaves the scopes the next forward computes first resident
 (Note [carried into the next forward] in offtensor/_schedule.py).
 
 The carried copies must never be used stale: every way the masters can change between a
@@ -69,7 +69,7 @@ def _wrapped_with_one_kept(device: str, *, frozen_blocks: bool = False):
         for block in model.blocks:
             block.requires_grad_(False)
     budget = _budget(model, kept=1)
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
     assert [r.kept for r in offtensor.summary(model).scopes] == [True] + [False] * (N_BLOCKS - 1)
     return model, reference, budget
 
@@ -190,7 +190,7 @@ def test_backward_and_step_carries_frozen_scopes_but_not_trained_ones(device):
     model = mlp_of_blocks(n_blocks=N_BLOCKS)
     model.blocks[1].requires_grad_(False)
     budget = _budget(model, kept=1)
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
     for step in range(4):
@@ -233,7 +233,7 @@ def test_peak_device_memory_with_carried_scopes_stays_within_the_budget(most_dev
     model = mlp_of_blocks(n_blocks=N_BLOCKS, hidden=512)
     block = device_layout_bytes(model.blocks[0])
     budget = _budget(model, kept=1)
-    offtensor.wrap(model, device="cuda", policy=offtensor.Policy(vram_budget=budget))
+    offtensor.wrap(model, device="cuda", policy=offtensor.Policy(layout="spread", vram_budget=budget))
     model.input.to("cuda")
     model.head.to("cuda")
     x, y = torch.randn(4, 8, device="cuda"), torch.randn(4, 4, device="cuda")
@@ -379,7 +379,7 @@ def test_llama_rollouts_and_accumulated_steps_match_the_unwrapped_model(device, 
     model.train()
     layers = list(model.model.layers)
     budget = _hf_budget(layers, kept=2)
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
     assert [r.kept for r in offtensor.summary(model).scopes] == [True, False, False, False, False, True]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -424,7 +424,7 @@ def test_peft_lora_llama_carries_layers_across_micro_batches_and_frozen_ones_acr
     model.train()
     layers = list(model.base_model.model.model.layers)
     budget = _hf_budget(layers, kept=2)
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
     names = [s.name for s in offtensor.summary(model).scopes]
     assert [r.kept for r in offtensor.summary(model).scopes] == [True, False, False, False, False, True]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -481,7 +481,7 @@ def test_t5_generation_between_training_steps_matches_the_unwrapped_model(device
     model.train()
     blocks = list(model.encoder.block) + list(model.decoder.block)
     budget = _hf_budget(blocks, kept=1)
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
     assert sum(r.kept for r in offtensor.summary(model).scopes) >= 1
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -533,7 +533,7 @@ def test_carried_compressed_scopes_hold_dequantized_copies_across_steps(device, 
                 p.copy_(quantize_dequantize(p, fmt))
     reference.to(device)
     budget = _budget(model, kept=1)
-    offload(model, device, policy=offtensor.Policy(frozen_format=fmt, vram_budget=budget))
+    offload(model, device, policy=offtensor.Policy(frozen_format=fmt, layout="spread", vram_budget=budget))
     assert [r.kept for r in offtensor.summary(model).scopes] == [True] + [False] * (N_BLOCKS - 1)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
@@ -645,7 +645,7 @@ def test_old_gradients_no_gradient_takes_leave_the_kept_and_carried_scopes(devic
     to, and the kept scope (and the carried ones) held its copy past the backward, beyond the
     budget, until a write to their masters released them."""
     model = BlockStack([_SkippableBranch() for _ in range(6)], 8, 16, 4)
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=_budget(model, kept=1)))
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=_budget(model, kept=1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):
