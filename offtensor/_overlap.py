@@ -129,6 +129,21 @@ are built from those copies. Looked up in the groups as they are at the step, a 
 gave its hyperparameters to the next one, and parameters taken out of their group were never
 stepped.
 
+# Note [attributes the optimizer's step sets]
+The worker steps views of the optimizer, so an attribute that the optimizer's own `step` sets on
+`self` (a user's class counting steps in `self.t += 1`) was set on a view and dropped: `t` stayed
+0, and the updates that read it differed from `optimizer.step()`'s. Running the parts on the
+optimizer itself would not do either: `t` would count parts, not steps. So, as with the param
+groups, each view starts from the optimizer's attributes as of the call (`_Attributes`), and
+what its step rebinds, adds or deletes is written back to the optimizer: every part computes
+the same `t + 1`, as the one `step()` would. A value that depends on the parameters stepped (a
+gradient norm of them) differs between parts, and no part's value is the step's: the second
+part to differ raises, naming the class and the attribute (a partial step, Note [partial
+steps]), rather than keep one of them. A class of the user's makes the call return only once a
+part has written back, so the attribute reads as after `step()` right after the call (the first
+part is usually done during backward). What a step changes in place (a list it appends to, a
+tensor counter it adds to) is not an attribute set: that runs once per part, as its step hooks do.
+
 # Note [optimizer state of deferred steps]
 The optimizer's `state` is where deferred steps write (`exp_avg`, `step`, created at a
 parameter's first step), so reading or changing it while they run raced them: a state tensor
@@ -378,6 +393,8 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
     except BaseException as e:  # noqa: BLE001 - re-raised by _raise_partial, with a note
         stepper.cancel()
         _raise_partial(e, stepper, "the optimizer step")
+    if not stepper.plain_steps and not stepper.report.rest_params:
+        stepper.wait_for_a_part()  # Note [attributes the optimizer's step sets]
     held = [engine for engine in engines if engine.hold()]
     if held:
         # no_offload() keeps device copies that the worker's steps make stale, and the worker
@@ -663,8 +680,9 @@ class _OverlappedStep:
         # The state it steps into: the caller may put a new dict there before the worker is done
         # (Note [optimizer state of deferred steps]).
         self._state = optimizer.state
+        self._attributes = _Attributes(optimizer)  # Note [attributes the optimizer's step sets]
         # Note [worker steps without subclass dispatch]
-        self._plain_steps = type(optimizer).__module__.startswith("torch.optim.")
+        self.plain_steps = type(optimizer).__module__.startswith("torch.optim.")
         # Note [device steps] in _device_steps.py: the bytes the device may still step in this
         # call, the parameters whose step counts live on the device, the pieces queued there
         # whose copies back may not have landed yet.
@@ -688,6 +706,7 @@ class _OverlappedStep:
         self._done = False  # the worker has stopped
         self._error: BaseException | None = None
         self._waiting = 0  # threads blocked in wait() (Note [worker threads])
+        self._pieces_stepped = 0  # by the worker, failed ones included
         self._times: dict[str, list[float]] = {}  # scope -> [queued, landed, stepped]
         self._rest_done = 0.0
         self._stepped: list[str] = []  # names of the parameters stepped, in order
@@ -845,7 +864,7 @@ class _OverlappedStep:
         if rest:
             names = [self._names.get(i, "?") for i in rest]
             step_subset(self.optimizer, rest, self._groups, self._state,
-                        updated=lambda: self._locked(self._stepped.extend, names))
+                        updated=lambda: self._locked(self._stepped.extend, names), attributes=self._attributes)
             if self.zero_grad:
                 for g in self.optimizer.param_groups:
                     for p in g["params"]:
@@ -873,6 +892,15 @@ class _OverlappedStep:
             # forward, `p.grad`, a later call): say which step it was.
             _raise_partial(error, self, "the optimizer step deferred past its backward_and_step call "
                                         "(which had returned)" if self._rest_done else "the optimizer step")
+
+    def wait_for_a_part(self) -> None:
+        """Until the worker has stepped a piece (or stopped): what the optimizer's step sets on
+        itself is then written back (Note [attributes the optimizer's step sets])."""
+        self._locked(self._wait_for_a_part_locked)
+
+    def _wait_for_a_part_locked(self) -> None:
+        while not self._pieces_stepped and not self._done:
+            self._cond.wait()
 
     def settle(self) -> None:
         """Until the worker has stopped, if no more pieces come; its error stays to be raised
@@ -937,6 +965,7 @@ class _OverlappedStep:
                     self.report.pieces += 1
                     self.report.worker_busy_s += time.perf_counter() - began
                     with self._cond:
+                        self._pieces_stepped += 1
                         if queued is None:
                             self._clear_pending([piece])
                         else:  # its fence stays until its copies back land (_finish_device_steps)
@@ -1018,25 +1047,28 @@ class _OverlappedStep:
         publish(piece.slots)
         names = [s.name for s in piece.slots]
         ids = {id(s.param) for s in piece.slots}
-        args = (self.optimizer, ids, self._groups, self._state, lambda: self._stepped.extend(names))
+        updated = lambda: self._stepped.extend(names)  # noqa: E731
+        step = functools.partial(step_subset, self.optimizer, ids, self._groups, self._state, updated,
+                                 attributes=self._attributes)
         queued = None
         if piece.on_device:  # Note [device steps] in _device_steps.py
             for slot in piece.slots:
                 slot.scope.engine.master_written(slot)
 
             def run(copies: dict[int, torch.Tensor], state: Any) -> None:
-                step_subset(self.optimizer, ids, self._groups, state, args[4], substitute=copies)
+                step_subset(self.optimizer, ids, self._groups, state, updated, substitute=copies,
+                            attributes=self._attributes)
 
             queued = without_subclass_dispatch(step_on_device, piece.slots, self._state,
                                                piece.slots[0].scope.engine.streams, self._counts_on_device, run)
             self.report.device_pieces += 1
-        elif self._plain_steps and all(slot.packed is None for slot in piece.slots):
+        elif self.plain_steps and all(slot.packed is None for slot in piece.slots):
             # Note [worker steps without subclass dispatch]
             for slot in piece.slots:
                 slot.scope.engine.master_written(slot)
-            without_subclass_dispatch(step_subset, *args)
+            without_subclass_dispatch(step)
         else:
-            step_subset(*args)
+            step()
         if self.zero_grad:
             without_subclass_dispatch(set_grads, piece.slots, [None] * len(piece.slots))
         times[2] = self.elapsed()  # for a piece on the device: queued there
@@ -1061,7 +1093,8 @@ class _OverlappedStep:
 
 
 def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], as_of: list[tuple[dict, dict]] | None = None,
-                state: Any = None, updated: Any = None, substitute: dict[int, torch.Tensor] | None = None) -> None:
+                state: Any = None, updated: Any = None, substitute: dict[int, torch.Tensor] | None = None,
+                attributes: _Attributes | None = None) -> None:
     """`optimizer.step()` over only the parameters whose ids are in `ids`, through a view of the
     optimizer (same state and hooks, its own param groups), so that the optimizer object itself
     is never modified while another thread uses it. `as_of` pairs each param group with what it
@@ -1070,7 +1103,9 @@ def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], as_of: list[tup
     that the step changes are written back to the group.
     `updated()` is called once the update is done, before the step post-hooks (Note [partial
     steps]: a post-hook that raises follows an update). `substitute` maps a parameter's id to
-    the tensor stepped in its place (its device copy: Note [device steps] in _device_steps.py)."""
+    the tensor stepped in its place (its device copy: Note [device steps] in _device_steps.py).
+    `attributes`: the optimizer's attributes the view starts from, and where what its step sets
+    is written back (default: as they are now; Note [attributes the optimizer's step sets])."""
     groups = []
     for g, then in as_of if as_of is not None else [(g, g) for g in optimizer.param_groups]:
         params = [p if substitute is None else substitute[id(p)] for p in then["params"] if id(p) in ids]
@@ -1078,8 +1113,9 @@ def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], as_of: list[tup
             groups.append((g, {**then, "params": params}))
     if not groups:
         return
+    attributes = _Attributes(optimizer) if attributes is None else attributes
     view = object.__new__(type(optimizer))
-    view.__dict__.update(optimizer.__dict__)
+    view.__dict__.update(attributes.then)
     view.__dict__.pop("step", None)  # an instance-level wrapper (LR schedulers) calls the original
     if state is not None:
         view.state = state
@@ -1089,12 +1125,77 @@ def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], as_of: list[tup
         hooks = optimizer._optimizer_step_post_hooks
         view._optimizer_step_post_hooks = {-1: lambda *_: updated(), **hooks}  # type: ignore[assignment]
     before = [dict(sub) for _, sub in groups]
+    start = dict(view.__dict__)
     view.step()
     optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers look for
+    attributes.write_back(start, view.__dict__)
     for (g, sub), old in zip(groups, before, strict=True):
         for k, v in sub.items():
             if k != "params" and (k not in old or v is not old[k]):
                 g[k] = v
+
+
+_UNSET = object()  # an attribute the optimizer does not have
+
+
+class _Attributes:
+    """The optimizer's attributes as of a backward_and_step call, which each view starts from,
+    and what the views' steps set on themselves, written back to the optimizer once: Note
+    [attributes the optimizer's step sets]. Written by the worker and the calling thread."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+        self.then = dict(optimizer.__dict__)
+        self._set: dict[str, Any] = {}  # name -> what a part's step set it to (_UNSET: deleted)
+        self._lock = threading.Lock()
+
+    def write_back(self, start: dict[str, Any], end: dict[str, Any]) -> None:
+        """A view's step has run: its `__dict__` was `start` and is `end`."""
+        changed = {k: end.get(k, _UNSET) for k in start.keys() | end.keys()
+                   if end.get(k, _UNSET) is not start.get(k, _UNSET)}
+        if changed:
+            self._locked(self._write_back, changed)
+
+    def _locked(self, fn: Any, *args: Any) -> Any:
+        with self._lock: return fn(*args)  # noqa: E701  (one line: Note [interrupts])
+
+    def _write_back(self, changed: dict[str, Any]) -> None:
+        cls = type(self._optimizer).__name__
+        for name, value in changed.items():
+            if name in self._set and not _same(self._set[name], value):
+                raise RuntimeError(
+                    f"offtensor.backward_and_step: {cls}.step set its attribute {name!r} to different "
+                    "values in the parts of the optimizer that backward_and_step steps one by one (each "
+                    "through a view of it, starting from the attributes as of the call, its attributes "
+                    "set written back): a value computed from the parameters stepped is no part's to "
+                    "keep. Keep per-parameter values in optimizer.state, or use loss.backward(); "
+                    "optimizer.step()"
+                )
+        self._set.update(changed)
+        attrs = self._optimizer.__dict__
+        for name, value in changed.items():
+            if value is _UNSET:
+                attrs.pop(name, None)
+            else:
+                attrs[name] = value
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two parts' steps set an attribute to the same value: equal numbers or tensors (NaN equal
+    to NaN), or objects that compare equal."""
+    if a is b:
+        return True
+    try:
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        return True
+    except AssertionError:
+        return False
+    except Exception:  # noqa: BLE001 - not a kind assert_close compares: try ==
+        pass
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - no comparison: not the same
+        return False
 
 
 def _by_value(v: Any) -> Any:

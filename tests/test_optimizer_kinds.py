@@ -11,6 +11,7 @@ against a plain copy of the model made before wrapping, bit for bit on the CPU.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from conftest import (
     assert_grads_match,
     assert_params_match,
     mlp_of_blocks,
+    offload,
     reference_then_offload,
     tied_lm,
     tied_lm_predicate,
@@ -228,6 +230,90 @@ def test_the_worker_steps_torch_optim_optimizers_without_subclass_dispatch_and_o
         assert on_worker == []
     else:
         assert "clamp_" in on_worker and "is_complex" in on_worker
+
+
+class _CountingSGD(torch.optim.SGD):
+    """An optimizer of the user's that keeps a step count on itself and decays by it."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, lr=1e-2, momentum=0.9)
+        self.t = 0
+
+    def step(self, closure=None):  # type: ignore[override]
+        self.t += 1
+        loss = super().step(closure)
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.mul_(1 - 1e-3 * self.t)
+        return loss
+
+
+@pytest.mark.parametrize("stepped", ["whole model", "offloaded only"])
+def test_an_attribute_the_optimizer_step_sets_on_itself_is_kept_as_after_optimizer_step(stepped):
+    """Regression: the worker steps views of the optimizer, and `self.t += 1` in the step set
+    `t` on the view, which was dropped: the optimizer's `t` stayed 0 and each step decayed by
+    1e-3 instead of t * 1e-3. Every part's step now starts from the attributes as of the call
+    and what it sets is written back, so `t` counts steps, not parts, and reads right after the
+    call ("offloaded only": no part is stepped on the calling thread)."""
+    model = mlp_of_blocks(n_blocks=3)
+    reference = reference_then_offload(model, "cpu")
+
+    def optimizers(m):
+        if stepped == "whole model":
+            return _CountingSGD(m.parameters()), None
+        return _CountingSGD(m.blocks.parameters()), torch.optim.SGD([*m.input.parameters(), *m.head.parameters()],
+                                                                    lr=1e-2)
+
+    (opt, rest), (ref_opt, ref_rest) = optimizers(model), optimizers(reference)
+    for i in range(5):
+        x, y = torch.randn(4, 8), torch.randn(4, 4)
+        F.mse_loss(reference(x), y).backward()
+        for o in (ref_opt, ref_rest):
+            if o is not None:
+                o.step()
+                o.zero_grad()
+        if i == 4:  # the worker is slow to step its first piece (hooks run on it, before its step)
+            handles = [p.register_post_accumulate_grad_hook(lambda p: time.sleep(0.05))
+                       for p in model.blocks.parameters()]
+        report = offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True, piece_bytes=1024)
+        if rest is not None:
+            rest.step()
+            rest.zero_grad()
+        assert opt.t == ref_opt.t == i + 1
+    report.wait()
+    for handle in handles:
+        handle.remove()
+    assert report.pieces > 1 and (report.rest_params == 0) == (stepped == "offloaded only")
+    assert_params_match(model, reference, **tolerances("cpu"))
+    assert_all_scopes_offloaded(model)
+
+
+class _NormLoggingSGD(torch.optim.SGD):
+    """Records the gradient norm of what it steps on itself: a value of the whole step."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        self.grad_norm = torch.stack([p.grad.norm() for g in self.param_groups for p in g["params"]]).norm()
+        return super().step(closure)
+
+
+def test_error_if_the_optimizer_step_sets_an_attribute_to_different_values_in_its_parts():
+    """An attribute the step computes from the parameters it steps (a gradient norm) differs
+    between the parts backward_and_step steps: raise, naming the class and the attribute,
+    rather than keep one part's value."""
+    model = offload(mlp_of_blocks(n_blocks=3), "cpu")
+    opt = _NormLoggingSGD(model.parameters(), lr=1e-2)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    with pytest.raises(RuntimeError, match=r"_NormLoggingSGD\.step set its attribute 'grad_norm' to different "
+                                           r"values in the parts.*loss\.backward\(\); optimizer\.step\(\)"):
+        offtensor.backward_and_step(F.mse_loss(model(x), y), opt)
+        offtensor.wait_for_steps()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()  # the plain loop works, and its norm is the whole step's
+    grads = [p.grad for p in model.parameters()]
+    torch.testing.assert_close(opt.grad_norm, torch.stack([g.norm() for g in grads]).norm(), rtol=0, atol=0)
+    assert_all_scopes_offloaded(model)
 
 
 # --------------------------------------------------------------------------------------------
