@@ -33,6 +33,18 @@ forward of a custom autograd Function that autograd records (grad on, an input t
 grad): reentrant checkpointing's CheckpointFunction, seen through offtensor's Function.apply
 (`recorded_functions`, Note [custom autograd Functions] in _param.py).
 
+# Note [calls a built graph still holds]
+A backward that builds a graph (create_graph=True: `torch.autograd.grad(d_real.sum(), real,
+create_graph=True)` for an R1 penalty) keeps the graph it differentiated, and the one it built
+reads the scopes' device copies of that forward, retired at release (Note [higher-order
+gradients] in _scope.py). The calls of that forward can thus still add to the gradients, through
+leaves of their own, so its end leaves `grad_calls_since_backward` as it is. Reset there, a
+second forward before the loss's backward (`d_fake = m(fake)`) counted one call per scope, so
+backward_and_step handed each scope over at its first contribution, stepped it, and the
+penalty's contribution then found its weights changed (autograd's in-place error) after most
+of the model was stepped. A graph built and dropped unused at worst makes the next backward
+step its scopes after backward; the next backward that builds none resets the counts.
+
 # Note [torch.func transforms]
 Under `torch.func.grad`/`vjp`/`jacrev`/`vmap` every op, offtensor's own copies included, goes
 through the transform, which refuses in-place writes into tensors captured from outside it (the
@@ -553,7 +565,8 @@ class Engine:
         self._forget_backward()
         for scope in self.scopes:
             scope.running_calls = 0
-            scope.grad_calls_since_backward = 0
+            if not self._create_graph:  # Note [calls a built graph still holds]
+                scope.grad_calls_since_backward = 0
             scope.grad_calls_this_pass = 0
         self._create_graph = False
         if not self.hold():

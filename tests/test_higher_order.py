@@ -19,6 +19,7 @@ from conftest import (
     mlp_of_blocks,
     reference_then_offload,
     tolerances,
+    train_step,
 )
 
 import offtensor
@@ -61,6 +62,38 @@ def test_gradient_penalty_trains_like_unwrapped_model(device, split, checkpoint,
         ref_opt.zero_grad()
         assert_all_scopes_offloaded(model)
     assert_params_match(model, reference, **tol)
+
+
+def _r1_loss(model, real, fake):
+    """A GAN discriminator's loss with an R1 penalty built before the second forward."""
+    real = real.detach().requires_grad_(True)
+    d_real = model(real)
+    (g,) = torch.autograd.grad(d_real.sum(), real, create_graph=True)
+    d_fake = model(fake)
+    return d_real.mean() - d_fake.mean() + g.pow(2).sum()
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("overlapped", [False, True], ids=["step", "backward_and_step"])
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant"])
+def test_gradient_penalty_built_before_a_second_forward_trains_like_unwrapped_model(device, checkpoint, overlapped):
+    """Regression: the penalty's create_graph backward reset every scope's count of calls that
+    may still add to its gradients, though the graph it built still held the first forward's
+    call; after the second forward each scope counted one call, backward_and_step stepped it on
+    the first of its two contributions, and the second raised autograd's in-place error after
+    most parameters were stepped."""
+    model, reference = mlp_and_reference(device, checkpoint=checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for _ in range(4):
+        real, fake = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device)
+        _r1_loss(reference, real, fake).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        train_step(_r1_loss(model, real, fake), opt, overlap=overlapped)
+        assert_params_match(model, reference, **tolerances(device))
+        assert_all_scopes_offloaded(model)
 
 
 @pytest.mark.parametrize("device", devices)
