@@ -700,3 +700,185 @@ def test_compiled_runs_are_judged_by_the_compile_targets():
     assert row.target == 1.05 and row.verdict == "FAIL"
     rooflines._judge(row, "train", 100.0)
     assert row.target == 1.10 and row.verdict == "PASS"
+
+
+# ---- --shape flux: the diffusion transformer (bench/dit*.py) -------------------------------------
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: the tiny DiT's ops are too small to share, and on a busy 2-core host
+    two threads per op made the quick run several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _flux_run(tmp_path, *extra):
+    out = tmp_path / "bench.json"
+    assert bench.main(["--quick", "--device", "cpu", "--shape", "flux", "--warmup", "1", "--iters", "1",
+                       "--json", str(out), *extra]) == 0
+    result = json.loads(out.read_text())
+    return result, {(r["scenario"], r["peer"]): r for r in result["results"]}
+
+
+def _check_flux_rows(rows, peers):
+    from offtensor.bench.dit_report import RESIDENT_TARGETS, ROOFLINE_PEERS
+    from offtensor.bench.dit_run import FP8_PEERS
+
+    scenarios = ("infer-1024px", "lora-step-1024px")
+    assert set(rows) == {(s, p) for s in scenarios for p in peers}
+    for (scenario, peer), r in rows.items():
+        assert r["status"] == "ok", (scenario, peer, r["note"])
+        assert r["median_ms"] > 0 and r["roofline_ms"] > 0 and r["ratio"] > 0
+        if scenario == "lora-step-1024px":
+            assert r["grads_kept"] == 1.0, peer  # the adapters in every block got a gradient
+        if peer == "resident":
+            assert r["exact"] and r["roofline_ms"] == r["median_ms"]
+            continue
+        assert r["streamed_bytes"] is not None and r["streamed_source"].startswith("counted")
+        assert r["vs_resident"] == pytest.approx(r["median_ms"] / rows[(scenario, "resident")]["median_ms"])
+        # The copies' term counts the H2D bytes and, for fp8, the dequantization of what was loaded.
+        fp8 = peer in FP8_PEERS or peer == "diffusers-fp8"
+        assert (r["dequant_elements"] > 0) == (fp8 and r["streamed_bytes"] > 0), peer
+        if peer.startswith("offtensor"):
+            ref = "fp8 reference" if peer in FP8_PEERS else "resident"
+            assert (r["exact"], r["exact_ref"], r["max_abs_diff"]) == (True, ref, 0.0), peer  # bit for bit
+        if peer in FP8_PEERS:
+            assert r["diff_vs_resident"] > 0  # fp8 is lossy: equal to its reference, not to bf16
+        assert (r["target"] == 1.05) == (peer in ROOFLINE_PEERS)
+        kind = "infer" if scenario == "infer-1024px" else "frozen-step"
+        assert r["resident_target"] == RESIDENT_TARGETS.get((kind, peer))
+        if r["target"] is not None:
+            assert r["verdict"] == ("PASS" if r["ratio"] <= r["target"] else "FAIL")
+    for scenario in scenarios:
+        assert rows[(scenario, "offtensor-vram-all")]["streamed_bytes"] == 0  # the whole model kept
+        if (scenario, "offtensor-vram12-fp8") in rows:  # a budget streams part of the fp8 bytes
+            fp8, kept = rows[(scenario, "offtensor-fp8")], rows[(scenario, "offtensor-vram12-fp8")]
+            assert 0 < kept["streamed_bytes"] < fp8["streamed_bytes"] < rows[(scenario, "offtensor")]["streamed_bytes"]
+
+
+def test_flux_quick_run_has_each_peer_row_its_roofline_and_bit_exact_outputs(tmp_path, capsys, one_thread):
+    peers = ("resident", "offtensor", "offtensor-fp8", "offtensor-vram12-fp8", "offtensor-vram-all", "diffusers-fp8")
+    result, rows = _flux_run(tmp_path, "--peers", *peers)
+    _check_flux_rows(rows, peers)
+    printed = capsys.readouterr().out
+    assert "diffusers FluxTransformer2DModel" in result["model"]["source"]
+    for column in ("ms/iter", "peak VRAM GiB", "streamed GB/iter", "H2D ms", "dequant ms", "roofline ms", "ratio",
+                   "x resident", "first output", "targets"):
+        assert column in printed
+    assert "= fp8 reference; vs bf16" in printed and "resident <= 1.15 " in printed
+    assert "apply_layerwise_casting(float8_e4m3fn" in result["setups"]["diffusers-fp8"]["how"]
+    assert "vram_budget=" in result["setups"]["offtensor-vram12-fp8"]["how"]
+
+
+@pytest.mark.full_tier  # every peer: ~40 s on a 2-core host
+def test_flux_quick_run_with_every_peer(tmp_path, one_thread):
+    from offtensor.bench.dit_run import DIT_PEER_NAMES
+
+    _, rows = _flux_run(tmp_path)
+    _check_flux_rows(rows, DIT_PEER_NAMES)
+
+
+def test_flux_without_diffusers_or_peft_runs_the_builtin_dit(tmp_path, monkeypatch, one_thread):
+    """No diffusers: the built-in DiT of the same blocks, the diffusers peers noted as not
+    available; no peft: the built-in LoRA adapters, on the single blocks' fused qkv+mlp too."""
+    for name in ("diffusers", "diffusers.hooks", "peft"):
+        monkeypatch.setitem(sys.modules, name, None)
+    result, rows = _flux_run(tmp_path, "--scenarios", "lora-step-1024px", "--peers", "resident", "offtensor",
+                             "diffusers")
+    assert result["model"]["source"].startswith("built-in DiT")
+    source = result["model"]["source"]
+    assert "built-in LoraLinear (peft not installed) LoRA r=16 on to_q/to_k/to_v/to_qkv_mlp" in source
+    assert rows[("lora-step-1024px", "diffusers")]["status"] == "skipped"
+    assert "not available" in rows[("lora-step-1024px", "diffusers")]["note"]
+    ours = rows[("lora-step-1024px", "offtensor")]
+    assert ours["status"] == "ok" and ours["exact"] and ours["grads_kept"] == 1.0
+
+
+def test_the_fp8_reference_rounds_as_the_compressed_parameters_report():
+    """dit.fp8_round_trip_ (the bench's reading of Note [compressed masters]) gives exactly the
+    values Policy(frozen_format='fp8') parameters report, and streamed.fp8_compressed picks
+    exactly the parameters it compresses (the others keep their bf16 values)."""
+    from offtensor.bench.dit import QUICK_FLUX, build_dit, fp8_round_trip_
+    from offtensor.bench.model import materialize
+    from offtensor.bench.peers import PeerOptions, setup_offtensor
+    from offtensor.bench.streamed import fp8_compressed
+
+    cpu = torch.device("cpu")
+    plain, loaded = (build_dit(QUICK_FLUX, cpu, 0) for _ in range(2))
+    materialize(plain.model, cpu, plain.fill)
+    setup_offtensor(loaded, cpu, PeerOptions(), frozen_format="fp8")
+    compressed = 0
+    for (name, p), (_, q) in zip(plain.layers.named_parameters(), loaded.layers.named_parameters(), strict=True):
+        expected = p.detach().clone()
+        if fp8_compressed(p):
+            fp8_round_trip_(expected)
+            compressed += 1
+        assert torch.equal(q.detach().clone(), expected), name
+    assert compressed > 0
+
+
+def test_flux_rows_are_judged_against_their_own_roofline_and_the_resident_time():
+    from offtensor.bench.dit_report import judge_dit_rows
+
+    kinds = {"lora-step-1024px": "frozen-step"}
+    rows = [Row("lora-step-1024px", "resident", "ok", median_ms=100.0),
+            Row("lora-step-1024px", "offtensor-vram12-fp8", "ok", median_ms=112.0, streamed_bytes=10**8,
+                dequant_elements=10**8),
+            Row("lora-step-1024px", "offtensor", "ok", median_ms=210.0, streamed_bytes=2 * 10**9)]
+    judge_dit_rows(rows, kinds, {"h2d": 10**10}, dequant_s_per_element=1e-12)
+    _, budget, streamed = rows
+    assert budget.dequant_ms == pytest.approx(0.1) and budget.roofline_ms == 100.0  # compute-bound
+    assert (budget.ratio, budget.verdict) == (pytest.approx(1.12), "FAIL")
+    assert (budget.vs_resident, budget.resident_target, budget.resident_verdict) == (pytest.approx(1.12), 1.15, "PASS")
+    assert streamed.roofline_ms == pytest.approx(200.0) and streamed.verdict == "PASS"  # transfer-bound
+    assert streamed.resident_target is None
+
+
+def test_quick_budgets_keep_the_share_of_layers_the_real_shape_keeps():
+    from offtensor.bench.dit import FLUX_DEV, QUICK_FLUX, build_dit
+    from offtensor.bench.peers import PeerOptions, budget_keeping_all, layer_bytes, vram_budget
+
+    cpu = torch.device("cpu")
+    full, tiny = build_dit(FLUX_DEV, cpu, 0), build_dit(QUICK_FLUX, cpu, 0)
+    total, largest = layer_bytes(full)
+    assert 23.5e9 < total < 24.0e9 and largest == pytest.approx(680e6, rel=0.01)  # Flux.1-dev's blocks
+    assert vram_budget("offtensor-vram8", full, PeerOptions()) == 8 * 2**30
+    opts = PeerOptions(vram_full_shape=(total, largest))
+    share = (8 * 2**30 - 3 * largest) / total
+    tiny_total, tiny_largest = layer_bytes(tiny)
+    expected = 3 * tiny_largest + share * tiny_total
+    assert vram_budget("offtensor-vram8-fp8", tiny, opts) == pytest.approx(expected, abs=300)
+    assert vram_budget("offtensor-vram-all", tiny, opts) == budget_keeping_all(tiny, 1)
+
+
+def test_flux_takes_its_own_peers_and_no_layers():
+    assert "offtensor-vram16-fp8" in bench.parse_args(["--shape", "flux"]).peers
+    for bad in (["--peers", "accelerate"], ["--layers", "4"], ["--scenarios", "infer-1x512"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--shape", "flux", *bad])
+
+
+def test_8b_train_4x4096_runs_with_the_budget_peers(tmp_path, one_thread):
+    """The compute-dominated LLM scenario: the budget rows' floors count the bytes they streamed
+    (Note [budget floors]); a budget holding every layer streams nothing and is held to 1.02."""
+    out = tmp_path / "bench.json"
+    assert bench.main(["--quick", "--device", "cpu", "--shape", "8b", "--scenarios", "train-4x4096", "--peers",
+                       "resident", "offtensor", "offtensor-vram8", "offtensor-vram-all", "--warmup", "1",
+                       "--iters", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["peer"]: r for r in result["results"]}
+    assert set(rows) == {"resident", "offtensor", "offtensor-vram8", "offtensor-vram-all"}
+    assert all(r["status"] == "ok" and r["grads_kept"] == 1.0 for r in rows.values()), rows
+    assert (rows["offtensor-vram8"]["target"], rows["offtensor-vram-all"]["target"]) == (1.05, 1.02)
+    assert rows["offtensor-vram-all"]["streamed_bytes"] == 0
+    # Streamed, every layer loads in forward and again in backward but the last one (still resident).
+    streamed = rows["offtensor"]
+    assert streamed["moved_bytes"] < streamed["streamed_bytes"] <= 2 * streamed["moved_bytes"]
+    floors = result["scenarios"]["train-4x4096"]["rows"]["offtensor-vram-all"]
+    assert floors["counted_h2d_bytes"] == 0 and floors["phase_roofline_ms"] is None
+    assert rows["offtensor-vram-all"]["roofline_ms"] == pytest.approx(floors["floor_ms"])
+    assert rows["offtensor-vram8"]["vs_resident"] == pytest.approx(
+        rows["offtensor-vram8"]["median_ms"] / rows["resident"]["median_ms"])

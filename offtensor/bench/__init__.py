@@ -8,6 +8,7 @@ memory and host memory growth. docs/benchmarks.md defines every column.
     python -m offtensor.bench --layers 16 --peers resident offtensor --json out.json
     python -m offtensor.bench --scenarios step-4x2048 --peers resident offtensor offtensor-overlap
     python -m offtensor.bench --quick --device cpu     # smoke test: tiny model, no GPU needed
+    python -m offtensor.bench --shape flux             # the Flux.1-dev DiT: inference and a LoRA step
     python -m offtensor.bench --nproc 2                # data-parallel on 2 GPUs, FSDP2 and DDP as peers
     python -m offtensor.bench profile-step --help      # the investigations: see --help
 
@@ -19,9 +20,11 @@ Modules, bottom up: measure (timing, memory, bandwidth), scenarios (what runs), 
 Llama), optimizer (the CPU AdamW measurements), peers (placing the model), results (rows),
 workload (one scenario's callables), run (timing a scenario, a peer's pass), rooflines (and
 targets), report (printing, JSON), plots (the pictures, with matplotlib), cli; the subcommands
-in profiling, host_memory and plots. Several GPUs (`--nproc N`): launch (the ranks, their process
-groups), multi_peers (placing the model on each rank), multi_report (rows over the ranks, the
-table), multi (what each rank runs).
+in profiling, host_memory and plots. The diffusion transformer (`--shape flux`): dit_blocks (the
+built-in DiT), dit (the model, its inputs, the fp8 reference), dit_run (its peers and passes),
+dit_report (its rooflines and table); streamed counts what a peer copied. Several GPUs (`--nproc
+N`): launch (the ranks, their process groups), multi_peers (placing the model on each rank),
+multi_report (rows over the ranks, the table), multi (what each rank runs).
 """
 
 from .cli import main, parse_args

@@ -11,12 +11,15 @@ from typing import Any
 
 import torch
 
-from . import multi
+from . import dit_run, multi
+from .dit import FLUX_DEV, build_dit
+from .dit_run import DIT_PEER_NAMES
 from .launch import launched_by_torchrun
 from .measure import measure_bandwidth
+from .model import build_model
 from .multi_peers import MULTI_PEER_NAMES
 from .optimizer import WorkerSettings
-from .peers import PEER_NAMES, SHAPE_PEER_NAMES, peer_plan, peer_unavailable
+from .peers import PEER_NAMES, SHAPE_PEER_NAMES, VRAM_PEERS, layer_bytes, peer_plan, peer_unavailable
 from .plots import OVERLAP_PNG, RESULTS_PNG, missing_matplotlib, plot_results
 from .report import environment, json_result, print_summary, write_json
 from .results import Row
@@ -34,6 +37,7 @@ from .scenarios import (
     Scenario,
     quick,
 )
+from .shapes import RandomFill
 
 DESCRIPTION = ("Benchmark offtensor against the whole model on the device and against other "
                "offloading libraries (docs/benchmarks.md).")
@@ -66,10 +70,14 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; 2 with --quick; "
                    "with --shape, the shape's)")
-    p.add_argument("--shape", choices=list(NAMED_SHAPES), default=None,
-                   help="a real model's dimensions (8b: Llama-3-8B, 34b: CodeLlama-34B, 70b: Llama-2-70B), built "
+    p.add_argument("--shape", choices=[*NAMED_SHAPES, "flux"], default=None,
+                   help="a real model's dimensions (8b: Llama-3-8B, 34b: CodeLlama-34B, 70b: Llama-2-70B; flux: the "
+                        "Flux.1-dev diffusion transformer, its own peers: " + ", ".join(DIT_PEER_NAMES) + "), built "
                         "on the meta device and loaded scope by scope with random weights, with its own "
                         "scenarios: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in SHAPE_SCENARIOS.items()))
+    p.add_argument("--dit-model", choices=["auto", "diffusers", "builtin"], default="auto",
+                   help="--shape flux: diffusers' FluxTransformer2DModel (auto: when diffusers is installed) or "
+                        "the built-in DiT of the same blocks (bench/dit_blocks.py)")
     p.add_argument("--scenarios", nargs="+", default=None,
                    help=f"any of {list(SCENARIOS)} (space or comma separated; default all); with --nproc "
                         f"any of {list(MULTI_SCENARIOS)}; with --shape, that shape's")
@@ -173,6 +181,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         scenarios = SHAPE_SCENARIOS[args.shape]
     args.scenarios = _names(args.scenarios or list(scenarios), list(scenarios), "scenario")
     default_peers = SHAPE_PEER_NAMES if args.shape is not None else peers
+    if args.shape == "flux":
+        peers = default_peers = DIT_PEER_NAMES
+        if args.layers is not None or args.compile or args.plot is not None:
+            p.error("--shape flux has its own blocks (19 double, 38 single) and table; it takes none of --layers, "
+                    "--compile, --plot")
     args.peers = _names(args.peers or list(default_peers), peers, "peer")
     if args.vram_cap_gib <= 0:
         p.error("--vram-cap-gib must be > 0")
@@ -234,7 +247,23 @@ def _run_peers(peers: list[str], scenarios: list[Scenario], shape: ModelShape, d
             report(interrupted=False)
 
 
+def _full_shape_layers(args: argparse.Namespace, device: torch.device) -> tuple[int, int] | None:
+    """--quick --shape with offtensor-vram* peers: the real shape's layer bytes (all, the
+    largest; built on the meta device), so that each budget keeps the same share of the tiny
+    model's layers (peers.vram_budget)."""
+    if not (args.quick and args.shape is not None and set(args.peers) & set(VRAM_PEERS)):
+        return None
+    if args.shape == "flux":
+        return layer_bytes(build_dit(FLUX_DEV, device, args.seed, args.dit_model))
+    return layer_bytes(build_model(NAMED_SHAPES[args.shape], "base", device, args.seed,
+                                   fill=RandomFill(device, args.seed)))
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.shape == "flux":
+        device = _device(args.device)
+        args.vram_full_shape = _full_shape_layers(args, device)
+        return dit_run.main(args, device, _json_args(args))
     if args.shape is not None:
         base = (QUICK_NAMED_SHAPES if args.quick else NAMED_SHAPES)[args.shape]
     else:
@@ -243,6 +272,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.multi:
         return multi.main(args, shape)
     device = _device(args.device)
+    args.vram_full_shape = _full_shape_layers(args, device)
     known = SHAPE_SCENARIOS[args.shape] if args.shape is not None else SCENARIOS
     scenarios = [known[n] for n in known if n in args.scenarios]  # canonical order
     if args.quick:

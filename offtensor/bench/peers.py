@@ -17,8 +17,13 @@ from .model import BuiltModel, materialize
 from .scenarios import Scenario
 from .shapes import RandomFill, expected_load_s
 
+# Policy(vram_budget=N GiB) peers of the real shapes (--shape; issue 31), each also with fp8 frozen
+# weights, and one whose budget holds every scope (`budget_keeping_all`): nothing streams.
+VRAM_BUDGETS_GIB = (8, 12, 16)
+VRAM_PEERS = (*(f"offtensor-vram{n}{fp8}" for n in VRAM_BUDGETS_GIB for fp8 in ("", "-fp8")), "offtensor-vram-all")
 PEER_NAMES = ("resident", "offtensor", "offtensor-overlap", "offtensor-castdev", "offtensor-casthost",
-              "offtensor-budget", "offtensor-fp8", "offtensor-int8", "offtensor-capped", "accelerate", "diffusers")
+              "offtensor-budget", "offtensor-fp8", "offtensor-int8", "offtensor-capped", *VRAM_PEERS,
+              "accelerate", "diffusers")
 # --shape's default peers: each run of a real shape must fit in minutes (every load counts).
 SHAPE_PEER_NAMES = ("resident", "offtensor", "offtensor-overlap", "offtensor-fp8", "offtensor-capped",
                     "accelerate", "diffusers")
@@ -33,6 +38,9 @@ class PeerOptions:
     offtensor_vram_budget_gib: float | None = None  # Policy(vram_budget=) for the offtensor peers
     compile: bool = False  # block.compile() on each decoder layer (resident and offtensor peers)
     vram_cap_gib: float = 8.0  # offtensor-capped: torch.cuda.set_per_process_memory_fraction
+    # --quick --shape: the real shape's layers' bytes (all of them, the largest), so that each
+    # offtensor-vram* budget keeps the same share of the tiny model's layers (`vram_budget`).
+    vram_full_shape: tuple[int, int] | None = None
 
 
 COMPILED_PEERS = ("resident", "offtensor", "offtensor-overlap", "offtensor-castdev", "offtensor-casthost")
@@ -82,6 +90,11 @@ def compile_layers(built: BuiltModel, peer: str) -> str:
 def peer_plan(peer: str, scenario: Scenario) -> str | None:
     """'run'; or the note of a 'skipped' row; or None: the peer has no row for this scenario
     (the offtensor variants are only different from `offtensor` where they have a row)."""
+    if peer in VRAM_PEERS:  # the real shapes only; fp8 compresses frozen weights only
+        if not scenario.at_shape:
+            return None
+        kinds = ("infer", "frozen-step") if peer.endswith("-fp8") else ("infer", "train", "frozen-step")
+        return "run" if scenario.kind in kinds else None
     if peer in ("accelerate", "diffusers") and scenario.at_shape:
         return ("not run at --shape sizes: it needs the whole bf16 model built in host memory, "
                 "which these shapes are made to avoid")
@@ -158,6 +171,42 @@ def budget_keeping_half(built: BuiltModel, prefetch: int) -> int:
     return (len(built.layers) // 2 + 2 + prefetch) * layer
 
 
+def _scope_bytes(built: BuiltModel, layer: nn.Module) -> int:
+    """Device bytes of one layer's offloaded parameters (each rounded up to 256 bytes; a LoRA
+    model offloads its frozen base only)."""
+    return sum(-(-p.numel() * p.element_size() // 256) * 256 for p in layer.parameters()
+               if built.variant != "lora" or not p.requires_grad)
+
+
+def layer_bytes(built: BuiltModel) -> tuple[int, int]:
+    """(all, the largest) of the layers' offloaded device bytes: what a VRAM budget divides."""
+    sizes = [_scope_bytes(built, layer) for layer in built.layers]
+    return sum(sizes), max(sizes)
+
+
+def budget_keeping_all(built: BuiltModel, prefetch: int) -> int:
+    """A `Policy.vram_budget` that keeps every layer resident: their bytes, the streaming room
+    beside them (2 + prefetch of the largest) and 1 MiB; nothing streams after the first load."""
+    total, largest = layer_bytes(built)
+    return total + (2 + prefetch) * largest + 2**20
+
+
+def vram_budget(peer: str, built: BuiltModel, opts: PeerOptions) -> int:
+    """The `Policy.vram_budget` of an offtensor-vram* peer: N GiB, or every layer's bytes for
+    offtensor-vram-all. With `opts.vram_full_shape` (--quick), the budget that keeps the same
+    share of this model's layers, beside the streaming room, as N GiB keeps of the real shape's."""
+    prefetch = opts.offtensor_prefetch if opts.offtensor_prefetch is not None else 1
+    if peer == "offtensor-vram-all":
+        return budget_keeping_all(built, prefetch)
+    budget = int(peer.removeprefix("offtensor-vram").removesuffix("-fp8")) * GiB
+    if opts.vram_full_shape is None:
+        return budget
+    full_total, full_largest = opts.vram_full_shape
+    share = min(1.0, max(0.0, (budget - (2 + prefetch) * full_largest) / full_total))
+    total, largest = layer_bytes(built)
+    return (2 + prefetch) * largest + int(share * total) + 256
+
+
 def layers_embeddings_and_head(model: Any, layers: nn.ModuleList) -> Callable[[str, nn.Module], bool]:
     """A wrap predicate selecting each decoder layer, the input embeddings and the head of a
     transformers model (plain nn.Embedding and nn.Linear modules). A head tied to the embeddings
@@ -201,16 +250,20 @@ def _load(built: BuiltModel, device: torch.device, policy: Any, predicate: Any) 
 
 
 def setup_offtensor(built: BuiltModel, device: torch.device, opts: PeerOptions, cast: str | None = None,
-                    budget: bool = False, frozen_format: str | None = None, offload_all: bool = False) -> str:
+                    budget: bool = False, frozen_format: str | None = None, offload_all: bool = False,
+                    vram_peer: str | None = None) -> str:
     """`offtensor.wrap` with the default predicate (every element of every nn.ModuleList: the
     decoder layers; with `offload_all`, the embeddings and head too), then the rest of the
-    model to the device; a --shape model is loaded scope by scope instead (`_load`). Returns
-    the call, in words."""
+    model to the device; a --shape model is loaded scope by scope instead (`_load`). With
+    `vram_peer`, the Policy.vram_budget of that offtensor-vram* peer (`vram_budget`). Returns the
+    call, in words."""
     import offtensor
 
     options = _offtensor_options(built, opts, cast)
     if budget:
         options["vram_budget"] = budget_keeping_half(built, options.get("prefetch", 1))
+    if vram_peer is not None:
+        options["vram_budget"] = vram_budget(vram_peer, built, opts)
     if frozen_format is not None:
         # Compressed on the host, dequantized on the device (Note [compressed masters]). Only
         # frozen weights are: this peer runs inference (the base model, frozen here) and LoRA.
@@ -255,6 +308,15 @@ def _setup_diffusers(built: BuiltModel, device: torch.device, opts: PeerOptions)
     return f"diffusers apply_group_offloading(leaf_level, use_stream={use_stream}) on each decoder layer"
 
 
+def _setup_vram(peer: str) -> Callable[[BuiltModel, torch.device, PeerOptions], str]:
+    """An offtensor-vram* peer's setup: its Policy.vram_budget, fp8 frozen weights for -fp8."""
+    def setup(built: BuiltModel, device: torch.device, opts: PeerOptions) -> str:
+        return setup_offtensor(built, device, opts, vram_peer=peer,
+                               frozen_format="fp8" if peer.endswith("-fp8") else None)
+
+    return setup
+
+
 PEER_SETUP: dict[str, Callable[[BuiltModel, torch.device, PeerOptions], str]] = {
     "resident": _setup_resident,
     "offtensor": setup_offtensor,
@@ -267,13 +329,14 @@ PEER_SETUP: dict[str, Callable[[BuiltModel, torch.device, PeerOptions], str]] = 
     # A full fine-tune under a VRAM cap (run.py applies it): the embeddings and head offloaded
     # as scopes too; the step is backward_and_step.
     "offtensor-capped": lambda b, d, o: setup_offtensor(b, d, o, offload_all=True),
+    **{peer: _setup_vram(peer) for peer in VRAM_PEERS},
     "accelerate": _setup_accelerate,
     "diffusers": _setup_diffusers,
 }
 _PEER_MODULE = {"resident": None, "offtensor": "offtensor", "offtensor-overlap": "offtensor",
                 "offtensor-castdev": "offtensor", "offtensor-casthost": "offtensor", "offtensor-budget": "offtensor",
                 "offtensor-fp8": "offtensor", "offtensor-int8": "offtensor", "offtensor-capped": "offtensor",
-                "accelerate": "accelerate", "diffusers": "diffusers.hooks"}
+                **dict.fromkeys(VRAM_PEERS, "offtensor"), "accelerate": "accelerate", "diffusers": "diffusers.hooks"}
 
 
 def peer_unavailable(peer: str) -> str | None:
@@ -311,3 +374,4 @@ def offloaded_bytes(model: nn.Module) -> tuple[int, int]:
     trainable = sum(p.numel() * p.element_size() for p in model.parameters()
                     if isinstance(p, offtensor.OffloadedParameter) and p.requires_grad)
     return offtensor.summary(model).host_bytes, trainable
+

@@ -66,7 +66,8 @@ def _table_row(r: Row, shapes: dict[str, str]) -> tuple[str, ...]:
         target = f"VRAM < {r.vram_cap_bytes / GiB:.0f} GiB {r.verdict}"
     return (r.scenario, shapes.get(r.scenario, f"{r.batch}x{r.seq}"), r.peer, median, _fmt(r.roofline_ms, ".1f"),
             ratio, target, _fmt(None if r.peak_vram_bytes is None else r.peak_vram_bytes / GiB, ".2f"),
-            _fmt(None if r.host_growth_bytes is None else r.host_growth_bytes / GiB, ".2f"))
+            _fmt(None if r.host_growth_bytes is None else r.host_growth_bytes / GiB, ".2f"),
+            _fmt(None if r.streamed_bytes is None else r.streamed_bytes / 1e9, ".2f"), _fmt(r.vs_resident, ".2f"))
 
 
 def format_table(rows: list[Row], bw: dict[str, Any], env: dict[str, Any], shape: ModelShape,
@@ -80,13 +81,20 @@ def format_table(rows: list[Row], bw: dict[str, Any], env: dict[str, Any], shape
             f"({bw['method']})")
     shapes = {s.name: s.shape for s in scenarios}
     table: list[tuple[str, ...]] = [("scenario", "batch x seq", "peer", "median ms", "roofline ms", "ratio", "target",
-              "peak VRAM GiB", "host GiB")]
+              "peak VRAM GiB", "host GiB", "streamed GB", "x resident")]
     table += [_table_row(r, shapes) for r in rows]
+    # The counted bytes and the ratio to the resident time: only where some row has them (--shape).
+    keep = [i for i in range(len(table[0])) if i < 9 or any(t[i] != "-" for t in table[1:])]
+    table = [tuple(t[i] for i in keep) for t in table]
     widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
     lines = [" | ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(t, widths, strict=True)))
              for t in table]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     foot = ["batch x seq: what ran (xN: micro-batches per timed iteration; the median is per micro-batch)."]
+    if len(keep) > 9:
+        foot.append("streamed GB: host-to-device bytes per micro-batch of the timed iterations, counted (offtensor."
+                    "summary loads x each scope's host bytes); x resident: the median over the resident row's. "
+                    "An offtensor-vram* row's roofline is max(resident, those bytes / H2D, its gradients / D2H).")
     if any(not r.valid_training for r in rows):
         foot.append("no roofline or ratio for a training row that kept only part of its gradients: "
                     "its time is not a training step's (see the notes).")

@@ -38,11 +38,27 @@ class Row:
     moved_bytes: int | None = None  # offtensor peers: the scopes' host bytes (what a pass loads)
     moved_grad_bytes: int | None = None  # of which trainable (gradients sent home in backward)
     vram_cap_bytes: int | None = None  # offtensor-capped: the cap; its target is peak VRAM below it
+    # Counted over the timed iterations, per iteration (streamed.StreamCounter): the bytes copied
+    # to the device, how they were counted, and the fp8 elements dequantized there.
+    streamed_bytes: int | None = None
+    streamed_source: str | None = None
+    dequant_elements: int | None = None
+    dequant_ms: float | None = None  # those elements at the measured dequantization rate (--shape flux)
+    # --shape flux: the first iteration's output against the reference's: bit for bit (exact),
+    # else the largest absolute difference; the reference ('resident', or 'fp8 reference': the
+    # resident model with its weights rounded as Policy(frozen_format="fp8") documents).
+    exact: bool | None = None
+    exact_ref: str | None = None
+    max_abs_diff: float | None = None
+    diff_vs_resident: float | None = None  # fp8 rows: the largest difference from the bf16 output
     ratio_source: str | None = None  # 'in turn': the ratio is measure_same_time's, not median/roofline
     roofline_ms: float | None = None  # None where it means nothing (see compute_rooflines)
     ratio: float | None = None
     target: float | None = None  # the ratio this peer should stay within (rooflines.TARGETS)
     verdict: str | None = None  # PASS | FAIL against `target`
+    vs_resident: float | None = None  # --shape rows: median / the resident row's median
+    resident_target: float | None = None  # the largest vs_resident that meets its target (--shape flux)
+    resident_verdict: str | None = None
 
     @property
     def valid_training(self) -> bool:

@@ -28,7 +28,8 @@ from .peers import PEER_SETUP, STEP_PEERS, PeerOptions, compile_layers, offloade
 from .results import Extras, Row, VariantBytes
 from .scenarios import ModelShape, Scenario
 from .shapes import RandomFill, fit_problem, vram_cap
-from .workload import Workload, make_workload
+from .streamed import LoadCounter
+from .workload import Workload, make_workload, timed_iterations
 
 DEFAULT_WORKER = WorkerSettings()
 FP32_BUILD_LIMIT_S = 60.0  # step32-4x2048 is skipped when building the fp32 model takes longer
@@ -55,34 +56,6 @@ def overlap_record(report: Any, worker: WorkerSettings) -> dict[str, Any]:
         "scopes": [{"scope": n, "queued_ms": q * 1e3, "started_ms": g * 1e3, "stepped_ms": d * 1e3}
                    for n, q, g, d in report.scopes],
     }
-
-
-def _timed_iterations(work: Workload, device: torch.device, warmup: int, iters: int, max_seconds: float,
-                      row: Row, between: Callable[[], None] | None = None) -> list[float]:
-    """Seconds per micro-batch of each timed iteration, after `warmup` warm-up iterations;
-    `between`, when given, runs (untimed here) after each timed iteration."""
-    last = timed(device, work.first_step)
-    row.first_call_ms, row.per_iteration = last * 1e3, work.per_step
-    for _ in range(warmup - 1):
-        last = timed(device, work.step)
-    work.drain()
-    # A peer much slower than expected gets fewer iterations rather than stalling the run.
-    if last * iters > max_seconds:
-        iters = max(1, min(iters, int(max_seconds // max(last, 1e-9))))
-        row.note = (row.note + f" iterations cut to {iters} (warm-up took {last:.1f} s)").strip()
-    if work.clock is not None:
-        work.clock.clear()  # the warm-up's phases are not counted
-    times = []
-    for _ in range(iters):
-        times.append(timed(device, work.step) / work.per_step)
-        if work.clock is not None:
-            work.clock.collect(work.per_step)  # after timed()'s sync: its events are complete
-        if between is not None:
-            between()
-    # Steps that finish in the background belong to the loop: the last one's rest is added to
-    # the last iteration (the earlier ones ran inside the next iteration's time).
-    times[-1] += timed(device, work.drain) / work.per_step
-    return times
 
 
 def _resident_compute_terms(work: Workload, model: torch.nn.Module, device: torch.device, row: Row,
@@ -118,7 +91,9 @@ def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *,
         torch.cuda.reset_peak_memory_stats(device)
         row.vram_before_bytes = torch.cuda.memory_allocated(device)
     between = _plain_optimizer_in_turn(built, scenario, peer, row)
-    row.times_ms = [t * 1e3 for t in _timed_iterations(work, device, warmup, iters, max_seconds, row, between)]
+    counter = _load_counter(built, peer)
+    row.times_ms = [t * 1e3 for t in timed_iterations(work, device, warmup, iters, max_seconds, row, between,
+                                                       counter=counter)]
     row.median_ms = statistics.median(row.times_ms)
     row.phases_ms = work.clock.medians() if work.clock is not None else None
     if device.type == "cuda":
@@ -140,6 +115,15 @@ def run_scenario(built: BuiltModel, scenario: Scenario, device: torch.device, *,
     work.optimizers.clear()  # frees the optimizer state
     if scenario.kind != "infer":
         built.model.zero_grad(set_to_none=True)
+
+
+def _load_counter(built: BuiltModel, peer: str) -> LoadCounter | None:
+    """An offtensor model's loads in the timed iterations, counted (row.streamed_bytes)."""
+    import offtensor
+
+    if not offtensor.is_wrapped(built.model):
+        return None
+    return LoadCounter(built.model, compressed=peer.endswith(("-fp8", "-int8")))
 
 
 def _plain_optimizer_in_turn(built: BuiltModel, scenario: Scenario, peer: str, row: Row) -> Callable[[], None] | None:
@@ -282,7 +266,8 @@ class _PeerPass:
                                 offtensor_max_scope_mib=args.offtensor_max_scope_mib,
                                 offtensor_vram_budget_gib=getattr(args, "offtensor_vram_budget_gib", None),
                                 compile=getattr(args, "compile", False),
-                                vram_cap_gib=getattr(args, "vram_cap_gib", 8.0))
+                                vram_cap_gib=getattr(args, "vram_cap_gib", 8.0),
+                                vram_full_shape=getattr(args, "vram_full_shape", None))
         self.built: BuiltModel | None = None
         self.rss0: int | None = None
         self.setup_failed: dict[str, str] = {}  # variant -> note

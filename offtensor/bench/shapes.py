@@ -34,18 +34,21 @@ from .scenarios import ModelShape, Scenario
 STD = 0.02  # the Llama config's initializer_range
 HOST_HEADROOM = 0.9  # of MemAvailable: what a peer may plan to use
 DEVICE_HEADROOM = 0.95  # of the GPU's memory
-COMPRESSED = ("offtensor-fp8", "offtensor-int8")
 
 
 class RandomFill:
     """offtensor.load's `init` (and `materialize`'s): normal(0, 0.02) matrices, ones for 1-D
     parameters (norm weights), zeros for LoRA's B; generated on `device` (Note [random weights
-    at real shapes]). With `layer_bytes`, prints the expected time of the whole load after the
-    first two layers' worth of parameters."""
+    at real shapes]). `scaled`: normal matrices of std 1/sqrt(fan_in) and zero biases instead (the DiT,
+    whose modulations and biases would otherwise grow its activations block after block). With
+    `layer_bytes`, prints the expected time of the whole load after the first two layers' worth
+    of parameters."""
 
-    def __init__(self, device: torch.device, seed: int, total_bytes: int = 0, layer_bytes: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int, total_bytes: int = 0, layer_bytes: int = 0,
+                 scaled: bool = False) -> None:
         self.device = device
         self.seed = seed
+        self.scaled = scaled
         self.total_bytes, self.layer_bytes = total_bytes, layer_bytes
         self.done_bytes = 0
         self.t0: float | None = None
@@ -61,15 +64,16 @@ class RandomFill:
         gen = torch.Generator(device=self.device)
         gen.manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
         with torch.no_grad():
-            for p in module.parameters(recurse=False):
+            for pname, p in module.named_parameters(recurse=False):
+                std = p[0].numel() ** -0.5 if self.scaled and p.dim() >= 2 else STD
                 if p.dim() < 2:
-                    p.fill_(1.0)
+                    p.fill_(0.0 if self.scaled and pname == "bias" else 1.0)
                 elif "lora_B" in name:
                     p.zero_()
                 elif p.device == self.device:
-                    p.normal_(0.0, STD, generator=gen)
+                    p.normal_(0.0, std, generator=gen)
                 else:
-                    p.copy_(torch.empty(p.shape, dtype=p.dtype, device=self.device).normal_(0.0, STD, generator=gen))
+                    p.copy_(torch.empty(p.shape, dtype=p.dtype, device=self.device).normal_(0.0, std, generator=gen))
                 self.done_bytes += p.numel() * p.element_size()
 
     def _progress(self) -> None:
@@ -121,7 +125,7 @@ def offloaded_host_bytes(built: BuiltModel, peer: str, s: Scenario) -> int:
     if peer == "offtensor-capped":  # embeddings and head offloaded too
         trainable = built.total_bytes
         layers = built.total_bytes
-    masters = layers - frozen // 2 if peer in COMPRESSED else layers
+    masters = layers - frozen // 2 if peer.endswith(("-fp8", "-int8")) else layers
     per_trainable = {"train": 1, "full": 3}.get(s.kind, 0)
     return masters + per_trainable * trainable + layers // max(len(built.layers), 1)
 

@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .measure import PhaseClock
+from .measure import PhaseClock, timed
 from .model import BuiltModel, enable_checkpointing
 from .optimizer import WorkerSettings, make_adamw
 from .results import Row
 from .scenarios import Scenario
+from .streamed import StreamCounter
 
 
 @dataclass
@@ -203,3 +204,38 @@ def make_workload(built: BuiltModel, scenario: Scenario, device: torch.device, i
     if scenario.kind == "infer":
         return _infer(built, ids, clock)
     return _accumulate(built, scenario, ids, row, clock)
+
+
+def timed_iterations(work: Workload, device: torch.device, warmup: int, iters: int, max_seconds: float,
+                     row: Row, between: Callable[[], None] | None = None,
+                     counter: StreamCounter | None = None) -> list[float]:
+    """Seconds per micro-batch of each timed iteration, after `warmup` warm-up iterations;
+    `between`, when given, runs (untimed here) after each timed iteration. With `counter`,
+    `row.streamed_bytes` (and the elements dequantized) per micro-batch of the timed iterations."""
+    last = timed(device, work.first_step)
+    row.first_call_ms, row.per_iteration = last * 1e3, work.per_step
+    for _ in range(warmup - 1):
+        last = timed(device, work.step)
+    work.drain()
+    # A peer much slower than expected gets fewer iterations rather than stalling the run.
+    if last * iters > max_seconds:
+        iters = max(1, min(iters, int(max_seconds // max(last, 1e-9))))
+        row.note = (row.note + f" iterations cut to {iters} (warm-up took {last:.1f} s)").strip()
+    if work.clock is not None:
+        work.clock.clear()  # the warm-up's phases are not counted
+    if counter is not None:
+        counter.start()
+    times = []
+    for _ in range(iters):
+        times.append(timed(device, work.step) / work.per_step)
+        if work.clock is not None:
+            work.clock.collect(work.per_step)  # after timed()'s sync: its events are complete
+        if between is not None:
+            between()
+    # Steps that finish in the background belong to the loop: the last one's rest is added to
+    # the last iteration (the earlier ones ran inside the next iteration's time).
+    times[-1] += timed(device, work.drain) / work.per_step
+    if counter is not None:
+        row.streamed_bytes, row.dequant_elements = counter.per_iteration(len(times) * work.per_step)
+        row.streamed_source = counter.source
+    return times
