@@ -2,27 +2,19 @@
 copies of the streamed ones hide behind compute (Note [a timed layout]).
 
 # Note [a timed layout]
-Keeping scopes by bytes alone (spread evenly over the order) is right when every scope computes
-about as long as it copies. It is wrong when they differ: a diffusion transformer's double-stream
-blocks copy four times longer than they compute (their modulation matrices act on one token),
-its single-stream blocks less than twice, so a layout that streams some of each leaves the link
-saturated through the double blocks and idle through the single ones (1.22x a resident forward
-where the copies it makes take less time than the compute).
-So, under `Policy(layout="timed")`, the second pass of the model (the first has learned the
-order; cold kernels and allocations are paid) is measured: each scope's forward and backward
-compute between events on the compute stream, after its whole copy has landed, and the
-host-to-device bandwidth by one timed copy. `choose` then builds the kept set greedily: from
-nothing kept, it keeps at each step the scope that shortens the simulated step the most per
-byte (ties: the one whose copy is longest against its compute), while what is left of the
-budget still holds streaming's room, 2 + `prefetch` of the largest streamed block; and it walks
-the forward keeping a scope only where its copy would land late, with several fixed rooms; the
-best of these by simulation wins. Everything
-the budget does not keep is the streaming room: a larger room lets the copies run further ahead
-during a run of kept scopes. `simulate` replays a pass as the engine runs it: copies in order
-on one link, each waiting for room freed by a streamed scope's end (the room's bytes are held
-from a copy's start to its scope's release), each scope computing once its copy has landed.
-`vram_budget="auto"` sizes the budget at the same point, from the device memory that the
-measured step left unused at its peak, less a margin.
+Keeping scopes by bytes (spread evenly) is right only when every scope computes about as long as
+it copies. A diffusion transformer's double-stream blocks copy far longer than they compute (their
+modulation matrices act on one token), its single-stream ones less so: a byte layout saturates the
+link through one half and idles it through the other. So under `Policy(layout="timed")` the
+second pass is measured (each scope's compute between compute-stream events after its whole copy;
+the bandwidth by one timed copy), and when the third starts `choose` keeps the set whose simulated
+step is shortest: the best of a greedy by gain per byte and of just-in-time walks (keep a scope
+only where its copy would land late) over several rooms, each leaving streaming's room (2 +
+`prefetch` of the largest streamed block). What the budget does not keep is the streaming room.
+`simulate` replays a pass as the engine runs it: copies in order on one link, each waiting for
+room freed by a streamed scope's end, each scope computing once its copy has landed.
+`vram_budget="auto"` sizes the budget at the same point from the memory the measured step left
+unused at its peak, less a margin.
 """
 
 from __future__ import annotations
