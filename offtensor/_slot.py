@@ -96,6 +96,15 @@ class DeviceCopy(torch.Tensor):
     exception in a forward, when the scopes have already been released."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    # Note [device copies are not activations]
+    # Activation offloading (TRL's and torchtune's OffloadActivations) packs every saved tensor
+    # to the host except parameters and buffers, which it recognises by isinstance. A device
+    # copy is what autograd saves for a linear's input gradient, so without a mark each copy of
+    # a weight crossed to the host in forward and back in backward beside offtensor's own
+    # loads (on the H200, 540 MiB more per step of a 6-layer 2048-wide Llama, 64 -> 92 ms).
+    # `_is_buffer` is what makes `isinstance(t, nn.Buffer)` true for a tensor subclass; it
+    # changes nothing else unless a device copy is assigned to a module attribute.
+    _is_buffer = True
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
         needed = (self.storage_offset() + self.numel()) * self.element_size()

@@ -292,6 +292,39 @@ def test_saved_tensors_hooks_around_the_forward_train_like_unwrapped(hooks, chec
     assert_all_scopes_offloaded(model)
 
 
+class _ActivationOffloader(torch.autograd.graph.saved_tensors_hooks):
+    """What TRL's and torchtune's activation offloading do: every saved tensor but parameters
+    and buffers goes to the host (counted here, kept as is)."""
+
+    def __init__(self) -> None:
+        self.offloaded = 0
+        super().__init__(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, (torch.nn.Parameter, torch.nn.Buffer)):
+            self.offloaded += t.numel() * t.element_size()
+        return t
+
+
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant"])
+def test_activation_offloading_moves_the_same_bytes_as_for_the_unwrapped_model(checkpoint):
+    """Device copies of weights are not activations: an offloader that skips parameters and
+    buffers offloads exactly what it offloads for the plain model."""
+    model, reference = mlp_and_reference("cpu", checkpoint=checkpoint)
+    x, y = _batches("cpu", 1)[0]
+    counts = []
+    for m in (reference, model):
+        offloader = _ActivationOffloader()
+        with offloader:
+            loss = F.mse_loss(m(x), y)
+        loss.backward()
+        counts.append(offloader.offloaded)
+    assert counts[0] > 0
+    assert counts[1] == counts[0]
+    assert_grads_match(model, reference, **tolerances("cpu"))
+    assert_all_scopes_offloaded(model)
+
+
 # --------------------------------------------------------------------------------------------
 # Autograd modes and retained graphs
 # --------------------------------------------------------------------------------------------
