@@ -103,6 +103,7 @@ class PhaseClock:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self._marks: list[tuple[str, Any]] = []
+        self._host: list[tuple[str, float]] = []  # (phase, ms) of host-side times, this iteration
         self.samples: dict[str, list[float]] = {}  # phase -> ms per micro-batch, per iteration
 
     def _now(self) -> Any:
@@ -114,7 +115,7 @@ class PhaseClock:
 
     def start(self) -> None:
         """The iteration starts; marks not collected (a warm-up iteration) are dropped."""
-        self._marks = [("", self._now())]
+        self._marks, self._host = [("", self._now())], []
 
     def mark(self, phase: str) -> None:
         """`phase` ends now (it began at the previous mark)."""
@@ -127,12 +128,19 @@ class PhaseClock:
         for (_, a), (phase, b) in zip(self._marks, self._marks[1:], strict=False):
             ms = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
             sums[phase] = sums.get(phase, 0.0) + ms
+        for phase, ms in self._host:
+            sums[phase] = sums.get(phase, 0.0) + ms
         for phase, ms in sums.items():
             self.samples.setdefault(phase, []).append(ms / per_step)
-        self._marks = []
+        self._marks, self._host = [], []
+
+    def host(self, phase: str, seconds: float) -> None:
+        """A host-side time of this iteration (no sync: how long the Python call took to return),
+        kept beside the phases under `phase`."""
+        self._host.append((phase, seconds * 1e3))
 
     def clear(self) -> None:
-        self._marks, self.samples = [], {}
+        self._marks, self._host, self.samples = [], [], {}
 
     def medians(self) -> dict[str, float] | None:
         return {p: statistics.median(v) for p, v in self.samples.items()} or None
