@@ -29,6 +29,16 @@ class Residency(enum.Enum):
     CARRIED = "carried"  # streamed, left resident by a backward for the next forward; any release ends it
 
 
+class MasterHome(enum.Enum):
+    """Where a scope's masters live on the host and how a load reads them (Note [staged loads]
+    in _file_masters.py), beside its ScopeState."""
+
+    PINNED = "pinned"  # page-locked RAM, copied to the device directly
+    PAGEABLE = "pageable"  # pageable RAM, copied directly (Policy(pin_memory=False))
+    RING = "ring"  # pageable RAM, staged through the page-locked staging ring
+    FILE = "file"  # in a checkpoint or cache file, read into the staging ring (Policy.host_budget)
+
+
 @dataclass(frozen=True)
 class Policy:
     """Options for `offtensor.wrap`, passed through whole.
@@ -51,7 +61,11 @@ class Policy:
             blocks of a model in training; ignored under `torch.no_grad()`.
         pin_memory: page-lock the host masters and grads. `None` pins when the compute device is
             CUDA. Without pinning, host-to-device copies are synchronous and several times
-            slower.
+            slower. `"ring"`: masters and grads stay pageable, and each load stages through a
+            small page-locked ring (Note [staged loads] in _file_masters.py), so page-locked
+            memory stays bounded by the ring (WSL, Windows, a low `ulimit -l`). When pinning
+            fails (`None` or `True`), the scopes not pinned yet take the ring, with one warning.
+            Model-wide: taken from the policy given to `wrap`.
         param_filter: `param_filter(qualified_name, param) -> bool` picks which parameters of a
             selected module are offloaded; the others stay ordinary parameters that you place
             (`model.to(device)`). `offtensor.frozen_only` offloads the frozen base weights of a
@@ -93,18 +107,28 @@ class Policy:
             parameter's values (`p`, `state_dict()` report them); writes through the parameter
             requantize, and unfreezing it raises (Note [compressed masters] in _compress.py).
             Not combinable with `cast="host"`. `None`: masters keep their dtype.
+        host_budget: bytes of host RAM the offloaded masters may take, for `offtensor.load`
+            from safetensors files (Note [masters in files] in _file_masters.py). Scopes with a
+            trainable parameter stay in RAM (an error says so when they do not fit); frozen
+            scopes that do not fit stay in the files and are read into the staging ring on
+            demand, ahead of their use in the learned order, compressed ones from a cache file
+            written at load. Reads through such a parameter (`p.data`, `state_dict()`) read the
+            file; writes raise. The staging ring (`2 + prefetch` of the largest such scope)
+            comes on top. Not combinable with `cast="host"`. `None`: every master in RAM.
+            Model-wide: taken from the policy given to `load`.
     """
 
     prefetch: int = 1
     max_scope_bytes: int | None = None
     keep_for_backward: bool = False
-    pin_memory: bool | None = None
+    pin_memory: bool | Literal["ring"] | None = None
     param_filter: Callable[[str, nn.Parameter], bool] | None = None
     compute_dtype: torch.dtype | None = None
     cast: Literal["device", "host"] = "device"
     vram_budget: int | Literal["auto"] | None = None
     layout: Literal["auto", "timed", "spread"] = "auto"
     frozen_format: Literal["fp8", "int8"] | None = None
+    host_budget: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -140,6 +164,18 @@ class Policy:
         if self.frozen_format not in (None, "fp8", "int8"):
             raise ValueError(
                 f"offtensor.Policy: frozen_format must be 'fp8', 'int8' or None, got {self.frozen_format!r}")
+        if self.pin_memory not in (None, True, False, "ring"):
+            raise ValueError(
+                f"offtensor.Policy: pin_memory must be None, True, False or 'ring', got {self.pin_memory!r}")
+        if self.host_budget is not None and (
+                isinstance(self.host_budget, bool) or not isinstance(self.host_budget, int) or self.host_budget <= 0):
+            raise ValueError(
+                f"offtensor.Policy: host_budget must be a positive int (bytes) or None, got {self.host_budget!r}")
+        if self.cast == "host" and (self.host_budget is not None or self.pin_memory == "ring"):
+            raise ValueError(
+                "offtensor.Policy: cast='host' does not combine with host_budget or pin_memory='ring': "
+                "it keeps a host copy in compute_dtype beside the masters, which those bound. Use "
+                "cast='device' (the default)")
         if self.frozen_format is not None and self.cast == "host":
             raise ValueError(
                 "offtensor.Policy: frozen_format and cast='host' do not combine: cast='host' keeps "
@@ -163,6 +199,8 @@ class ScopeSummary:
     loads_on_demand: int = 0  # of which not prefetched in time: the compute waited for the copy
     kept: bool = False  # resident by Policy.vram_budget
     carried: bool = False  # left resident by a backward for the next forward (Policy.vram_budget)
+    masters: MasterHome = MasterHome.PINNED  # where the masters live (Note [staged loads])
+    file_bytes: int = 0  # bytes of the masters read from files at each load (MasterHome.FILE)
 
 
 @dataclass(frozen=True)
@@ -185,6 +223,8 @@ class Summary:
     scopes: list[ScopeSummary] = field(default_factory=list)
     device_allocated: int | None = None  # torch.cuda.memory_allocated on CUDA, else None
     layout: Layout | None = None  # under Policy(vram_budget=...)
+    staging_bytes: int = 0  # the staging ring's host memory (Note [staged loads])
+    file_bytes_read: int = 0  # bytes read from files into the staging ring since wrap
 
     @property
     def host_bytes(self) -> int:
@@ -195,24 +235,28 @@ class Summary:
         return sum(s.device_bytes for s in self.scopes)
 
     def __str__(self) -> str:
-        rows = [("scope", "state", "params", "host MiB", "device MiB", "loads", "on demand")]
+        rows = [("scope", "state", "masters", "params", "host MiB", "device MiB", "loads", "on demand")]
         for s in self.scopes:
             note = " (kept)" if s.kept else " (carried)" if s.carried else ""
             rows.append(
-                (s.name, s.state.value + note, f"{s.num_params:,}",
+                (s.name, s.state.value + note, s.masters.value, f"{s.num_params:,}",
                  f"{s.host_bytes / 2**20:.1f}", f"{s.device_bytes / 2**20:.1f}", str(s.loads),
                  str(s.loads_on_demand))
             )
-        rows.append(("total", "", f"{sum(s.num_params for s in self.scopes):,}",
+        rows.append(("total", "", "", f"{sum(s.num_params for s in self.scopes):,}",
                      f"{self.host_bytes / 2**20:.1f}", f"{self.device_bytes / 2**20:.1f}",
                      str(sum(s.loads for s in self.scopes)),
                      str(sum(s.loads_on_demand for s in self.scopes))))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
                  for r in rows]
         head = f"offtensor: {len(self.scopes)} scopes computing on {self.device}"
         if self.device_allocated is not None:
             head += f", device memory allocated {self.device_allocated / 2**20:.1f} MiB"
+        if self.staging_bytes:
+            in_files = sum(s.file_bytes for s in self.scopes)
+            head += (f"; {in_files / 2**20:.1f} MiB in files, staging ring {self.staging_bytes / 2**20:.1f} MiB, "
+                     f"{self.file_bytes_read / 2**20:.1f} MiB read")
         tail = []
         if self.layout is not None:
             lay = self.layout

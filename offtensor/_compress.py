@@ -44,7 +44,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn, Protocol
 
 import torch
 
@@ -91,6 +91,32 @@ def packed_nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
 
 def _scale_offset(shape: torch.Size) -> int:
     return -(-math.prod(shape) // _SCALE_ALIGN) * _SCALE_ALIGN
+
+
+class StoredMaster(Protocol):
+    """A master kept apart from its parameter's own tensor, which is a placeholder: compressed
+    on the host (PackedMaster) or in a file (_file_masters.FileMaster). Every read through the
+    parameter gets `unpack()`, every write goes through `check_write()` then `pack()` (Note
+    [compressed masters]); a load converts its host bytes with `unpack_into`."""
+
+    name: str
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def unpack(self) -> torch.Tensor: ...
+
+    def unpack_into(self, out: torch.Tensor, packed: torch.Tensor) -> None: ...
+
+    def pack(self, value: torch.Tensor | RowReader) -> None: ...
+
+    def placeholder(self) -> torch.Tensor: ...
+
+    def kept_as(self) -> str: ...
+
+    def check_write(self) -> None: ...
+
+    def refuse_training(self) -> NoReturn: ...
 
 
 @dataclass(eq=False)
@@ -163,25 +189,47 @@ class PackedMaster:
         """Dequantize on `out`'s device: `packed` holds this master's host bytes (uint8, on the
         device), `out` is the device copy (contiguous, of the compute dtype). Bit-identical to
         `unpack()` cast to out's dtype."""
-        rows, cols = _rows_cols(self.shape)
-        values = packed[: rows * cols].view(self.format.dtype).view(rows, cols)
-        start = _scale_offset(self.shape)
-        scale = packed[start : start + rows * self.dtype.itemsize].view(self.dtype)[:, None]
-        target = out.view(rows, cols)
-        if out.dtype == self.dtype and self.format is FrozenFormat.INT8:
-            torch.mul(values, scale, out=target)  # one kernel: int8 promotes to the scale's dtype
-        elif out.dtype == self.dtype and out.is_cuda and (fused := _fused_dequantize()) is not None:
-            fused(values, scale.view(rows), target)  # one kernel (Note [fused fp8 dequantization])
-        elif out.dtype == self.dtype:
-            # Two kernels: PyTorch does not promote float8 in arithmetic.
-            target.copy_(values)  # exact: 1-byte values fit every float dtype of 2 bytes or more
-            target.mul_(scale)
-        else:
-            target.copy_(values.to(self.dtype).mul_(scale))
+        unpack_bytes_into(self.format, self.dtype, self.shape, out, packed)
 
     def placeholder(self) -> torch.Tensor:
         """The parameter's own tensor: no values (Note [compressed masters])."""
         return torch.full((), float("nan"), dtype=self.dtype).expand(self.shape)
+
+    def kept_as(self) -> str:
+        return f"stored compressed on the host (Policy(frozen_format={self.format.value!r}))"
+
+    def check_write(self) -> None:
+        pass  # writes requantize
+
+    def refuse_training(self) -> NoReturn:
+        raise RuntimeError(
+            f"offtensor: parameter {self.name!r} is stored compressed on the host "
+            f"(Policy(frozen_format={self.format.value!r})) and cannot be trained: an optimizer "
+            "step would be rounded away when it is requantized. Unfreeze it before offtensor.wrap, "
+            "or keep it uncompressed (offtensor.unwrap(model), then wrap without frozen_format, or "
+            "with a predicate returning a Policy without frozen_format for its module)"
+        )
+
+
+def unpack_bytes_into(fmt: FrozenFormat, dtype: torch.dtype, shape: torch.Size, out: torch.Tensor,
+                      packed: torch.Tensor) -> None:
+    """PackedMaster.unpack_into for a master of `fmt`, `dtype` and `shape` whose host bytes
+    (values, then scales) `packed` holds."""
+    rows, cols = _rows_cols(shape)
+    values = packed[: rows * cols].view(fmt.dtype).view(rows, cols)
+    start = _scale_offset(shape)
+    scale = packed[start : start + rows * dtype.itemsize].view(dtype)[:, None]
+    target = out.view(rows, cols)
+    if out.dtype == dtype and fmt is FrozenFormat.INT8:
+        torch.mul(values, scale, out=target)  # one kernel: int8 promotes to the scale's dtype
+    elif out.dtype == dtype and out.is_cuda and (fused := _fused_dequantize()) is not None:
+        fused(values, scale.view(rows), target)  # one kernel (Note [fused fp8 dequantization])
+    elif out.dtype == dtype:
+        # Two kernels: PyTorch does not promote float8 in arithmetic.
+        target.copy_(values)  # exact: 1-byte values fit every float dtype of 2 bytes or more
+        target.mul_(scale)
+    else:
+        target.copy_(values.to(dtype).mul_(scale))
 
 
 @functools.cache
@@ -251,7 +299,7 @@ _ON_PARAMETER = {
 _ON_LAYOUT = {torch.Tensor.stride, torch.Tensor.is_contiguous}
 
 
-def packed_of(p: Any) -> PackedMaster | None:
+def packed_of(p: Any) -> StoredMaster | None:
     slot = getattr(p, "_ot", None)
     return getattr(slot, "packed", None) if slot is not None else None
 
@@ -259,13 +307,7 @@ def packed_of(p: Any) -> PackedMaster | None:
 def _refuse_training(p: Any) -> None:
     packed = packed_of(p)
     assert packed is not None
-    raise RuntimeError(
-        f"offtensor: parameter {packed.name!r} is stored compressed on the host "
-        f"(Policy(frozen_format={packed.format.value!r})) and cannot be trained: an optimizer "
-        "step would be rounded away when it is requantized. Unfreeze it before offtensor.wrap, "
-        "or keep it uncompressed (offtensor.unwrap(model), then wrap without frozen_format, or "
-        "with a predicate returning a Policy without frozen_format for its module)"
-    )
+    packed.refuse_training()
 
 
 # What packed_property returns for an access that is the same as on a plain parameter.
@@ -337,6 +379,7 @@ def _write(p: Any, write: Callable[[torch.Tensor], Any]) -> None:
     """Apply `write` to the unpacked values of `p` and requantize them."""
     packed = packed_of(p)
     assert packed is not None
+    packed.check_write()
     p._ot.scope.engine.before_master_write(p._ot)  # no copy reads it; stale device copies go
     values = packed.unpack()
     write(values)
@@ -348,6 +391,8 @@ def _write_op(func: Any, args: tuple, kwargs: dict, packed: list[Any], targets: 
     """An in-place op writing compressed parameters (`targets`): it runs on the unpacked values
     of every compressed parameter it names, and those it writes are requantized after (Note
     [compressed masters])."""
+    for p in targets:
+        p._ot.packed.check_write()
     for p in targets:
         p._ot.scope.engine.before_master_write(p._ot)
     subs = {id(p): p._ot.packed.unpack() for p in packed}

@@ -341,12 +341,13 @@ def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weig
                 "offtensor.data_parallel: this model is already in data-parallel mode; call it "
                 "once per wrapped model (offtensor.unwrap(model) ends the mode)"
             )
-        packed = next((s for scope in engine.scopes for s in scope.slots if s.packed is not None), None)
+        packed = next(((s.name, s.packed) for scope in engine.scopes for s in scope.slots if s.packed is not None),
+                      None)
         if packed is not None:  # its broadcast reads and writes uncompressed masters
             raise NotImplementedError(
-                f"offtensor.data_parallel: parameter {packed.name!r} is stored compressed "
-                "(Policy(frozen_format=...)), which data-parallel mode does not support yet; "
-                "wrap without frozen_format"
+                f"offtensor.data_parallel: parameter {packed[0]!r} is {packed[1].kept_as()}, "
+                "which data-parallel mode does not support yet; wrap without frozen_format (and "
+                "load without host_budget)"
             )
         quantized = next((w for scope in engine.scopes for w in weights_of(scope)), None)
         if quantized is not None:  # sharing masters would leave the host weight on the old ones

@@ -68,8 +68,9 @@ import torch
 from torch import nn
 
 from . import _compile, _distributed
-from ._api import Policy, Residency, ScopeState
+from ._api import MasterHome, Policy, Residency, ScopeState
 from ._grads import GradOffload
+from ._host_memory import PinningFallback
 from ._param import master_requires_grad, recorded_functions, watch_compiled_steps
 from ._plan import Measuring, PassTimer, ScopeCost, auto_margin, choose, copy_ms_per_byte, spare_device_bytes
 from ._schedule import Schedule
@@ -102,6 +103,15 @@ class TrainingState(enum.Enum):
 
 def _no_engine() -> None:
     """What a pickled wrapped model's engine attribute loads as (Note [copies of a wrapped model])."""
+
+
+def _copied_from(scope: Scope) -> torch.Tensor:
+    """What a load of `scope` copies to the device, to time a copy (Note [a timed layout] in
+    _plan.py): a slot of the staging ring for a staged scope (its host buffer is pageable, or
+    none for masters in files), else its host buffer, or the host shadow under cast="host"."""
+    if scope.ring is not None:
+        return scope.ring.sample(scope.nbytes)
+    return scope.host_flat if scope.host_shadow is None else scope.host_shadow
 
 
 def _outside_transforms(method: Any) -> Any:
@@ -157,6 +167,11 @@ class Engine:
         # step with them (Note [sharded loads] in _sharded_loads.py).
         self.on_abort: list[Callable[[], None]] = []
         self.timer: PassTimer | None = None  # measures a pass for a timed layout (Note [a timed layout])
+        self._reads_before = (0, 0.0)  # the staging ring's read_stats() when the measured pass began
+        # Set by wrap when scopes load through a staging ring (Note [staged loads] in
+        # _file_masters.py); `pinning` falls back to it when page-locking fails.
+        self.ring: Any = None
+        self.pinning = PinningFallback()
         engines.add(self)
         watch_compiled_steps()  # Note [a compiled optimizer step] (_param.py)
 
@@ -183,6 +198,7 @@ class Engine:
         if timer.state is Measuring.WAITING:
             if self.schedule.order:  # one pass has run: the order is known, cold kernels are paid
                 timer.state = Measuring.MEASURING
+                self._reads_before = self.ring.read_stats() if self.ring is not None else (0, 0.0)
             return
         if timer.state is Measuring.MEASURING:
             timer.state = Measuring.MEASURED  # the measured pass (and its backward) is over
@@ -196,11 +212,12 @@ class Engine:
         forward = [index[s] for s in schedule.order]
         backward = [index[s] for s in schedule.backward_order()] if timer.saw_backward else []
         largest = max(self.scopes, key=lambda s: s.nbytes)
-        per_byte = copy_ms_per_byte(largest.host_flat if largest.host_shadow is None else largest.host_shadow,
-                                    self.device, self.streams.h2d())
+        per_byte = copy_ms_per_byte(_copied_from(largest), self.device, self.streams.h2d())
+        read_per_byte = self._read_ms_per_byte()
         costs = [ScopeCost(timer.total_ms(s, "forward"), timer.total_ms(s, "backward"),
-                           (s.nbytes if s.host_shadow is None else s.device_nbytes) * per_byte, s.device_nbytes,
-                           s.block, copied_when_kept=timer.saw_backward and self._trainable(s))
+                           (s.nbytes if s.host_shadow is None else s.device_nbytes)
+                           * (max(per_byte, read_per_byte) if s.home is MasterHome.FILE else per_byte),
+                           s.device_nbytes, s.block, copied_when_kept=timer.saw_backward and self._trainable(s))
                  for s in self.scopes]
         budget = schedule.budget
         assert budget is not None
@@ -210,6 +227,17 @@ class Engine:
                 budget += max(0, spare - auto_margin(self.device))
         kept, prediction = choose(costs, forward, backward, budget, self.policy.prefetch)
         schedule.apply_layout({self.scopes[i] for i in kept}, budget, prediction)
+
+    def _read_ms_per_byte(self) -> float:
+        """The drive's time per byte read into the staging ring: in the measured pass, else since
+        wrap; 0.0 without reads (Note [a timed layout] in _plan.py)."""
+        if self.ring is None:
+            return 0.0
+        nbytes, seconds = self.ring.read_stats()
+        before_bytes, before_seconds = self._reads_before
+        if nbytes > before_bytes:
+            nbytes, seconds = nbytes - before_bytes, seconds - before_seconds
+        return seconds * 1e3 / nbytes if nbytes else 0.0
 
     def live_calls(self) -> bool:
         return any(s.running_calls for s in self.scopes)
@@ -231,6 +259,13 @@ class Engine:
 
     def forward_position(self, scope: Scope) -> int:
         return self.schedule.forward_position(scope)
+
+    def upcoming_loads(self, scope: Scope) -> list[Scope]:
+        """The scopes expected to load after `scope`, nearest first, for the staging ring's
+        read-ahead (Note [staged loads] in _file_masters.py): the rest of this pass, then a
+        backward when the loop trains, else the next forward."""
+        return self.schedule.expected_after(
+            scope, in_backward=in_backward(), backward_next=self.training is not TrainingState.INFERENCE)
 
     # ---- what an op gets (Note [dispatch of an offloaded parameter]) ------------------------
 
@@ -276,6 +311,7 @@ class Engine:
         that the op surely only reads (`h.add_(self.bias)`)."""
         scope = slot.scope
         scope.shadow_stale = True
+        scope.master_writes += 1  # a staged copy is stale (Note [staged loads] in _file_masters.py)
         slot.retired_copies_written()  # also for the worker's steps (atomic version bumps)
         if on_optimizer_worker():
             # The optimizer worker: no copy reads this master (docs/design.md, Threads). A
@@ -299,6 +335,7 @@ class Engine:
         but under Policy(cast="host") from a shadow cast from the masters: it is re-cast at the
         next load. Writes through the alias after that load: Note [p.data aliases] (_slot.py)."""
         scope.shadow_stale = True
+        scope.master_writes += 1  # so is a staged copy (Note [staged loads] in _file_masters.py)
         if scope.state is ScopeState.OFFLOADED or on_optimizer_worker():
             return
         if scope.running_calls and slot is not None:

@@ -73,7 +73,6 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-from ._host_memory import host_empty
 from ._param import master_grad, master_requires_grad, run_grad_hooks, without_subclass_dispatch
 from ._scope import Scope
 from ._slot import ParamSlot
@@ -387,7 +386,9 @@ def new_host_grad(slot: ParamSlot) -> torch.Tensor:
     """A new pinned gradient buffer for the slot (kept and reused while only offtensor holds a
     tensor on it); returns the tensor that becomes `p.grad`."""
     p = slot.param
-    slot.grad_buffer = host_empty(p.numel() * p.element_size(), pin=slot.scope.pinned)
+    # Pageable once page-locking failed (Note [page-locked memory as a bounded resource] in _host_memory.py).
+    slot.grad_buffer = slot.scope.engine.pinning.empty(p.numel() * p.element_size(), pin=slot.scope.pinned,
+                                                       what="gradients")
     slot.grad_buffer_uses = _storage_uses(slot.grad_buffer)
     return _typed(slot.grad_buffer, slot)
 

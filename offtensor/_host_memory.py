@@ -19,13 +19,25 @@ storage holding several dtypes (a scope can mix fp32 norms and bf16 matrices), a
 they would refuse or, taking the parameters for tied weights, save only once. Each storage
 starts inside the registered range, so `is_pinned()` holds for every master on CUDA. The numpy
 slices keep the allocation (and its registration) alive until the last master is gone.
+
+# Note [page-locked memory as a bounded resource]
+Page-locking can fail: a low `ulimit -l`, WSL and Windows cap it well below the RAM. A failed
+registration raises `PinnedMemoryError`; `wrap` then keeps the masters not pinned yet in pageable
+memory and stages their loads through the staging ring (`Policy(pin_memory="ring")`, Note [staged
+loads] in _file_masters.py), gradients in pageable memory, and logs one warning per wrapped
+model (`PinningFallback`): nothing is lost, loads are slower. `OFFTENSOR_MAX_PINNED_BYTES=N`
+caps what offtensor page-locks at N bytes (registrations past it fail as a real one would), to
+test that path; on a machine without CUDA it also lets `Policy(pin_memory=True)` run, pinning
+by accounting only, so the fallback is tested on the CPU.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
+import threading
 import time
 import weakref
 
@@ -38,6 +50,29 @@ logger = logging.getLogger("offtensor")
 _PAGE = 4096
 # PyTorch's CPU allocator aligns to 64 bytes (vectorized kernels assume it is at least that).
 _CPU_ALIGN = 64
+MAX_PINNED_ENV = "OFFTENSOR_MAX_PINNED_BYTES"  # Note [page-locked memory as a bounded resource]
+_pinned_lock = threading.Lock()
+_pinned_bytes = 0  # page-locked by offtensor now (registered, not yet unregistered)
+
+
+class PinnedMemoryError(RuntimeError):
+    """Page-locking host memory failed (Note [page-locked memory as a bounded resource])."""
+
+
+def _pinned_cap() -> int | None:
+    value = os.environ.get(MAX_PINNED_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"offtensor: {MAX_PINNED_ENV}={value!r}: expected a number of bytes") from None
+
+
+def pinning_available() -> bool:
+    """CUDA can page-lock, or the cap's accounting stands in for it (Note [page-locked memory as
+    a bounded resource])."""
+    return torch.cuda.is_available() or _pinned_cap() is not None
 
 
 def host_empty(nbytes: int, *, pin: bool) -> torch.Tensor:
@@ -91,22 +126,64 @@ def _host_array(nbytes: int, *, pin: bool) -> np.ndarray:
 
 def register_pinned(array: np.ndarray, owner: np.ndarray) -> None:
     """Page-lock `array`'s (page-aligned) memory with cudaHostRegister, until `owner`, the array
-    that owns the memory, is freed. Registration is per process (shared memory: each maps it)."""
+    that owns the memory, is freed. Registration is per process (shared memory: each maps it).
+    Raises PinnedMemoryError when it fails or would pass OFFTENSOR_MAX_PINNED_BYTES."""
+    global _pinned_bytes
     ptr, nbytes = array.ctypes.data, array.nbytes
-    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-    if int(err) != 0:
-        raise RuntimeError(
+    cap = _pinned_cap()
+    with _pinned_lock:
+        if cap is not None and _pinned_bytes + nbytes > cap:
+            raise PinnedMemoryError(
+                f"offtensor: page-locking {nbytes / 2**20:.1f} MiB would pass {MAX_PINNED_ENV}={cap} "
+                f"({_pinned_bytes / 2**20:.1f} MiB page-locked already)")
+        _pinned_bytes += nbytes
+    cuda = torch.cuda.is_available()
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) if cuda else 0
+    if err != 0:
+        with _pinned_lock:
+            _pinned_bytes -= nbytes
+        raise PinnedMemoryError(
             f"offtensor: cudaHostRegister of {nbytes / 2**20:.1f} MiB failed with CUDA error "
-            f"{int(err)}; the host may be out of lockable memory (check `ulimit -l`), or pass "
-            "policy=offtensor.Policy(pin_memory=False) to keep masters in pageable memory (slower)"
+            f"{err}; the host may be out of lockable memory (check `ulimit -l`), or pass "
+            "policy=offtensor.Policy(pin_memory='ring') to keep masters in pageable memory and stage "
+            "loads through a small page-locked ring, or pin_memory=False (slower)"
         )
-    weakref.finalize(owner, _unregister, ptr)
+    weakref.finalize(owner, _unregister, ptr, nbytes, cuda)
 
 
-def _unregister(ptr: int) -> None:
+def _unregister(ptr: int, nbytes: int, cuda: bool) -> None:
     # Runs while numpy deallocates the array, before the memory is returned to the OS.
-    if torch.cuda.is_initialized():
+    global _pinned_bytes
+    with _pinned_lock:
+        _pinned_bytes -= nbytes
+    if cuda and torch.cuda.is_initialized():
         torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class PinningFallback:
+    """Page-locking failed for a wrapped model: what falls back, and the one warning that says
+    so (Note [page-locked memory as a bounded resource])."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def __call__(self, error: PinnedMemoryError, what: str) -> None:
+        if not self.failed:
+            logger.warning(
+                "%s. offtensor keeps %s and what it allocates after in pageable memory, the masters "
+                "loaded through a small page-locked staging ring (as Policy(pin_memory='ring') "
+                "does): nothing is lost, copies are slower. Raise the lockable memory limit "
+                "(ulimit -l) for full speed, or pass Policy(pin_memory='ring') to choose this", error, what)
+        self.failed = True
+
+    def empty(self, nbytes: int, *, pin: bool, what: str) -> torch.Tensor:
+        """host_empty, pageable once pinning fails."""
+        if pin and not self.failed:
+            try:
+                return host_empty(nbytes, pin=True)
+            except PinnedMemoryError as error:
+                self(error, what)
+        return host_empty(nbytes, pin=False)
 
 
 def is_page_locked(t: torch.Tensor) -> bool:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +55,7 @@ from torch import nn
 
 from ._api import Policy
 from ._compress import RowReader, copy_rows
+from ._file_masters import SAFETENSORS_DTYPES, FileStore, FileTensor
 from ._wrap import _ENGINE_ATTR, Predicate, _find_engine, unwrap, wrap_filling
 
 InitFn = Callable[[str, nn.Module], None]
@@ -63,7 +65,8 @@ _INDEX = "model.safetensors.index.json"
 def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: Predicate | None = None, *,
          init: InitFn | None = None, device: torch.device | str | None = None, policy: Policy | None = None,
          rest_device: torch.device | str | None = None,
-         init_device: torch.device | str | None = None, strict: bool = True) -> nn.Module:
+         init_device: torch.device | str | None = None, strict: bool = True,
+         cache_dir: str | os.PathLike | None = None) -> nn.Module:
     """`offtensor.wrap` a model built on the meta device, reading its weights scope by scope.
 
     The model's parameters (all or some) are on the meta device: built under
@@ -73,7 +76,9 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
     host memory stays close to the offloaded bytes (Note [loading scope by scope]). The other
     parameters and buffers on the meta device are then loaded onto `rest_device`. Parameters not
     on the meta device keep their values. A transformers model's `tie_weights()` is called
-    first (a model built empty is not tied yet).
+    first (a model built empty is not tied yet). With `Policy(host_budget=B)` the frozen scopes
+    that do not fit B bytes of host RAM stay in the files, read into a small staging ring as
+    they are needed, ahead of use (Note [masters in files] in _file_masters.py).
 
     Args:
         model: the model, modified in place; its meta parameters become real (offloaded ones
@@ -103,6 +108,10 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
             those it lacks, as `load_state_dict` reports missing keys. False: a warning names
             them, and they keep their values. Parameters and buffers on the meta device have no
             values to keep: those the checkpoint lacks need `init` either way.
+        cache_dir: under `Policy(host_budget=...)`, where the masters that stay on disk but are
+            not in the checkpoint as they are kept (compressed by `frozen_format`, in another
+            dtype than the model's, filled by `init`) are written, once, to a cache file that is
+            deleted with the process. Default: the checkpoint's directory.
 
     Returns:
         `model`, wrapped.
@@ -114,6 +123,8 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
             model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
         offtensor.load(model, path, policy=offtensor.Policy(frozen_format="fp8"))
         out = model(input_ids.cuda())
+        # larger than host RAM: 32 GiB of it in RAM, the rest read from the files as needed
+        offtensor.load(model, path, policy=offtensor.Policy(host_budget=32 * 2**30))
     """
     if weights is None and init is None:
         raise ValueError("offtensor.load: pass weights= (a safetensors checkpoint) or init= (an init function), "
@@ -126,8 +137,13 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
     if callable(tie):  # transformers ties on load; a model built empty is not tied yet
         tie()
     owners = _owners(model)
+    store = None
+    if policy is not None and policy.host_budget is not None:  # Note [masters in files] (_file_masters.py)
+        if cache_dir is None and weights is not None:
+            cache_dir = Path(weights) if Path(weights).is_dir() else Path(weights).parent
+        store = FileStore(cache_dir)
     source = _ScopeFiller(checkpoint, init, owners,
-                          torch.device(init_device) if init_device is not None else torch.device("cpu"))
+                          torch.device(init_device) if init_device is not None else torch.device("cpu"), store)
     meta = _MetaTensors(model)
     try:
         wrap_filling(model, predicate, device, policy, source)  # undoes itself should it raise
@@ -175,6 +191,7 @@ class Checkpoint:
         path = Path(path)
         self.files: dict[str, Path] = {}
         self.used: set[str] = set()  # the keys read (Note [checkpoint keys])
+        self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}  # file -> (its data's offset, header)
         self._first: tuple[str, str, str] | None = None  # the first match: name, key, prefix dropped
         if path.is_dir() and (path / _INDEX).is_file():
             weight_map = json.loads((path / _INDEX).read_text())["weight_map"]
@@ -236,6 +253,25 @@ class Checkpoint:
         """A RowReader of the tensor `key`, checked against `like` (parameter `qual`)."""
         return _Rows(self._safe_open, self.files[key], key, qual, like)
 
+    def in_file(self, key: str, qual: str, like: torch.Tensor, store: FileStore) -> FileTensor | _Rows:
+        """Where the tensor `key` is in its file, checked against `like` (parameter `qual`), to be
+        read there (Note [masters in files] in _file_masters.py); its RowReader for a dtype
+        safetensors names that torch lacks."""
+        file = self.files[key]
+        if file not in self._headers:
+            with open(file, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                self._headers[file] = (8 + size, json.loads(f.read(size)))
+        start, header = self._headers[file]
+        entry = header[key]
+        if tuple(entry["shape"]) != tuple(like.shape):
+            raise ValueError(_shape_error(key, tuple(entry["shape"]), qual, like))
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            return self.rows(key, qual, like)
+        begin, end = entry["data_offsets"]
+        return FileTensor(store.open(file), start + begin, end - begin, dtype, lambda: self.rows(key, qual, like))
+
 
 class _Rows:
     """Reads one checkpoint tensor a block of rows at a time (a RowReader, _compress.py), in
@@ -251,10 +287,7 @@ class _Rows:
         shape = tuple(self._slice.get_shape())
         if shape != tuple(like.shape):
             self.close()
-            raise ValueError(
-                f"offtensor.load: checkpoint tensor {key!r} has shape {shape}, but parameter "
-                f"{qual!r} of the model has shape {tuple(like.shape)}; build the model from the "
-                "checkpoint's config")
+            raise ValueError(_shape_error(key, shape, qual, like))
         self._key = key
 
     def __call__(self, start: int, stop: int) -> torch.Tensor:
@@ -273,6 +306,12 @@ class _Rows:
         out = torch.empty(self._slice.get_shape(), dtype=self.dtype)
         copy_rows(out, self)
         return out
+
+
+def _shape_error(key: str, shape: tuple[int, ...], qual: str, like: torch.Tensor) -> str:
+    return (f"offtensor.load: checkpoint tensor {key!r} has shape {shape}, but parameter "
+            f"{qual!r} of the model has shape {tuple(like.shape)}; build the model from the "
+            "checkpoint's config")
 
 
 def _owners(model: nn.Module) -> dict[int, tuple[list[str], str, nn.Module]]:
@@ -296,11 +335,13 @@ class _ScopeFiller:
     label = "loading weights into host memory"
 
     def __init__(self, checkpoint: Checkpoint | None, init: InitFn | None,
-                 owners: dict[int, tuple[list[str], str, nn.Module]], init_device: torch.device) -> None:
+                 owners: dict[int, tuple[list[str], str, nn.Module]], init_device: torch.device,
+                 store: FileStore | None) -> None:
         self.checkpoint = checkpoint
         self.init = init
         self.owners = owners
         self.init_device = init_device
+        self.store = store  # Policy(host_budget): checkpoint tensors are FileTensors
 
     def begin(self, name: str, params: list[tuple[str, nn.Parameter]]) -> None:
         """Allocate (on init_device) and initialize the scope's meta parameters the checkpoint lacks."""
@@ -327,6 +368,8 @@ class _ScopeFiller:
             return p.detach()  # kept, or allocated and initialized by `begin`
         key = self._key(qual, p)
         assert key is not None and self.checkpoint is not None  # else begin allocated it
+        if self.store is not None:  # read in place if its scope stays in the file
+            return self.checkpoint.in_file(key, qual, p, self.store)
         return self.checkpoint.rows(key, qual, p)
 
     def end(self) -> None:

@@ -32,6 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from . import _compile, _distributed
+from ._api import MasterHome
 from ._compress import AS_PLAIN, packed_of, packed_property, packed_torch_function
 from ._slot import ParamSlot, in_backward, on_optimizer_worker
 
@@ -164,7 +165,8 @@ def _repr(p: OffloadedParameter) -> str:
     slot = getattr(p, "_ot", None)
     if slot is None:
         return f"OffloadedParameter(detached from offtensor, shape={tuple(p.shape)})"
-    where = "pinned cpu" if slot.scope.pinned else "cpu"
+    home = slot.scope.home  # Note [staged loads] in _file_masters.py
+    where = "pinned cpu" if home is MasterHome.PINNED else "a file" if home is MasterHome.FILE else "cpu"
     return (
         f"OffloadedParameter(name={slot.name!r}, shape={tuple(p.shape)}, "
         f"dtype={p.dtype}, master on {where}, computes on {slot.scope.engine.device}, "
@@ -489,6 +491,8 @@ def _set(p: OffloadedParameter, *args: Any) -> torch.Tensor:
         )
     if torch.is_grad_enabled() and p.requires_grad:
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    if slot.packed is not None:
+        slot.packed.check_write()  # a master in a file (Note [masters in files] in _file_masters.py)
     _set_data(p, source, "set_()")
     return p
 

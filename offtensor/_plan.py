@@ -15,6 +15,11 @@ only where its copy would land late) over several rooms, each leaving streaming'
 room freed by a streamed scope's end, each scope computing once its copy has landed.
 `vram_budget="auto"` sizes the budget at the same point from the memory the measured step left
 unused at its peak, less a margin.
+Under `Policy(host_budget)` a scope whose masters are in files copies no faster than the drive
+reads it into the staging ring: its copy costs its bytes at the slower of the link and the
+drive's time per byte over the measured pass's reads (`StagingRing.read_stats`), so the layout
+keeps file scopes first, each read once and then resident; the link is timed from a ring slot
+when the largest scope is staged (Note [staged loads] in _file_masters.py).
 """
 
 from __future__ import annotations

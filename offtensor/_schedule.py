@@ -248,6 +248,8 @@ class Schedule:
         for scope in candidates:
             if scope is current:
                 continue
+            if scope.state is ScopeState.OFFLOADED and scope.ring is not None and not scope.ring.ready(scope):
+                return  # its read is not done: its own forward loads it (Note [staged loads] in _file_masters.py)
             if scope.residency is Residency.KEPT:  # its weights are in the budget's kept part; old gradients are not
                 grads = scope.old_grad_bytes() if with_grads else 0
                 if in_flight + grads > budget:
@@ -268,6 +270,16 @@ class Schedule:
                 return
             scope.load(with_grads=with_grads)
             in_flight += counted
+
+    def expected_after(self, scope: Scope, *, in_backward: bool, backward_next: bool) -> list[Scope]:
+        """The scopes expected to load after `scope`, nearest first: the rest of this backward
+        (or forward), then the pass that follows it (a backward when `backward_next`, else the
+        next forward). Orders not learned yet are guessed: wrap's order, its reverse."""
+        forward = self.order if self.learned else self.scopes
+        backward = self._bwd_order if self._bwd_order else forward[::-1]
+        if in_backward:
+            return _after(backward, scope) + forward
+        return _after(forward, scope) + (backward if backward_next else forward)
 
     def free_streaming_room(self) -> int | None:
         """What the VRAM budget's streaming room has left: the room less the streamed scopes
@@ -432,3 +444,11 @@ class Schedule:
         if self._bwd_order and self._bwd_order[0] is not scope:
             return self._bwd_order
         return []
+
+
+def _after(order: list[Scope], scope: Scope) -> list[Scope]:
+    """The scopes after `scope`'s first place in `order` (all of them when it has none)."""
+    for i, s in enumerate(order):
+        if s is scope:
+            return order[i + 1 :]
+    return list(order)

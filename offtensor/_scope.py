@@ -12,9 +12,12 @@ of the same layout. The state says which of them holds usable weights:
 - RESIDENT: the compute stream has waited on `weights_ready`; ops may use the device copy.
 The transitions are Scope.load (OFFLOADED -> LOADING), make_resident (-> RESIDENT) and release
 (-> OFFLOADED). What a parameter "is" follows from its scope's state; the only other
-per-scope enum, `Residency`, says how long a copy outlives its calls (streamed: until they
-end; kept or carried under a VRAM budget: Note [VRAM budget] in _schedule.py). The scopes of
-one model that are not OFFLOADED are listed, in load order, in their `LiveScopes`.
+per-scope enums are `Residency`, how long a copy outlives its calls (streamed: until they
+end; kept or carried under a VRAM budget: Note [VRAM budget] in _schedule.py), and
+`MasterHome`, where the masters live and how a load reads them (pinned or pageable RAM, or
+staged through the staging ring from pageable RAM or a file: Note [staged loads] in
+_file_masters.py). The scopes of one model that are not OFFLOADED are listed, in load order,
+in their `LiveScopes`.
 
 # Note [progressive loads]
 A scope's first forward records the order in which its parameters are first used. From then on
@@ -123,7 +126,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._api import Policy, Residency, ScopeState
+from ._api import MasterHome, Policy, Residency, ScopeState
 from ._host_memory import HostBuffer
 from ._param import master_grad, master_requires_grad, without_subclass_dispatch
 from ._slot import ParamSlot, alive, weakly
@@ -212,7 +215,15 @@ class Scope:
         self.streams: Streams = engine.streams
         self.live: LiveScopes = engine.live
         self.grad_sink = engine.grads.on_leaf_grad  # where device copies' gradients go (_grads.py)
-        self.pinned = pinned
+        # Where the masters live and how loads read them (Note [staged loads] in _file_masters.py);
+        # wrap sets FILE or RING, with `ring` (the engine's StagingRing) and, for FILE, `files`
+        # (a FileScope: where in the files each master is).
+        self.home = MasterHome.PINNED if pinned else MasterHome.PAGEABLE
+        self.ring: Any = None
+        self.files: Any = None
+        # Writes through the parameters so far (before_master_write, `.data` taken), for
+        # write_mark: a staged copy of pageable masters read before one is stale.
+        self.master_writes = 0
         self.slots: list[ParamSlot] = []
         self.nbytes = 0  # host buffer, master dtypes
         self.device_nbytes = 0  # device buffer, compute dtypes
@@ -271,8 +282,32 @@ class Scope:
     def device_storage(self) -> torch.UntypedStorage:
         return self.device_flat.untyped_storage()
 
+    @property
+    def pinned(self) -> bool:
+        return self.home is MasterHome.PINNED
+
     def host_bytes(self) -> int:
+        """Host RAM of the masters (and host shadow); none for masters in files."""
+        if self.home is MasterHome.FILE:
+            return 0
         return self.nbytes + (self.device_nbytes if self.host_shadow is not None else 0)
+
+    def offloaded(self) -> bool:
+        return self.state is ScopeState.OFFLOADED
+
+    def frozen_now(self) -> bool:
+        """No parameter requires grad or waits for a deferred step: only a write through a
+        parameter (or an alias) can change the masters, which write_mark sees."""
+        return not any(master_requires_grad(slot.param) or slot.step_pending for slot in self.slots)
+
+    def write_mark(self) -> tuple[Any, ...]:
+        """The writes to the masters so far, as the staging ring compares them (Note [staged
+        loads] in _file_masters.py): through the parameters, their views and detached aliases
+        (versions), and through `p.data` aliases (their own versions, Note [p.data aliases] in
+        _slot.py); masters in files are never written."""
+        if self.home is MasterHome.FILE:
+            return ()
+        return (self.master_writes, *((_version(slot.param), slot.data_versions()) for slot in self.slots))
 
     def device_bytes(self) -> int:
         n = self.device_storage.nbytes()
@@ -341,6 +376,7 @@ class Scope:
         self.host_flat = buffer.flat
         self.host_buffer = buffer
         self.shadow_stale = True
+        self.master_writes += 1
 
     def take_back_masters(self) -> None:
         """Masters whose storage was moved out of the host buffer (into shared memory) are
@@ -358,6 +394,7 @@ class Scope:
             without_subclass_dispatch(_set_master, slot.param, home)
             slot.master = home
             self.shadow_stale = True
+            self.master_writes += 1
 
 
     # ---- transitions (Note [scope states]) -----------------------------------------------
@@ -377,7 +414,8 @@ class Scope:
         self.device_storage.resize_(self.device_nbytes)
         streams.wait(h2d, streams.record(compute))  # alloc_done
         self.loading = loading = LoadProgress()
-        progressive = self.copy_order is not None and self.host_shadow is None and self.loader is None
+        progressive = (self.copy_order is not None and self.host_shadow is None and self.loader is None
+                       and self.ring is None)
         if not progressive:
             for slot in self.slots:
                 slot.wait_for_step()
@@ -388,6 +426,16 @@ class Scope:
             self._note_copied(self.slots)
         if self.host_shadow is not None:  # Policy(cast="host")
             self._refresh_shadow()
+        host = self.host_flat
+        if self.ring is not None and self.loader is None:
+            # A staged scope's bytes come from the staging ring (Note [staged loads] in
+            # _file_masters.py): read from its files, or copied from pageable masters.
+            try:
+                host = self.ring.acquire(self)
+            except BaseException:  # a failed read: nothing is loading
+                self.loading = None
+                self.device_storage.resize_(0)
+                raise
         with streams.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
             if self.casts and self.host_shadow is None:
                 loading.staging = self._staging()
@@ -400,12 +448,14 @@ class Scope:
                 loading.chunk_ready = [ready if ready is not None else streams.record(h2d)]
             else:
                 if loading.staging is not None:
-                    loading.staging.copy_(self.host_flat, non_blocking=True)
+                    loading.staging.copy_(host, non_blocking=True)
                     loading.to_convert.extend(self.slots)
                 elif self.host_shadow is not None:
                     self.device_flat.copy_(self.host_shadow, non_blocking=True)
                 else:
-                    self.device_flat.copy_(self.host_flat, non_blocking=True)
+                    self.device_flat.copy_(host, non_blocking=True)
+                if self.ring is not None:
+                    self.ring.copied(self, streams.record(h2d))
                 self._mark_chunk(h2d)
                 loading.staging = None
             if not progressive:

@@ -66,7 +66,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ._compress import PackedMaster
+from ._compress import StoredMaster
 
 # ParamSlot.retired is written by the main thread (a retire) and by the optimizer worker (a
 # step of that master): both hold this lock.
@@ -189,9 +189,10 @@ class ParamSlot:
     # master may be stepping it; reading its values raises (Note [step fence] in _shared_masters.py)
     stepped_elsewhere: Any = None
     grad_hooks: OrderedDict = field(default_factory=OrderedDict)  # register_hook hooks, see Note [user gradient hooks]
-    # Policy(frozen_format): the master is stored compressed, `master` holds no values (Note
-    # [compressed masters] in _compress.py)
-    packed: PackedMaster | None = None
+    # The master is kept apart from the parameter, `master` holds no values: compressed
+    # (Policy(frozen_format), Note [compressed masters] in _compress.py) or in a file
+    # (Policy(host_budget), Note [masters in files] in _file_masters.py)
+    packed: StoredMaster | None = None
     post_hooks: OrderedDict = field(default_factory=OrderedDict)  # post-accumulate-grad hooks
     leaf_hooked: bool = False  # device_leaf has the post-accumulate-grad hook (hook_device_leaf)
     # Device copies of earlier storages that graphs of create_graph backwards may still read.
@@ -256,6 +257,12 @@ class ParamSlot:
                     seen.append((ref, alias._version))
             self.data_aliases = seen
         return self.data_alias_written
+
+    def data_versions(self) -> tuple[int, ...]:
+        """The versions of the `p.data` aliases handed out, -1 for one gone: two calls return the
+        same only if no alias wrote in between (the staging ring's write_mark, Note [staged loads]
+        in _file_masters.py)."""
+        return tuple(-1 if (alias := ref()) is None else alias._version for ref, _ in self.data_aliases)
 
     def data_copied(self) -> None:
         """The master was copied: only later writes through `p.data` aliases count."""

@@ -66,13 +66,14 @@ import torch
 from torch import nn
 
 from . import _engine
-from ._api import Policy, Residency, ScopeState, ScopeSummary, Summary
-from ._compress import FrozenFormat, PackedMaster, RowReader, compresses, copy_rows, packed_nbytes
+from ._api import MasterHome, Policy, Residency, ScopeState, ScopeSummary, Summary
+from ._compress import FrozenFormat, PackedMaster, RowReader, StoredMaster, compresses, copy_rows, packed_nbytes
 from ._distributed import check_model
 from ._engine import Engine
+from ._file_masters import FileScope, FileStore, StagingRing, plan_host_budget
 from ._grads import new_host_grad
 from ._hooks import Hook, ModelHooks, ScopeHooks
-from ._host_memory import HostBuffer, PinProgress, host_empty
+from ._host_memory import HostBuffer, PinnedMemoryError, PinProgress, pinning_available
 from ._overlap import wait_for_steps
 from ._param import OffloadedParameter, intercept_function_apply, master_values, without_subclass_dispatch
 from ._quantized import attach, offloaded_weight, quant_kind, quantized_parts, weights_of
@@ -135,6 +136,9 @@ class ScopeSource(Protocol):
     _load.py, hands one down): each scope in turn, `begin`, `value` per parameter, `end`."""
 
     label: str  # for the progress line
+    # The files a scope's masters may stay in under Policy(host_budget) (Note [masters in
+    # files] in _file_masters.py); None: every master goes to host RAM.
+    store: FileStore | None
 
     def begin(self, name: str, params: list[tuple[str, nn.Parameter]]) -> None: ...
 
@@ -152,19 +156,31 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
     device = _resolve_device(device)
     selected = _select(model, predicate, policy)
     _check_selection(model, selected, allow_meta=source is not None)
-    pin = policy.pin_memory if policy.pin_memory is not None else device.type == "cuda"
-    if pin and not torch.cuda.is_available():
+    pin = policy.pin_memory is True or (policy.pin_memory is None and device.type == "cuda")
+    if pin and not pinning_available():
         raise ValueError("offtensor.wrap: Policy(pin_memory=True) needs CUDA; this machine has none")
+    store = source.store if source is not None else None
+    if policy.host_budget is not None and store is None:
+        raise ValueError(
+            "offtensor.wrap: Policy(host_budget=...) leaves the masters that do not fit in their "
+            "safetensors files, so it needs offtensor.load(model, checkpoint, policy=...) on a model "
+            "built on the meta device (wrap finds the masters in RAM already)")
     plans = _plan_scopes(selected)
     _check_memory_not_shared(model, plans)
     _check_budget(plans, policy)
+    in_files = _plan_host_budget(plans, policy)  # Note [masters in files] (_file_masters.py)
     engine = Engine(device, policy)
     intercept_function_apply()  # Note [custom autograd Functions] (_param.py)
     progress = PinProgress(sum(p.numel() * p.element_size() for *_, params, _ in plans for _, p in params),
                            *([source.label] if source is not None else []))
     try:
         for name, module, scope_policy, params, block in plans:
-            scope = Scope(name, module, scope_policy, engine, pinned=pin, block=block)
+            scope = Scope(name, module, scope_policy, engine, pinned=pin and not engine.pinning.failed, block=block)
+            if name in in_files:
+                assert store is not None
+                scope.home, scope.files = MasterHome.FILE, FileScope(name, store)
+            elif policy.pin_memory == "ring" or (pin and engine.pinning.failed):
+                scope.home = _unpinned_home(scope_policy)
             engine.scopes.append(scope)  # before any change, for the undo below
             if source is None:
                 _offload_params(scope, params, device)
@@ -182,6 +198,7 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
         raise
     finally:
         progress.close()
+    _stage(engine, device, policy)
     engine.scopes_ready()
     if not any(scope.module is model for scope in engine.scopes):
         # Not when the model is itself a scope: then the first scope loads when its own
@@ -193,6 +210,41 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
     logger.debug("wrapped %d scopes (%.1f MiB) computing on %s", len(engine.scopes),
                  sum(s.nbytes for s in engine.scopes) / 2**20, device)
     return model
+
+
+def _unpinned_home(policy: Policy) -> MasterHome:
+    """Where pageable masters go: staged through the ring, unless cast="host" copies from its
+    host shadow (Note [page-locked memory as a bounded resource] in _host_memory.py)."""
+    return MasterHome.PAGEABLE if policy.cast == "host" else MasterHome.RING
+
+
+def _plan_host_budget(plans: list[_Plan], policy: Policy) -> set[str]:
+    """The scopes whose masters stay in files under Policy(host_budget) (Note [masters in
+    files] in _file_masters.py)."""
+    if policy.host_budget is None:
+        return set()
+    scopes = [(name, _layout(_host_sizes(scope_policy, params)[1])[1],
+               [qual for qual, p in params if p.requires_grad])
+              for name, _, scope_policy, params, _ in plans]
+    return plan_host_budget(scopes, policy.host_budget)
+
+
+def _stage(engine: Engine, device: torch.device, policy: Policy) -> None:
+    """Give the scopes that load through a staging ring theirs (Note [staged loads] in
+    _file_masters.py): one per model, holding the engine weakly."""
+    staged = [s for s in engine.scopes if s.home in (MasterHome.RING, MasterHome.FILE)]
+    if not staged:
+        return
+    ref = weakref.ref(engine)
+
+    def upcoming(scope: Scope) -> list[Scope]:
+        e = ref()
+        return e.upcoming_loads(scope) if e is not None else []
+
+    engine.ring = StagingRing(staged, pin=device.type == "cuda" and policy.pin_memory is not False,
+                              slots=2 + policy.prefetch, upcoming=upcoming, pinning=engine.pinning)
+    for scope in staged:
+        scope.ring = engine.ring
 
 
 def _check_arguments(model: nn.Module, predicate: Predicate | None, policy: Policy) -> None:
@@ -370,6 +422,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 def _undo_wrap(engine: Engine, model: nn.Module) -> nn.Module:
     """`unwrap` once no step is pending: also the undo of a wrap that raised."""
     engine.release_all(force=True)
+    if engine.ring is not None:
+        engine.ring.close()
     for handle in (*engine.handles, *engine.guard_handles):
         handle.remove()
     for hooks in engine.scope_hooks:
@@ -418,11 +472,15 @@ def summary(model: nn.Module) -> Summary:
     rows = [
         ScopeSummary(s.name, s.state, s.num_params(), s.host_bytes(), s.device_bytes(), s.loads,
                      s.loads_on_demand, kept=s.residency is Residency.KEPT,
-                     carried=s.residency is Residency.CARRIED)
+                     carried=s.residency is Residency.CARRIED, masters=s.home,
+                     file_bytes=s.nbytes if s.home is MasterHome.FILE else 0)
         for s in engine.scopes if id(s.module) in inside
     ]
     allocated = torch.cuda.memory_allocated(engine.device) if engine.streams.is_cuda else None
-    return Summary(str(engine.device), rows, allocated, engine.schedule.layout(timed=engine.timer is not None))
+    ring = engine.ring
+    return Summary(str(engine.device), rows, allocated, engine.schedule.layout(timed=engine.timer is not None),
+                   staging_bytes=ring.nbytes if ring is not None else 0,
+                   file_bytes_read=ring.bytes_read if ring is not None else 0)
 
 
 def set_prefetch(model: nn.Module, module: nn.Module, *, forward: list[nn.Module] | None = None,
@@ -665,17 +723,25 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} bytes"
 
 
+def _host_sizes(policy: Policy, params: list[tuple[str, nn.Parameter]]) -> tuple[list[bool], list[int]]:
+    """Which masters are stored compressed under Policy(frozen_format) (Note [compressed
+    masters]), and each master's host bytes."""
+    fmt = FrozenFormat(policy.frozen_format) if policy.frozen_format else None
+    packs = [compresses(fmt, p) for _, p in params]
+    return packs, [packed_nbytes(p.shape, p.dtype) if pk else p.numel() * p.element_size()
+                   for (_, p), pk in zip(params, packs, strict=True)]
+
+
 def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device: torch.device,
                     values: Callable[[str, nn.Parameter], torch.Tensor | RowReader] | None = None) -> None:
-    """Lay the scope's masters out in its host buffer and make each parameter offloaded.
+    """Lay the scope's masters out in its host buffer (or, for a scope in files, `scope.files`:
+    Note [masters in files] in _file_masters.py) and make each parameter offloaded.
     `values(qualified_name, p)` gives each master's values (offtensor.load reads them from a
     checkpoint); default: the parameter's own."""
     dtypes = _compute_dtypes(scope.policy, params)
-    # Policy(frozen_format): which masters are stored compressed (Note [compressed masters]).
     fmt = FrozenFormat(scope.policy.frozen_format) if scope.policy.frozen_format else None
-    packs = [compresses(fmt, p) for _, p in params]
-    offsets, scope.nbytes = _layout([packed_nbytes(p.shape, p.dtype) if pk else p.numel() * p.element_size()
-                                     for (_, p), pk in zip(params, packs, strict=True)])
+    packs, sizes = _host_sizes(scope.policy, params)
+    offsets, scope.nbytes = _layout(sizes)
     dev_offsets, scope.device_nbytes = _layout(
         [p.numel() * dt.itemsize for (_, p), dt in zip(params, dtypes, strict=True)]
     )
@@ -683,24 +749,30 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     scope.casts = any(packs) or any(dt != p.dtype for (_, p), dt in zip(params, dtypes, strict=True))
     # Each master gets a storage of its own in the scope's one host allocation (Note [one
     # storage per master] in _host_memory.py); host_flat spans them all for the bulk copy.
-    masters = HostBuffer(scope.nbytes, pin=scope.pinned)
-    scope.host_flat = masters.flat
-    scope.host_buffer = masters
+    files = scope.files
+    masters = None if files is not None else _host_buffer(scope)
+    if masters is not None:
+        scope.host_flat = masters.flat
+        scope.host_buffer = masters
     if scope.casts and scope.policy.cast == "host":
-        scope.host_shadow = host_empty(scope.device_nbytes, pin=scope.pinned)
+        scope.host_shadow = scope.engine.pinning.empty(scope.device_nbytes, pin=scope.pinned, what="host shadows")
     # Allocated here only to create each parameter's device tensor on it; freed below.
     scope.device_flat = torch.empty(scope.device_nbytes, dtype=torch.uint8, device=device)
     # Plain tensors that do not require grad: autograd records none of these copies, without
     # grad mode (Note [interrupts]).
     for (qual, p), offset, dev_offset, dt, pk in zip(params, offsets, dev_offsets, dtypes, packs, strict=True):
         value = p.detach() if values is None else values(qual, p)
-        packed = None
-        if pk:
-            assert fmt is not None
+        packed: StoredMaster | None = None
+        if files is not None:  # Note [masters in files] (_file_masters.py)
+            packed = files.master(qual, p, offset, fmt if pk else None, value)
+            host = packed.placeholder()
+        elif pk:
+            assert fmt is not None and masters is not None
             packed = PackedMaster.on(masters.tensor, offset, qual, fmt, p.dtype, p.shape)
             packed.pack(value)
             host = packed.placeholder()
         else:
+            assert masters is not None
             host = masters.tensor(offset, p.dtype, p.shape)
             copy_rows(host, value)  # a block at a time from a checkpoint (Note [loading scope by scope])
         del value  # a weight read from a checkpoint goes now (Note [loading scope by scope])
@@ -725,6 +797,18 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
         scope.slots.append(slot)
     scope.device_storage.resize_(0)
     scope.state = ScopeState.OFFLOADED
+
+
+def _host_buffer(scope: Scope) -> HostBuffer:
+    """The scope's host allocation; pageable, staged through the ring, when pinning fails (Note
+    [page-locked memory as a bounded resource] in _host_memory.py)."""
+    if scope.pinned:
+        try:
+            return HostBuffer(scope.nbytes, pin=True)
+        except PinnedMemoryError as error:
+            scope.engine.pinning(error, "the masters")
+            scope.home = _unpinned_home(scope.policy)
+    return HostBuffer(scope.nbytes, pin=False)
 
 
 def _refuse_replacing(module: nn.Module, name: str, param: nn.Parameter) -> None:

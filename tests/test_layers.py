@@ -15,9 +15,9 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "offtensor"
 
 # Bottom to top. A module may import any module before it in this list, none after it.
-LAYERS = ["_api", "_kernels", "_compress", "_host_memory", "_shm", "_distributed", "_compile", "_slot", "_param",
-          "_streams", "_device_steps", "_scope", "_plan", "_schedule", "_grads", "_engine", "_hooks", "_quantized", "_overlap",
-          "_wrap", "_shared_masters", "_sharded_loads", "_data_parallel", "_load"]
+LAYERS = ["_api", "_kernels", "_compress", "_host_memory", "_file_masters", "_shm", "_distributed", "_compile", "_slot",
+          "_param", "_streams", "_device_steps", "_scope", "_plan", "_schedule", "_grads", "_engine", "_hooks",
+          "_quantized", "_overlap", "_wrap", "_shared_masters", "_sharded_loads", "_data_parallel", "_load"]
 
 
 def _imports(module: str) -> set[str]:

@@ -316,7 +316,8 @@ def test_a_write_that_bypasses_the_parameter_reloads_a_kept_scope(device, write)
     parameter sees (through `p.data`, a view, a detached alias) left the next forward computing
     with the old weights: a silent wrong answer that streaming (a fresh load per forward) hides."""
     model = mlp_of_blocks(n_blocks=N_BLOCKS).eval()
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=_budget(model, kept=3)))
+    reference = reference_then_offload(
+        model, device, policy=offtensor.Policy(layout="spread", vram_budget=_budget(model, kept=3)))
     kept = _kept_blocks(model)
     written = kept[1]  # a kept block other than the first (0, 4, 7 kept here: block 4)
     x = torch.randn(5, 8, device=device)
@@ -363,7 +364,8 @@ def test_a_write_through_a_data_alias_kept_across_forwards_reloads_a_kept_scope(
     """`p.data` has a version counter of its own: taking it released a kept copy at once, but
     a write through it after the next load left the kept copy stale for every later forward."""
     model = mlp_of_blocks(n_blocks=N_BLOCKS).eval()
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=_budget(model, kept=3)))
+    reference = reference_then_offload(
+        model, device, policy=offtensor.Policy(layout="spread", vram_budget=_budget(model, kept=3)))
     written = _kept_blocks(model)[1]
     x = torch.randn(5, 8, device=device)
     with torch.no_grad():
@@ -383,7 +385,8 @@ def test_a_write_through_a_data_alias_kept_across_forwards_reloads_a_kept_scope(
 @pytest.mark.parametrize("device", devices)
 def test_a_write_to_a_kept_master_reloads_it(device):
     model = mlp_of_blocks(n_blocks=N_BLOCKS).eval()
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=_budget(model, kept=3)))
+    reference = reference_then_offload(
+        model, device, policy=offtensor.Policy(layout="spread", vram_budget=_budget(model, kept=3)))
     x = torch.randn(5, 8, device=device)
     with torch.no_grad():
         model(x)
@@ -396,7 +399,8 @@ def test_a_write_to_a_kept_master_reloads_it(device):
 @pytest.mark.parametrize("device", devices)
 def test_an_exception_in_forward_releases_the_streamed_scopes_and_keeps_the_kept(device):
     model = mlp_of_blocks(n_blocks=N_BLOCKS)
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=_budget(model, kept=3)))
+    reference = reference_then_offload(
+        model, device, policy=offtensor.Policy(layout="spread", vram_budget=_budget(model, kept=3)))
 
     def boom(module, args):
         raise RuntimeError("boom")

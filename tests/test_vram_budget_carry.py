@@ -645,7 +645,8 @@ def test_old_gradients_no_gradient_takes_leave_the_kept_and_carried_scopes(devic
     to, and the kept scope (and the carried ones) held its copy past the backward, beyond the
     budget, until a write to their masters released them."""
     model = BlockStack([_SkippableBranch() for _ in range(6)], 8, 16, 4)
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=_budget(model, kept=1)))
+    reference = reference_then_offload(
+        model, device, policy=offtensor.Policy(layout="spread", vram_budget=_budget(model, kept=1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):
