@@ -50,6 +50,8 @@ COMMANDS = {
     "pinned-bandwidth": ("host_memory", "host-to-device bandwidth from three kinds of page-locked memory (CUDA)"),
     "adamw-memory-kinds": ("host_memory", "the CPU AdamW step on three kinds of host memory"),
     "compression-error": ("compression", "the output and logit error of Policy(frozen_format=fp8|int8) against bf16"),
+    "host-tier": ("host_tier", "a model over its Policy(host_budget) streamed from its files against the drive's "
+                  "bandwidth; Policy(pin_memory='ring') against pinned"),
     "plot": ("plots", "draw the pictures of a --json file (or a step timeline) again (matplotlib)"),
 }
 
