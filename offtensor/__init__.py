@@ -8,13 +8,13 @@ pinned host memory, exactly when they are used.
 See README.md and docs/design.md.
 """
 
-from ._api import MasterHome, Policy, ScopeState, ScopeSummary, Summary, frozen_only
-from ._data_parallel import data_parallel, no_sync, sync_masters
-from ._load import load
-from ._overlap import OverlapReport, backward_and_step, last_stepped, wait_for_steps
-from ._param import OffloadedParameter
-from ._sharded_loads import local_loads
-from ._wrap import is_wrapped, no_offload, set_prefetch, summary, unwrap, wrap
+from .api import MasterHome, Policy, ScopeState, ScopeSummary, Summary, frozen_only
+from .dispatch.param import OffloadedParameter
+from .distributed.data_parallel import data_parallel, no_sync, sync_masters
+from .distributed.sharded_loads import local_loads
+from .optim.overlap import OverlapReport, backward_and_step, last_stepped, wait_for_steps
+from .weights.load import load
+from .wrap import is_wrapped, no_offload, set_prefetch, summary, unwrap, wrap
 
 __all__ = [
     "MasterHome",

@@ -562,7 +562,7 @@ def assert_all_scopes_offloaded(model: nn.Module) -> None:
     hold exactly their weights, equal to the masters (a stale copy would be a silent wrong
     answer at the next forward)."""
     import offtensor
-    from offtensor._wrap import _find_engine
+    from offtensor.wrap import _find_engine
 
     scopes = offtensor.summary(model).scopes
     assert scopes, "summary() lists no scope"
@@ -601,7 +601,7 @@ def most_device_bytes(monkeypatch):
     """The largest sum of the scopes' device weights seen right after any load starts (the
     budget bounds weights; old gradients fetched for accumulation come on top)."""
     seen = [0]
-    from offtensor import _scope
+    from offtensor.core import scope as _scope
 
     real = _scope.Scope._start_load
 

@@ -110,7 +110,7 @@ def _kind_of(func) -> int:
 
 def _worker_state() -> Any:
     try:
-        from offtensor._slot import worker_state
+        from offtensor.core.slot import worker_state
     except ImportError:  # the core moved it: then optimizer steps on this thread are checked too
         return None
     return worker_state

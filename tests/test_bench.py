@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import offtensor
-from offtensor import _overlap
+from offtensor.optim import overlap as _overlap
 
 pytest.importorskip("transformers")
 

@@ -1,8 +1,8 @@
-"""The core's imports go one way: each module imports only modules below it.
+"""The library's imports go one way: each module imports only modules below it.
 
 A lower layer never imports a higher one, not even for type annotations under TYPE_CHECKING:
 it is handed an object to call instead. The order is the one drawn in docs/design.md,
-"Layers and invariants".
+"Layers and invariants". Modules are named by their path in the package (`core.scope`).
 """
 
 from __future__ import annotations
@@ -15,33 +15,49 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "offtensor"
 
 # Bottom to top. A module may import any module before it in this list, none after it.
-LAYERS = ["_api", "_kernels", "_compress", "_host_memory", "_file_masters", "_shm", "_distributed", "_compile", "_slot",
-          "_param", "_streams", "_device_steps", "_scope", "_plan", "_schedule", "_grads", "_engine", "_hooks",
-          "_quantized", "_overlap", "_wrap", "_shared_masters", "_sharded_loads", "_data_parallel", "_load"]
+LAYERS = ["api", "patches", "weights.kernels", "weights.compress", "core.memory", "weights.file_masters",
+          "distributed.shm", "distributed.wrappers", "dispatch.compile", "core.slot", "dispatch.param",
+          "core.streams", "optim.device_steps", "core.scope", "budget.layout", "core.schedule", "core.grads",
+          "core.engine", "core.hooks", "weights.quantized", "optim.overlap", "wrap", "distributed.shared_masters",
+          "distributed.sharded_loads", "distributed.data_parallel", "weights.load"]
+
+
+def _modules() -> set[str]:
+    """Every module of the package but the package files (`__init__.py`) and the benchmark."""
+    return {".".join(p.relative_to(PACKAGE).with_suffix("").parts) for p in PACKAGE.rglob("*.py")
+            if p.name != "__init__.py" and "bench" not in p.relative_to(PACKAGE).parts}
+
+
+def _resolve(module: str, level: int, name: str | None) -> str:
+    """The package module a relative import names, from inside `module`."""
+    parts = module.split(".")[:-1]
+    base = parts[: len(parts) - (level - 1)]
+    return ".".join([*base, *(name.split(".") if name else [])])
 
 
 def _imports(module: str) -> set[str]:
     """The package modules `module` imports, anywhere in it (TYPE_CHECKING blocks included)."""
+    known = _modules()
     found: set[str] = set()
-    for node in ast.walk(ast.parse((PACKAGE / f"{module}.py").read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                found.add(node.module.split(".")[0])
-            else:
-                found.update(alias.name for alias in node.names)
-    return found
+    path = PACKAGE.joinpath(*module.split(".")).with_suffix(".py")
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level >= 1:
+            target = _resolve(module, node.level, node.module)
+            for alias in node.names:  # `from .core import scope` names a module, not a name in one
+                sub = f"{target}.{alias.name}" if target else alias.name
+                found.add(sub if sub in known else target)
+    return found & known
 
 
-def test_every_core_module_is_in_a_layer():
-    modules = {p.stem for p in PACKAGE.glob("_*.py") if p.stem != "__init__"}
-    assert modules == set(LAYERS)
+def test_every_module_is_in_a_layer():
+    assert _modules() == set(LAYERS)
 
 
 @pytest.mark.parametrize("module", LAYERS)
 def test_a_module_imports_only_modules_below_it(module):
     below = set(LAYERS[: LAYERS.index(module)])
-    upward = {m for m in _imports(module) if m in LAYERS and m not in below}
+    upward = {m for m in _imports(module) if m not in below and m != module}
     assert not upward, (
-        f"offtensor/{module}.py imports {sorted(upward)}, above it in the layers "
+        f"offtensor/{module.replace('.', '/')}.py imports {sorted(upward)}, above it in the layers "
         f"{LAYERS}: hand it an object to call instead (docs/design.md, Layers and invariants)"
     )

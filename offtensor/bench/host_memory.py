@@ -7,7 +7,7 @@
   page-locked in place, and the same with transparent huge pages (CUDA).
 
 offtensor's kind of host memory is rebuilt here from its description (Note [pinned host memory
-without the caching allocator] in offtensor/_host_memory.py): the benchmark uses only public API.
+without the caching allocator] in offtensor/core/memory.py): the benchmark uses only public API.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def _busy_thread() -> Callable[[], None]:
 def host_contention(argv: list[str]) -> int:
     """The plain fused AdamW step (bf16, the full-size model's layer shapes) alone with all
     threads and with one left spare, on each of --threads, beside a thread busy running Python
-    (all threads and one spare: Note [worker threads] in _overlap.py), then while pinned copies
+    (all threads and one spare: Note [worker threads] in optim/overlap.py), then while pinned copies
     stream one way and both ways."""
     ap = argparse.ArgumentParser(prog="python -m offtensor.bench host-contention", description=host_contention.__doc__)
     ap.add_argument("--layers", type=int, default=8)

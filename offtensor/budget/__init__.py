@@ -1,0 +1,1 @@
+"""The VRAM budget: which scopes stay on the device, laid out by measured time."""

@@ -1,0 +1,323 @@
+"""One offloaded parameter's bookkeeping (ParamSlot) and its device copy.
+
+# Note [why storage is resized instead of reassigned]
+Autograd saves the device copy of a weight for backward (F.linear saves its weight). Each
+parameter's device copy (`device_leaf`) is a tensor created once, sharing the scope's device
+storage. Releasing resizes that storage to 0 bytes: the memory goes back to the allocator while
+the tensors autograd saved stay valid objects with an unchanged version counter. Before backward
+needs them, the scope is loaded again into the same storage object (see Note [backward
+triggers] in core/hooks.py). Reassigning `.data` or allocating new tensors would either keep the
+memory alive through autograd's references or break its saved-tensor checks.
+
+# Note [step fences]
+`offtensor.backward_and_step` steps parameters on a worker thread while backward and the next
+forward go on (Note [deferred steps] in optim/overlap.py). Whatever reads or writes a master first
+waits for its pending step: the copy to the device (core/scope.py), an op or property access on the
+parameter (dispatch/param.py), the gradient path (core/grads.py). Those layers sit below the optimizer
+overlap, so they do not call it: the overlap hands each parameter it takes a fence
+(`ParamSlot.pending_step`, an object with `wait(slot)`), clears it once the step is done, and
+the lower layers wait on the fence they find (`ParamSlot.wait_for_step`).
+
+# Note [writes under a saved graph]
+A graph saves the device copy an op got, not the parameter (F.linear saves its weight), and a
+later backward through it reloads the scope into that same storage from the master. If the
+master was written in between (`loss.backward(retain_graph=True); optimizer.step();
+loss.backward()`, or a step between forward and backward), that backward would silently
+differentiate with the new weights, where autograd raises "one of the variables needed for
+gradient computation has been modified by an inplace operation" for a plain parameter. So a
+write to the master (an in-place op that writes the parameter, `p.data = t`, `p.set_(t)`) bumps
+the version counter of every tensor standing for it in a graph (`device_copies_written`): the
+device copy, retired copies, temporary copies. Graphs saved earlier then raise as they would
+without offloading; later ones save the new version. Only real writes count: an offloaded
+argument of an in-place op that is only read (`h.add_(self.bias)`) must not break the graph
+that saved it.
+A write that no op on the parameter carries out (`p.detach().mul_()`, `p.detach()[0].fill_()`)
+bumps only the master's own version counter, which the detached alias shares. Each copy into a
+device copy compares the master's version with the one its last copy was made from
+(`Scope._note_copied`) and bumps the device copies when it changed, before the copy overwrites
+what a graph may have saved. A scope still resident when its backward starts (the last scope of
+the forward, a kept one) compares at `Engine.pre_backward` and reloads, so that the check runs
+and backward differentiates with the master's values. `p.data` has a version counter of its
+own, invisible to autograd: for it, as for a plain parameter, backward differentiates with the
+new values, and nothing raises.
+
+# Note [p.data aliases]
+`p.data` is a plain tensor over the master with a version counter of its own, so a write
+through it bumps nothing a load compares (`Scope.written_since_copied`). Taking it marks the
+cast="host" shadow and a kept copy stale (Engine.master_handed_out), but an alias kept and
+written after the next load left them stale for good. So each `p.data` handed out is held
+weakly with its version (`data_aliases`); the checks before reusing what outlives a load (the
+shadow at each load, a kept or carried copy at each call and backward) ask `data_written`,
+and each copy of the master starts the count afresh (`data_copied`). An alias gone since the
+last copy counts as written: its last writes can no longer be told. This costs a check per
+parameter at those points, none per op; writes through an alias inside the scope's own call
+reach its copies at the next load only. Not the version counters of the device copies: as for
+a plain parameter, a `p.data` write does not make a saved graph raise.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..weights.compress import StoredMaster
+
+# ParamSlot.retired is written by the main thread (a retire) and by the optimizer worker (a
+# step of that master): both hold this lock.
+_retired_lock = threading.Lock()
+
+# Set on the thread that runs deferred optimizer steps (`active`; see Note [optimizer overlap] in
+# optim/overlap.py, which sets it). On that thread every op acts on the masters (a scope computing on
+# the main thread at the same time is not its scope), and no fence is waited on (the thread
+# itself is what clears them).
+worker_state = threading.local()
+
+
+def on_optimizer_worker() -> bool:
+    return getattr(worker_state, "active", False)
+
+
+class StepFence(Protocol):
+    """What a parameter with a pending deferred step waits on (Note [step fences])."""
+
+    def wait(self, slot: ParamSlot) -> None: ...
+
+
+class DeviceCopy(torch.Tensor):
+    """The device copy of an offloaded parameter: a plain tensor to every op, but printing it
+    while its scope is offloaded (storage resized to 0 bytes) says so instead of reading freed
+    memory. Tracebacks that show argument values (pytest, rich, debuggers) print these after an
+    exception in a forward, when the scopes have already been released."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    # Note [device copies are not activations]
+    # Activation offloading (TRL's and torchtune's OffloadActivations) packs every saved tensor
+    # to the host except parameters and buffers, which it recognises by isinstance. A device
+    # copy is what autograd saves for a linear's input gradient, so without a mark each copy of
+    # a weight crossed to the host in forward and back in backward beside offtensor's own
+    # loads (on the H200, 540 MiB more per step of a 6-layer 2048-wide Llama, 64 -> 92 ms).
+    # `_is_buffer` is what makes `isinstance(t, nn.Buffer)` true for a tensor subclass; it
+    # changes nothing else unless a device copy is assigned to a module attribute.
+    _is_buffer = True
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        needed = (self.storage_offset() + self.numel()) * self.element_size()
+        if self.untyped_storage().nbytes() < needed:
+            return (f"<offtensor device copy {tuple(self.shape)} {self.dtype} on {self.device}: "
+                    "released, its scope is offloaded>")
+        return super().__repr__(*args, **kwargs)
+
+
+def weakly(method: Any, *bound: Any) -> Any:
+    """A hook calling `method(*bound, *args)` while the bound method's object and `bound` live,
+    holding all of them weakly.
+
+    # Note [hooks that keep a model alive]
+    A tensor hook is held by the tensor's C++ autograd metadata, which the garbage collector
+    cannot see into, and torch.optim's global step hooks are held for good. A device copy's
+    gradient hook holding the engine's gradient sink and the slot strongly closed a cycle
+    through C++ (device copy -> hook -> sink -> engine -> scopes -> slot -> device copy) that no
+    collection breaks: a wrapped model that went out of scope kept its pinned masters, gradients
+    and device buffers for the rest of the process. Held weakly, the model (which holds the
+    engine and, through each parameter's `_ot`, the slots) is their only owner."""
+    ref = weakref.WeakMethod(method)
+    refs = [weakref.ref(b) for b in bound]
+
+    def hook(*args: Any) -> None:
+        fn, objs = ref(), [r() for r in refs]
+        if fn is not None and all(o is not None for o in objs):
+            fn(*objs, *args)
+
+    return hook
+
+
+def alive(refs: list[weakref.ref]) -> list[weakref.ref]:
+    return [r for r in refs if r() is not None]
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs (backward, and recompute under checkpointing)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def device_copy(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size,
+                requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A parameter's device copy in a scope's flat device buffer (which must be allocated),
+    as (the leaf ops see, the view the loader writes through)."""
+    view = flat[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+    base = torch.empty(0, dtype=dtype, device=flat.device)
+    base.set_(flat.untyped_storage(), offset // dtype.itemsize, shape, view.stride())
+    # A leaf of its own (not a view of `flat`), made without requires_grad_(), which
+    # torch.func transforms refuse (a retire can happen inside one).
+    leaf = torch.Tensor._make_subclass(DeviceCopy, base, requires_grad)
+    return leaf, view
+
+
+@dataclass(eq=False, repr=False)
+class ParamSlot:
+    """Per-parameter bookkeeping, stored on the parameter as `p._ot`."""
+
+    param: nn.Parameter  # the OffloadedParameter (dispatch/param.py, the layer above)
+    name: str  # qualified name in the wrapped model
+    scope: Any  # its Scope (core/scope.py, above)
+    offset: int  # bytes into the scope's host buffer (master layout)
+    device_offset: int  # bytes into the scope's device buffer (compute-dtype layout)
+    device_leaf: torch.Tensor  # what ops see; shares the scope's device storage
+    device_view: torch.Tensor  # the same bytes as a view of device_flat, for the loader's
+    # writes (writing through device_leaf would bump the version counter autograd checks)
+    master: torch.Tensor  # the master's bytes in host_flat as a plain tensor: what the loader
+    # reads, with no subclass dispatch and nothing for autograd to record (Note [interrupts])
+    host_grad: torch.Tensor | None = None  # `p.grad` after backward: on grad_buffer, or the user's
+    grad_buffer: torch.Tensor | None = None  # pinned bytes for host_grad, reused every step (core/grads.py)
+    grad_buffer_uses: int = 0  # tensors on grad_buffer when only offtensor holds it
+    grads_in_backward: int = 0  # contributions written to host_grad in the current backward
+    single_grad: bool = False  # exactly one contribution in the last whole backward (Note [early handover])
+    last_d2h: Any = None  # event after the latest device-to-host copy into host_grad
+    old_grad: torch.Tensor | None = None  # device copy of `p.grad`, fetched for accumulation
+    # The host `p.grad` that old_grad was copied from, and its version counter then.
+    old_grad_source: tuple[torch.Tensor, int] | None = None
+    chunk: int = 0  # which of the scope's load events covers this parameter's copy
+    copy_index: int = 0  # position in the scope's copy_order
+    pending_step: StepFence | None = None  # a deferred optimizer step still has to write the master
+    # data_parallel(shard_optimizer=True): the sharding, while the rank that owns this shared
+    # master may be stepping it; reading its values raises (Note [step fence] in distributed/shared_masters.py)
+    stepped_elsewhere: Any = None
+    grad_hooks: OrderedDict = field(default_factory=OrderedDict)  # register_hook hooks, see Note [user gradient hooks]
+    # The master is kept apart from the parameter, `master` holds no values: compressed
+    # (Policy(frozen_format), Note [compressed masters] in weights/compress.py) or in a file
+    # (Policy(host_budget), Note [masters in files] in weights/file_masters.py)
+    packed: StoredMaster | None = None
+    post_hooks: OrderedDict = field(default_factory=OrderedDict)  # post-accumulate-grad hooks
+    leaf_hooked: bool = False  # device_leaf has the post-accumulate-grad hook (hook_device_leaf)
+    # Device copies of earlier storages that graphs of create_graph backwards may still read.
+    retired: list[weakref.ref] = field(default_factory=list)
+    # Temporary copies made with requires_grad for ops outside the scope, while graphs hold
+    # them: leaves of the parameter too (Note [gradients with respect to a parameter]).
+    temporaries: list[weakref.ref] = field(default_factory=list)
+    # `p.data` tensors handed out, with their versions at the last look (Note [p.data aliases])
+    data_aliases: list[tuple[weakref.ref, int]] = field(default_factory=list)
+    data_alias_written: bool = False  # one of them was written (or dropped) since the last copy
+
+    @property
+    def grad_written(self) -> bool:
+        """host_grad received a contribution in the current backward."""
+        return self.grads_in_backward > 0
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of the master in its scope's host buffer (compressed: values and scales)."""
+        if self.packed is not None:
+            return self.packed.nbytes
+        return self.master.numel() * self.master.element_size()
+
+    @property
+    def used_outside(self) -> bool:
+        """A temporary copy made for an op outside the scope may still get a gradient, maybe
+        after the scope's backward: a graph holds it (Note [early handover] in optim/overlap.py)."""
+        return any(ref() is not None for ref in self.temporaries)
+
+    @property
+    def step_pending(self) -> bool:
+        return self.pending_step is not None
+
+    def __repr__(self) -> str:
+        # Not the fields: device_view is a plain view of the scope's device buffer, which is
+        # 0 bytes while the scope is offloaded, and printing it would read freed memory.
+        return f"ParamSlot({self.name!r}, {tuple(self.param.shape)}, scope {self.scope.name!r})"
+
+    def wait_for_step(self) -> None:
+        """Block until a deferred optimizer step has written this master (Note [step fences])."""
+        fence = self.pending_step
+        if fence is not None and not on_optimizer_worker():
+            fence.wait(self)
+
+    def data_handed_out(self, alias: torch.Tensor) -> None:
+        """`p.data` returned `alias` (Note [p.data aliases]). Not on the optimizer worker, whose
+        steps mark their parameters written anyway."""
+        if not on_optimizer_worker():
+            self.data_written()  # forgets the aliases gone
+            self.data_aliases = [*self.data_aliases, (weakref.ref(alias), alias._version)]
+
+    def data_written(self) -> bool:
+        """A `p.data` alias may have written the master since its last copy (Note [p.data
+        aliases])."""
+        if self.data_aliases:
+            seen = []
+            for ref, version in self.data_aliases:
+                alias = ref()
+                if alias is None or alias._version != version:
+                    self.data_alias_written = True
+                if alias is not None:
+                    seen.append((ref, alias._version))
+            self.data_aliases = seen
+        return self.data_alias_written
+
+    def data_versions(self) -> tuple[int, ...]:
+        """The versions of the `p.data` aliases handed out, -1 for one gone: two calls return the
+        same only if no alias wrote in between (the staging ring's write_mark, Note [staged loads]
+        in weights/file_masters.py)."""
+        return tuple(-1 if (alias := ref()) is None else alias._version for ref, _ in self.data_aliases)
+
+    def data_copied(self) -> None:
+        """The master was copied: only later writes through `p.data` aliases count."""
+        self.data_written()
+        self.data_alias_written = False
+
+    def hook_device_leaf(self) -> None:
+        """Route the device copy's gradients to the host (Note [gradient path] in core/grads.py);
+        for a frozen parameter, once it is unfrozen (use_device_copy)."""
+        self.leaf_hooked = self.device_leaf.requires_grad
+        if self.leaf_hooked:
+            self.device_leaf.register_post_accumulate_grad_hook(weakly(self.scope.grad_sink, self))
+
+    def device_copies_written(self) -> None:
+        """The master is written: graphs that saved a device or temporary copy of it must see
+        it as modified in place (Note [writes under a saved graph]); retired copies are bumped
+        by `before_master_write`, which every write calls first. Also on the optimizer worker:
+        version counters are atomic."""
+        torch.autograd.graph.increment_version(self.device_leaf)
+        for ref in self.temporaries:
+            copy = ref()
+            if copy is not None:
+                torch.autograd.graph.increment_version(copy)
+
+    def retired_copies_written(self) -> None:
+        """The master is about to change: graphs holding a retired device copy of it must see
+        it as modified in place (Note [higher-order gradients] in core/scope.py)."""
+        if not self.retired:
+            return  # the common case, without the lock
+        with _retired_lock: refs, self.retired = self.retired, []  # noqa: E701 (Note [interrupts])
+        for ref in refs:
+            leaf = ref()
+            if leaf is not None:
+                torch.autograd.graph.increment_version(leaf)
+
+    def retire_device_copy(self, flat: torch.Tensor) -> None:
+        """Keep a weak reference to the current device copy and make a new one in `flat`."""
+        with _retired_lock: self.retired = alive(self.retired) + [weakref.ref(self.device_leaf)]  # noqa: E701
+        self.device_leaf, self.device_view = device_copy(
+            flat, self.device_offset, self.device_view.dtype, self.param.shape, self.device_leaf.requires_grad)
+        self.hook_device_leaf()
+
+    def graph_leaves(self) -> list[torch.Tensor]:
+        """Every tensor that stands for this parameter in an autograd graph and can receive a
+        gradient: its device copy, retired copies and temporary copies still alive (Note
+        [gradients with respect to a parameter] in dispatch/param.py)."""
+        with _retired_lock: refs = list(self.retired)  # noqa: E701 (Note [interrupts])
+        leaves = [self.device_leaf, *(r() for r in refs), *(r() for r in self.temporaries)]
+        return [t for t in leaves if t is not None and t.requires_grad]
+
+    def use_device_copy(self) -> torch.Tensor:
+        leaf = self.device_leaf
+        wants = self.param.requires_grad
+        if leaf.requires_grad != wants:  # the user froze or unfroze the parameter after wrap
+            leaf.requires_grad_(wants)
+            if wants and not self.leaf_hooked:
+                self.hook_device_leaf()
+        return leaf

@@ -1,0 +1,1 @@
+"""The parameter subclass: how an op on an offloaded parameter gets its device copy, and torch.compile."""

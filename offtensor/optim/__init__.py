@@ -1,0 +1,1 @@
+"""Optimizer steps overlapped with backward, on the host and on the device."""

@@ -1,0 +1,70 @@
+"""Every process-global change offtensor makes, installed here and removable here.
+
+# Note [process-global patches]
+Some of what offtensor must see happens outside any wrapped module: a custom
+`torch.autograd.Function.apply` (which no `__torch_function__` reaches), any optimizer's step
+(a compiled one reads masters without a hook of ours), a parameter assigned to any module, and a
+fork or exit while optimizer steps are deferred. Each is watched by one process-wide patch, made
+once, the first time a caller needs it, with the caller's function: this module imports nothing
+of offtensor, the layers above hand it what to call. `remove_all` undoes the patches that can be
+undone (an at-fork handler cannot), for a process that is done with offtensor or a test.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+PLAIN_FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"].__func__
+
+_handles: dict[str, RemovableHandle] = {}
+_at_exit: list[Callable[[], None]] = []
+_forked: list[Callable[[], None]] = []
+
+
+def function_apply(replacement: Callable[..., Any]) -> None:
+    """`torch.autograd.Function.apply` becomes `replacement` (a classmethod's function)."""
+    if torch.autograd.Function.__dict__["apply"].__func__ is PLAIN_FUNCTION_APPLY:
+        setattr(torch.autograd.Function, "apply", classmethod(replacement))  # noqa: B010
+
+
+def optimizer_step_pre_hook(hook: Callable[..., Any]) -> None:
+    """`hook(optimizer, args, kwargs)` before every optimizer's step."""
+    if "optimizer_step" not in _handles:
+        _handles["optimizer_step"] = register_optimizer_step_pre_hook(hook)
+
+
+def parameter_registration_hook(hook: Callable[[nn.Module, str, nn.Parameter], Any]) -> None:
+    """`hook(module, name, param)` before a parameter is registered on any module."""
+    if "parameter_registration" not in _handles:
+        _handles["parameter_registration"] = nn.modules.module.register_module_parameter_registration_hook(hook)
+
+
+def before_fork_and_at_exit(before_fork: Callable[[], None], at_exit: Callable[[], None]) -> None:
+    """`before_fork()` before any fork (where the platform forks), `at_exit()` at exit."""
+    if not _forked and hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+        _forked.append(before_fork)
+        os.register_at_fork(before=lambda: [f() for f in _forked])
+    if not _at_exit:
+        _at_exit.append(at_exit)
+        atexit.register(at_exit)
+
+
+def remove_all() -> None:
+    """Undo the patches: Function.apply, the hooks and the exit handler (not the fork handler,
+    which os cannot unregister: it calls nothing once removed)."""
+    setattr(torch.autograd.Function, "apply", classmethod(PLAIN_FUNCTION_APPLY))  # noqa: B010
+    for handle in _handles.values():
+        handle.remove()
+    _handles.clear()
+    for f in _at_exit:
+        atexit.unregister(f)
+    _at_exit.clear()
+    _forked.clear()

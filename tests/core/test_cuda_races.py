@@ -1,0 +1,155 @@
+"""Races between streams: the offloaded model must give the same results when one stream runs
+far behind the others. A missing event wait (compute reading weights before their copy lands,
+a copy overwriting memory compute still reads, a gradient buffer freed before its copy to the
+host) shows up here as wrong numbers, where a fast, idle GPU would hide it."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (
+    assert_all_scopes_offloaded,
+    assert_params_match,
+    mlp_of_blocks,
+    reference_then_offload,
+    requires_cuda,
+    step_both,
+    tolerances,
+)
+
+# About 10 ms of GPU time per call at H100/H200 clocks: far longer than a block's kernels.
+_SLEEP_CYCLES = 20_000_000
+
+
+def _slow_down(model, which: str) -> None:
+    """Enqueue a long sleep on one stream at every block boundary (forward, recompute and
+    backward), so that stream falls behind the others."""
+    engine = model._offtensor_engine
+
+    def stream():
+        if which == "compute":
+            return torch.cuda.current_stream()
+        return {"h2d": engine.streams.h2d, "d2h": engine.streams.d2h, "cast": engine.streams.cast}[which]()
+
+    def sleep(*_):
+        with torch.cuda.stream(stream()):
+            torch.cuda._sleep(_SLEEP_CYCLES)
+
+    def on_outputs(module, args, output):
+        sleep()
+        if output.requires_grad:
+            output.register_hook(lambda grad: sleep())  # in backward, before the block's ops
+
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda module, args: sleep())
+        block.register_forward_hook(on_outputs)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant", "reentrant"])
+@pytest.mark.parametrize("slow", ["compute", "h2d", "d2h"])
+def test_training_matches_unwrapped_model_when_one_stream_lags(slow, checkpoint):
+    model = mlp_of_blocks(n_blocks=5, hidden=256, checkpoint=checkpoint)
+    reference = reference_then_offload(model, "cuda")
+    _slow_down(model, slow)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    tol = tolerances("cuda")
+    for _ in range(3):
+        for _micro in range(2):  # accumulation: old grads travel host->device too
+            x, y = torch.randn(16, 8, device="cuda"), torch.randn(16, 4, device="cuda")
+            out = model(x)
+            ref_out = reference(x)
+            torch.testing.assert_close(out, ref_out, **tol)
+            F.mse_loss(out, y).backward()
+            F.mse_loss(ref_out, y).backward()
+        step_both(model, reference, opt, ref_opt, tol)
+    assert_params_match(model, reference, **tol)
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("slow", ["compute", "h2d"])
+def test_inference_matches_unwrapped_model_when_one_stream_lags(slow):
+    model = mlp_of_blocks(n_blocks=5, hidden=256)
+    reference = reference_then_offload(model, "cuda")
+    _slow_down(model, slow)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(16, 8, device="cuda")
+            torch.testing.assert_close(model(x), reference(x), **tolerances("cuda"))
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("slow", ["compute", "h2d", "cast"])
+def test_compressed_inference_matches_when_one_stream_lags(slow, monkeypatch):
+    """Converting loads (Policy(frozen_format)) dequantize chunk by chunk on the cast stream:
+    compute must wait for each chunk's conversion, the conversion for its chunk's copy."""
+    import offtensor
+    import offtensor.core.scope as scope_module
+    from offtensor.weights.compress import quantize_dequantize
+
+    monkeypatch.setattr(scope_module, "CHUNK_BYTES", 64 * 1024)  # several chunks per block
+    model = mlp_of_blocks(n_blocks=5, hidden=256, dtype=torch.bfloat16).requires_grad_(False)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for block in reference.blocks:
+            for p in block.parameters():
+                if p.dim() == 2:
+                    p.copy_(quantize_dequantize(p, "fp8"))
+    reference.cuda()
+    offtensor.wrap(model, device="cuda", policy=offtensor.Policy(frozen_format="fp8"))
+    model.cuda()
+    _slow_down(model, slow)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(16, 8, device="cuda", dtype=torch.bfloat16)
+            torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("slow", ["compute", "h2d", "cast"])
+def test_cast_training_with_deferred_steps_matches_when_one_stream_lags(slow, monkeypatch):
+    """fp32 masters cast to bf16 on the device (Policy(cast="device")), chunk by chunk, with
+    backward_and_step holding loads back for deferred steps: the same numbers as a model that
+    casts by hand."""
+    from torch.func import functional_call
+
+    import offtensor
+    import offtensor.core.scope as scope_module
+
+    monkeypatch.setattr(scope_module, "CHUNK_BYTES", 64 * 1024)
+    model = mlp_of_blocks(n_blocks=5, hidden=256)
+
+    def everything(name, module):
+        return name in ("input", "head") or re.fullmatch(r"blocks\.\d+", name) is not None
+
+    reference = reference_then_offload(
+        model, "cuda", everything, policy=offtensor.Policy(compute_dtype=torch.bfloat16, cast="device"))
+    _slow_down(model, slow)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    tol = tolerances("cuda", torch.bfloat16)
+    for _ in range(4):
+        x = torch.randn(16, 8, device="cuda", dtype=torch.bfloat16)
+        y = torch.randn(16, 4, device="cuda")
+        out = model(x)
+        ref_params = {n: p.to(torch.bfloat16) for n, p in reference.named_parameters()}
+        ref_out = functional_call(reference, ref_params, (x,))
+        torch.testing.assert_close(out, ref_out, **tol)
+        offtensor.backward_and_step(F.mse_loss(out.float(), y), opt, zero_grad=True)
+        F.mse_loss(ref_out.float(), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    offtensor.wait_for_steps()
+    assert_params_match(model, reference, **tol)
+    assert_all_scopes_offloaded(model)
