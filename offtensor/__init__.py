@@ -14,7 +14,7 @@ from .distributed.data_parallel import data_parallel, no_sync, sync_masters
 from .distributed.sharded_loads import local_loads
 from .optim.overlap import OverlapReport, backward_and_step, last_stepped, wait_for_steps
 from .weights.load import load
-from .wrap import is_wrapped, no_offload, set_prefetch, summary, unwrap, wrap
+from .wrapping import is_wrapped, no_offload, set_prefetch, summary, unwrap, wrap
 
 __all__ = [
     "MasterHome",

@@ -562,7 +562,7 @@ def assert_all_scopes_offloaded(model: nn.Module) -> None:
     hold exactly their weights, equal to the masters (a stale copy would be a silent wrong
     answer at the next forward)."""
     import offtensor
-    from offtensor.wrap import _find_engine
+    from offtensor.wrapping import _find_engine
 
     scopes = offtensor.summary(model).scopes
     assert scopes, "summary() lists no scope"

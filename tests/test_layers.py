@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "offtensor"
 LAYERS = ["api", "patches", "weights.kernels", "weights.compress", "core.memory", "weights.file_masters",
           "distributed.shm", "distributed.wrappers", "dispatch.compile", "core.slot", "dispatch.param",
           "core.streams", "optim.device_steps", "core.scope", "budget.layout", "core.schedule", "core.grads",
-          "core.engine", "core.hooks", "weights.quantized", "optim.overlap", "wrap", "distributed.shared_masters",
+          "core.engine", "core.hooks", "weights.quantized", "optim.overlap", "wrapping", "distributed.shared_masters",
           "distributed.sharded_loads", "distributed.data_parallel", "weights.load"]
 
 

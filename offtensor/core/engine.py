@@ -161,7 +161,7 @@ class Engine:
         self.handles: list[torch.utils.hooks.RemovableHandle] = []  # hooks on the wrapped model
         self.scope_hooks: list[Any] = []  # each scope's _hooks.ScopeHooks, set by wrap
         # Set by wrap: the module it wrapped (weak: the model holds the engine) and the
-        # load_state_dict pre-hooks of Note [loading with assign=True] (wrap.py).
+        # load_state_dict pre-hooks of Note [loading with assign=True] (wrapping.py).
         self.root: Callable[[], nn.Module | None] = lambda: None
         self.guard_handles: list[torch.utils.hooks.RemovableHandle] = []
         # Called when a forward fails (abort): loads collective with other ranks are out of
@@ -685,7 +685,7 @@ class Engine:
 
     def run_by_another_thread(self) -> bool:
         """The model's latest forward ran on another thread than the caller's, which owns what
-        it left on the device (Note [no_offload in several threads] in wrap.py)."""
+        it left on the device (Note [no_offload in several threads] in wrapping.py)."""
         return self._thread is not None and self._thread != threading.get_ident()
 
     def foreign_thread(self) -> bool:

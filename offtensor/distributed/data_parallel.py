@@ -62,7 +62,7 @@ from ..core.slot import ParamSlot, weakly
 from ..dispatch.param import OffloadedParameter
 from ..optim.overlap import wait_for_steps
 from ..weights.quantized import weights_of
-from ..wrap import _engine_of
+from ..wrapping import _engine_of
 from .sharded_loads import ShardedLoads, check_tag, ordinal, shardable
 from .shared_masters import (
     Sharding,

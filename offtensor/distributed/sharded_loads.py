@@ -72,7 +72,7 @@ from torch import nn
 
 from ..core.engine import Engine, TrainingState
 from ..core.scope import ALIGN, Scope
-from ..wrap import _engine_of
+from ..wrapping import _engine_of
 from .shared_masters import wait_for_ranks
 
 _STORE_PREFIX = "offtensor/shard_loads"

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from ..api import Policy
-from ..wrap import _ENGINE_ATTR, Predicate, _find_engine, unwrap, wrap_filling
+from ..wrapping import _ENGINE_ATTR, Predicate, _find_engine, unwrap, wrap_filling
 from .compress import RowReader, copy_rows
 from .file_masters import SAFETENSORS_DTYPES, FileStore, FileTensor
 
@@ -151,7 +151,7 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
         assert engine is not None
         rest = torch.device(rest_device) if rest_device is not None else engine.device
         _load_rest(model, checkpoint, init, rest, strict)
-    except BaseException:  # Note [a wrap that raised] in wrap.py: as before the call, for a retry
+    except BaseException:  # Note [a wrap that raised] in wrapping.py: as before the call, for a retry
         if getattr(model, _ENGINE_ATTR, None) is not None:
             unwrap(model)
         meta.put_back()

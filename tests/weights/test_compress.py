@@ -28,7 +28,7 @@ from torch import nn
 
 import offtensor
 from offtensor.weights.compress import MIN_NUMEL, quantize_dequantize
-from offtensor.wrap import _find_engine
+from offtensor.wrapping import _find_engine
 
 FORMATS = ["fp8", "int8"]
 HIDDEN = 64  # fc1 is 64 x 128: above MIN_NUMEL, compressed

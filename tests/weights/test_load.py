@@ -374,7 +374,7 @@ _RSS_SCRIPT = textwrap.dedent("""
     policy = offtensor.Policy(frozen_format=None if fmt == "none" else fmt)
     offtensor.load(model, path, device="cpu", policy=policy)
     peak = rss("VmHWM:")
-    device_scope = max(s.device_nbytes for s in offtensor.wrap._find_engine(model).scopes)
+    device_scope = max(s.device_nbytes for s in offtensor.wrapping._find_engine(model).scopes)
     print(json.dumps({"growth": peak - before, "host": offtensor.summary(model).host_bytes,
                       "device_scope": device_scope}))
 """)
@@ -471,7 +471,7 @@ def test_a_load_that_raises_leaves_the_model_as_it_was_and_a_retry_loads_it(tmp_
     """Regression: an error in the second scope (an init that raised, a tensor of the wrong shape)
     left the first scope offloaded and hooked and the second's parameters allocated but never
     initialized: a retry was refused ("already offloaded"), and after unwrap a retry kept the
-    uninitialized values (Note [a wrap that raised] in offtensor/wrap.py)."""
+    uninitialized values (Note [a wrap that raised] in offtensor/wrapping.py)."""
     reference = _saved(tmp_path, shard=None)
     model = _meta_model()
     failing = {"init of a scope": "model.layers.1.mlp.up_proj", "init of the rest": "lm_head"}.get(where)

@@ -25,7 +25,7 @@ from master_guard import MasterGuard
 from torch import nn
 
 import offtensor
-from offtensor.wrap import _find_engine
+from offtensor.wrapping import _find_engine
 
 torchao_quant = pytest.importorskip("torchao.quantization")
 
