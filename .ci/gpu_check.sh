@@ -72,7 +72,7 @@ fi
 if [ "$mode" != tests-only ]; then
     echo "gpu_check: benchmark (limit ${BENCH_TIMEOUT}s)"
     timeout --signal=INT --kill-after=20 "$BENCH_TIMEOUT" \
-        python3 -m offtensor.bench --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
+        python3 -m benchmarks --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
     bench_rc=$?
 fi
 

@@ -23,9 +23,9 @@ LAYERS = ["api", "patches", "weights.kernels", "weights.compress", "core.memory"
 
 
 def _modules() -> set[str]:
-    """Every module of the package but the package files (`__init__.py`) and the benchmark."""
+    """Every module of the package but the package files (`__init__.py`)."""
     return {".".join(p.relative_to(PACKAGE).with_suffix("").parts) for p in PACKAGE.rglob("*.py")
-            if p.name != "__init__.py" and "bench" not in p.relative_to(PACKAGE).parts}
+            if p.name != "__init__.py"}
 
 
 def _resolve(module: str, level: int, name: str | None) -> str:

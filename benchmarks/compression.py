@@ -1,4 +1,4 @@
-"""`python -m offtensor.bench compression-error`: the numerical cost of Policy(frozen_format=...)
+"""`python -m benchmarks compression-error`: the numerical cost of Policy(frozen_format=...)
 on the benchmark model: each decoder layer's output and the final logits of the model wrapped
 with compressed frozen weights, against the same model in bf16 (docs/benchmarks.md)."""
 
@@ -60,7 +60,7 @@ def measure(shape: ModelShape, fmt: str, device: torch.device, batch: int, seq: 
 
 
 def main(name: str, argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog=f"python -m offtensor.bench {name}", description=__doc__)
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks {name}", description=__doc__)
     p.add_argument("--quick", action="store_true", help="the --quick model shape (CPU-sized)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     p.add_argument("--batch", type=int, default=1)

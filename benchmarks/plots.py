@@ -261,12 +261,12 @@ def plot_file(path: str, out_dir: str | os.PathLike[str]) -> list[Path]:
     if isinstance(data, dict) and data.get("kind") == "step_timeline":
         return [_save(timeline_figure(data), out_dir, TIMELINE_PNG)]
     raise SystemExit(f"plot: {path} is neither a benchmark --json file nor a {TIMELINE_JSON} "
-                     "(written by `python -m offtensor.bench profile-step --plot DIR`)")
+                     "(written by `python -m benchmarks profile-step --plot DIR`)")
 
 
 def main(name: str, argv: list[str]) -> int:
     """Draw the pictures of a benchmark --json file (or of a step timeline) again."""
-    ap = argparse.ArgumentParser(prog=f"python -m offtensor.bench {name}", description=(
+    ap = argparse.ArgumentParser(prog=f"python -m benchmarks {name}", description=(
         f"Draw {RESULTS_PNG} and {OVERLAP_PNG} from a benchmark --json file, or {TIMELINE_PNG} "
         f"from a {TIMELINE_JSON} (profile-step --plot)."))
     ap.add_argument("file", help="a bench.json (--json) or a step_timeline.json")

@@ -27,14 +27,13 @@ target is offtensor-capped's peak VRAM under the cap.
 # Note [optimizer term in turn]
 The plain CPU AdamW that the standard step's roofline adds is measured once per dtype, before
 the first step scenario (`Extras.plain_adamw`, in the first peer that runs one). The benchmark
-host's CPU speed drifts by more than the targets' margins within one run: in one H200 run that
-step took 227.8 ms there and 307.9 ms some minutes later, when the same run measured it in turn
-with the overlapped step, so the standard offtensor step, whose own optimizer phase took 309 ms,
-read 1.19x a roofline built on the early figure. So each standard offtensor peer also runs one
-plain AdamW step after each of its timed iterations (`Row.optimizer_in_turn_ms`), and its
-roofline's optimizer term is the median of those; the early figure stays in the entry
-(`optimizer_ms`) and is used where a peer has none (--shape, or the measurement failed). The
-overlapped peer's verdict is measured in turn in its own way (measure_same_time).
+host's CPU speed drifts by more than the targets' margins within one run (docs/benchmarks.md,
+"One run of every issue-15 target"), so a roofline built on that early figure misjudges a step
+timed minutes later. So each standard offtensor peer also runs one plain AdamW step after each
+of its timed iterations (`Row.optimizer_in_turn_ms`), and its roofline's optimizer term is the
+median of those; the early figure stays in the entry (`optimizer_ms`) and is used where a peer
+has none (--shape, or the measurement failed). The overlapped peer's verdict is measured in turn
+in its own way (measure_same_time).
 """
 
 from __future__ import annotations

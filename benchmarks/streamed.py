@@ -11,7 +11,7 @@ from torch import nn
 
 # Policy(frozen_format=...) compresses frozen matrices of at least this many elements ("small
 # tensors stay as they are"); the DiT benchmark's fp8 reference and its dequantization count follow
-# it, and tests/test_bench.py checks that against the values the parameters report.
+# it, and tests/benchmarks/test_bench.py checks that against the values the parameters report.
 FP8_MIN_NUMEL = 4096
 
 

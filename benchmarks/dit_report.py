@@ -112,7 +112,7 @@ def format_dit_table(rows: list[Row], head: str, bw: dict[str, Any], dequant_s_p
         f"unpacked, at {dequant_s_per_element * 1e12:.1f} ps per element (measured, unfused PyTorch path).",
         "host fwd ms: how long the forward call took to return on the host (no sync), median of the timed "
         "iterations: below the device's time, the CPU is off the critical path.",
-        "roofline ms: max(resident, H2D ms + dequant ms) (Note [DiT rooflines] in bench/dit_report.py); ratio: "
+        "roofline ms: max(resident, H2D ms + dequant ms) (Note [DiT rooflines] in benchmarks/dit_report.py); ratio: "
         "ms/iter over it; x resident: ms/iter over the resident row's.",
         "first output: the first iteration's output against the resident model's (bf16 peers) or the fp8 reference "
         "(the resident model with its block matrices rounded as Policy(frozen_format='fp8') documents): "

@@ -127,7 +127,7 @@ def _allocator_per_forward(fwd: Callable[[], float]) -> None:
 def profile_infer(argv: list[str]) -> int:
     """Per forward: span, wall, h2d busy and gaps, lead and tail, allocator counts, and the
     allocated bytes at each scope load and release."""
-    ap = argparse.ArgumentParser(prog="python -m offtensor.bench profile-infer", description=profile_infer.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks profile-infer", description=profile_infer.__doc__)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--max-scope-mib", type=float, default=None)
@@ -322,7 +322,7 @@ def profile_step(argv: list[str]) -> int:
     each scope's optimizer span and the worker's idle spans, and the device's busy time."""
     import offtensor
 
-    ap = argparse.ArgumentParser(prog="python -m offtensor.bench profile-step", description=profile_step.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks profile-step", description=profile_step.__doc__)
     ap.add_argument("--steps", type=int, default=2, help="profiled steps")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU: checks the command")

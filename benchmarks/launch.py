@@ -1,5 +1,5 @@
 """One process per device for `--nproc N`: the ranks' environment as torchrun sets it, spawning
-the ranks from `python -m offtensor.bench --nproc N` (torch.multiprocessing), and the process
+the ranks from `python -m benchmarks --nproc N` (torch.multiprocessing), and the process
 groups each rank joins.
 
 # Note [two process groups]

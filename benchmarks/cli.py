@@ -1,5 +1,5 @@
-"""`python -m offtensor.bench`: the command line. The benchmark itself by default; the
-investigations behind docs/benchmarks.md as subcommands (`python -m offtensor.bench
+"""`python -m benchmarks`: the command line. The benchmark itself by default; the
+investigations behind docs/benchmarks.md as subcommands (`python -m benchmarks
 profile-step --help`)."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ COMMANDS = {
 }
 
 EPILOG = "subcommands (each takes --help):\n" + "\n".join(
-    f"  python -m offtensor.bench {name:20} {what}" for name, (_, what) in COMMANDS.items())
+    f"  python -m benchmarks {name:20} {what}" for name, (_, what) in COMMANDS.items())
 
 
 def _names(values: list[str], known: tuple[str, ...] | list[str], what: str) -> list[str]:
@@ -68,7 +68,7 @@ def _names(values: list[str], known: tuple[str, ...] | list[str], what: str) -> 
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m offtensor.bench", description=DESCRIPTION, epilog=EPILOG,
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; 2 with --quick; "
                    "with --shape, the shape's)")
@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
                         "scenarios: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in SHAPE_SCENARIOS.items()))
     p.add_argument("--dit-model", choices=["auto", "diffusers", "builtin"], default="auto",
                    help="--shape flux: diffusers' FluxTransformer2DModel (auto: when diffusers is installed) or "
-                        "the built-in DiT of the same blocks (bench/dit_blocks.py)")
+                        "the built-in DiT of the same blocks (benchmarks/dit_blocks.py)")
     p.add_argument("--scenarios", nargs="+", default=None,
                    help=f"any of {list(SCENARIOS)} (space or comma separated; default all); with --nproc "
                         f"any of {list(MULTI_SCENARIOS)}; with --shape, that shape's")

@@ -113,7 +113,7 @@ SHAPE_SCENARIOS: dict[str, dict[str, Scenario]] = {
     )},
     "34b": {s.name: s for s in (_INFER_512_ON_LORA, _LORA_STEP)},
     "70b": {s.name: s for s in (_INFER_512_ON_LORA, _LORA_STEP)},
-    # --shape flux (bench/dit.py): one denoising step at 1024x1024 (4096 image tokens, 512 text
+    # --shape flux (benchmarks/dit.py): one denoising step at 1024x1024 (4096 image tokens, 512 text
     # tokens) and a LoRA step, on one LoRA model per peer (the adapters' B is zero at first).
     "flux": {s.name: s for s in (Scenario("infer-1024px", "infer", 1, 4096, on_variant="lora", at_shape=True),
                                  Scenario("lora-step-1024px", "frozen-step", 1, 4096, at_shape=True))},

@@ -1,4 +1,4 @@
-"""`python -m offtensor.bench host-tier`: a model larger than its host budget, streamed from its
+"""`python -m benchmarks host-tier`: a model larger than its host budget, streamed from its
 safetensors file (`Policy(host_budget=...)`), against the drive's own read bandwidth; and the
 pinned-ring mode (`Policy(pin_memory="ring")`) against the pinned default.
 
@@ -260,7 +260,7 @@ def report(args: argparse.Namespace, n: int, h: int, device: torch.device, drive
 
 
 def parse(name: str, argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=f"python -m offtensor.bench {name}", description=__doc__,
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks {name}", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=24.0, help="checkpoint size in GiB (default 24)")
     p.add_argument("--host-budget-gib", type=float, default=8.0, help="Policy(host_budget) in GiB (default 8)")

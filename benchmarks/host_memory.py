@@ -149,7 +149,7 @@ def host_contention(argv: list[str]) -> int:
     threads and with one left spare, on each of --threads, beside a thread busy running Python
     (all threads and one spare: Note [worker threads] in optim/overlap.py), then while pinned copies
     stream one way and both ways."""
-    ap = argparse.ArgumentParser(prog="python -m offtensor.bench host-contention", description=host_contention.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks host-contention", description=host_contention.__doc__)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--threads", type=int, nargs="*", default=[], metavar="N",
@@ -210,7 +210,7 @@ def adamw_memory_kinds(argv: list[str]) -> int:
     pageable) and numpy memory page-locked (pinned, CUDA only); the optimizer state is the
     optimizer's own. One warm-up step each, then --reps rounds in turn. Also the host's
     transparent-huge-page settings."""
-    ap = argparse.ArgumentParser(prog="python -m offtensor.bench adamw-memory-kinds",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks adamw-memory-kinds",
                                  description=adamw_memory_kinds.__doc__)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--fraction", type=float, default=0.5, help="of the 8 layers")
@@ -272,7 +272,7 @@ def pinned_bandwidth(argv: list[str]) -> int:
     """Host-to-device GB/s from `torch.empty(pin_memory=True)`, from numpy memory page-locked
     in place (offtensor's masters) and the same with transparent huge pages: copies of one
     whole 1 GiB buffer and of one MLP matrix of the full-size layer at a time."""
-    ap = argparse.ArgumentParser(prog="python -m offtensor.bench pinned-bandwidth",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks pinned-bandwidth",
                                  description=pinned_bandwidth.__doc__)
     ap.add_argument("--mib", type=int, default=1024, help="buffer size (default 1024)")
     args = ap.parse_args(argv)

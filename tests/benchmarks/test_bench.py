@@ -25,11 +25,11 @@ pytest.importorskip("transformers")
 
 from conftest import requires_cuda
 
-from offtensor import bench
-from offtensor.bench import cli, plots, profiling, report, rooflines
-from offtensor.bench.optimizer import WorkerSettings
-from offtensor.bench.results import Extras, Row, VariantBytes
-from offtensor.bench.scenarios import SCENARIOS, quick
+import benchmarks as bench
+from benchmarks import cli, plots, profiling, report, rooflines
+from benchmarks.optimizer import WorkerSettings
+from benchmarks.results import Extras, Row, VariantBytes
+from benchmarks.scenarios import SCENARIOS, quick
 
 BENCH_DIR = Path(bench.__file__).parent
 
@@ -136,7 +136,7 @@ def test_every_subcommand_has_help(command, capsys):
     with pytest.raises(SystemExit) as exc:
         bench.main([command, "--help"])
     assert exc.value.code == 0
-    assert f"python -m offtensor.bench {command}" in capsys.readouterr().out
+    assert f"python -m benchmarks {command}" in capsys.readouterr().out
 
 
 def test_bench_uses_only_public_offtensor_api_and_imports_third_parties_lazily():
@@ -144,9 +144,15 @@ def test_bench_uses_only_public_offtensor_api_and_imports_third_parties_lazily()
     for path in BENCH_DIR.glob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("offtensor"):
-                assert all(not part.startswith("_") for part in node.module.split(".")), (path.name, node.module)
-                assert all(not a.name.startswith("_") for a in node.names), (path.name, node.module)
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "offtensor":
+                assert node.module == "offtensor", (path.name, node.module)  # no offtensor.core, ...
+                assert all(a.name in offtensor.__all__ for a in node.names), (path.name, node.module)
+            if isinstance(node, ast.ImportFrom):
+                assert node.level <= 1, (path.name, node.module)  # nothing above benchmarks/
+            if isinstance(node, ast.Import):
+                assert all(a.name == "offtensor" for a in node.names if a.name.split(".")[0] == "offtensor"), path.name
+            if isinstance(node, ast.Attribute):
+                assert not node.attr.startswith("_offtensor"), (path.name, node.attr)  # the library's own state
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "offtensor":
                 assert node.attr in offtensor.__all__, (path.name, node.attr)
         top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
@@ -363,9 +369,9 @@ def test_the_budget_peer_keeps_half_the_layers_and_is_judged_against_the_streame
 
 
 def test_the_budget_keeps_half_the_decoder_layers():
-    from offtensor.bench.model import build_model
-    from offtensor.bench.peers import budget_keeping_half
-    from offtensor.bench.scenarios import ModelShape
+    from benchmarks.model import build_model
+    from benchmarks.peers import budget_keeping_half
+    from benchmarks.scenarios import ModelShape
 
     built = build_model(ModelShape(hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=128, layers=8), "base",
                         torch.device("cpu"), 0)
@@ -401,11 +407,19 @@ def test_compression_error_reports_layers_and_logits(capsys):
         assert "per-layer output error" in line and "final logits" in line and "host bytes 0.5" in line
 
 
+def test_host_tier_benchmark_quick_runs_on_the_cpu(tmp_path, capsys):
+    assert bench.main(["host-tier", "--quick", "--dir", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    for line in ("drive read", "streamed from files", "host RSS", "outputs equal", "pinned-ring mode"):
+        assert line in printed, printed
+    assert "FAIL" not in printed.split("outputs equal")[1].splitlines()[0]
+
+
 def test_bytes_targets_judge_only_the_transfer_bound_scenario():
     """fp8 and the VRAM budget move fewer bytes: their targets are the issues' infer-1x512 ones,
     not the compute-bound infer-8x2048 (where fp8's dequantization costs a little)."""
-    from offtensor.bench.results import Row
-    from offtensor.bench.rooflines import _judge
+    from benchmarks.results import Row
+    from benchmarks.rooflines import _judge
 
     for scenario, target in (("infer-1x512", 0.55), ("infer-8x2048", None)):
         row = Row(scenario, "offtensor-fp8", "ok", median_ms=130.0)
@@ -417,8 +431,8 @@ def test_bytes_targets_judge_only_the_transfer_bound_scenario():
 
 
 def test_compile_time_is_the_first_call_less_a_steady_iteration():
-    from offtensor.bench.results import Row
-    from offtensor.bench.rooflines import compile_times
+    from benchmarks.results import Row
+    from benchmarks.rooflines import compile_times
 
     rows = [Row("train-4x2048", "resident", "ok", times_ms=[10.0, 10.0], median_ms=10.0, first_call_ms=1020.0,
                 per_iteration=2),
@@ -507,15 +521,15 @@ def test_large_shapes_run_inference_and_the_lora_step_on_one_load_per_peer(tmp_p
 def test_resident_and_loaded_shape_models_get_the_same_random_weights():
     """RandomFill seeds each module's generator from its name: the resident model filled in place
     and the one offtensor.load fills scope by scope hold the same values, so they compute the same."""
-    from offtensor.bench.model import build_model
-    from offtensor.bench.peers import PeerOptions, setup_offtensor
-    from offtensor.bench.scenarios import QUICK_NAMED_SHAPES
-    from offtensor.bench.shapes import RandomFill
+    from benchmarks.model import build_model
+    from benchmarks.peers import PeerOptions, setup_offtensor
+    from benchmarks.scenarios import QUICK_NAMED_SHAPES
+    from benchmarks.shapes import RandomFill
 
     cpu = torch.device("cpu")
     models = [build_model(QUICK_NAMED_SHAPES["8b"], "base", cpu, 0, fill=RandomFill(cpu, 0)) for _ in range(2)]
     assert all(p.is_meta for p in models[0].model.parameters())
-    from offtensor.bench.peers import PEER_SETUP
+    from benchmarks.peers import PEER_SETUP
 
     PEER_SETUP["resident"](models[0], cpu, PeerOptions())
     setup_offtensor(models[1], cpu, PeerOptions())
@@ -539,9 +553,9 @@ def test_full_step_with_embeddings_and_head_offloaded_matches_the_plain_model(ti
 
     import transformers
 
-    from offtensor.bench.model import decoder_layers
-    from offtensor.bench.peers import layers_embeddings_and_head
-    from offtensor.bench.workload import chunked_lm_loss
+    from benchmarks.model import decoder_layers
+    from benchmarks.peers import layers_embeddings_and_head
+    from benchmarks.workload import chunked_lm_loss
 
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=96, tie_word_embeddings=tied, use_cache=False)
@@ -571,7 +585,7 @@ def test_a_resident_model_that_does_not_fit_is_extrapolated_from_4_and_8_layers(
     """70B's resident LoRA step does not fit the GPU: its time, per phase, comes from the resident
     model at 4 and 8 layers of the same shape (a + b x layers), and the fp8 row is judged against
     max(that, its copies). Here the resident model is made not to fit above 8 layers."""
-    from offtensor.bench import run as bench_run
+    from benchmarks import run as bench_run
 
     real = bench_run.fit_problem
 
@@ -617,9 +631,9 @@ def test_a_resident_model_that_does_not_fit_is_extrapolated_from_4_and_8_layers(
 def test_peers_that_do_not_fit_are_skipped_with_the_reason(monkeypatch):
     """70B in bf16 needs more host memory than a 128 GiB host has; in fp8 it fits. The resident
     70B LoRA step does not fit a 139 GiB GPU (checked here against host memory on the CPU)."""
-    from offtensor.bench import shapes
-    from offtensor.bench.model import build_model
-    from offtensor.bench.scenarios import NAMED_SHAPES, SHAPE_SCENARIOS
+    from benchmarks import shapes
+    from benchmarks.model import build_model
+    from benchmarks.scenarios import NAMED_SHAPES, SHAPE_SCENARIOS
 
     cpu = torch.device("cpu")
     built = build_model(NAMED_SHAPES["70b"], "lora", cpu, 0, fill=shapes.RandomFill(cpu, 0))
@@ -675,7 +689,7 @@ def test_the_overlapped_step_is_judged_in_turn_against_adamw_beside_the_copies()
 
 
 def test_vram_target_of_the_capped_full_step():
-    from offtensor.bench.scenarios import SHAPE_SCENARIOS
+    from benchmarks.scenarios import SHAPE_SCENARIOS
 
     full = SHAPE_SCENARIOS["8b"]["full-step-1x4096"]
     rows = [Row(full.name, "offtensor-capped", "ok", median_ms=1500.0, grads_kept=1.0, peak_vram_bytes=7 * 2**30,
@@ -692,8 +706,8 @@ def test_vram_target_of_the_capped_full_step():
 
 
 def test_compiled_runs_are_judged_by_the_compile_targets():
-    from offtensor.bench import rooflines
-    from offtensor.bench.results import Row
+    from benchmarks import rooflines
+    from benchmarks.results import Row
 
     row = Row("train-4x2048", "offtensor", "ok", median_ms=108.0, grads_kept=1.0)
     rooflines._judge(row, "train", 100.0, rooflines.COMPILED_TARGETS)
@@ -702,7 +716,7 @@ def test_compiled_runs_are_judged_by_the_compile_targets():
     assert row.target == 1.10 and row.verdict == "PASS"
 
 
-# ---- --shape flux: the diffusion transformer (bench/dit*.py) -------------------------------------
+# ---- --shape flux: the diffusion transformer (benchmarks/dit*.py) -------------------------------------
 
 
 @pytest.fixture
@@ -724,8 +738,8 @@ def _flux_run(tmp_path, *extra):
 
 
 def _check_flux_rows(rows, peers):
-    from offtensor.bench.dit_report import RESIDENT_TARGETS, ROOFLINE_PEERS
-    from offtensor.bench.dit_run import FP8_PEERS
+    from benchmarks.dit_report import RESIDENT_TARGETS, ROOFLINE_PEERS
+    from benchmarks.dit_run import FP8_PEERS
 
     scenarios = ("infer-1024px", "lora-step-1024px")
     assert set(rows) == {(s, p) for s in scenarios for p in peers}
@@ -775,7 +789,7 @@ def test_flux_quick_run_has_each_peer_row_its_roofline_and_bit_exact_outputs(tmp
 
 @pytest.mark.full_tier  # every peer: ~40 s on a 2-core host
 def test_flux_quick_run_with_every_peer(tmp_path, one_thread):
-    from offtensor.bench.dit_run import DIT_PEER_NAMES
+    from benchmarks.dit_run import DIT_PEER_NAMES
 
     _, rows = _flux_run(tmp_path)
     _check_flux_rows(rows, DIT_PEER_NAMES)
@@ -801,10 +815,10 @@ def test_the_fp8_reference_rounds_as_the_compressed_parameters_report():
     """dit.fp8_round_trip_ (the bench's reading of Note [compressed masters]) gives exactly the
     values Policy(frozen_format='fp8') parameters report, and streamed.fp8_compressed picks
     exactly the parameters it compresses (the others keep their bf16 values)."""
-    from offtensor.bench.dit import QUICK_FLUX, build_dit, fp8_round_trip_
-    from offtensor.bench.model import materialize
-    from offtensor.bench.peers import PeerOptions, setup_offtensor
-    from offtensor.bench.streamed import fp8_compressed
+    from benchmarks.dit import QUICK_FLUX, build_dit, fp8_round_trip_
+    from benchmarks.model import materialize
+    from benchmarks.peers import PeerOptions, setup_offtensor
+    from benchmarks.streamed import fp8_compressed
 
     cpu = torch.device("cpu")
     plain, loaded = (build_dit(QUICK_FLUX, cpu, 0) for _ in range(2))
@@ -821,7 +835,7 @@ def test_the_fp8_reference_rounds_as_the_compressed_parameters_report():
 
 
 def test_flux_rows_are_judged_against_their_own_roofline_and_the_resident_time():
-    from offtensor.bench.dit_report import judge_dit_rows
+    from benchmarks.dit_report import judge_dit_rows
 
     kinds = {"lora-step-1024px": "frozen-step"}
     rows = [Row("lora-step-1024px", "resident", "ok", median_ms=100.0),
@@ -838,8 +852,8 @@ def test_flux_rows_are_judged_against_their_own_roofline_and_the_resident_time()
 
 
 def test_quick_budgets_keep_the_share_of_layers_the_real_shape_keeps():
-    from offtensor.bench.dit import FLUX_DEV, QUICK_FLUX, build_dit
-    from offtensor.bench.peers import PeerOptions, budget_keeping_all, layer_bytes, vram_budget
+    from benchmarks.dit import FLUX_DEV, QUICK_FLUX, build_dit
+    from benchmarks.peers import PeerOptions, budget_keeping_all, layer_bytes, vram_budget
 
     cpu = torch.device("cpu")
     full, tiny = build_dit(FLUX_DEV, cpu, 0), build_dit(QUICK_FLUX, cpu, 0)

@@ -1,4 +1,4 @@
-"""The several-GPU benchmark (`python -m offtensor.bench --nproc N`) runs end to end on two CPU
+"""The several-GPU benchmark (`python -m benchmarks --nproc N`) runs end to end on two CPU
 ranks (gloo) and its rows hold what docs/benchmarks.md (Several GPUs) says they hold.
 
 Timings are not asserted (a two-core CI machine says nothing of speed): what is checked is that
@@ -22,27 +22,27 @@ import torch
 
 pytest.importorskip("transformers")
 
-from offtensor import bench
-from offtensor.bench import multi
-from offtensor.bench.multi_report import format_multi_table, load_baseline, make_row
-from offtensor.bench.results import RankResult
-from offtensor.bench.scenarios import MULTI_SCENARIOS, QUICK_SHAPE, quick
+import benchmarks as bench
+from benchmarks import multi
+from benchmarks.multi_report import format_multi_table, load_baseline, make_row
+from benchmarks.results import RankResult
+from benchmarks.scenarios import MULTI_SCENARIOS, QUICK_SHAPE, quick
 
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available"),
     pytest.mark.full_tier,  # two spawned ranks: the full tier (CI) runs it
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 240
 PEERS = ("offtensor-dp", "offtensor-dp-shared", "offtensor-dp-sharded", "fsdp2-cpu-offload")
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
-    """`python -m offtensor.bench --quick --device cpu --nproc 2` once: its JSON and output."""
+    """`python -m benchmarks --quick --device cpu --nproc 2` once: its JSON and output."""
     out = tmp_path_factory.mktemp("bench-multi") / "multi.json"
-    cmd = [sys.executable, "-m", "offtensor.bench", "--quick", "--device", "cpu", "--nproc", "2",
+    cmd = [sys.executable, "-m", "benchmarks", "--quick", "--device", "cpu", "--nproc", "2",
            "--peers", *PEERS, "--warmup", "1", "--iters", "2", "--layers", "1", "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
@@ -52,7 +52,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
 
 def _unavailable(peer: str) -> str | None:
     """Why the bench skips `peer` on the CPU with this torch (FSDP2 before 2.7), or None."""
-    from offtensor.bench.multi_peers import multi_peer_unavailable
+    from benchmarks.multi_peers import multi_peer_unavailable
 
     return multi_peer_unavailable(peer, torch.device("cpu"))
 

@@ -4,13 +4,13 @@ Runs a randomly initialised Hugging Face Llama (no download) through six scenari
 *peer* (a way of placing the model), reports the median wall time, the roofline, peak device
 memory and host memory growth. docs/benchmarks.md defines every column.
 
-    python -m offtensor.bench                          # 8 layers, every scenario and peer
-    python -m offtensor.bench --layers 16 --peers resident offtensor --json out.json
-    python -m offtensor.bench --scenarios step-4x2048 --peers resident offtensor offtensor-overlap
-    python -m offtensor.bench --quick --device cpu     # smoke test: tiny model, no GPU needed
-    python -m offtensor.bench --shape flux             # the Flux.1-dev DiT: inference and a LoRA step
-    python -m offtensor.bench --nproc 2                # data-parallel on 2 GPUs, FSDP2 and DDP as peers
-    python -m offtensor.bench profile-step --help      # the investigations: see --help
+    python -m benchmarks                          # 8 layers, every scenario and peer
+    python -m benchmarks --layers 16 --peers resident offtensor --json out.json
+    python -m benchmarks --scenarios step-4x2048 --peers resident offtensor offtensor-overlap
+    python -m benchmarks --quick --device cpu     # smoke test: tiny model, no GPU needed
+    python -m benchmarks --shape flux             # the Flux.1-dev DiT: inference and a LoRA step
+    python -m benchmarks --nproc 2                # data-parallel on 2 GPUs, FSDP2 and DDP as peers
+    python -m benchmarks profile-step --help      # the investigations: see --help
 
 Peers other than offtensor are optional: one that is not installed, or that fails, is reported
 with a note and the run goes on. Only offtensor's public API is used; transformers, accelerate,
