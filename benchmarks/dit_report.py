@@ -87,12 +87,19 @@ def _targets(r: Row) -> str:
     return ", ".join(parts) or "-"
 
 
+def _predicted(r: Row) -> str:
+    """The timed layout's predicted step and how far the measured median is from it."""
+    if r.predicted_ms is None or r.median_ms is None:
+        return "-"
+    return f"{r.predicted_ms:.1f} ({r.median_ms / r.predicted_ms - 1:+.0%})"
+
+
 def format_dit_table(rows: list[Row], head: str, bw: dict[str, Any], dequant_s_per_element: float,
                      cpu: bool) -> str:
     """The table: one line per row, and footnotes for what the columns count."""
     table: list[tuple[str, ...]] = [(
         "scenario", "peer", "ms/iter", "host fwd ms", "peak VRAM GiB", "streamed GB/iter", "H2D ms", "dequant ms",
-        "roofline ms", "ratio", "x resident", "first output", "targets")]
+        "roofline ms", "ratio", "x resident", "predicted ms", "first output", "targets")]
     for r in rows:
         h2d = r.streamed_bytes / bw["h2d"] * 1e3 if r.streamed_bytes is not None else None
         host = (r.phases_ms or {}).get("forward host")
@@ -100,9 +107,9 @@ def format_dit_table(rows: list[Row], head: str, bw: dict[str, Any], dequant_s_p
                       _fmt(host, ".1f"), _fmt(None if r.peak_vram_bytes is None else r.peak_vram_bytes / GiB, ".2f"),
                       _fmt(None if r.streamed_bytes is None else r.streamed_bytes / 1e9, ".3g"), _fmt(h2d, ".1f"),
                       _fmt(r.dequant_ms, ".1f"), _fmt(r.roofline_ms, ".1f"), _fmt(r.ratio, ".2f"),
-                      _fmt(r.vs_resident, ".2f"), _exact(r), _targets(r)))
+                      _fmt(r.vs_resident, ".2f"), _predicted(r), _exact(r), _targets(r)))
     widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
-    lines = [" | ".join(c.ljust(w) if i in (0, 1, 11, 12) else c.rjust(w)
+    lines = [" | ".join(c.ljust(w) if i in (0, 1, 12, 13) else c.rjust(w)
                         for i, (c, w) in enumerate(zip(t, widths, strict=True))) for t in table]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     sources = sorted({r.streamed_source for r in rows if r.streamed_source})
@@ -112,6 +119,8 @@ def format_dit_table(rows: list[Row], head: str, bw: dict[str, Any], dequant_s_p
         f"unpacked, at {dequant_s_per_element * 1e12:.1f} ps per element (measured, unfused PyTorch path).",
         "host fwd ms: how long the forward call took to return on the host (no sync), median of the timed "
         "iterations: below the device's time, the CPU is off the critical path.",
+        "predicted ms: the step time the timed layout predicted when it chose what to keep "
+        "(offtensor.summary().layout), and the measured median's distance from it (issue 31: within 15%).",
         "roofline ms: max(resident, H2D ms + dequant ms) (Note [DiT rooflines] in benchmarks/dit_report.py); ratio: "
         "ms/iter over it; x resident: ms/iter over the resident row's.",
         "first output: the first iteration's output against the resident model's (bf16 peers) or the fp8 reference "

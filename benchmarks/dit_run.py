@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import offtensor
+
 from .dit import (
     FLUX_DEV,
     QUICK_FLUX,
@@ -189,6 +191,17 @@ def _check_output(row: Row, out: torch.Tensor, run: DitRun) -> None:
         row.diff_vs_resident = float((out.float() - bf16.float()).abs().max())
 
 
+def _predicted_ms(model: nn.Module, s: Scenario) -> float | None:
+    """The step time a timed layout predicted for its kept set (offtensor.summary().layout), or
+    None: not wrapped, no budget, or a layout by bytes."""
+    if not offtensor.is_wrapped(model):
+        return None
+    layout = offtensor.summary(model).layout
+    if layout is None or not layout.timed or layout.predicted_forward_ms is None:
+        return None
+    return layout.predicted_forward_ms + (0.0 if s.kind == "infer" else layout.predicted_backward_ms or 0.0)
+
+
 def _counter(peer: str, built: BuiltModel) -> StreamCounter | None:
     if peer.startswith("offtensor"):
         return LoadCounter(built.model, compressed=peer in FP8_PEERS)
@@ -216,6 +229,7 @@ def _scenario(built: BuiltModel, s: Scenario, row: Row, peer: str, inputs: dict[
     row.phases_ms = work.clock.medians() if work.clock is not None else None
     if device.type == "cuda":
         row.peak_vram_bytes = torch.cuda.max_memory_allocated(device)
+    row.predicted_ms = _predicted_ms(built.model, s)
     work.optimizers.clear()
     _check_output(row, captured[0], run)
     print(f"  {peer}/{s.name}: median {row.median_ms:.1f} ms"
