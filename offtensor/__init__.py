@@ -10,7 +10,8 @@ See README.md and docs/design.md.
 
 from .api import MasterHome, Policy, ScopeState, ScopeSummary, Summary, frozen_only
 from .dispatch.param import OffloadedParameter
-from .distributed.data_parallel import data_parallel, no_sync, sync_masters
+from .distributed.data_parallel import data_parallel, sync_masters
+from .distributed.reducer import no_sync
 from .distributed.sharded_loads import local_loads
 from .optim.overlap import OverlapReport, backward_and_step, last_stepped, wait_for_steps
 from .weights.load import load

@@ -79,8 +79,10 @@ from .dispatch.param import OffloadedParameter, intercept_function_apply, master
 from .distributed.wrappers import check_model
 from .optim.overlap import wait_for_steps
 from .weights.compress import FrozenFormat, PackedMaster, RowReader, StoredMaster, compresses, copy_rows, packed_nbytes
-from .weights.file_masters import FileScope, FileStore, StagingRing, plan_host_budget
+from .weights.file_masters import FileScope, plan_host_budget
+from .weights.files import FileStore
 from .weights.quantized import attach, offloaded_weight, quant_kind, quantized_parts, weights_of
+from .weights.staging import StagingRing
 
 logger = logging.getLogger("offtensor")
 

@@ -15,11 +15,13 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "offtensor"
 
 # Bottom to top. A module may import any module before it in this list, none after it.
-LAYERS = ["api", "patches", "weights.kernels", "weights.compress", "core.memory", "weights.file_masters",
-          "distributed.shm", "distributed.wrappers", "dispatch.compile", "core.slot", "dispatch.param",
+LAYERS = ["api", "patches", "weights.kernels", "weights.compress", "weights.files", "weights.checkpoint", "core.memory",
+          "weights.file_masters", "weights.staging", "distributed.shm", "distributed.matching",
+          "distributed.wrappers", "dispatch.compile", "core.slot", "dispatch.param",
           "core.streams", "optim.device_steps", "core.scope", "budget.layout", "core.schedule", "core.grads",
           "core.engine", "core.hooks", "weights.quantized", "optim.overlap", "wrapping", "distributed.shared_masters",
-          "distributed.sharded_loads", "distributed.data_parallel", "weights.load"]
+          "distributed.sharded_loads", "distributed.reducer", "distributed.agreement",
+          "distributed.data_parallel", "weights.load"]
 
 
 def _modules() -> set[str]:

@@ -1,59 +1,44 @@
 """Sharded loads: each rank copies 1/N of a scope over its own host-to-device link and the ranks
-all-gather the rest: `data_parallel(model, shard_loads=True)` (distributed/data_parallel.py, the layer above).
+all-gather the rest: `data_parallel(model, shard_loads=True)` (distributed/data_parallel.py, a layer above).
 
 # Note [sharded loads]
-In data-parallel mode every rank holds the whole model and loads every scope for every pass, so
-each rank moves the whole scope over its own PCIe link. When the ranks' masters hold the same
-values (after data_parallel's broadcast, and after every optimizer step: each rank steps the
-same averaged gradients, or, with shard_optimizer, the ranks read one shared copy behind the
-step fence), rank r only needs to copy the r-th 1/N slice of the scope's flat host buffer into
-the same bytes of its flat device buffer; an all-gather then fills the other slices from the
-other ranks, over NVLink, which is several times faster than PCIe (396 against 55 GB/s per GPU
-on the H200 machine). PCIe bytes per rank drop N-fold.
-- *Where.* `Scope.loader` (None: the plain copy) is called by `Scope._start_load` on the copy
-  stream, in place of the whole-scope copy; a sharded load is whole-scope, never progressive
-  (Note [progressive loads] in core/scope.py), so the scope first waits for its deferred optimizer
-  steps, as a first load does. The slice is `slice_bytes(nbytes, N)`: a multiple of the
-  scopes' alignment, the same on every rank; the few bytes after N slices (the tail) are copied
-  by every rank. On CUDA the all-gather is in place (the rank's slice of the device buffer is
-  its input): NCCL's stream waits for the copy stream (current when it is issued, so after the
-  slice copy), and `work.wait()` makes the `gathered` stream (of Streams) wait for NCCL; the
-  event recorded there is the load's `weights_ready`, which follows the whole scope (and every
-  read of the masters): make_resident, release and the master-read fence work unchanged. The
-  copy stream itself does not wait for the all-gather, so the next scope's slice crosses PCIe
-  while this one's slices cross NVLink. The host never waits. On the CPU (gloo) the call
-  returns when the slices are there.
-- *Which scopes.* Those whose load is a plain byte copy: a scope that casts (`Policy(cast=...)`
-  with another compute dtype) or holds compressed masters stays on the plain path, as does a
-  scope too small for one aligned slice per rank.
-- *Collective order.* Collectives are matched by the order the ranks issue them, so every rank
-  must issue the same sharded loads in the same order. They are issued by the forward and
-  backward hooks (on-demand loads, the learned prefetch, the first scope at the model's forward,
-  backward reloads), which depend only on the sequence of passes, the policy and the wrapped
-  model, all agreed: the ranks must run the same passes, as they must for the gradients' all-
-  reduces. A pass that runs on some ranks only (evaluation on rank 0) goes inside
-  `offtensor.local_loads(model)`, which copies whole scopes with no collective. The loads use a
-  process group of their own (same ranks and backend), so their order is independent of the
-  gradient reductions' (and NCCL runs them on a stream of their own).
-- *Mismatches are errors, not hangs or mixed buffers.* Each sharded load has a tag (the scope's
-  index and its count of sharded loads). Where checking is cheap (not CUDA, or CUDA with
-  OFFTENSOR_CHECK_SHARDED_LOADS=1, which costs a host sync per load) the ranks all-gather the
-  tags first and compare them: ranks loading different scopes raise the same error naming
-  both. Every collective has the process group's timeout: a rank whose partners never come
-  (another rank raised, or runs a different pass) gets an error after it (gloo raises; NCCL's
-  watchdog ends the process, as for any collective). A rank that raised in a forward (the
-  engine's abort) or in a sharded load is DESYNCED: its matched collectives can no longer be
-  trusted (a timed-out gloo collective leaves the pair one message out of step), so its next
-  sharded load first meets the other ranks through the store, bounded by the same timeout, and
-  then all of them load through a new process group with fresh counts: after the other ranks
-  have raised too, the model works again.
-- *What the ranks learn.* Which loads a pass issues also depends on what the engine learned from
-  the passes before (the forward and backward orders that drive the prefetch, whether a backward
-  is expected): ranks that ran the same passes learned the same. So data_parallel starts every
-  rank from nothing learned, a failure (DESYNCED) forgets it again on the rank that failed (the
-  others forget theirs when their own load fails), and `local_loads` puts back on exit what the
-  engine had learned before the local pass (its lists, dicts and sets copied, the scopes in
-  them kept: a copied Scope loaded later is not one the loader knows).
+Every rank of a data-parallel model loads every scope for every pass over its own PCIe link.
+When the ranks' masters hold the same values (after data_parallel's broadcast, and after every
+step: each rank steps the same averaged gradients, or reads one shared copy behind the step
+fence), rank r copies only the r-th 1/N slice of the scope's flat host buffer into the same bytes
+of its device buffer, and an all-gather fills the other slices from the other ranks over NVLink,
+much faster than PCIe: PCIe bytes per rank drop N-fold.
+- *Where.* `Scope._start_load` calls `Scope.loader` (None: the plain copy) on the copy stream in
+  place of the whole-scope copy; a sharded load is never progressive (Note [progressive loads]
+  in core/scope.py), so the scope first waits for its deferred steps. The slice is
+  `slice_bytes(nbytes, N)`, an alignment multiple; every rank copies the tail after N slices. On
+  CUDA the all-gather is in place and NCCL's stream waits for the copy stream; the `gathered`
+  stream waits for NCCL and records the load's `weights_ready`, which so follows the whole scope:
+  make_resident, release and the master-read fence work unchanged. The copy stream does not wait
+  for the all-gather (the next scope's slice crosses PCIe while this one's cross NVLink), and the
+  host never waits. On the CPU (gloo) the call returns when the slices are there.
+- *Which scopes.* Those whose load is a plain byte copy (`shardable`): not one that casts or holds
+  compressed masters, nor one too small for an aligned slice per rank.
+Which loads the ranks issue, and what a failure does: Note [sharded load order].
+
+# Note [sharded load order]
+Collectives are matched by the order the ranks issue them, so every rank must issue the same
+sharded loads in the same order. The forward and backward hooks issue them (on-demand loads, the
+learned prefetch, backward reloads) from the passes, the policy and the wrapped model, all agreed,
+and from what the engine learned from the passes before (the orders that drive the prefetch,
+whether a backward is expected): ranks that ran the same passes learned the same, and
+data_parallel starts every rank from nothing learned. A pass on some ranks only goes inside
+`local_loads`: whole-scope copies, no collective, and on exit the engine's learned state as it
+was (containers copied, the scopes in them kept: a copied Scope is not one the loader knows). The
+loads have a process group of their own, so their order is independent of the gradients'.
+Mismatches are errors, not hangs or mixed buffers. Each load has a tag (the scope's index, its
+count of sharded loads); where checking is cheap (not CUDA, or OFFTENSOR_CHECK_SHARDED_LOADS=1: a
+host sync per load) the ranks all-gather the tags first, and ranks loading different scopes raise
+the same error naming both. Every collective has the process group's timeout. A rank that raised
+in a forward (the engine's abort) or a sharded load is DESYNCED (a timed-out gloo collective
+leaves the pair one message out of step) and forgets what it learned; its next load first meets
+the other ranks through the store, within the same timeout, then all load through a new process
+group with fresh counts: once the other ranks have raised too, the model works again.
 """
 
 from __future__ import annotations
@@ -63,7 +48,6 @@ import datetime
 import enum
 import os
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +57,7 @@ from torch import nn
 from ..core.engine import Engine, TrainingState
 from ..core.scope import ALIGN, Scope
 from ..wrapping import _engine_of
-from .shared_masters import wait_for_ranks
+from .matching import all_gather, check_tag, ordinal, wait_for_ranks
 
 _STORE_PREFIX = "offtensor/shard_loads"
 CHECK_ENV = "OFFTENSOR_CHECK_SHARDED_LOADS"
@@ -105,47 +89,6 @@ class _Plan:
     index: int  # of the scope among all the model's scopes: its tag
     slice: int  # bytes per rank
     lo: int  # this rank's first byte
-
-
-def _all_gather(out: torch.Tensor, part: torch.Tensor, group: Any) -> Any:
-    """`out` (N equal slices) from each rank's `part`, asynchronous; torch < 2.8 names it
-    all_gather_into_tensor."""
-    dist = torch.distributed
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(out, part, group=group, async_op=True)
-
-
-def odd_tag(tag: tuple[int, int], group: Any, world: int, device: torch.device) -> tuple[int, list[int]] | None:
-    """All-gather every rank's (what, how many times) `tag` and compare: the position in the
-    group of the first rank whose tag differs, with that tag, or None when all agree. A rank that
-    does not join raises the collective's RuntimeError after the process group's timeout."""
-    mine = torch.tensor(tag, dtype=torch.int64, device=device)
-    tags = torch.empty(2 * world, dtype=torch.int64, device=device)
-    _all_gather(tags, mine, group).wait()
-    rows = tags.view(world, 2).tolist()
-    return next(((i, row) for i, row in enumerate(rows) if row != list(tag)), None)
-
-
-def check_tag(tag: tuple[int, int], group: Any, world: int, device: torch.device, ranks: list[int], *,
-              where: Callable[[], str], theirs: Callable[[list[int]], str], differs: str, fix: str,
-              timeout: str = "") -> None:
-    """Raise on every rank unless all ranks gave `tag` (odd_tag): `where()` names this rank's
-    collective, `theirs` the odd rank's from its tag, `differs` what then differs; `timeout`
-    (" (30 s)") follows the words "the process group's timeout". The words are made only for an
-    error: the check runs for every averaging."""
-    try:
-        odd = odd_tag(tag, group, world, device)
-    except RuntimeError as e:
-        raise RuntimeError(f"{where()}: the other ranks did not join it within the process group's "
-                           f"timeout{timeout} ({e}). {fix}") from e
-    if odd is not None:
-        at, other = odd
-        raise RuntimeError(f"{where()} was matched with rank {ranks[at]}'s {theirs(other)}: the ranks' "
-                           f"{differs} differ. {fix}")
-
-
-def ordinal(n: int) -> str:
-    return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
 
 
 class ShardedLoads:
@@ -203,7 +146,7 @@ class ShardedLoads:
     def desync(self) -> None:
         """A forward failed on this rank (Engine.abort): the other ranks may be waiting in, or
         past, loads this rank will never issue; and its learned orders may now differ from
-        theirs (Note [sharded loads])."""
+        theirs (Note [sharded load order])."""
         self.state = LoadsState.DESYNCED
         for engine in self.engines:
             _forget_learned(engine)
@@ -241,7 +184,7 @@ class ShardedLoads:
         self.host_bytes += plan.slice + scope.nbytes - gathered
         # In place: the input is this rank's slice of the output (NCCL's in-place all-gather).
         try:
-            work = _all_gather(dst[:gathered], dst[lo:hi], self.group)  # after the copy stream's work
+            work = all_gather(dst[:gathered], dst[lo:hi], self.group)  # after the copy stream's work
             self.gathers += 1
             streams = scope.streams
             gathered = streams.gathered()
@@ -281,7 +224,7 @@ class ShardedLoads:
 
     def _resync(self, scope: Scope) -> None:
         """After a failure: meet every rank through the store (bounded), then load through a
-        new process group with fresh counts (Note [sharded loads])."""
+        new process group with fresh counts (Note [sharded load order])."""
         n = self.resyncs + 1
         keys = [f"{self._prefix}resync/{n}/{r}" for r in self.ranks]
         self._store.set(keys[self.position], "1")
@@ -309,7 +252,7 @@ class ShardedLoads:
 
 def _forget_learned(engine: Engine) -> None:
     """The engine's learned orders and training state back to a new model's (Note [sharded
-    loads])."""
+    load order])."""
     schedule = engine.schedule
     schedule.forget_order()
     schedule.forget_backward()
@@ -357,7 +300,7 @@ def sharded_loads_of(model: nn.Module) -> ShardedLoads | None:
 class local_loads:
     """Load the scopes of a `data_parallel(model, shard_loads=True)` model on this rank alone,
     each whole over its own link, with no collective: for passes that run on some ranks only,
-    such as an evaluation or generation on rank 0 (Note [sharded loads]). Outside it, every
+    such as an evaluation or generation on rank 0 (Note [sharded load order]). Outside it, every
     rank must run the same passes. Other data-parallel models: nothing to do.
 
     Example::

@@ -1,63 +1,47 @@
 """One host copy of the offloaded masters per node, and the CPU optimizer split across the ranks:
-`data_parallel(model, shard_optimizer=True)` (distributed/data_parallel.py, the layer above).
+`data_parallel(model, shard_optimizer=True)` (distributed/data_parallel.py, a layer above).
 
 # Note [one host copy per node]
-Plain data parallel (Note [data parallel] in distributed/data_parallel.py) gives every rank its own host
-copy of the masters and its own full optimizer step: N ranks on one node hold N copies and
-run the same CPU step N times. With `shard_optimizer=True` the ranks of the node share one copy
-and each parameter is stepped by one rank:
-- *One copy.* After the agreement check, the node's first rank copies its masters (rank 0's
-  weights) into a file in /dev/shm, every rank maps that file (Note [shared host memory] in
-  distributed/shm.py), and each scope's masters are re-pointed at the mapping (`Scope.rehome_masters`):
-  the parameter objects stay, each master keeps a storage of its own. On CUDA each process
-  page-locks the mapping (cudaHostRegister), so every GPU copies from the same pinned pages.
+Plain data parallel (Note [data parallel] in distributed/reducer.py) gives every rank its own host
+copy of the masters and its own full optimizer step. With `shard_optimizer=True` the ranks of the
+node share one copy and each parameter is stepped by one rank:
+- *One copy.* After the agreement check the node's first rank copies its masters into a file in
+  /dev/shm, every rank maps it (Note [shared host memory] in distributed/shm.py) and re-points
+  each scope's masters at the mapping (`Scope.rehome_masters`): the parameter objects stay. On
+  CUDA each process page-locks the mapping, so every GPU copies from the same pinned pages.
 - *Owners.* Every trainable offloaded parameter gets an owner rank, computed by every rank from
-  the agreed description (so the same everywhere): largest first, each to the rank with the
-  fewest bytes so far (`plan_owners`). Frozen masters get none; they never change.
-- *Gradients to the owner.* In a synchronised backward the gradient path (`GradOffload`) sends
-  each contribution to its owner with `dist.reduce(dst=owner)` in place of the all-reduce, on
-  the device (asynchronous on CUDA, as the all-reduce). The owner copies the average to its host
-  `p.grad`; the other ranks keep nothing, their `p.grad` is None. A standard torch.optim
-  optimizer built over all parameters on every rank therefore steps exactly the parameters the
-  rank owns (it skips those whose `.grad` is None) and creates optimizer state only for them:
-  1/N of the CPU step and of the optimizer state per rank. Parameters that are not offloaded
-  are all-reduced and stepped on every rank, as before.
-- *What is sent.* Each rank sends its own unreduced part divided by N: the contribution plus
-  what it accumulated under `no_sync`. The owner also adds, undivided, what its `p.grad` holds
-  from an earlier synchronised contribution (a module used twice in one backward, or two
-  synchronised backward calls without zero_grad between them), which the other ranks dropped.
-  Which it is, the owner knows from the gradient tensor and its version counter recorded after
-  the synchronised copy (`Sharding.written`): a `p.grad` zeroed or replaced since is the rank's
-  own again. A `no_sync` backward adding to such an averaged gradient would leave a sum that
-  cannot be split later, and raises.
+  the agreed description: largest first, each to the rank with the fewest bytes so far
+  (`plan_owners`). Frozen masters get none; they never change.
+- *Gradients to the owner.* In a synchronised backward `GradOffload` sends each contribution to
+  its owner with `dist.reduce(dst=owner)` in place of the all-reduce. Only the owner's `p.grad`
+  gets the average; the others' stay None, so a torch.optim optimizer built over all parameters
+  on every rank steps, and keeps state for, only the rank's own: 1/N of the CPU step and state.
+- *What is sent.* Each rank sends its own part divided by N (the contribution plus what it
+  accumulated under `no_sync`); the owner adds, undivided, an average its `p.grad` already holds
+  from an earlier synchronised contribution, which it knows by the tensor and version counter
+  recorded after the copy (`Sharding.written`). A `no_sync` backward adding to such an averaged
+  gradient would leave a sum that cannot be split later, and raises.
 
 # Note [step fence]
 A rank must not copy a master to its device while its owner, in another process, steps it, and
 every rank must see the stepped values from the next forward on. The owner's step cannot start
-before every rank's copy of the weights for that backward is done: it needs the reduced
-gradient, which needs every rank's gradient, which its backward computed from those copies
-(on CUDA the chain is: copy event -> compute -> collective -> owner's d2h copy -> host wait).
-What remains is the other direction, ordered by a fence, a bounded barrier through the process
-group's store (keys `fence/<n>/<rank>`; waits at most the store's timeout, the one given to
-`init_process_group`, and says which ranks did not arrive):
+before every rank's copy of the weights for that backward is done (it needs the reduced gradient,
+which needs every rank's backward). The other direction is ordered by a fence, a bounded barrier
+through the process group's store (keys `fence/<n>/<rank>`, waiting at most the store's timeout
+and naming the ranks that did not arrive):
 - after each `optimizer.step()` of an optimizer holding the model's trainable offloaded
-  parameters (a global step post-hook), so from then on every rank reads the stepped masters:
-  the next forward, `state_dict()`, a checkpoint;
+  parameters (a global step post-hook), so every rank then reads the stepped masters;
 - before the next forward, when a synchronised backward has run since the last fence
-  (`MastersState.MAY_CHANGE`): `backward_and_step` steps on its worker and returns before the
-  steps are done (Note [deferred steps] in optim/overlap.py), so the forward first waits for this
-  rank's steps, then for the fence. The steps still overlap backward; they are no longer
-  deferred into the next forward. `offtensor.sync_masters(model)` is the same wait, for reading
-  the masters (saving a checkpoint) after `backward_and_step` before the next forward.
-After the fence each master another rank owns is treated as written (`before_master_write`):
-a device copy kept from before is released, a `cast="host"` shadow is recast.
-Between a synchronised backward and the next fence, reading the values of a master another
-rank owns (`state_dict()`, `p.detach()`, an op outside the forward) raises, naming
-`sync_masters`: its owner may be stepping it, and a checkpoint saved on rank 0 right after the
-last `backward_and_step` was silently one step behind on the other ranks' parameters. The
-fence cannot be taken there instead, since it is a barrier of every rank and such a read
-often runs on one. What a parameter is (its shape, `.grad`, `requires_grad`) stays readable:
-optimizers, clipping and zero_grad read only that of the parameters they do not step.
+  (`MastersState.MAY_CHANGE`): `backward_and_step` returns before its steps are done (Note
+  [deferred steps] in optim/overlap.py), so the forward first waits for this rank's steps, then
+  for the fence. `offtensor.sync_masters(model)` is the same wait, e.g. before a checkpoint.
+After the fence each master another rank owns counts as written (`before_master_write`): a kept
+device copy is released, a `cast="host"` shadow recast. Between a synchronised backward and the
+next fence, reading the values of a master another rank owns (`state_dict()`, `p.detach()`)
+raises, naming `sync_masters`, since its owner may be stepping it: the fence cannot be taken
+there, as it is a barrier of every rank and such a read often runs on one. What a parameter is
+(its shape, `.grad`, `requires_grad`) stays readable: optimizers, clipping and zero_grad read
+only that of the parameters they do not step.
 """
 
 from __future__ import annotations
@@ -78,6 +62,7 @@ from ..core.slot import ParamSlot, in_backward, on_optimizer_worker, weakly
 from ..dispatch.param import OffloadedParameter
 from ..optim.overlap import wait_for_steps
 from . import shm as _shm
+from .matching import wait_for_ranks
 
 _STORE_PREFIX = "offtensor/shard_optimizer"
 
@@ -115,7 +100,7 @@ def row_bytes(shape: list[int], dtype: str) -> int:
 
 def wait_on_d2h(engine: Engine, work: Any, device: torch.device) -> None:
     """Make the gradient's device-to-host copy wait for a collective: on CUDA only the d2h stream
-    waits (Note [data parallel] in distributed/data_parallel.py); on the CPU the host does."""
+    waits (Note [data parallel] in distributed/reducer.py); on the CPU the host does."""
     if device.type == "cuda":
         with engine.streams.on(engine.streams.d2h()):
             work.wait()
@@ -185,16 +170,6 @@ def _attach_when_ready(name: str, total: int, leader: int, store: Any, prefix: s
             f"({status.removeprefix('error: ')})"
         )
     return _shm.attach(name, total)
-
-
-def wait_for_ranks(store: Any, keys: list[str], timeout: Any, ranks: list[int]) -> list[int] | None:
-    """store.wait(keys, timeout); None once every key is there, else the ranks whose keys are
-    missing at the timeout (a bounded wait: never a hang)."""
-    try:
-        store.wait(keys, timeout)
-    except RuntimeError:  # DistStoreError is a RuntimeError
-        return [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
-    return None
 
 
 def _wait(store: Any, keys: list[str], timeout: Any, ranks: list[int], what: str) -> None:

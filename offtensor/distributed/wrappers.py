@@ -9,8 +9,7 @@ iteration with "Expected to have finished reduction", or, with `find_unused_para
 replaces each parameter on its module with a sharded DTensor, so applied after `wrap` it
 silently turns offloading off (the scopes keep loading copies nobody reads), and applied before,
 `wrap` fails deep in a DTensor op. Each is an error that says what to do; for DDP that is
-offtensor's own data-parallel mode, `offtensor.data_parallel` (Note [data parallel] in
-distributed/data_parallel.py):
+`offtensor.data_parallel` (Note [data parallel] in distributed/reducer.py):
 - `wrap` refuses a model that is (or contains) a DDP, FSDP or FSDP2 module or DTensor parameters;
 - DDP's constructor reads every parameter with `p.detach()` to broadcast rank 0's values
   (`_sync_module_states`, unless `init_sync=False`): the handler of `detach` on an offloaded

@@ -95,9 +95,14 @@ def _scale_offset(shape: torch.Size) -> int:
 
 class StoredMaster(Protocol):
     """A master kept apart from its parameter's own tensor, which is a placeholder: compressed
-    on the host (PackedMaster) or in a file (_file_masters.FileMaster). Every read through the
-    parameter gets `unpack()`, every write goes through `check_write()` then `pack()` (Note
-    [compressed masters]); a load converts its host bytes with `unpack_into`."""
+    on the host (PackedMaster) or in a file (weights/file_masters.py, FileMaster).
+
+    This protocol is the one seam through which compression plugs into the core: a slot holds a
+    `StoredMaster | None` (`ParamSlot.packed`), and the core (the scope's loads, the dispatch of
+    ops on the parameter through packed_torch_function and packed_property) calls only these
+    methods, never a format's code. Every read through the parameter gets `unpack()`, every
+    write goes through `check_write()` then `pack()` (Note [compressed masters]); a load converts
+    its host bytes with `unpack_into`. A new way of keeping masters implements this protocol."""
 
     name: str
 

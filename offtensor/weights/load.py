@@ -13,10 +13,9 @@ into the scope's host buffer, and dropped. Quantization works in row blocks of b
 Host memory beyond the masters is then one tensor of the checkpoint plus small temporaries,
 whatever the model's size. An init function instead fills one scope's parameters at a time
 (allocated uninitialized on the CPU, or on `init_device`), so the extra is one scope in full
-precision. Random weights for a benchmark of a 70B shape are 70 billion values: drawn on 16 CPU
-cores that takes minutes, on the GPU a few seconds, and compressing them there too means only the
-1-byte values and the scales cross to the host (PackedMaster.pack quantizes on the value's
-device).
+precision. Random weights for a benchmark of a 70B shape are 70 billion values, drawn much faster
+on the GPU than on the CPU, and compressing them there too means only the 1-byte values and the
+scales cross to the host (PackedMaster.pack quantizes on the value's device).
 
 The parts of the model that no scope offloads (embeddings, final norm, head, buffers still on
 the meta device) are then loaded the same way onto `rest_device`: directly on the compute
@@ -27,24 +26,11 @@ ones (rotary tables, computed by the constructor) keep their values. One the che
 would keep its constructor value unseen (batch-norm statistics at their defaults), so all are
 looked up, under the prefix the parameters' keys drop, before any is written, and those missing
 raise a KeyError naming them (`strict=False`: a warning), as load_state_dict's missing keys do.
-
-# Note [checkpoint keys]
-A checkpoint key is a parameter's name, possibly less `.base_layer` (PEFT) and leading
-components (PEFT's `base_model.model.`, an outer wrapper's attribute). Dropping a different
-prefix for each parameter would let a checkpoint fill parameters it does not hold: one of a
-decoder alone (`0.fc.weight`) fills `encoder.0.fc.weight` and `decoder.0.fc.weight` alike. So
-the prefix the first match drops is the one every later match must drop (`Checkpoint.find`), and
-a name that matches only under another prefix raises, naming both. And since `init=` fills every
-parameter the checkpoint lacks, a checkpoint that matches nothing (another architecture, another
-prefix) would give a randomly initialized model silently: `load` warns naming the tensors it did
-not use, as `from_pretrained` reports unexpected keys.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -55,11 +41,11 @@ from torch import nn
 
 from ..api import Policy
 from ..wrapping import _ENGINE_ATTR, Predicate, _find_engine, unwrap, wrap_filling
+from .checkpoint import Checkpoint
 from .compress import RowReader, copy_rows
-from .file_masters import SAFETENSORS_DTYPES, FileStore, FileTensor
+from .files import FileStore
 
 InitFn = Callable[[str, nn.Module], None]
-_INDEX = "model.safetensors.index.json"
 
 
 def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: Predicate | None = None, *,
@@ -69,16 +55,14 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
          cache_dir: str | os.PathLike | None = None) -> nn.Module:
     """`offtensor.wrap` a model built on the meta device, reading its weights scope by scope.
 
-    The model's parameters (all or some) are on the meta device: built under
-    `torch.device("meta")` or `accelerate.init_empty_weights()`. Each scope's host buffer is
+    The model's parameters (all or some) are on the meta device (built under
+    `torch.device("meta")` or `accelerate.init_empty_weights()`). Each scope's host buffer is
     filled from the source one tensor at a time, compressed on the fly under
-    `Policy(frozen_format=...)`, so the model never exists in full precision on the host: peak
-    host memory stays close to the offloaded bytes (Note [loading scope by scope]). The other
-    parameters and buffers on the meta device are then loaded onto `rest_device`. Parameters not
-    on the meta device keep their values. A transformers model's `tie_weights()` is called
-    first (a model built empty is not tied yet). With `Policy(host_budget=B)` the frozen scopes
-    that do not fit B bytes of host RAM stay in the files, read into a small staging ring as
-    they are needed, ahead of use (Note [masters in files] in weights/file_masters.py).
+    `Policy(frozen_format=...)`, so peak host memory stays close to the offloaded bytes (Note
+    [loading scope by scope]); the other meta parameters and buffers then go to `rest_device`,
+    and parameters not on the meta device keep their values. A transformers model's
+    `tie_weights()` is called first. With `Policy(host_budget=B)` the frozen scopes that do not
+    fit B bytes of host RAM stay in the files, read ahead of use (Note [masters in files]).
 
     Args:
         model: the model, modified in place; its meta parameters become real (offloaded ones
@@ -87,31 +71,26 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
             (sharded) or `model.safetensors`, or one `.safetensors` file. Keys are the model's
             parameter names; a name that is not found is also tried without PEFT's `.base_layer`
             and without leading components (`base_model.model.`), the same ones for every key
-            (Note [checkpoint keys]). Persistent buffers are read from it too. Tensors it holds
-            that nothing was read from are named in a warning.
+            (Note [checkpoint keys] in weights/checkpoint.py). Persistent buffers are read from
+            it too. Tensors it holds that nothing was read from are named in a warning.
         predicate: as for `wrap`.
-        init: `init(module_name, module)` initializes, in place, the parameters that the
-            checkpoint lacks (all of them without `weights`): called once per module that
-            directly holds such parameters, after they were allocated uninitialized (on the
-            CPU for a scope, on `rest_device` for the rest), e.g. `lambda name, m:
-            model._init_weights(m)` for a transformers model, or random weights for a
-            benchmark. Buffers on the meta device that the checkpoint lacks are allocated
-            there too; `init` must fill them.
+        init: `init(module_name, module)` initializes, in place, the parameters the checkpoint
+            lacks (all without `weights`), once per module directly holding such parameters,
+            after they were allocated uninitialized (on the CPU for a scope, on `rest_device`
+            for the rest), e.g. `lambda name, m: model._init_weights(m)` for a transformers
+            model. Meta buffers the checkpoint lacks are allocated too; `init` must fill them.
         device: the compute device, as for `wrap`.
         policy: as for `wrap`.
         rest_device: where the parameters and buffers outside the scopes go. Default: `device`.
         init_device: where a scope's parameters are allocated for `init` (default: the CPU).
             The compute device makes a random init fast; the values then go to the host masters
             (compressed on that device under `frozen_format`), one scope at a time.
-        strict: a persistent buffer that is not on the meta device (`init_empty_weights`
-            keeps buffers real), in a scope or not, must be in the checkpoint: `KeyError` naming
-            those it lacks, as `load_state_dict` reports missing keys. False: a warning names
-            them, and they keep their values. Parameters and buffers on the meta device have no
-            values to keep: those the checkpoint lacks need `init` either way.
-        cache_dir: under `Policy(host_budget=...)`, where the masters that stay on disk but are
-            not in the checkpoint as they are kept (compressed by `frozen_format`, in another
-            dtype than the model's, filled by `init`) are written, once, to a cache file that is
-            deleted with the process. Default: the checkpoint's directory.
+        strict: a persistent buffer not on the meta device (`init_empty_weights` keeps buffers
+            real) must be in the checkpoint: `KeyError` naming those it lacks, as
+            `load_state_dict` reports missing keys. False: a warning, and they keep their values.
+        cache_dir: under `Policy(host_budget=...)`, where masters that stay on disk but not as
+            the checkpoint holds them (compressed, converted, filled by `init`) are written once,
+            to a cache file deleted with the process. Default: the checkpoint's directory.
 
     Returns:
         `model`, wrapped.
@@ -126,24 +105,13 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
         # larger than host RAM: 32 GiB of it in RAM, the rest read from the files as needed
         offtensor.load(model, path, policy=offtensor.Policy(host_budget=32 * 2**30))
     """
-    if weights is None and init is None:
-        raise ValueError("offtensor.load: pass weights= (a safetensors checkpoint) or init= (an init function), "
-                         "or both")
-    if init is not None and not callable(init):
-        raise TypeError(f"offtensor.load: init must be callable as init(module_name, module), got "
-                        f"{type(init).__name__}")
+    _check_sources(weights, init)
     checkpoint = Checkpoint(weights) if weights is not None else None
     tie = getattr(model, "tie_weights", None)
     if callable(tie):  # transformers ties on load; a model built empty is not tied yet
         tie()
-    owners = _owners(model)
-    store = None
-    if policy is not None and policy.host_budget is not None:  # Note [masters in files] (weights/file_masters.py)
-        if cache_dir is None and weights is not None:
-            cache_dir = Path(weights) if Path(weights).is_dir() else Path(weights).parent
-        store = FileStore(cache_dir)
-    source = _ScopeFiller(checkpoint, init, owners,
-                          torch.device(init_device) if init_device is not None else torch.device("cpu"), store)
+    init_on = torch.device(init_device) if init_device is not None else torch.device("cpu")
+    source = _ScopeFiller(checkpoint, init, _owners(model), init_on, _file_store(policy, weights, cache_dir))
     meta = _MetaTensors(model)
     try:
         wrap_filling(model, predicate, device, policy, source)  # undoes itself should it raise
@@ -159,6 +127,26 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
     if checkpoint is not None:
         checkpoint.warn_unused()
     return model
+
+
+def _check_sources(weights: str | os.PathLike | None, init: InitFn | None) -> None:
+    if weights is None and init is None:
+        raise ValueError("offtensor.load: pass weights= (a safetensors checkpoint) or init= (an init function), "
+                         "or both")
+    if init is not None and not callable(init):
+        raise TypeError(f"offtensor.load: init must be callable as init(module_name, module), got "
+                        f"{type(init).__name__}")
+
+
+def _file_store(policy: Policy | None, weights: str | os.PathLike | None,
+                cache_dir: str | os.PathLike | None) -> FileStore | None:
+    """Under Policy(host_budget), the files masters stay in (Note [masters in files] in
+    weights/file_masters.py); the cache file goes beside the checkpoint unless `cache_dir`."""
+    if policy is None or policy.host_budget is None:
+        return None
+    if cache_dir is None and weights is not None:
+        cache_dir = Path(weights) if Path(weights).is_dir() else Path(weights).parent
+    return FileStore(cache_dir)
 
 
 class _MetaTensors:
@@ -179,140 +167,6 @@ class _MetaTensors:
                 torch.utils.swap_tensors(t, nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter)
                                          else empty)
             tensors[name] = t  # the rest loaded is a new tensor
-
-
-class Checkpoint:
-    """The tensors of a safetensors checkpoint, by key, read one at a time."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        from safetensors import safe_open
-
-        self._safe_open = safe_open
-        path = Path(path)
-        self.files: dict[str, Path] = {}
-        self.used: set[str] = set()  # the keys read (Note [checkpoint keys])
-        self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}  # file -> (its data's offset, header)
-        self._first: tuple[str, str, str] | None = None  # the first match: name, key, prefix dropped
-        if path.is_dir() and (path / _INDEX).is_file():
-            weight_map = json.loads((path / _INDEX).read_text())["weight_map"]
-            self.files = {key: path / name for key, name in weight_map.items()}
-        elif path.is_dir() and (path / "model.safetensors").is_file():
-            self._add_file(path / "model.safetensors")
-        elif path.is_file() and path.suffix == ".safetensors":
-            self._add_file(path)
-        else:
-            raise FileNotFoundError(
-                f"offtensor.load: {str(path)!r} is not a safetensors checkpoint: expected a directory "
-                f"holding {_INDEX} (sharded) or model.safetensors, or a .safetensors file")
-
-    def _add_file(self, file: Path) -> None:
-        with self._safe_open(str(file), framework="pt") as f:
-            self.files.update((key, file) for key in f.keys())
-
-    def find(self, names: list[str], *, other_prefixes: bool = True) -> str | None:
-        """The checkpoint's key for a tensor known by `names` (its names in the model), dropping
-        the same leading components as every earlier match (Note [checkpoint keys]).
-        `other_prefixes` False: once a match set the prefix, a key under another prefix is not
-        looked for (a block's `norm.running_mean` is not the final norm's)."""
-        for name in names:
-            for candidate in (name, name.replace(".base_layer", "")):
-                parts = candidate.split(".")
-                for i in range(len(parts)):
-                    key = ".".join(parts[i:])
-                    if key not in self.files:
-                        continue
-                    prefix = candidate[: len(candidate) - len(key)]
-                    if not other_prefixes and self._first is not None and prefix != self._first[2]:
-                        continue
-                    if self._first is None:
-                        self._first = (name, key, prefix)
-                    elif prefix != self._first[2]:
-                        first, first_key, first_prefix = self._first
-                        raise ValueError(
-                            f"offtensor.load: {name!r} would be read from checkpoint key {key!r}, dropping "
-                            f"{prefix!r}, but {first!r} was read from key {first_key!r}, dropping "
-                            f"{first_prefix!r}: a checkpoint's keys must be the model's names less one "
-                            "common prefix. Is this the checkpoint of part of the model? Load that part "
-                            "(offtensor.load(model.part, ...)) or rename the checkpoint's keys")
-                    self.used.add(key)
-                    return key
-        return None
-
-    def warn_unused(self) -> None:
-        """Warn naming the tensors no parameter or buffer was read from (Note [checkpoint keys])."""
-        unused = [key for key in self.files if key not in self.used]
-        if unused:
-            names = ", ".join(repr(k) for k in unused[:5]) + (", ..." if len(unused) > 5 else "")
-            warnings.warn(
-                f"offtensor.load: did not load {len(unused)} of the checkpoint's {len(self.files)} tensors "
-                f"({names}): no parameter or buffer on the meta device, nor persistent buffer, has their "
-                "names. Check that the checkpoint is the model's (a different architecture or prefix "
-                "leaves the parameters to init=)", stacklevel=3)
-
-    def rows(self, key: str, qual: str, like: torch.Tensor) -> _Rows:
-        """A RowReader of the tensor `key`, checked against `like` (parameter `qual`)."""
-        return _Rows(self._safe_open, self.files[key], key, qual, like)
-
-    def in_file(self, key: str, qual: str, like: torch.Tensor, store: FileStore) -> FileTensor | _Rows:
-        """Where the tensor `key` is in its file, checked against `like` (parameter `qual`), to be
-        read there (Note [masters in files] in weights/file_masters.py); its RowReader for a dtype
-        safetensors names that torch lacks."""
-        file = self.files[key]
-        if file not in self._headers:
-            with open(file, "rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                self._headers[file] = (8 + size, json.loads(f.read(size)))
-        start, header = self._headers[file]
-        entry = header[key]
-        if tuple(entry["shape"]) != tuple(like.shape):
-            raise ValueError(_shape_error(key, tuple(entry["shape"]), qual, like))
-        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
-        if dtype is None:
-            return self.rows(key, qual, like)
-        begin, end = entry["data_offsets"]
-        return FileTensor(store.open(file), start + begin, end - begin, dtype, lambda: self.rows(key, qual, like))
-
-
-class _Rows:
-    """Reads one checkpoint tensor a block of rows at a time (a RowReader, weights/compress.py), in
-    `like`'s dtype. The file is open from the first block to the last: its mapping goes with the
-    handle (Note [loading scope by scope])."""
-
-    def __init__(self, safe_open: Any, file: Path, key: str, qual: str, like: torch.Tensor) -> None:
-        self.dtype = like.dtype
-        self.rows = like.shape[0] if like.dim() else 1
-        self._handle = safe_open(str(file), framework="pt")
-        self._file = self._handle.__enter__()
-        self._slice = self._file.get_slice(key)
-        shape = tuple(self._slice.get_shape())
-        if shape != tuple(like.shape):
-            self.close()
-            raise ValueError(_shape_error(key, shape, qual, like))
-        self._key = key
-
-    def __call__(self, start: int, stop: int) -> torch.Tensor:
-        t = self._slice[start:stop] if self._slice.get_shape() else self._file.get_tensor(self._key)
-        if stop >= self.rows:
-            self.close()
-        return t.to(self.dtype)
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.__exit__(None, None, None)
-            self._handle = self._file = self._slice = None
-
-    def read(self) -> torch.Tensor:
-        """The whole tensor (small ones: buffers)."""
-        out = torch.empty(self._slice.get_shape(), dtype=self.dtype)
-        copy_rows(out, self)
-        return out
-
-
-def _shape_error(key: str, shape: tuple[int, ...], qual: str, like: torch.Tensor) -> str:
-    return (f"offtensor.load: checkpoint tensor {key!r} has shape {shape}, but parameter "
-            f"{qual!r} of the model has shape {tuple(like.shape)}; build the model from the "
-            "checkpoint's config")
-
 
 def _owners(model: nn.Module) -> dict[int, tuple[list[str], str, nn.Module]]:
     """id(parameter) -> (its qualified names, the name of a module holding it, that module)."""

@@ -2,32 +2,25 @@
 packed storage.
 
 # Note [quantized weights]
-A torchao-quantized linear (`quantize_(model, Int8WeightOnlyConfig())`, float8, int4, intx)
-holds its weight as a tensor subclass whose values are inner tensors (`__tensor_flatten__`:
-`qdata`, `scale`, `zero_point`, ...); a bitsandbytes `Linear4bit` (QLoRA) holds a `Params4bit`
-(an `nn.Parameter` subclass of packed 4-bit bytes) whose `quant_state` holds the block scales
-(`absmax`, the code, nested statistics). Neither can become an `OffloadedParameter` in place:
-the torchao object has no storage of its own, and both compute through their own dispatch.
-So `wrap` offloads their *parts*:
-- Each inner tensor becomes a hidden part: an `nn.Parameter` holding the tensor's bytes (1-D
-  uint8, in the tensor's memory order), registered in no module, offloaded like any frozen
-  parameter of the scope (its master in the scope's host buffer, its device copy in the device
-  buffer; the bytes stream as they are, never dequantized, never cast by
-  `Policy(compute_dtype)` or compressed by `Policy(frozen_format)`, which see uint8).
-- The weight object the module holds (its *host weight*: identity kept) gets its inner tensors
-  replaced by views of those masters (dtype, shape and strides of the original), so outside
-  the module's forward it is the same quantized tensor on the CPU: `state_dict`, printing,
-  deepcopy and `dequantize()` read the masters.
-- Each module holding such a weight gets forward hooks (`QuantizedModuleHooks`): before its
-  forward, each part is materialized as an op on a parameter would be (Engine.materialize:
-  inside its scope's forward, or its recompute under checkpointing, the scope's device copy,
-  waiting only for the chunk that holds it; elsewhere a temporary copy when the inputs are on
-  the device), and a *device twin* of the weight, the same subclass rebuilt around those device
-  views (`__tensor_unflatten__`; for bitsandbytes a `Params4bit` with a copied `quant_state`),
-  is registered in the module's `_parameters` in place of the host weight; after its forward
-  (also when it raises) the host weight goes back. The hooks are on the module holding the
-  weight, not the scope's block, because Hugging Face checkpointing recomputes a block's
-  `forward` without the block's hooks, but calls its linears through their hooks.
+A torchao-quantized linear (int8, float8, int4, intx) holds its weight as a tensor subclass whose
+values are inner tensors (`__tensor_flatten__`: `qdata`, `scale`, ...); a bitsandbytes
+`Linear4bit` (QLoRA) holds a `Params4bit` of packed 4-bit bytes whose `quant_state` holds the
+block scales. Neither can become an `OffloadedParameter` in place (the torchao object has no
+storage of its own, and both compute through their own dispatch), so `wrap` offloads their parts:
+- Each inner tensor becomes a hidden part: an `nn.Parameter` of the tensor's bytes (1-D uint8, in
+  its memory order), in no module, offloaded like any frozen parameter of the scope; the bytes
+  stream as they are, never dequantized, cast or compressed (`Policy` sees uint8).
+- The module's weight object (its *host weight*, identity kept) gets its inner tensors replaced
+  by views of those masters, so outside the forward it is the same quantized tensor on the CPU:
+  `state_dict`, printing, deepcopy and `dequantize()` read the masters.
+- Forward hooks on the module holding the weight (`QuantizedModuleHooks`) materialize each part
+  before its forward as an op on a parameter would (Engine.materialize) and register a *device
+  twin* in the module's `_parameters`: the same subclass rebuilt around the device views
+  (`__tensor_unflatten__`; for bitsandbytes a `Params4bit` with a copied `quant_state`). After
+  the forward, also when it raises, the host weight goes back. The hooks are on that module, not
+  the scope's block: Hugging Face checkpointing recomputes a block's `forward` without the
+  block's hooks, but calls its linears through theirs.
+
 Autograd saves the twin (or its dequantized values) for backward like any device copy: the
 twin's inner tensors share the scope's device storage, which backward loads again.
 

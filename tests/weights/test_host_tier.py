@@ -25,7 +25,7 @@ from offtensor.budget.layout import choose
 from offtensor.core import engine as _engine
 from offtensor.core.memory import MAX_PINNED_ENV
 from offtensor.weights.compress import quantize_dequantize
-from offtensor.weights.file_masters import StagingRing
+from offtensor.weights.staging import StagingRing
 
 EXACT = {"rtol": 0.0, "atol": 0.0}  # the same CPU kernels on the same weights
 CHILD = Path(__file__).resolve().parent / "host_tier_child.py"
