@@ -9,13 +9,15 @@ See README.md and docs/design.md.
 """
 
 from .api import MasterHome, Policy, ScopeState, ScopeSummary, Summary, frozen_only
+from .controls import no_offload, set_prefetch
 from .dispatch.param import OffloadedParameter
 from .distributed.data_parallel import data_parallel, sync_masters
 from .distributed.reducer import no_sync
 from .distributed.sharded_loads import local_loads
 from .optim.overlap import OverlapReport, backward_and_step, last_stepped, wait_for_steps
+from .reporting import is_wrapped, summary
 from .weights.load import load
-from .wrapping import is_wrapped, no_offload, set_prefetch, summary, unwrap, wrap
+from .wrapping import unwrap, wrap
 
 __all__ = [
     "MasterHome",

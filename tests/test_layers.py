@@ -17,11 +17,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "offtensor"
 # Bottom to top. A module may import any module before it in this list, none after it.
 LAYERS = ["api", "patches", "weights.kernels", "weights.compress", "weights.files", "weights.checkpoint", "core.memory",
           "weights.file_masters", "weights.staging", "distributed.shm", "distributed.matching",
-          "distributed.wrappers", "dispatch.compile", "core.slot", "dispatch.param",
+          "distributed.wrappers", "dispatch.compile", "core.slot", "dispatch.masters", "dispatch.writes",
+          "dispatch.ops", "dispatch.autograd", "dispatch.param", "dispatch.function_apply", "dispatch.optimizer_step",
           "core.streams", "optim.device_steps", "core.scope", "budget.layout", "core.schedule", "core.grads",
-          "core.engine", "core.hooks", "weights.quantized", "optim.overlap", "wrapping", "distributed.shared_masters",
-          "distributed.sharded_loads", "distributed.reducer", "distributed.agreement",
-          "distributed.data_parallel", "weights.load"]
+          "core.engine", "core.hooks", "weights.quantized", "optim.overlap", "planning", "guards", "wrapping",
+          "reporting", "controls", "distributed.shared_masters", "distributed.sharded_loads", "distributed.reducer",
+          "distributed.agreement", "distributed.data_parallel", "weights.load"]
 
 
 def _modules() -> set[str]:

@@ -70,7 +70,9 @@ from torch import nn
 from ..api import MasterHome, Policy, Residency, ScopeState
 from ..budget.layout import Measuring, PassTimer, ScopeCost, auto_margin, choose, copy_ms_per_byte, spare_device_bytes
 from ..dispatch import compile as _compile
-from ..dispatch.param import master_requires_grad, recorded_functions, watch_compiled_steps
+from ..dispatch.function_apply import recorded_functions
+from ..dispatch.masters import master_requires_grad
+from ..dispatch.optimizer_step import watch_compiled_steps
 from ..distributed import wrappers as _distributed
 from .grads import GradOffload
 from .memory import PinningFallback

@@ -73,7 +73,8 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-from ..dispatch.param import master_grad, master_requires_grad, run_grad_hooks, without_subclass_dispatch
+from ..dispatch.autograd import run_grad_hooks
+from ..dispatch.masters import master_grad, master_requires_grad, without_subclass_dispatch
 from .scope import Scope
 from .slot import ParamSlot
 from .streams import Streams

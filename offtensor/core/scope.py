@@ -127,7 +127,7 @@ import torch
 from torch import nn
 
 from ..api import MasterHome, Policy, Residency, ScopeState
-from ..dispatch.param import master_grad, master_requires_grad, without_subclass_dispatch
+from ..dispatch.masters import master_grad, master_requires_grad, without_subclass_dispatch
 from .memory import HostBuffer
 from .slot import ParamSlot, alive, weakly
 from .streams import Streams

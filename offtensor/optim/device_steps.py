@@ -63,7 +63,7 @@ from torch.optim import optimizer as optim_module
 from ..core.memory import HostBuffer
 from ..core.slot import ParamSlot
 from ..core.streams import Streams
-from ..dispatch.param import master_grad
+from ..dispatch.masters import master_grad
 
 # Pieces queued on the device at once: more would keep pieces there that the host could have
 # stepped sooner (Note [device steps]).

@@ -201,7 +201,8 @@ from ..core.grads import publish, set_grads
 from ..core.scope import Scope
 from ..core.slot import ParamSlot, on_optimizer_worker, worker_state
 from ..dispatch.compile import in_compiled_region, not_compiling, run_outside_dynamo
-from ..dispatch.param import OffloadedParameter, without_subclass_dispatch
+from ..dispatch.masters import without_subclass_dispatch
+from ..dispatch.param import OffloadedParameter
 from .device_steps import (
     DEVICE_MIN_READY,
     DEVICE_PIECE_FACTOR,

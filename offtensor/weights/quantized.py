@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..core.hooks import FailureCheck, Hook
 from ..core.scope import Scope
 from ..core.slot import ParamSlot
-from ..dispatch.param import without_subclass_dispatch
+from ..dispatch.masters import without_subclass_dispatch
 
 
 class QuantKind(enum.Enum):

@@ -40,7 +40,7 @@ from conftest import (
 
 import offtensor
 from offtensor.core import slot as _slot
-from offtensor.dispatch.param import recorded_functions
+from offtensor.dispatch.function_apply import recorded_functions
 
 OFFTENSOR_DIR = os.path.dirname(os.path.abspath(offtensor.__file__)) + os.sep
 # torch's grad-mode context managers: fuzzed where offtensor calls them (not where torch's

@@ -110,7 +110,7 @@ class _LoRALinear(nn.Module):
 def test_lora_on_a_compressed_base_matches_compiled_model_with_the_same_compressed_values(device, how, fmt):
     """Compiled blocks read the dequantized device copies of the packed masters: training the
     adapters and then inference match the compiled resident model holding the same values."""
-    from test_compress import _compressed_reference
+    from weights.test_compress import _compressed_reference  # tests/weights/test_compress.py
 
     model = BlockStack([ResidualBlock(64) for _ in range(3)], 8, 64, 4).requires_grad_(False)
     for block in model.blocks:
@@ -481,7 +481,7 @@ def test_dynamic_shapes_with_changing_batch_sizes_match_compiled_model(device):
 
 
 # --------------------------------------------------------------------------------------------
-# a compiled optimizer step writes masters (Note [a compiled optimizer step] in dispatch/param.py)
+# a compiled optimizer step writes masters (Note [a compiled optimizer step] in dispatch/optimizer_step.py)
 # --------------------------------------------------------------------------------------------
 
 

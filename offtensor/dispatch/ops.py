@@ -1,0 +1,136 @@
+"""What an op on offloaded parameters gets in place of each: the scope's device copy, a
+temporary copy (Engine.materialize), or the master (Note [dispatch of an offloaded parameter]
+in dispatch/param.py).
+
+Code here is handed the offloaded parameters among an op's arguments by
+`OffloadedParameter.__torch_function__` (dispatch/param.py, above): `params`, and `offloaded`,
+the set of their ids; it never tests for the class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..core.slot import on_optimizer_worker
+from . import compile as _compile
+from .masters import MASTER_ONLY
+from .writes import is_inplace, written
+
+
+def dispatch(func: Any, args: tuple, kwargs: dict, params: Sequence[torch.Tensor]) -> Any:
+    """`func(*args, **kwargs)` with each offloaded parameter among `params` replaced by what the
+    op gets; an in-place write goes to the master."""
+    if not params or func in MASTER_ONLY:
+        return func(*args, **kwargs)
+    offloaded = {id(p) for p in params}
+    if is_inplace(func, args, kwargs, offloaded):
+        # Writes always go to the master (under grad mode PyTorch then raises its usual
+        # leaf-in-place error, as for a plain parameter). Every offloaded argument counts as
+        # written (safe if a write is not recognised below); those that are surely only read
+        # (`h.add_(self.bias)` in a forward) are then materialized as for any other op.
+        writes = written(func, args, kwargs, offloaded)
+        for p in params:
+            slot = getattr(p, "_ot", None)
+            if slot is not None and id(p) in writes:
+                slot.scope.engine.master_written(slot)
+            elif slot is not None:
+                slot.scope.engine.before_master_write(slot, written=False)
+        if on_optimizer_worker():  # the optimizer thread: masters only
+            return func(*args, **kwargs)
+        params = [p for p in params if id(p) not in writes]
+        if not params:
+            return func(*args, **kwargs)
+    if on_optimizer_worker():  # the optimizer thread: masters only
+        return func(*args, **kwargs)
+    subs = replacements(params, op_device(args, kwargs, offloaded))
+    if not subs:
+        return func(*args, **kwargs)
+    args, kwargs = substitute(args, kwargs, subs, offloaded)
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as e:
+        error = _compute_dtype_error(func, params, e)
+        if error is None:
+            raise
+        raise error from e
+
+
+def _compute_dtype_error(func: Any, params: Sequence[torch.Tensor], e: RuntimeError) -> RuntimeError | None:
+    """The error to raise instead of `e` when a parameter computing in Policy(compute_dtype)
+    met inputs of another dtype; None for any other error."""
+    found = next(((p, s) for p in params if (s := getattr(p, "_ot", None)) is not None and s.scope.casts), None)
+    if found is None or "dtype" not in str(e):
+        return None
+    cast, slot = found
+    name, dtype, kind = getattr(func, "__name__", func), slot.device_view.dtype, slot.device_view.device.type
+    if torch.is_autocast_enabled(kind):
+        # CPU autocast leaves layer_norm and group_norm alone (CUDA's runs them in fp32), so
+        # a norm's bf16 copy meets fp32 activations there under autocast too.
+        fix = (f"torch.autocast is on, but it does not cast the inputs of {name} on {kind}: "
+               f"cast them to {dtype} before this op")
+    else:
+        fix = f"Run the model under torch.autocast(device_type, dtype={dtype}), or cast the inputs to {dtype}"
+    return RuntimeError(
+        f"offtensor: {name} failed on offloaded parameter {slot.name!r}, which computes in "
+        f"{dtype} (Policy(compute_dtype=...)) while its master is {cast.dtype}: the other "
+        f"inputs must be of the compute dtype. {fix}"
+    )
+
+
+def replacements(params: Sequence[torch.Tensor], op_device: torch.device | None) -> dict[int, torch.Tensor]:
+    """What an op on `params` gets in place of each (by id): a device or temporary copy
+    (Engine.materialize); none where the op acts on the master."""
+    subs: dict[int, torch.Tensor] = {}
+    tracing = _compile.tracing()
+    for p in params:
+        slot = getattr(p, "_ot", None)
+        if slot is None:
+            continue
+        if tracing:
+            raise RuntimeError(
+                f"offtensor: make_fx traced an op on offloaded parameter {slot.name!r} "
+                "(torch.func.linearize, aot_function, torch.export): the graph would keep its "
+                "device copy, which offtensor frees when the scope is released. Trace "
+                "torch.func.functional_call(model, params, args) with the parameters passed in "
+                "as tensors on the compute device, or call offtensor.unwrap(model) first"
+            )
+        replacement = slot.scope.engine.materialize(slot, op_device)
+        if replacement is None and slot.packed is not None:
+            replacement = slot.packed.unpack()  # the master's values (Note [compressed masters])
+        if replacement is not None:
+            subs[id(p)] = replacement
+    return subs
+
+
+def op_device(args: tuple, kwargs: dict, offloaded: set[int]) -> torch.device | None:
+    """The accelerator device of the op's tensors other than the offloaded parameters (ids in
+    `offloaded`), or None when they are all on the CPU."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            if id(a) not in offloaded and a.device.type != "cpu":
+                return a.device
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, torch.Tensor) and id(x) not in offloaded and x.device.type != "cpu":
+                    return x.device
+    return None
+
+
+def _sub_one(a: Any, subs: dict[int, torch.Tensor], offloaded: set[int]) -> Any:
+    if id(a) in offloaded:
+        return subs.get(id(a), a)
+    if isinstance(a, (list, tuple)) and any(id(x) in offloaded for x in a):
+        return type(a)(subs.get(id(x), x) if id(x) in offloaded else x for x in a)
+    return a
+
+
+def substitute(args: tuple, kwargs: dict, subs: dict[int, torch.Tensor],
+               offloaded: set[int]) -> tuple[tuple, dict]:
+    """The op's arguments with each offloaded parameter (ids in `offloaded`) replaced by its
+    entry in `subs`, in lists and tuples too."""
+    return (tuple(_sub_one(a, subs, offloaded) for a in args),
+            {k: _sub_one(v, subs, offloaded) for k, v in kwargs.items()})
+
