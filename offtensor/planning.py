@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .api import Policy
-from .core.schedule import streaming_bytes
+from .budget.vram import streaming_bytes
 from .core.scope import ALIGN
 from .weights.compress import FrozenFormat, compresses, packed_nbytes
 from .weights.file_masters import plan_host_budget

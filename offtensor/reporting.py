@@ -29,6 +29,6 @@ def summary(model: nn.Module) -> Summary:
     ]
     allocated = torch.cuda.memory_allocated(engine.device) if engine.streams.is_cuda else None
     ring = engine.ring
-    return Summary(str(engine.device), rows, allocated, engine.schedule.layout(timed=engine.timer is not None),
+    return Summary(str(engine.device), rows, allocated, engine.budget.layout(),
                    staging_bytes=ring.nbytes if ring is not None else 0,
                    file_bytes_read=ring.bytes_read if ring is not None else 0)

@@ -19,7 +19,8 @@ LAYERS = ["api", "patches", "weights.kernels", "weights.compress", "weights.file
           "weights.file_masters", "weights.staging", "distributed.shm", "distributed.matching",
           "distributed.wrappers", "dispatch.compile", "core.slot", "dispatch.masters", "dispatch.writes",
           "dispatch.ops", "dispatch.autograd", "dispatch.param", "dispatch.function_apply", "dispatch.optimizer_step",
-          "core.streams", "optim.device_steps", "core.scope", "budget.layout", "core.schedule", "core.grads",
+          "core.streams", "optim.device_steps", "core.scope", "core.grad_calls", "budget.layout", "budget.timed",
+          "budget.vram", "core.schedule", "core.grads", "core.transforms", "core.access", "core.writes", "core.threads",
           "core.engine", "core.hooks", "weights.quantized", "optim.overlap", "planning", "guards", "wrapping",
           "reporting", "controls", "distributed.shared_masters", "distributed.sharded_loads", "distributed.reducer",
           "distributed.agreement", "distributed.data_parallel", "weights.load"]

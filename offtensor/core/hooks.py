@@ -76,15 +76,15 @@ class ScopeHooks:
         """Forget the calls a KeyboardInterrupt left (FailureCheck)."""
         interrupted = self.calls.drop_interrupted()
         if interrupted:
-            self.engine.forget_calls(self.scope, interrupted)
+            _forget_calls(self.scope, interrupted)
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         scope, engine = self.scope, self.engine
         if not in_backward():
-            engine.check_thread(f"scope {scope.name!r}")
+            engine.thread.check(f"scope {scope.name!r}")
         interrupted = self.calls.enter()
         if interrupted:
-            engine.forget_calls(scope, interrupted)
+            _forget_calls(scope, interrupted)
         if scope.running_calls == 0:
             self._hide()  # an interrupted compiled call left its device copies exposed
         tensors = _tensors(args, kwargs)
@@ -102,8 +102,8 @@ class ScopeHooks:
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         engine = self.engine
-        if engine.foreign_thread():
-            return  # refused by check_thread: this call changed nothing
+        if engine.thread.foreign():
+            return  # refused by ThreadOwner.check: this call changed nothing
         failed = self.calls.failed()
         outputs = [] if failed or not torch.is_grad_enabled() else [
             t for t in _tensors(output) if t.requires_grad
@@ -148,7 +148,7 @@ class ScopeHooks:
     def _expose(self) -> None:
         """Make the scope resident and register its device copies where its parameters are."""
         scope = self.scope
-        if self.engine.foreign_thread():
+        if self.engine.thread.foreign():
             return
         scope.make_resident()
         if scope.copy_order is None:
@@ -243,7 +243,7 @@ class ModelHooks:
 
     def _pre(self, module: nn.Module, args: tuple) -> None:
         engine = self.engine
-        engine.check_thread("the model's forward")
+        engine.thread.check("the model's forward")
         if self.calls.enter():
             engine.abort()  # an earlier forward was interrupted (KeyboardInterrupt): as if it raised
         for hooks in self.scope_hooks:  # before anything else runs: FailureCheck.drop_interrupted
@@ -251,7 +251,7 @@ class ModelHooks:
         engine.begin_forward()
 
     def _post(self, module: nn.Module, args: tuple, output: object) -> None:
-        if not self.engine.foreign_thread():  # a call refused by check_thread: nothing to undo
+        if not self.engine.thread.foreign():  # a call refused by ThreadOwner.check: nothing to undo
             self.engine.end_forward(failed=self.calls.failed())
 
 
@@ -341,6 +341,18 @@ class FailureCheck:
                 break
         current = sys.exc_info()[1]
         return current is not None and current is not at_entry
+
+
+def _forget_calls(scope: Scope, n: int) -> None:
+    """`n` calls of the scope never ended: a KeyboardInterrupt (or SystemExit) left them, which
+    runs no hook (FailureCheck). Forget them; the device copy they kept resident is released
+    unless another call uses it, also under no_offload(): while the scope counted as called,
+    writes to its masters (an optimizer step) did not release it, so it may be older than they
+    are. (Its count may have been reset since, by Engine.abort or a new pass, without a release
+    under no_offload(); the copy goes all the same.)"""
+    scope.running_calls = max(0, scope.running_calls - n)
+    if scope.running_calls == 0:
+        scope.release(force=True)
 
 
 def _outside_offtensor(frame: FrameType | None) -> FrameType | None:

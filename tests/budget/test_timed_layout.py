@@ -16,8 +16,8 @@ from conftest import (
 )
 
 import offtensor
+from offtensor.budget import timed as _timed
 from offtensor.budget.layout import ScopeCost, choose, min_room, simulate
-from offtensor.core import engine as _engine
 
 GiB = 2**30
 
@@ -91,7 +91,7 @@ def test_the_chosen_layout_is_applied_between_passes(monkeypatch):
         chosen["forward"] = list(forward)
         return {4, 5}, simulate(costs, forward, backward, {4, 5}, budget - 2 * block)
 
-    monkeypatch.setattr(_engine, "choose", pick)
+    monkeypatch.setattr(_timed, "choose", pick)
     x = torch.randn(4, 8)
     with torch.no_grad():
         for _ in range(4):
@@ -105,7 +105,7 @@ def test_the_chosen_layout_is_applied_between_passes(monkeypatch):
 def test_auto_budget_keeps_what_the_spare_memory_holds(monkeypatch):
     model = mlp_of_blocks(n_blocks=6)
     total = sum(device_layout_bytes(b) for b in model.blocks)
-    monkeypatch.setattr(_engine, "spare_device_bytes", lambda device: total + 2**30)
+    monkeypatch.setattr(_timed, "spare_device_bytes", lambda device: total + 2**30)
     reference = reference_then_offload(model, "cpu", policy=offtensor.Policy(vram_budget="auto"))
     assert _kept(model) == []  # streams until the measured step sizes the budget
     _train(model, reference, steps=4)

@@ -65,7 +65,7 @@ def test_the_plan_keeps_the_first_scope_and_spreads_the_rest_and_summary_shows_i
 def test_equal_blocks_keep_the_first_and_the_rest_evenly_spaced(n_blocks, kept, expected):
     """The first block (the one whose copy nothing hides) and then every (rest / kept rest)-th
     of the others, ending at the last: a streamed run never outlasts what a kept block's compute
-    lets the copies catch up on (Note [VRAM budget], "Kept scopes spread"). Fewer than half kept,
+    lets the copies catch up on (Note [kept scopes spread] in budget/vram.py). Fewer than half kept,
     no two are adjacent."""
     model = mlp_of_blocks(n_blocks=n_blocks)
     offtensor.wrap(model, device="cpu", policy=offtensor.Policy(layout="spread", vram_budget=_budget(model, kept=kept)))
@@ -192,7 +192,7 @@ def test_streamed_scopes_fill_the_streaming_room_while_kept_scopes_compute(devic
     and the next 2 streamed blocks are on the device (the one before it was released as its
     forward ended); while a kept block computes, the whole room is free for the next 3 streamed
     ones, so the copies catch up there instead of waiting for the next streamed block to start
-    (Note [VRAM budget]). Kept blocks are skipped over: they are resident all along. 12 blocks
+    (Note [the streaming room] in budget/vram.py). Kept blocks are skipped over: they are resident all along. 12 blocks
     with room for 3 kept: 0, 6 and 11, so a kept block computes in the middle of the pass too."""
     n_blocks = 12
     model = mlp_of_blocks(n_blocks=n_blocks).eval()
@@ -270,7 +270,7 @@ def test_training_with_a_budget_matches_the_unwrapped_model(device, overlapped, 
         assert [counts[f"blocks.{i}"] for i in kept] == [1, 1, 1], counts  # once per step
         # A streamed block loads in each forward and each backward, 4 times a step; 3 for those
         # the first micro-batch's backward leaves resident for the second's forward (1 and 2
-        # here, Note [carried into the next forward] in core/schedule.py).
+        # here, Note [carried into the next forward] in budget/vram.py).
         assert all(counts[f"blocks.{i}"] >= 2 for i in range(N_BLOCKS) if i not in kept), counts
     assert most_device_bytes[0] <= budget
     assert_all_scopes_offloaded(model)  # kept ones, if resident, equal their masters

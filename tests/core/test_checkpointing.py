@@ -151,10 +151,11 @@ def test_a_late_gradient_after_a_handover_at_a_scopes_end_steps_the_scope_after_
     # call, is handed over at the end of the second forward's backward, and the first's
     # contribution arrives later (so for fc1's scopes too). The error's remedy must hold from the
     # next step on, with the same miscount: the model's scopes are stepped after backward.
-    from offtensor.core.engine import Engine
+    from offtensor.core import grad_calls
 
-    monkeypatch.setattr(Engine, "_pass_counted", property(lambda self: False, lambda self, value: None), raising=False)
-    monkeypatch.setattr(offtensor.core.engine, "recorded_functions", SimpleNamespace(depth=0))
+    monkeypatch.setattr(grad_calls.GradCalls, "pass_counted", property(lambda self: False, lambda self, value: None),
+                        raising=False)
+    monkeypatch.setattr(grad_calls, "recorded_functions", SimpleNamespace(depth=0))
     model, reference = mlp_and_reference("cpu", split=True, checkpoint="reentrant")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     batches = [(random_batch("cpu"), random_batch("cpu")) for _ in range(4)]

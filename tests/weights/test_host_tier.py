@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 import offtensor
+from offtensor.budget import timed as _timed
 from offtensor.budget.layout import choose
-from offtensor.core import engine as _engine
 from offtensor.core.memory import MAX_PINNED_ENV
 from offtensor.weights.compress import quantize_dequantize
 from offtensor.weights.staging import StagingRing
@@ -191,7 +191,7 @@ def test_a_timed_layout_charges_file_scopes_their_reads_and_reads_those_it_keeps
         chosen["costs"] = costs
         return choose(costs, *args)
 
-    monkeypatch.setattr(_engine, "choose", timed)
+    monkeypatch.setattr(_timed, "choose", timed)
     x = torch.randn(2, h)
     with torch.no_grad():
         for _ in range(3):  # the second is measured; the layout is chosen when the third starts
