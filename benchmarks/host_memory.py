@@ -147,7 +147,7 @@ def _busy_thread() -> Callable[[], None]:
 def host_contention(argv: list[str]) -> int:
     """The plain fused AdamW step (bf16, the full-size model's layer shapes) alone with all
     threads and with one left spare, on each of --threads, beside a thread busy running Python
-    (all threads and one spare: Note [worker threads] in optim/overlap.py), then while pinned copies
+    (all threads and one spare: Note [worker threads] in optim/worker.py), then while pinned copies
     stream one way and both ways."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks host-contention", description=host_contention.__doc__)
     ap.add_argument("--layers", type=int, default=8)

@@ -193,7 +193,7 @@ def measure_same_time(step: Callable[[WorkerSettings], None], drain: Callable[[]
     last one's deferred steps (`drain`, untimed); then the plain fused AdamW on plain CPU
     tensors shaped as `params`, alone (every thread) and, on CUDA, beside one step's PCIe
     copies, on the first setting's spared thread count and on every thread (the worker takes
-    every thread while the next forward waits for it: Note [worker threads] in optim/overlap.py).
+    every thread while the next forward waits for it: Note [worker threads] in optim/worker.py).
     Medians over the rounds.
 
     What a round times is the steady-state period of an overlapped training loop, as the main

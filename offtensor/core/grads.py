@@ -98,7 +98,7 @@ class GradOffload:
         self._held: dict[int, dict[int, tuple[ParamSlot, torch.Tensor]]] = {}
         # hooked parameters frozen since the forward that reached them (Note [frozen since the forward])
         self._frozen: list[ParamSlot] = []
-        self.stepper: Any = None  # _overlap._OverlappedStep during backward_and_step
+        self.stepper: Any = None  # optim/step.py's OverlappedStep during backward_and_step
         # _data_parallel.GradReducer in data-parallel mode (Note [data parallel]), else None
         self.reducer: Any = None
 

@@ -73,7 +73,7 @@ from ..weights.compress import StoredMaster
 _retired_lock = threading.Lock()
 
 # Set on the thread that runs deferred optimizer steps (`active`; see Note [optimizer overlap] in
-# optim/overlap.py, which sets it). On that thread every op acts on the masters (a scope computing on
+# optim/overlap.py; optim/worker.py sets it). On that thread every op acts on the masters (a scope computing on
 # the main thread at the same time is not its scope), and no fence is waited on (the thread
 # itself is what clears them).
 worker_state = threading.local()
@@ -219,7 +219,7 @@ class ParamSlot:
     @property
     def used_outside(self) -> bool:
         """A temporary copy made for an op outside the scope may still get a gradient, maybe
-        after the scope's backward: a graph holds it (Note [early handover] in optim/overlap.py)."""
+        after the scope's backward: a graph holds it (Note [early handover] in optim/step.py)."""
         return any(ref() is not None for ref in self.temporaries)
 
     @property

@@ -1,53 +1,49 @@
-"""Optimizer steps of part of a model on the compute device, during backward_and_step.
+"""Optimizer steps of part of a model on the compute device, during backward_and_step: the
+`DeviceSteps` of a call, the one object through which the overlapped step uses the device.
 
 # Note [device steps]
-The overlapped step is bound by the CPU optimizer when the host's AdamW over the model takes
-longer than forward+backward (the benchmark's 8 layers: about 280-315 ms beside the copies
-against about 240 ms), and then the period is that optimizer time plus the span in which the
-worker has nothing to step (Note [early handover] in optim/overlap.py). Meanwhile the device idles
-for part of each step and the PCIe link carries about a third of what it could. So with
-`backward_and_step(device_share=f)` the worker also steps pieces on the device: it copies a
-piece's masters, their gradients and their optimizer state there, runs the user's optimizer on
-those copies (the same class, param group and state entries) and copies the masters and the
-state back, all on one stream of its own (`Streams.step`), without waiting for any of it. The
-piece's fence stays until that stream's event has passed; the worker, or a thread that waits
-for one of those parameters, clears it (`_OverlappedStep._finish_device_steps`).
+When the host's optimizer over the model takes longer than forward+backward, the overlapped
+step is bound by it (Note [early handover] in optim/step.py), while the device idles for part
+of each step and the PCIe link has room. With `backward_and_step(device_share=f)` the worker
+also steps pieces on the device: it copies a piece's masters, gradients and optimizer state
+there, runs the user's optimizer on those copies (the same class, param group and state
+entries) and copies the masters and the state back, all on a stream of its own
+(`Streams.step`), without waiting for any of it. The piece's fence stays until that stream's
+event has passed; the worker, or a thread that waits for one of those parameters, clears it
+(`PieceQueue.finish_device_steps`). Which pieces: the worker keeps for itself the landed piece
+the next forward needs first; while DEVICE_MIN_READY are ready and fewer than
+DEVICE_PIECES_IN_FLIGHT are queued on the device, it first hands the device, of the others, the
+one the next forward needs last that it may take, until `f` of the optimizer's offloaded bytes
+went there in this call. The two eat one queue from its two ends: the host never waits for a
+device step it needs soon, and the device takes only what the host would have reached last.
+Nothing is assigned ahead: a host whose queue never holds DEVICE_MIN_READY ready pieces leaves
+the device nothing.
 
-Which pieces: the worker takes the landed piece the next forward needs first for itself, as
-before; while two or more are ready and fewer than DEVICE_PIECES_IN_FLIGHT are queued on the
-device, it first hands the device, of the others, the one the next forward needs last (among
-those it may take: see below), until `f` of the optimizer's offloaded bytes went there in this
-call. So the two eat the same queue from its two
-ends: the host never waits for a device step it needs soon (one piece's copies take about 9 ms
-at 55 GB/s, as long as its step on 15 cores), and the device takes only what the host would
-have reached last. Nothing is assigned ahead: a host whose queue never holds DEVICE_MIN_READY
-ready pieces leaves the device nothing.
+# Note [what device steps cost]
+Per parameter byte stepped there, its master, gradient and state go to the device (8 bytes per
+bf16 parameter with bf16 AdamW state) and its master and state come back (6), beside the step's
+own copies. Device memory: the copies are allocated on the step stream and dropped once their
+work is queued, so the caching allocator hands their blocks to the next piece's copies in that
+stream's order: about one piece's copies (4 x its bytes for AdamW), not one per piece. The
+device takes no piece larger than DEVICE_PIECE_FACTOR x piece_bytes (one large parameter, an
+embedding or a head, stays on the host), which bounds that to about 8 x piece_bytes; a VRAM
+budget does not count it, so the two are not combined. The state lives on the host throughout,
+page-locked (a state tensor made on the host moves to page-locked memory at its first device
+step, one made on the device gets a page-locked home), so the copies run at full speed and
+`optimizer.state` reads as after any step. The host tensors the copies read or write are held
+next to the stream's event (`DeviceStep`).
 
-What it costs: per parameter byte stepped there, its master, gradient and state go to the
-device (8 bytes per bf16 parameter with bf16 AdamW state) and its master and state come back
-(6), while the link also carries the step's own copies; and device memory for the copies of
-the pieces queued there. Those copies are allocated on the step stream and dropped once their
-work is queued: the caching allocator hands their blocks to the next piece's copies in that
-stream's order, so this is about one piece's copies (4 x its bytes for AdamW), not one per
-piece. The device takes no piece larger than DEVICE_PIECE_FACTOR x piece_bytes (a piece of one
-large parameter, an embedding or a head, stays on the host), which bounds that to about
-8 x piece_bytes, 512 MiB by default; a VRAM budget does not count it, so the two are not
-combined. The state lives on the
-host throughout, page-locked (a state tensor the optimizer made on the host moves to
-page-locked memory at its first device step, and one the step made on the device gets a
-page-locked home), so the copies run at full speed and `optimizer.state` reads as after any
-step. The host tensors the copies read or write are held next to the stream's event.
-
-Numerics: the device's kernels for the same update (the fused CUDA AdamW for a fused CPU one,
-foreach for single-tensor) may round the same fp32 math differently in the last bit. Only SGD,
-Adam and AdamW (whose state is per-parameter tensors and a step count) step there, and only
-without step hooks of the user's (a hook would see device copies instead of the parameters),
-tensor hyperparameters (a CPU tensor lr beside device parameters) or `differentiable=True`;
-otherwise every piece steps on the host, as `ineligible` says. Nor does a piece whose tensors the
-dense copies cannot hold (`can_take`): a compressed master, a sparse gradient
+# Note [which pieces step on the device]
+The device's kernels for the same update (the fused CUDA AdamW for a fused CPU one, foreach for
+single-tensor) may round the same fp32 math differently in the last bit. Only SGD, Adam and
+AdamW (whose state is per-parameter tensors and a step count) step there, and only without step
+hooks of the user's (a hook would see device copies instead of the parameters), tensor
+hyperparameters (a CPU tensor lr beside device parameters) or `differentiable=True`; otherwise
+every piece steps on the host, as `ineligible` says. Nor does a piece whose tensors the dense
+copies cannot hold (`can_take`): a compressed master, a sparse gradient
 (`nn.Embedding(sparse=True)`) or a sparse state entry (SGD's momentum of one). The worker checks
 when it chooses the piece, before any of it is copied: a piece that failed in its copies after
-the pieces before it were stepped left a partial step.
+the pieces before it were stepped would leave a partial step.
 """
 
 from __future__ import annotations
@@ -63,7 +59,10 @@ from torch.optim import optimizer as optim_module
 from ..core.memory import HostBuffer
 from ..core.slot import ParamSlot
 from ..core.streams import Streams
-from ..dispatch.masters import master_grad
+from ..dispatch.masters import master_grad, without_subclass_dispatch
+from ..dispatch.param import OffloadedParameter
+from .pieces import Piece, slot_bytes
+from .views import OptimizerAsOfCall
 
 # Pieces queued on the device at once: more would keep pieces there that the host could have
 # stepped sooner (Note [device steps]).
@@ -72,10 +71,79 @@ DEVICE_PIECES_IN_FLIGHT = 2
 # the next forward needs first (Note [device steps]).
 DEVICE_MIN_READY = 2
 # The largest piece the device takes, in piece_bytes: a piece holding one large parameter (an
-# embedding, 1 GB in Llama-3-8B) would take four times that on the device (Note [device steps]).
+# embedding, 1 GB in Llama-3-8B) would take four times that on the device (Note [what device
+# steps cost]).
 DEVICE_PIECE_FACTOR = 2
 
 _ELIGIBLE_CLASSES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+class DeviceSteps:
+    """The device's share of one backward_and_step call (Note [device steps]): which pieces it
+    takes, their steps queued there, and which of those have landed. Its methods run under the
+    lock of the call's PieceQueue, but `step`, which the worker runs outside it."""
+
+    def __init__(self, as_of: OptimizerAsOfCall, share: float, piece_bytes: int, data_parallel: bool) -> None:
+        optimizer = as_of.optimizer
+        self._as_of = as_of
+        off = ineligible(optimizer, data_parallel) if share else None
+        self.off = off or ""  # why `share` was given but every piece steps on the host
+        self._largest = DEVICE_PIECE_FACTOR * piece_bytes  # the largest piece it takes
+        self._bytes = 0.0  # the bytes it may still step in this call
+        self._counts_on_device: set[int] = set()  # parameters whose group keeps its step counts on the device
+        if share and off is None:
+            self._bytes = share * sum(slot_bytes(p._ot) for g in optimizer.param_groups for p in g["params"]
+                                      if isinstance(p, OffloadedParameter) and hasattr(p, "_ot"))
+            self._counts_on_device = {id(p) for g in optimizer.param_groups if g.get("fused") or g.get("capturable")
+                                      for p in g["params"]}
+        self._queued: list[tuple[Piece, DeviceStep]] = []  # their copies back may not have landed yet
+
+    def take(self, ready: list[Piece]) -> Piece | None:
+        """Of the landed pieces, the one to step on the device now, or None: while DEVICE_MIN_READY
+        are ready and it has room, the one the next forward needs last that it may take (the
+        host keeps the DEVICE_MIN_READY - 1 needed first)."""
+        if self._bytes <= 0 or len(ready) < DEVICE_MIN_READY or len(self._queued) >= DEVICE_PIECES_IN_FLIGHT:
+            return None
+        limit = min(self._bytes, self._largest)
+        others = sorted(ready, key=lambda p: p.deadline)[max(0, DEVICE_MIN_READY - 1):]
+        piece = next((p for p in reversed(others) if p.nbytes <= limit and can_take(p.slots, self._as_of.state)),
+                     None)
+        if piece is not None:
+            self._bytes -= piece.nbytes
+        return piece
+
+    def step(self, piece: Piece, updated: Callable[[], None]) -> DeviceStep:
+        """Queue the step of a piece it took, on the worker, outside the lock (`updated`: as for
+        step_subset); `add` it then. Its fence stays until its copies back have landed."""
+        for slot in piece.slots:
+            slot.scope.engine.master_written(slot)
+        ids = {id(s.param) for s in piece.slots}
+
+        def run(copies: dict[int, torch.Tensor], state: Any) -> None:
+            self._as_of.step(ids, updated, substitute=copies, state=state)
+
+        return without_subclass_dispatch(step_on_device, piece.slots, self._as_of.state,
+                                         piece.slots[0].scope.engine.streams, self._counts_on_device, run)
+
+    def add(self, piece: Piece, step: DeviceStep) -> None:
+        self._queued.append((piece, step))
+
+    def holding(self, slot: ParamSlot) -> DeviceStep | None:
+        """The queued step of the piece of `slot`, if it is queued here."""
+        return next((step for piece, step in self._queued if any(s is slot for s in piece.slots)), None)
+
+    def busy(self) -> bool:
+        return bool(self._queued)
+
+    def oldest(self) -> DeviceStep | None:
+        return self._queued[0][1] if self._queued else None
+
+    def in_flight(self) -> list[tuple[Piece, DeviceStep]]:
+        return list(self._queued)
+
+    def landed(self, pieces: list[Piece]) -> None:
+        """These pieces' copies back have landed: no longer queued."""
+        self._queued = [(p, step) for p, step in self._queued if all(p is not f for f in pieces)]
 
 
 def ineligible(optimizer: torch.optim.Optimizer, data_parallel: bool) -> str | None:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from conftest import assert_params_match, mlp_and_reference, random_batch
 
 import offtensor
-from offtensor.optim import overlap as _overlap
+from offtensor.optim import calls as _calls
 
 WORKER = "offtensor-optimizer"
 
@@ -51,7 +51,7 @@ class HeldWorker:
             return
         deadline = time.monotonic() + 30
         while not self._go.wait(timeout=0.005) and time.monotonic() < deadline:
-            if any(stepper._waiting for stepper in _overlap._pending_calls()):
+            if any(call.waiting for call in _calls.pending()):
                 return
 
     def hold(self) -> None:

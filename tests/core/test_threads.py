@@ -24,6 +24,7 @@ from conftest import assert_params_match, mlp_and_reference, random_batch
 
 import offtensor
 from offtensor.optim import overlap as _overlap
+from offtensor.optim import worker as _worker
 
 WORKER = "offtensor-optimizer"
 TIMEOUT_S = 30
@@ -74,7 +75,7 @@ def test_two_models_stepped_at_once_in_two_threads_train_as_alone(monkeypatch, r
     monkeypatch.setattr(_overlap, "wait_for_steps", racing_wait)
     # Each worker steps holding dynamo's compile lock (Note [compiling beside the optimizer
     # worker]): a's, held, would keep b's from stepping. Nothing compiles here.
-    monkeypatch.setattr(_overlap, "not_compiling", contextlib.nullcontext)
+    monkeypatch.setattr(_worker, "not_compiling", contextlib.nullcontext)
     errors: list[BaseException] = []
     threads_of_main = torch.get_num_threads()
 

@@ -39,7 +39,7 @@ OPTIMIZERS = {
 @pytest.fixture
 def device_takes_any(monkeypatch):
     """The device takes a ready piece whenever it has room, not only while two are ready."""
-    monkeypatch.setattr("offtensor.optim.overlap.DEVICE_MIN_READY", 1)
+    monkeypatch.setattr("offtensor.optim.device_steps.DEVICE_MIN_READY", 1)
 
 
 def _batches(device, n=5):
@@ -214,14 +214,14 @@ def test_a_failing_device_step_is_a_partial_step_and_leaves_no_fence(device, mon
             raise MemoryError("no room for the piece")
         return real(*args)
 
-    monkeypatch.setattr("offtensor.optim.overlap.step_on_device", failing)
+    monkeypatch.setattr(device_steps, "step_on_device", failing)
     with pytest.raises(MemoryError, match="no room") as info:
         offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True, device_share=1.0,
                                     piece_bytes=4096)
         offtensor.wait_for_steps()
     assert "stepped" in str(info.value.__notes__ if hasattr(info.value, "__notes__") else info.value)
     assert not any(p._ot.step_pending for p in model.parameters() if isinstance(p, offtensor.OffloadedParameter))
-    monkeypatch.setattr("offtensor.optim.overlap.step_on_device", real)
+    monkeypatch.setattr(device_steps, "step_on_device", real)
     offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True, device_share=1.0)
     offtensor.wait_for_steps()
     assert_all_scopes_offloaded(model)
@@ -234,7 +234,7 @@ def test_the_device_takes_the_pieces_the_next_forward_needs_last_and_the_host_th
     ready, the device gets the later scopes and the host keeps the first one of the forward."""
     import threading
 
-    import offtensor.optim.overlap as overlap
+    import offtensor.optim.views as views
 
     model = offload(mlp_of_blocks(n_blocks=4), device)
     opt = _O.AdamW(model.parameters(), lr=1e-2)
@@ -242,7 +242,7 @@ def test_the_device_takes_the_pieces_the_next_forward_needs_last_and_the_host_th
     offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True)  # learn the order
     offtensor.wait_for_steps()
     where: list[tuple[str, str]] = []
-    real = overlap.step_subset
+    real = views.step_subset
 
     def spy(optimizer, ids, *args, substitute=None, **kwargs):
         names = [n for n, p in model.named_parameters() if id(p) in ids]
@@ -250,7 +250,7 @@ def test_the_device_takes_the_pieces_the_next_forward_needs_last_and_the_host_th
             where.append(("device" if substitute is not None else "host", names[0]))
         return real(optimizer, ids, *args, substitute=substitute, **kwargs)
 
-    monkeypatch.setattr(overlap, "step_subset", spy)
+    monkeypatch.setattr(views, "step_subset", spy)
     release = threading.Event()
     handle = model.blocks[3].fc2.weight.register_post_accumulate_grad_hook(lambda p: release.wait(30))
     loss = F.mse_loss(model(x), y)
@@ -307,18 +307,18 @@ def test_device_steps_stay_within_their_pieces_in_flight_on_the_device():
 def test_the_device_takes_no_piece_over_twice_piece_bytes(device, monkeypatch):
     """A piece of one large parameter (an embedding, a head) stays on the host: its copies would
     take four times its size on the device (Note [device steps])."""
-    import offtensor.optim.overlap as overlap
+    import offtensor.optim.device_steps as device_steps
 
     model = mlp_of_blocks(n_blocks=3)
     reference = reference_then_offload(model, device)
     ref_opt, opt = _O.AdamW(reference.parameters(), lr=1e-2), _O.AdamW(model.parameters(), lr=1e-2)
-    sizes, real = [], overlap.step_on_device
+    sizes, real = [], device_steps.step_on_device
 
     def spy(slots, *args):
         sizes.append(sum(s.param.numel() * s.param.element_size() for s in slots))
         return real(slots, *args)
 
-    monkeypatch.setattr(overlap, "step_on_device", spy)
+    monkeypatch.setattr(device_steps, "step_on_device", spy)
     piece = 512  # pieces with an fc1/fc2 weight (2048 bytes) are over twice this
     for x, y in _batches(device, 2):
         F.mse_loss(reference(x), y).backward()
@@ -351,20 +351,20 @@ def test_a_piece_with_a_sparse_gradient_steps_on_the_host(device, momentum, monk
     dense copies cannot hold, and raised "copy_() between dense and sparse Tensors" after the
     later blocks were stepped (a partial step). That piece stays on the host; the others still
     go to the device, and five steps match the unwrapped model's."""
-    import offtensor.optim.overlap as overlap
+    import offtensor.optim.device_steps as device_steps
 
     model = BlockStack([_SparseEmbedding(), ResidualBlock(16), ResidualBlock(16)], 8, 16, 3)
     model.input = torch.nn.Identity()  # the embedding takes the tokens
     reference = reference_then_offload(model, device)
     make = lambda ps: _O.SGD(ps, lr=0.1, momentum=momentum)
     ref_opt, opt = make(reference.parameters()), make(model.parameters())
-    on_device, real = [], overlap.step_on_device
+    on_device, real = [], device_steps.step_on_device
 
     def spy(slots, *args):
         on_device.extend(s.name for s in slots)
         return real(slots, *args)
 
-    monkeypatch.setattr(overlap, "step_on_device", spy)
+    monkeypatch.setattr(device_steps, "step_on_device", spy)
     for _ in range(5):
         tokens = torch.randint(0, 24, (3, 5), device=device)
         reference(tokens).pow(2).mean().backward()

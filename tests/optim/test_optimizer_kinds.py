@@ -206,7 +206,7 @@ def test_the_worker_steps_torch_optim_optimizers_without_subclass_dispatch_and_o
     make = (lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if kind.startswith("torch.optim") else (
         lambda ps: _ClippingAdamW(ps, lr=1e-2))
     share = 1.0 if kind.endswith("device steps") else 0.0
-    monkeypatch.setattr("offtensor.optim.overlap.DEVICE_MIN_READY", 1)  # the device takes what it can
+    monkeypatch.setattr("offtensor.optim.device_steps.DEVICE_MIN_READY", 1)  # the device takes what it can
     model = mlp_of_blocks()
     reference = reference_then_offload(model, "cpu")
     on_worker = []
