@@ -347,7 +347,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     dev_offsets, scope.device_nbytes = layout(
         [p.numel() * dt.itemsize for (_, p), dt in zip(params, dtypes, strict=True)]
     )
-    # A compressed master is dequantized on the device: loaded as a cast is (Scope._convert).
+    # A compressed master is dequantized on the device: loaded as a cast is (core/loading.py).
     scope.casts = any(packs) or any(dt != p.dtype for (_, p), dt in zip(params, dtypes, strict=True))
     # Each master gets a storage of its own in the scope's one host allocation (Note [one
     # storage per master] in core/memory.py); host_flat spans them all for the bulk copy.

@@ -12,7 +12,7 @@ memory alive through autograd's references or break its saved-tensor checks.
 # Note [step fences]
 `offtensor.backward_and_step` steps parameters on a worker thread while backward and the next
 forward go on (Note [deferred steps] in optim/overlap.py). Whatever reads or writes a master first
-waits for its pending step: the copy to the device (core/scope.py), an op or property access on the
+waits for its pending step: the copy to the device (core/loading.py), an op or property access on the
 parameter (dispatch/param.py), the gradient path (core/grads.py). Those layers sit below the optimizer
 overlap, so they do not call it: the overlap hands each parameter it takes a fence
 (`ParamSlot.pending_step`, an object with `wait(slot)`), clears it once the step is done, and
@@ -27,19 +27,17 @@ differentiate with the new weights, where autograd raises "one of the variables 
 gradient computation has been modified by an inplace operation" for a plain parameter. So a
 write to the master (an in-place op that writes the parameter, `p.data = t`, `p.set_(t)`) bumps
 the version counter of every tensor standing for it in a graph (`device_copies_written`): the
-device copy, retired copies, temporary copies. Graphs saved earlier then raise as they would
-without offloading; later ones save the new version. Only real writes count: an offloaded
-argument of an in-place op that is only read (`h.add_(self.bias)`) must not break the graph
-that saved it.
-A write that no op on the parameter carries out (`p.detach().mul_()`, `p.detach()[0].fill_()`)
-bumps only the master's own version counter, which the detached alias shares. Each copy into a
-device copy compares the master's version with the one its last copy was made from
-(`Scope._note_copied`) and bumps the device copies when it changed, before the copy overwrites
-what a graph may have saved. A scope still resident when its backward starts (the last scope of
-the forward, a kept one) compares at `Engine.pre_backward` and reloads, so that the check runs
-and backward differentiates with the master's values. `p.data` has a version counter of its
-own, invisible to autograd: for it, as for a plain parameter, backward differentiates with the
-new values, and nothing raises.
+device copy, retired copies, temporary copies. Graphs saved earlier then raise as without
+offloading; later ones save the new version. Only real writes count: an argument of an
+in-place op that only reads it (`h.add_(self.bias)`) must not break the graph that saved it.
+A write that no op on the parameter carries out (`p.detach().mul_()`) bumps only the master's
+own version counter, which the detached alias shares. Each copy into a device copy compares
+the master's version with the one its last copy was made from (`WriteTracker.note_copied` in
+core/write_tracking.py) and bumps the device copies when it changed, before overwriting what a graph
+may have saved. A scope still resident when its backward starts (the last scope of the
+forward, a kept one) compares at `Engine.pre_backward` and reloads, so that the check runs.
+`p.data` has a version counter of its own, invisible to autograd: for it, as for a plain
+parameter, backward differentiates with the new values, and nothing raises.
 
 # Note [p.data aliases]
 `p.data` is a plain tensor over the master with a version counter of its own, so a write
@@ -100,8 +98,8 @@ class DeviceCopy(torch.Tensor):
     # Activation offloading (TRL's and torchtune's OffloadActivations) packs every saved tensor
     # to the host except parameters and buffers, which it recognises by isinstance. A device
     # copy is what autograd saves for a linear's input gradient, so without a mark each copy of
-    # a weight crossed to the host in forward and back in backward beside offtensor's own
-    # loads (on the H200, 540 MiB more per step of a 6-layer 2048-wide Llama, 64 -> 92 ms).
+    # a weight would cross to the host in forward and back in backward, beside offtensor's own
+    # loads of the same weights.
     # `_is_buffer` is what makes `isinstance(t, nn.Buffer)` true for a tensor subclass; it
     # changes nothing else unless a device copy is assigned to a module attribute.
     _is_buffer = True
@@ -289,7 +287,7 @@ class ParamSlot:
 
     def retired_copies_written(self) -> None:
         """The master is about to change: graphs holding a retired device copy of it must see
-        it as modified in place (Note [higher-order gradients] in core/scope.py)."""
+        it as modified in place (Note [higher-order gradients] in core/device_buffer.py)."""
         if not self.retired:
             return  # the common case, without the lock
         with _retired_lock: refs, self.retired = self.retired, []  # noqa: E701 (Note [interrupts])

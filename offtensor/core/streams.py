@@ -12,13 +12,15 @@ One `Streams` object per wrapped model owns every stream and event (created lazi
   of `Policy(frozen_format)`). They are kernels: on the copy stream they would hold back the
   next copy until they finish (the copy stream runs in order), so the PCIe link would idle
   while they run. On a stream of their own, each chunk's conversion waits only for that
-  chunk's copy, and the copies go on back to back (Note [progressive loads] in core/scope.py).
+  chunk's copy, and the copies go on back to back (Note [progressive loads] in core/loading.py).
 - step: the copies and kernels of optimizer steps run on the device during backward_and_step
   (Note [device steps] in optim/device_steps.py), issued by the optimizer worker: on a stream of
   their own they neither wait behind the next forward's loads nor hold them back.
 - gathered: waits for the all-gathers of sharded loads (`data_parallel(shard_loads=True)`, Note
   [sharded loads] in distributed/sharded_loads.py); a load's `weights_ready` is recorded there, so the copy
   stream goes on with the next scope's slice while NCCL gathers this one.
+
+# Note [ordering across streams]
 A device buffer is allocated on compute, then the copy stream waits on an event recorded there
 (`alloc_done`): the memory may have just been freed by compute and still be read by queued
 kernels. Compute waits on `weights_ready` before the first use, and the release (resize to 0) is

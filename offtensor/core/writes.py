@@ -51,7 +51,7 @@ class MasterWrites:
             return
         if scope.running_calls == 0:
             scope.release(force=True)  # stale, also when the budget keeps it
-        elif written:  # in the scope's own call: Note [writes during a scope's call] (core/scope.py)
+        elif written:  # in the scope's own call: Note [writes during a scope's call] (core/write_tracking.py)
             scope.written_in_call[slot] = None
 
     def master_handed_out(self, scope: Scope, slot: ParamSlot | None = None) -> None:
@@ -91,7 +91,7 @@ class MasterWrites:
     def call_ended(self, scope: Scope) -> None:
         """A call of the scope ended. Once none runs, what was written during the calls is
         refreshed in the device copy, which may outlive them (kept for backward, kept, held):
-        Note [writes during a scope's call] (core/scope.py)."""
+        Note [writes during a scope's call] (core/write_tracking.py)."""
         if scope.running_calls == 0 and scope.written_in_call:
             for slot in list(scope.written_in_call):
                 scope.make_resident(upto=slot)

@@ -222,7 +222,7 @@ _PARAMETER_NEW = nn.Parameter.__new__.__code__
 # would step unnormalized weights. So the renormalization is an op of its own on the parameter,
 # an in-place write of the master (with the indices on the master's device: a host sync, only
 # with max_norm), which marks the device copy for a refresh before the lookup (Note [writes
-# during a scope's call] in core/scope.py); the lookup then runs without max_norm.
+# during a scope's call] in core/write_tracking.py); the lookup then runs without max_norm.
 def _renormalizing(func: Any) -> Any:
     signature = inspect.signature(func)
 

@@ -10,7 +10,7 @@ of its device buffer, and an all-gather fills the other slices from the other ra
 much faster than PCIe: PCIe bytes per rank drop N-fold.
 - *Where.* `Scope._start_load` calls `Scope.loader` (None: the plain copy) on the copy stream in
   place of the whole-scope copy; a sharded load is never progressive (Note [progressive loads]
-  in core/scope.py), so the scope first waits for its deferred steps. The slice is
+  in core/loading.py), so the scope first waits for its deferred steps. The slice is
   `slice_bytes(nbytes, N)`, an alignment multiple; every rank copies the tail after N slices. On
   CUDA the all-gather is in place and NCCL's stream waits for the copy stream; the `gathered`
   stream waits for NCCL and records the load's `weights_ready`, which so follows the whole scope:

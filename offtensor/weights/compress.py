@@ -6,8 +6,8 @@ a model wrapped for inference) is only ever read. With `Policy.frozen_format` it
 on the host as 1-byte values (fp8 e4m3 or int8) and one scale per output row (row-wise absmax,
 the scale stored in the parameter's dtype), about half the bytes of bf16. A load moves those
 bytes into a staging buffer and dequantizes them on the cast stream into the scope's device
-buffer (`unpack_into`, from `Scope._cast_chunk`), chunk by chunk as they land, so ops see an ordinary
-tensor of the compute dtype, and the PCIe bytes halve too.
+buffer (`unpack_into`, from `LoadProgress.mark_chunk` in core/loading.py), chunk by chunk as
+they land, so ops see an ordinary tensor of the compute dtype, and the PCIe bytes halve too.
 
 The compressed values ARE the parameter's values from then on. What the parameter reports is
 `unpack()`: `values.to(dtype) * scale[:, None]`, computed in the parameter's dtype (exact

@@ -39,7 +39,7 @@ def dequantize_rows(values: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
         # Triton launches on the current device's current stream: out's device is made current
         # here, so that the launch never depends on which device the caller left current (a
         # model wrapped for cuda:1 while cuda:0 is current). Its current stream is then the one
-        # the caller made current there (the cast stream, Scope._mark_chunk).
+        # the caller made current there (the cast stream, LoadProgress.mark_chunk).
         with torch.cuda.device(out.device):
             _dequantize_rows_kernel[(triton.cdiv(n, _BLOCK),)](values, scale, out, n, values.shape[-1],
                                                                BLOCK=_BLOCK)

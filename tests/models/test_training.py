@@ -60,9 +60,9 @@ def test_compute_dtype_matches_a_reference_that_casts_by_hand(device, cast, over
     """With backward_and_step, cast="device" loads convert chunk by chunk (Note [progressive
     loads]) while deferred optimizer steps hold copies back: every load still reads the
     stepped masters."""
-    import offtensor.core.scope as scope_module
+    import offtensor.core.loading as loading_module
 
-    monkeypatch.setattr(scope_module, "CHUNK_BYTES", 512)  # a chunk per matrix or two
+    monkeypatch.setattr(loading_module, "CHUNK_BYTES", 512)  # a chunk per matrix or two
     model = mlp_of_blocks()
     reference = unwrapped_reference(model, device)
     offload(model, device, _everything, policy=offtensor.Policy(compute_dtype=torch.bfloat16, cast=cast))

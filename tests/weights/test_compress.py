@@ -311,9 +311,10 @@ def test_a_compressed_scope_loads_progressively_in_chunks(device, monkeypatch):
     """After the first forward a compressed scope's load goes chunk by chunk (its dequantization
     per chunk, Note [progressive loads]); the staging buffer is gone once every chunk is
     enqueued, and the results are those of the resident compressed model."""
+    import offtensor.core.loading as loading_module
     import offtensor.core.scope as scope_module
 
-    monkeypatch.setattr(scope_module, "CHUNK_BYTES", 4096)  # fc1 alone is 8 KiB of fp8
+    monkeypatch.setattr(loading_module, "CHUNK_BYTES", 4096)  # fc1 alone is 8 KiB of fp8
     model = _model(torch.bfloat16).requires_grad_(False).eval()
     reference = _compressed_reference(model, "fp8", device)
     _wrap(model, device, frozen_format="fp8")
@@ -509,9 +510,9 @@ def test_an_exception_in_a_compressed_model_leaves_no_device_copy_and_the_next_s
     on the cast stream), in the recompute of a checkpointed block, or in backward: no device copy
     or staging buffer is left once the next forward starts, and that step matches the resident
     model with the same compressed weights."""
-    import offtensor.core.scope as scope_module
+    import offtensor.core.loading as loading_module
 
-    monkeypatch.setattr(scope_module, "CHUNK_BYTES", 4096)  # several chunks per compressed scope
+    monkeypatch.setattr(loading_module, "CHUNK_BYTES", 4096)  # several chunks per compressed scope
     model = _lora_model(torch.float32)
     model.checkpoint = "non_reentrant" if where == "recompute" else None
     reference = _compressed_reference(model, fmt, device)
