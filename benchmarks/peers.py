@@ -165,7 +165,7 @@ def _offtensor_options(built: BuiltModel, opts: PeerOptions, cast: str | None) -
 
 def budget_keeping_half(built: BuiltModel, prefetch: int) -> int:
     """A `Policy.vram_budget` that keeps half the decoder layers resident beside what streaming
-    the others needs (2 + prefetch layers; Note [VRAM budget] in offtensor/core/schedule.py)."""
+    the others needs (2 + prefetch layers; Note [VRAM budget] in budget/vram.py)."""
     layer = max(sum(-(-p.numel() * p.element_size() // 256) * 256 for p in layer.parameters())
                 for layer in built.layers)
     return (len(built.layers) // 2 + 2 + prefetch) * layer

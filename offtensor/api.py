@@ -21,7 +21,7 @@ class ScopeState(enum.Enum):
 
 class Residency(enum.Enum):
     """How long a scope's device copy outlives its calls, beside its ScopeState (Note [VRAM
-    budget] and Note [carried into the next forward] in core/schedule.py). Fixed by the budget's
+    budget] and Note [carried into the next forward] in budget/vram.py). Fixed by the budget's
     layout for KEPT; STREAMED and CARRIED alternate for the others."""
 
     STREAMED = "streamed"  # loaded for its calls, released when they end
@@ -31,7 +31,7 @@ class Residency(enum.Enum):
 
 class MasterHome(enum.Enum):
     """Where a scope's masters live on the host and how a load reads them (Note [staged loads]
-    in weights/file_masters.py), beside its ScopeState."""
+    in weights/staging.py), beside its ScopeState."""
 
     PINNED = "pinned"  # page-locked RAM, copied to the device directly
     PAGEABLE = "pageable"  # pageable RAM, copied directly (Policy(pin_memory=False))
@@ -62,7 +62,7 @@ class Policy:
         pin_memory: page-lock the host masters and grads. `None` pins when the compute device is
             CUDA. Without pinning, host-to-device copies are synchronous and several times
             slower. `"ring"`: masters and grads stay pageable, and each load stages through a
-            small page-locked ring (Note [staged loads] in weights/file_masters.py), so page-locked
+            small page-locked ring (Note [staged loads] in weights/staging.py), so page-locked
             memory stays bounded by the ring (WSL, Windows, a low `ulimit -l`). When pinning
             fails (`None` or `True`), the scopes not pinned yet take the ring, with one warning.
             Model-wide: taken from the policy given to `wrap`.
@@ -82,7 +82,7 @@ class Policy:
             cast after each optimizer step. A write that bypasses the parameter
             (`p.data.add_()`, `p.detach().mul_()`) is seen at the next load, which re-casts.
         vram_budget: device bytes the scopes' weights may take together (Note [VRAM budget] in
-            core/schedule.py). Scopes whose weights fit next to what streaming the others needs
+            budget/vram.py). Scopes whose weights fit next to what streaming the others needs
             (the largest block computing, the one before it, `prefetch` blocks in flight) stay
             resident, the first in the order `wrap` found them and the others spread evenly
             over that order: in inference they load once; in training, once per step (an

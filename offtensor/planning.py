@@ -159,7 +159,7 @@ def compute_dtypes(policy: Policy, params: list[tuple[str, nn.Parameter]]) -> li
 
 
 def check_budget(plans: list[Plan], policy: Policy) -> None:
-    """Policy.vram_budget must leave room for streaming (Note [VRAM budget] in core/schedule.py);
+    """Policy.vram_budget must leave room for streaming (Note [VRAM budget] in budget/vram.py);
     checked before any parameter moves, with the layout the scopes will have."""
     budget = policy.vram_budget
     if budget is None or budget == "auto":

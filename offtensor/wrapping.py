@@ -192,7 +192,7 @@ def _unpinned_home(policy: Policy) -> MasterHome:
 
 def _stage(engine: Engine, device: torch.device, policy: Policy) -> None:
     """Give the scopes that load through a staging ring theirs (Note [staged loads] in
-    weights/file_masters.py): one per model, holding the engine weakly."""
+    weights/staging.py): one per model, holding the engine weakly."""
     staged = [s for s in engine.scopes if s.home in (MasterHome.RING, MasterHome.FILE)]
     if not staged:
         return

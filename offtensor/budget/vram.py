@@ -163,7 +163,7 @@ class VramBudget(NoBudget):
                 scope.residency = Residency.KEPT
             return
         streaming = streaming_bytes(largest_block, self.policy.prefetch)
-        assert budget >= streaming  # wrap checked it (_check_budget) before anything moved
+        assert budget >= streaming  # wrap checked it (planning.check_budget) before anything moved
         room = budget - streaming
         first, *rest = self.scopes
         if first.device_nbytes <= room:

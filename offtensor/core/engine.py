@@ -110,16 +110,16 @@ class Engine:
         self.handles: list[torch.utils.hooks.RemovableHandle] = []  # hooks on the wrapped model
         self.scope_hooks: list[Any] = []  # each scope's _hooks.ScopeHooks, set by wrap
         # Set by wrap: the module it wrapped (weak: the model holds the engine) and the
-        # load_state_dict pre-hooks of Note [loading with assign=True] (wrapping.py).
+        # load_state_dict pre-hooks of Note [loading with assign=True] (guards.py).
         self.root: Callable[[], nn.Module | None] = lambda: None
         self.guard_handles: list[torch.utils.hooks.RemovableHandle] = []
         # Called by abort: loads collective with other ranks are out of step (Note [sharded loads]).
         self.on_abort: list[Callable[[], None]] = []
-        # Set by wrap: the staging ring (Note [staged loads] in weights/file_masters.py), or None.
+        # Set by wrap: the staging ring (Note [staged loads] in weights/staging.py), or None.
         self.ring: Any = None
         self.pinning = PinningFallback()  # to the ring, when page-locking fails
         engines.add(self)
-        watch_compiled_steps()  # Note [a compiled optimizer step] (dispatch/param.py)
+        watch_compiled_steps()  # Note [a compiled optimizer step] (dispatch/optimizer_step.py)
 
     def __deepcopy__(self, memo: dict) -> None:
         return None  # a copy of the model is not wrapped (Note [copies of a wrapped model])
@@ -150,7 +150,7 @@ class Engine:
 
     def upcoming_loads(self, scope: Scope) -> list[Scope]:
         """The scopes expected to load after `scope`, nearest first, for the staging ring's
-        read-ahead (Note [staged loads] in weights/file_masters.py)."""
+        read-ahead (Note [staged loads] in weights/staging.py)."""
         return self.schedule.expected_after(
             scope, in_backward=in_backward(), backward_next=self.training is not TrainingState.INFERENCE)
 
@@ -279,7 +279,7 @@ class Engine:
         if self.schedule.is_last(scope) and (backward_expected or expected):
             # Backward starts with this scope, kept resident, or (a split block recomputed under
             # checkpointing) with another one: prefetch that, weights only (the user may still
-            # write `p.grad`: Note [stale gradient fetches] in core/scope.py).
+            # write `p.grad`: Note [stale gradient fetches] in core/old_grads.py).
             self.schedule.prefetch(self.schedule.backward_starts_elsewhere(scope), scope, with_grads=False)
             return  # needed early in backward: no release and reload
         if backward_expected and scope.policy.keep_for_backward:
@@ -291,7 +291,7 @@ class Engine:
     @outside_transforms
     def pre_backward(self, scope: Scope, *, create_graph: bool = False) -> None:
         """The scope's backward is about to run; `create_graph`: the backward builds a graph of
-        its own (Note [higher-order gradients] in core/scope.py)."""
+        its own (Note [higher-order gradients] in core/device_buffer.py)."""
         self.streams.restore()
         self.grads.enter_backward()
         self.calls.backward_starts(scope, create_graph)
@@ -341,7 +341,7 @@ class Engine:
             self.live.release_all(keep_carried=True)
             if self.grads.stepper is not None:  # its worker's steps release nothing
                 self.budget.release_stepped()
-        # Old gradients fetched and not taken (Note [stale gradient fetches] in core/scope.py).
+        # Old gradients fetched and not taken (Note [stale gradient fetches] in core/old_grads.py).
         for scope in self.scopes:
             if scope.state is not ScopeState.OFFLOADED:
                 scope.drop_old_grads()

@@ -16,7 +16,7 @@ Where no offloaded scope is a region's first module (a block whose norm stays on
 whose Linears are the scopes), nothing would count at all; so a call also counts inside the
 forward of a custom autograd Function that autograd records (grad on, an input that requires
 grad): reentrant checkpointing's CheckpointFunction, seen through offtensor's Function.apply
-(`recorded_functions`, Note [custom autograd Functions] in dispatch/param.py).
+(`recorded_functions`, Note [custom autograd Functions] in dispatch/function_apply.py).
 
 # Note [calls a built graph still holds]
 A backward that builds a graph (create_graph=True: `torch.autograd.grad(d_real.sum(), real,
@@ -75,7 +75,7 @@ class GradCalls:
 
     def backward_starts(self, scope: Scope, create_graph: bool) -> None:
         """The scope's backward is about to run; `create_graph`: it builds a graph of its own
-        (Note [higher-order gradients] in core/scope.py)."""
+        (Note [higher-order gradients] in core/device_buffer.py)."""
         if create_graph:
             self.create_graph = True
         if self.create_graph:

@@ -20,7 +20,7 @@ queued per graph task and only the outermost one finalizes.
 A plain parameter's `register_hook` hooks run once per graph task, on the sum of every use's
 gradient (autograd sums them before the leaf's AccumulateGrad). A parameter used outside its
 scope (a tied embedding: the scope's device copy and temporary copies for the other ops), or
-with retired copies (Note [higher-order gradients] in core/scope.py), has several leaves, whose
+with retired copies (Note [higher-order gradients] in core/device_buffer.py), has several leaves, whose
 gradients arrive here one by one: run on each, a hook that is not linear (`g.clamp()`,
 `g.sign()`, a norm it records) changed the result, and ran once per leaf. So a hooked parameter
 with several leaves has its contributions summed on the device per graph task (`_hold`), and its
@@ -60,7 +60,7 @@ added to a sparse `p.grad`, takes another path (`_accumulate_sparse`): it is cop
 host `p.grad` the way autograd's AccumulateGrad does: kept as it is when there is none, added in
 place to a dense or sparse `p.grad`, and a dense gradient added to a sparse `p.grad` makes a new
 dense one. The result becomes `p.grad` at the end of backward as on the dense path. The old
-gradient is never fetched to the device for it (`Scope._old_grads_to_fetch` skips sparse ones).
+gradient is never fetched to the device for it (`OldGrads.to_fetch` skips sparse ones).
 Not supported with `data_parallel` (raises): sparse gradients are not averaged.
 """
 
@@ -99,7 +99,7 @@ class GradOffload:
         # hooked parameters frozen since the forward that reached them (Note [frozen since the forward])
         self._frozen: list[ParamSlot] = []
         self.stepper: Any = None  # optim/step.py's OverlappedStep during backward_and_step
-        # _data_parallel.GradReducer in data-parallel mode (Note [data parallel]), else None
+        # GradReducer (distributed/reducer.py) in data-parallel mode (Note [data parallel]), else None
         self.reducer: Any = None
 
     def in_backward(self) -> bool:

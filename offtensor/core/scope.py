@@ -13,10 +13,10 @@ of the same layout. The state says which of them holds usable weights:
 The transitions are Scope.load (OFFLOADED -> LOADING), make_resident (-> RESIDENT) and release
 (-> OFFLOADED). What a parameter "is" follows from its scope's state; the only other
 per-scope enums are `Residency`, how long a copy outlives its calls (streamed: until they
-end; kept or carried under a VRAM budget: Note [VRAM budget] in core/schedule.py), and
+end; kept or carried under a VRAM budget: Note [VRAM budget] in budget/vram.py), and
 `MasterHome`, where the masters live and how a load reads them (pinned or pageable RAM, or
 staged through the staging ring from pageable RAM or a file: Note [staged loads] in
-weights/file_masters.py). The scopes of one model that are not OFFLOADED are listed, in load
+weights/staging.py). The scopes of one model that are not OFFLOADED are listed, in load
 order, in their `LiveScopes`.
 
 A scope delegates to its parts, each in a module of its own with its Notes: the host side
@@ -168,7 +168,7 @@ class Scope:
         self.loads_on_demand = 0  # of which not prefetched: offloaded when the scope needed them
         # STREAMED, or KEPT by Policy.vram_budget (only a forced release offloads it), or
         # CARRIED: streamed, left resident by a backward's end for the next forward, which
-        # computes it first (Note [carried into the next forward] in core/schedule.py).
+        # computes it first (Note [carried into the next forward] in budget/vram.py).
         self.residency = Residency.STREAMED
         # Set by data_parallel(shard_loads=True): fills device_flat from host_flat in place of
         # the whole-scope copy (`loader.copy(scope)`, on the copy stream; it may return the

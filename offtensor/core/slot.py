@@ -259,7 +259,7 @@ class ParamSlot:
     def data_versions(self) -> tuple[int, ...]:
         """The versions of the `p.data` aliases handed out, -1 for one gone: two calls return the
         same only if no alias wrote in between (the staging ring's write_mark, Note [staged loads]
-        in weights/file_masters.py)."""
+        in weights/staging.py)."""
         return tuple(-1 if (alias := ref()) is None else alias._version for ref, _ in self.data_aliases)
 
     def data_copied(self) -> None:

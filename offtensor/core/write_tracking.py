@@ -38,7 +38,7 @@ class WriteTracker:
     def __init__(self, streams: Streams) -> None:
         self.streams = streams
         # Each parameter's version counter when its copy was last enqueued, to tell writes no op
-        # of ours saw (`p[0].fill_()`, `p.detach().copy_()`; Note [VRAM budget] in core/schedule.py).
+        # of ours saw (`p[0].fill_()`, `p.detach().copy_()`; Note [VRAM budget] in budget/vram.py).
         self.copied_versions: dict[ParamSlot, int] = {}
         # Parameters whose masters were written during a call of the scope, after its load: their
         # device copies are refreshed (Note [writes during a scope's call]).
@@ -74,7 +74,7 @@ class WriteTracker:
 
     def written_since_copied(self, skip: Callable[[ParamSlot], bool] | None = None) -> bool:
         """A kept (or held) scope's masters changed since their copies were enqueued, by writes
-        that did not go through an op on the parameter (Note [VRAM budget] in core/schedule.py),
+        that did not go through an op on the parameter (Note [VRAM budget] in budget/vram.py),
         `p.data` aliases' included (Note [p.data aliases] in core/slot.py); not counting the
         slots for which `skip(slot)` is true."""
         return any(version_of(slot.param) != v or slot.data_written() for slot, v in self.copied_versions.items()

@@ -40,7 +40,7 @@ class MasterWrites:
         surely only reads (`h.add_(self.bias)`)."""
         scope = slot.scope
         scope.shadow_stale = True
-        scope.master_writes += 1  # a staged copy is stale (Note [staged loads] in weights/file_masters.py)
+        scope.master_writes += 1  # a staged copy is stale (Note [staged loads] in weights/staging.py)
         slot.retired_copies_written()  # also for the worker's steps (atomic version bumps)
         if on_optimizer_worker():
             # The optimizer worker: no copy reads this master (docs/design.md, Threads). A
@@ -65,7 +65,7 @@ class MasterWrites:
         a shadow cast from the masters: it is re-cast at the next load. Writes through the alias
         after that load: Note [p.data aliases] (core/slot.py)."""
         scope.shadow_stale = True
-        scope.master_writes += 1  # so is a staged copy (Note [staged loads] in weights/file_masters.py)
+        scope.master_writes += 1  # so is a staged copy (Note [staged loads] in weights/staging.py)
         if scope.state is ScopeState.OFFLOADED or on_optimizer_worker():
             return
         if scope.running_calls and slot is not None:

@@ -35,7 +35,7 @@ from .param import OffloadedParameter, find_params
 def _function_apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
     """`torch.autograd.Function.apply` with offloaded arguments replaced (Note [custom autograd
     Functions]); counted in `recorded_functions` while its forward runs, when autograd records
-    it (Note [calls inside a checkpointed region] in core/engine.py)."""
+    it (Note [calls inside a checkpointed region] in core/grad_calls.py)."""
     params = find_params(args, kwargs)
     if params and not on_optimizer_worker():
         args, kwargs = without_subclass_dispatch(_materialized_arguments, args, kwargs, params)

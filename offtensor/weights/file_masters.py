@@ -8,7 +8,7 @@ A model larger than host RAM can still be loaded from safetensors files: `offten
 frozen scopes in the files (`plan_host_budget`). Scopes with a trainable parameter always stay in
 RAM, where the optimizer steps them; when they alone exceed B the load raises, naming the fix.
 The RAM scopes are spread over wrap's order by bytes, the first one first (as the VRAM budget
-spreads kept scopes, Note [VRAM budget] in core/schedule.py): while a RAM scope computes, the reads
+spreads kept scopes, Note [VRAM budget] in budget/vram.py): while a RAM scope computes, the reads
 of the file scopes after it go on, so the disk rarely idles.
 A file scope's parameters hold a placeholder; each master is a `FileMaster` (a StoredMaster, as
 compressed masters are, so every read through the parameter — `p.data`, `state_dict()`, an op

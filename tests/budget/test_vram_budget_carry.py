@@ -1,5 +1,5 @@
 """Policy(layout="spread", vram_budget=...): a backward leaves the scopes the next forward computes first resident
-(Note [carried into the next forward] in offtensor/budget/vram.py).
+(Note [carried into the next forward] in budget/vram.py).
 
 The carried copies must never be used stale: every way the masters can change between a
 backward and the next forward (an optimizer step, a write that bypasses the parameter) is

@@ -1,4 +1,4 @@
-"""torch.compile of a wrapped model (Note [torch.compile] in offtensor/dispatch/compile.py).
+"""torch.compile of a wrapped model (Note [torch.compile] in dispatch/compile.py).
 
 Each test compiles the wrapped model and its unwrapped reference the same way (the whole
 model with `model.compile()`, or each selected block with `block.compile()`) and trains both

@@ -1,5 +1,5 @@
 """torch.compile of a wrapped model combined with the other features (Note [torch.compile] in
-offtensor/dispatch/compile.py): compressed frozen masters, a VRAM budget, a compute dtype, zero_grad
+dispatch/compile.py): compressed frozen masters, a VRAM budget, a compute dtype, zero_grad
 anywhere, no_offload, backward_and_step with accumulation, exceptions inside compiled code, a
 block called twice, tied weights. Each compares against the compiled unwrapped model (or, where
 no unwrapped model computes the same thing, the same wrapped model run eagerly), with no
@@ -432,7 +432,7 @@ def test_spread_kept_and_carried_scopes_with_accumulation_match_compiled_model(d
 @pytest.mark.parametrize("device", devices)
 def test_compiled_forward_methods_of_blocks_are_one_graph_each_and_train_exactly(device, checkpoint):
     """`block.forward = torch.compile(block.forward, fullgraph=True)`: the hooks run eagerly
-    around it (Note [a compiled forward method] in offtensor/dispatch/compile.py). Regression: they left
+    around it (Note [a compiled forward method] in dispatch/compile.py). Regression: they left
     the OffloadedParameters registered, so every op on one broke the graph (the block ran op by
     op, eagerly) and fullgraph=True raised at the first. Now one graph with the device copies,
     shared by the blocks, and training matches the unwrapped model compiled alike, also when

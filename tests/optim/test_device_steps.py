@@ -1,5 +1,5 @@
 """`backward_and_step(device_share=f)` steps some pieces on the device and matches the unwrapped
-model (Note [device steps] in offtensor/optim/device_steps.py).
+model (Note [device steps] in optim/device_steps.py).
 
 On the CPU the "device" is the CPU: the same copies in and out, the same step on the copies,
 the same fences, so CI covers the mechanism; results are bit-identical there. Which pieces go

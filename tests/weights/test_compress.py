@@ -1,5 +1,5 @@
 """Policy(frozen_format="fp8" | "int8"): frozen masters compressed on the host, dequantized on
-the device (Note [compressed masters] in offtensor/weights/compress.py).
+the device (Note [compressed masters] in weights/compress.py).
 
 The reference is the same model with its frozen matrices quantized and dequantized the same way
 (`quantize_dequantize`), computed resident: the offloaded model must match it exactly on the
@@ -413,7 +413,7 @@ def test_a_vram_budget_keeps_compressed_frozen_scopes_dequantized_once(device, f
     assert [scopes[f"blocks.{i}"].loads for i in (0, 5)] == [1, 1]
     # The streamed ones load in each forward and backward (6 times), less each time a backward
     # leaves one resident for the next forward, which computes it first (1 and 2 here: frozen,
-    # no step writes them; Note [carried into the next forward] in core/schedule.py).
+    # no step writes them; Note [carried into the next forward] in budget/vram.py).
     assert all(scopes[f"blocks.{i}"].loads >= 3 for i in range(1, 5))
     with torch.no_grad():
         x = torch.randn(5, 8, generator=gen).to(device)

@@ -1,6 +1,6 @@
 """offtensor.load: a model built on the meta device, its masters filled scope by scope from a
 safetensors checkpoint (sharded or not) or an init function (Note [loading scope by scope] in
-offtensor/weights/load.py), compared with the same model loaded normally."""
+weights/load.py), compared with the same model loaded normally."""
 
 from __future__ import annotations
 
@@ -471,7 +471,7 @@ def test_a_load_that_raises_leaves_the_model_as_it_was_and_a_retry_loads_it(tmp_
     """Regression: an error in the second scope (an init that raised, a tensor of the wrong shape)
     left the first scope offloaded and hooked and the second's parameters allocated but never
     initialized: a retry was refused ("already offloaded"), and after unwrap a retry kept the
-    uninitialized values (Note [a wrap that raised] in offtensor/wrapping.py)."""
+    uninitialized values (Note [a wrap that raised] in wrapping.py)."""
     reference = _saved(tmp_path, shard=None)
     model = _meta_model()
     failing = {"init of a scope": "model.layers.1.mlp.up_proj", "init of the rest": "lm_head"}.get(where)

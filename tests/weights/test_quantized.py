@@ -1,5 +1,5 @@
 """Already-quantized models (torchao tensor subclasses, bitsandbytes 4-bit) offloaded as their
-packed storage (Note [quantized weights] in offtensor/weights/quantized.py).
+packed storage (Note [quantized weights] in weights/quantized.py).
 
 The reference is the same quantized model, deep-copied before `wrap` and kept resident on the
 compute device: the offloaded model runs the same quantized kernels on the same packed bytes,
