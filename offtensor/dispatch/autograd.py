@@ -34,7 +34,7 @@ from .masters import without_subclass_dispatch
 # master. These two run with subclass dispatch on: a checkpoint's recompute runs the model's
 # forward inside them, and its ops must get device copies. Nothing offloaded is left among the
 # arguments they pass on, so torch does not dispatch back here. `torch.autograd.backward` reaches
-# `__torch_function__` only in releases with pytorch/pytorch#171473 (README).
+# `__torch_function__` only in releases with pytorch/pytorch#171473 (docs/design.md, Limits).
 
 
 def _leaves_for(inputs: Any, offloaded: set[int]) -> tuple[list[Any], list[int]]:

@@ -98,7 +98,7 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
     Example::
 
         config = AutoConfig.from_pretrained(path)
-        with torch.device("meta"):
+        with accelerate.init_empty_weights():  # buffers stay real (rotary inv_freq is in no checkpoint)
             model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
         offtensor.load(model, path, policy=offtensor.Policy(frozen_format="fp8"))
         out = model(input_ids.cuda())

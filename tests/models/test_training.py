@@ -454,7 +454,7 @@ def test_peft_merge_and_unload_of_a_wrapped_lora_model_stays_wrapped_and_matches
     reference = reference_then_offload(model, device, policy=offtensor.Policy(param_filter=offtensor.frozen_only))
     ids = torch.randint(0, 64, (2, 12), device=device)
 
-    # PEFT merges with `weight.data += delta`: on the host, where the masters are (README).
+    # PEFT merges with `weight.data += delta`: on the host, where the masters are (docs/design.md, Limits).
     merged = model.to("cpu").merge_and_unload().to(device)
     ref_merged = reference.merge_and_unload()
 

@@ -99,7 +99,7 @@ def test_gradient_norm_penalty_on_offloaded_parameters_trains_like_unwrapped(dev
 @pytest.mark.parametrize("tied_side", ["head_in_block", "embedding_selected"])
 @pytest.mark.skipif("has_torch_function" not in inspect.getsource(torch.autograd.backward),
                     reason="this PyTorch's torch.autograd.backward does not reach __torch_function__ "
-                           "for its inputs (README: loss.backward(inputs=params))")
+                           "for its inputs (docs/design.md, Limits: loss.backward(inputs=params))")
 def test_backward_with_inputs_accumulates_only_into_the_named_parameters(tied_side):
     """Regression: `loss.backward(inputs=[p])` left an offloaded `p.grad` None, silently. A tied
     weight is in the graph twice: through its scope's device copy and a temporary copy."""

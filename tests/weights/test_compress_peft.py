@@ -129,7 +129,7 @@ def test_peft_lora_on_a_compressed_base_trains_like_the_resident_model(device, a
 # PEFT merges with `base.weight.data += delta` (Python: get `.data`, add in place, set `.data`):
 # on a compressed parameter the getter unpacks and the setter requantizes, so the merged base
 # holds quantize(W + delta). Unmerging subtracts delta from that and requantizes again: the base
-# does not come back to W (README: merging into a compressed base).
+# does not come back to W (docs/design.md, Limits: PEFT's merge_and_unload).
 
 
 def _requantize_bases(model: torch.nn.Module, fmt: str) -> None:
@@ -147,7 +147,7 @@ def test_peft_merge_into_a_compressed_base_requantizes_and_leaves_no_stale_copy(
     """merge_adapter / unmerge_adapter / merge_and_unload on a compressed base: each write
     requantizes the base (the reference does the same in full precision, then quantizes), and a
     device copy kept across the write (a scope kept by the budget, or held by no_offload) is not
-    used afterwards. README: merge where the masters are (`model.to("cpu")` first)."""
+    used afterwards. docs/design.md, Limits: merge where the masters are (`model.to("cpu")` first)."""
     model = _lora("llama").eval()
     reference = _compressed_reference(model, fmt, "cpu")
     budget = {"vram_budget": 10 * 2**20} if held == "vram_budget" else {}  # every layer kept
@@ -181,7 +181,7 @@ def test_peft_merge_into_a_compressed_base_requantizes_and_leaves_no_stale_copy(
         model.to(device)
         unmerged = q.base_layer.weight.detach()
         assert torch.equal(unmerged, quantize_dequantize(quantize_dequantize(original + delta, fmt) - delta, fmt))
-        assert not torch.equal(unmerged, original)  # lossy: the base does not come back (README)
+        assert not torch.equal(unmerged, original)  # lossy: the base does not come back (docs/design.md, Limits)
         torch.testing.assert_close(host(model(input_ids=ids.to(device)).logits), reference(input_ids=ids).logits,
                                    **tol)
 
