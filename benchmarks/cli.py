@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dit-model", choices=["auto", "diffusers", "builtin"], default="auto",
                    help="--shape flux: diffusers' FluxTransformer2DModel (auto: when diffusers is installed) or "
                         "the built-in DiT of the same blocks (benchmarks/dit_blocks.py)")
+    p.add_argument("--profile", action="store_true",
+                   help="--shape flux: after each row's timed iterations, one more under torch.profiler (CUDA): "
+                        "compute busy, compute waiting on copies, compute waiting on the host, link busy")
     p.add_argument("--scenarios", nargs="+", default=None,
                    help=f"any of {list(SCENARIOS)} (space or comma separated; default all); with --nproc "
                         f"any of {list(MULTI_SCENARIOS)}; with --shape, that shape's")

@@ -35,6 +35,7 @@ from .dit import (
     measure_dequant_rate,
     round_blocks_to_fp8_,
 )
+from .dit_profile import describe, where_time_goes
 from .dit_report import format_dit_table, judge_dit_rows
 from .measure import GiB, PhaseClock, free_memory, measure_bandwidth, short_error, sync
 from .model import BuiltModel, materialize
@@ -230,6 +231,9 @@ def _scenario(built: BuiltModel, s: Scenario, row: Row, peer: str, inputs: dict[
     if device.type == "cuda":
         row.peak_vram_bytes = torch.cuda.max_memory_allocated(device)
     row.predicted_ms = _predicted_ms(built.model, s)
+    if getattr(args, "profile", False):  # Note [where a row's time goes]
+        row.profile_ms = where_time_goes(work.step, device)
+        work.drain()
     work.optimizers.clear()
     _check_output(row, captured[0], run)
     print(f"  {peer}/{s.name}: median {row.median_ms:.1f} ms"
@@ -237,6 +241,8 @@ def _scenario(built: BuiltModel, s: Scenario, row: Row, peer: str, inputs: dict[
           + (f", streamed {row.streamed_bytes / 1e9:.3g} GB/iter" if row.streamed_bytes is not None else "")
           + (f", output {'equal to' if row.exact else 'differs from'} {row.exact_ref}" if row.exact is not None else "")
           + (f" ({row.note})" if row.note else ""), flush=True)
+    if row.profile_ms is not None:
+        print(f"    {describe(row.profile_ms)}", flush=True)
 
 
 def _fp8_references(built: BuiltModel, scenarios: list[Scenario], inputs: dict[str, torch.Tensor],

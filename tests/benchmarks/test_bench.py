@@ -896,3 +896,30 @@ def test_8b_train_4x4096_runs_with_the_budget_peers(tmp_path, one_thread):
     assert rows["offtensor-vram-all"]["roofline_ms"] == pytest.approx(floors["floor_ms"])
     assert rows["offtensor-vram8"]["vs_resident"] == pytest.approx(
         rows["offtensor-vram8"]["median_ms"] / rows["resident"]["median_ms"])
+
+
+def test_a_profiled_timeline_splits_compute_waits_into_waits_on_copies_and_on_the_host():
+    """--shape flux --profile: a gap in the compute kernels while a copy runs is a wait on the
+    copy stream; a gap with no copy running is a wait on the host (Note [where a row's time goes])."""
+    from types import SimpleNamespace
+
+    from benchmarks.dit_profile import split_timeline
+
+    def evt(name, start, end):
+        return SimpleNamespace(device_type=torch.autograd.DeviceType.CUDA, name=name,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    # kernels 0-10 and 30-40 and 60-70 (us); a copy 5-35 covers 10-30 of the first gap; nothing
+    # runs 40-60 (the host); a CPU event is ignored
+    events = [evt("gemm", 0, 10), evt("gemm", 30, 40), evt("gemm", 60, 70),
+              evt("Memcpy HtoD (Pinned -> Device)", 5, 35),
+              SimpleNamespace(device_type=torch.autograd.DeviceType.CPU, name="aten::mm",
+                              time_range=SimpleNamespace(start=0, end=100))]
+    p = split_timeline(events)
+    assert p is not None
+    assert p["span_ms"] == pytest.approx(0.070)
+    assert p["compute_busy_ms"] == pytest.approx(0.030)
+    assert p["waiting_on_copies_ms"] == pytest.approx(0.020)
+    assert p["waiting_on_host_ms"] == pytest.approx(0.020)
+    assert p["link_busy_ms"] == pytest.approx(0.030)
+    assert split_timeline([evt("Memcpy HtoD (Pinned -> Device)", 0, 5)]) is None  # no compute: nothing to split
