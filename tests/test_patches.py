@@ -1,0 +1,48 @@
+"""Every process-global patch goes through offtensor/patches.py: installed once by the first
+wrap that needs it, undone by `remove_all`, and installed again by the next wrap."""
+
+from __future__ import annotations
+
+import torch
+from conftest import mlp_and_reference
+from torch import nn
+
+import offtensor
+from offtensor import patches
+from offtensor.optim import calls
+
+
+def _plain_apply() -> bool:
+    return torch.autograd.Function.__dict__["apply"].__func__ is patches.PLAIN_FUNCTION_APPLY
+
+
+def test_remove_all_undoes_the_patches_and_the_next_wrap_installs_them_again():
+    model, _ = mlp_and_reference("cpu")  # wrapped
+    assert not _plain_apply()
+    assert {"optimizer_step", "parameter_registration"} <= set(patches._handles)
+    try:
+        patches.remove_all()
+        assert _plain_apply()
+        assert patches._handles == {}
+        # a parameter replaced after remove_all is no longer refused (the hook is gone)
+        holder = nn.Module()
+        holder.weight = nn.Parameter(torch.zeros(1))
+        holder.weight = nn.Parameter(torch.ones(1))
+        offtensor.unwrap(model)
+        model2, _ = mlp_and_reference("cpu")
+        assert not _plain_apply()
+        assert "parameter_registration" in patches._handles
+        offtensor.unwrap(model2)
+    finally:
+        patches.before_fork_and_at_exit(calls._settle_before_fork, calls._settle_at_exit)
+
+
+def test_installing_twice_keeps_one_patch():
+    model, _ = mlp_and_reference("cpu")  # a wrap installs the optimizer step pre-hook
+    assert "optimizer_step" in patches._handles
+    calls_seen = []
+    patches.optimizer_step_pre_hook(lambda *a: calls_seen.append(a))  # already installed: ignored
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    opt.step()
+    assert calls_seen == []
+    offtensor.unwrap(model)
