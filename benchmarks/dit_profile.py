@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .profiling import Interval, busy, gaps, union
+from .profiling import busy, device_intervals, gaps, union
 
 
 def where_time_goes(step: Callable[[], None], device: torch.device) -> dict[str, float] | None:
@@ -37,17 +37,7 @@ def where_time_goes(step: Callable[[], None], device: torch.device) -> dict[str,
 def split_timeline(events: Any) -> dict[str, float] | None:
     """Compute busy, compute waiting on copies, compute waiting on the host, and link busy, from
     a profiler's device events (Note [where a row's time goes])."""
-    copies: list[Interval] = []
-    kernels: list[Interval] = []
-    for evt in events:
-        if evt.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        iv = (evt.time_range.start, evt.time_range.end)
-        if "Memcpy" in evt.name or "Memset" in evt.name:
-            if "HtoD" in evt.name:
-                copies.append(iv)
-            continue
-        kernels.append(iv)
+    copies, _, kernels = device_intervals(events)
     if not kernels:
         return None
     t0 = min(s for s, _ in kernels + copies)

@@ -129,15 +129,21 @@ def dit_workload(built: BuiltModel, scenario: Scenario, inputs: dict[str, torch.
     model: Any = built.model
     kwargs = {k: v for k, v in inputs.items() if k != "target"}
     clock = PhaseClock(device)
+
+    def forward() -> torch.Tensor:
+        """The model's forward, its host time (until the call returns) kept beside the phases."""
+        t0 = time.perf_counter()
+        out = model(**kwargs, return_dict=False)[0]
+        clock.host("forward host", time.perf_counter() - t0)
+        return out
+
     if scenario.kind == "infer":
         model.eval()
 
         def infer(capture: bool = False) -> None:
             clock.start()
             with torch.no_grad(), attention_backends(device):
-                t0 = time.perf_counter()
-                out = model(**kwargs, return_dict=False)[0]
-                clock.host("forward host", time.perf_counter() - t0)
+                out = forward()
             clock.mark("forward")
             if capture:
                 captured.append(out.detach().to("cpu", copy=True))
@@ -150,9 +156,7 @@ def dit_workload(built: BuiltModel, scenario: Scenario, inputs: dict[str, torch.
     def lora_step(capture: bool = False) -> None:
         clock.start()
         with attention_backends(device):  # the recompute in backward runs attention again
-            t0 = time.perf_counter()
-            out = model(**kwargs, return_dict=False)[0]
-            clock.host("forward host", time.perf_counter() - t0)
+            out = forward()
             loss = F.mse_loss(out.float(), inputs["target"].float())
             clock.mark("forward")
             if capture:

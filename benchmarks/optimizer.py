@@ -201,9 +201,9 @@ def measure_same_time(step: Callable[[WorkerSettings], None], drain: Callable[[]
     (Note [deferred steps]), so a step's time from its start to its return is the period once
     the step before it has left work behind. The untimed first step is the one that found none
     (its forward waited for nothing), and the drain is the next step's wait. Timing those two
-    as well would add one pipeline fill per `steps` steps (about 5 % at 3 steps on the H200),
-    where a training loop pays it once. `reports` (the OverlapReports the steps append to)
-    gives each round's worker busy time beside it."""
+    as well would add one pipeline fill per `steps` steps, where a training loop pays it once.
+    `reports` (the OverlapReports the steps append to) gives each round's worker busy time
+    beside it."""
     plain = plain_like(params, random_pool(params[0].dtype, seed))
     opt = torch.optim.AdamW(plain, lr=ADAMW_LR, fused=True)
     opt.step()  # allocates the state

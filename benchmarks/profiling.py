@@ -55,15 +55,29 @@ def gaps(intervals: list[Interval], lo: float, hi: float, least: float) -> list[
 # ---- profile-infer -----------------------------------------------------------------------------
 
 
-def infer_timeline(prof: Any) -> dict[str, Any]:
-    """Span, copy and kernel busy time, and the gaps between host-to-device copies (µs -> ms)."""
-    copies: list[Interval] = []
+def device_intervals(events: Any) -> tuple[list[Interval], list[Interval], list[Interval]]:
+    """A profiler's device events (µs) as (host-to-device copies, other copies and memsets,
+    kernels)."""
+    h2d: list[Interval] = []
+    memory: list[Interval] = []
     kernels: list[Interval] = []
-    for evt in prof.events():
+    for evt in events:
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
         iv = (evt.time_range.start, evt.time_range.end)
-        (copies if "HtoD" in evt.name else kernels).append(iv)
+        if "HtoD" in evt.name:
+            h2d.append(iv)
+        elif "Memcpy" in evt.name or "Memset" in evt.name:
+            memory.append(iv)
+        else:
+            kernels.append(iv)
+    return h2d, memory, kernels
+
+
+def infer_timeline(prof: Any) -> dict[str, Any]:
+    """Span, copy and kernel busy time, and the gaps between host-to-device copies (µs -> ms)."""
+    copies, memory, compute = device_intervals(prof.events())
+    kernels = memory + compute  # here every device event but the host-to-device copies
     t0 = min(s for s, _ in copies + kernels)
     t1 = max(e for _, e in copies + kernels)
     cu = union(copies)

@@ -186,11 +186,6 @@ class PinningFallback:
         return host_empty(nbytes, pin=False)
 
 
-def is_page_locked(t: torch.Tensor) -> bool:
-    """True when CUDA sees `t`'s memory as page-locked (ours or PyTorch's pinned allocator)."""
-    return t.device.type == "cpu" and torch.cuda.is_available() and t.is_pinned()
-
-
 class PinProgress:
     """Prints pinning progress on a terminal when pinning takes long (large models: minutes)."""
 

@@ -355,8 +355,3 @@ def _set_path(obj: Any, path: tuple[str, ...], value: torch.Tensor) -> None:
         torch._C.TensorBase.data.__set__(target, value)  # type: ignore[attr-defined]
     else:
         setattr(target, path[-1], value)
-
-
-def is_quantized_weight(p: torch.Tensor) -> bool:
-    return quant_kind(p) is not None
-
