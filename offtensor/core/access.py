@@ -35,7 +35,7 @@ class OpAccess:
         if scope.running_calls > 0 or scope is self.backward_scope:
             if scope.state is not ScopeState.RESIDENT:
                 scope.make_resident(upto=slot)
-            if scope.written_in_this_call(slot):  # Note [writes during a scope's call] (core/write_tracking.py)
+            if scope.writes.written_in_this_call(slot):  # Note [writes during a scope's call] (core/write_tracking.py)
                 scope.refresh(slot)
             if scope.copy_order is None and not in_backward():
                 scope.first_uses.setdefault(slot, None)
