@@ -89,6 +89,11 @@ class LiveScopes:
         else:
             self._held_back.pop(scope, None)
 
+    @property
+    def holds_back(self) -> bool:
+        """Some scope's copies wait for deferred steps (`pump` has work)."""
+        return bool(self._held_back)
+
     def pump(self) -> None:
         """Enqueue the copies that waited for deferred steps now done (no host wait). Called at
         each op that waits for a chunk (make_resident): nothing held back costs no allocation."""

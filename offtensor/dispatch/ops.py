@@ -14,10 +14,78 @@ from typing import Any
 
 import torch
 
+from ..api import ScopeState
 from ..core.slot import on_optimizer_worker
 from . import compile as _compile
 from .masters import MASTER_ONLY
 from .writes import is_inplace, written
+
+# Note [ops in a resident scope]
+# Nearly every op on an offloaded parameter runs inside its scope's call with its copy on the
+# device: a kept scope's always, a streamed one's once its chunk has landed. There the general
+# path (below) ends at the scope's device copy after a dozen checks for cases that cannot apply,
+# and a DiT's blocks run many short kernels, between which the host must keep up: that host time
+# per op was the gap between a kept model and the resident one. So `resident_copies` answers
+# this case first, by the same rule as `OpAccess.materialize`: an op that only reads
+# (`reads_only`, decided once per function by the caller), no tracing or torch.func transform, not
+# the optimizer worker, and each parameter in the top-level arguments with its scope computing,
+# its copy current (no deferred step, no write in this call) and loaded (the scope resident, or
+# the compute stream past the chunk holding it), the copy order learned. Anything else goes the
+# general way, which reaches the same tensor when it applies.
+
+
+def resident_copies(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]] | None:
+    """(args, kwargs, the parameters replaced) with each offloaded parameter (a tensor with `_ot`)
+    replaced by its scope's device copy (Note [ops in a resident scope]); None: take the
+    general path."""
+    if on_optimizer_worker() or _compile.tracing() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return None
+    values = (*args, *kwargs.values())
+    subs: list[Any] = []
+    params: list[torch.Tensor] = []
+    for a in values:
+        if isinstance(a, torch.Tensor) and getattr(a, "_ot", None) is not None:
+            copy = _current_copy(a)
+            if copy is None:
+                return None
+            params.append(a)
+            subs.append(copy)
+        elif isinstance(a, (list, tuple)) and any(getattr(x, "_ot", None) is not None for x in a):
+            return None  # a list holding parameters (`torch.cat([w, v])`): the general path's
+        else:
+            subs.append(a)
+    if not params:
+        return None
+    n = len(args)
+    return tuple(subs[:n]), dict(zip(kwargs, subs[n:], strict=True)), params
+
+
+def _current_copy(p: torch.Tensor) -> torch.Tensor | None:
+    slot = p._ot  # type: ignore[attr-defined]
+    scope = slot.scope
+    if (scope.running_calls <= 0 or scope.copy_order is None or slot.pending_step is not None
+            or slot.stepped_elsewhere is not None or scope.writes.written_in_this_call(slot)):
+        return None
+    if scope.state is not ScopeState.RESIDENT:
+        # Still loading: the compute stream must have waited for this parameter's chunk
+        # already, with nothing held back (Note [progressive loads] in core/loading.py).
+        loading = scope.loading
+        if (scope.state is not ScopeState.LOADING or loading is None or loading.held_back
+                or slot.chunk >= loading.chunks_waited or scope.live.holds_back):
+            return None
+    return slot.use_device_copy()
+
+
+def run_op(func: Any, args: tuple, kwargs: dict, params: Sequence[torch.Tensor]) -> Any:
+    """`func(*args, **kwargs)`, its arguments already substituted for `params`, naming the
+    parameter when a compute dtype's mismatch is what failed."""
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as e:
+        error = _compute_dtype_error(func, params, e)
+        if error is None:
+            raise
+        raise error from e
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict, params: Sequence[torch.Tensor]) -> Any:
@@ -49,13 +117,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict, params: Sequence[torch.Tensor
     if not subs:
         return func(*args, **kwargs)
     args, kwargs = substitute(args, kwargs, subs, offloaded)
-    try:
-        return func(*args, **kwargs)
-    except RuntimeError as e:
-        error = _compute_dtype_error(func, params, e)
-        if error is None:
-            raise
-        raise error from e
+    return run_op(func, args, kwargs, params)
 
 
 def _compute_dtype_error(func: Any, params: Sequence[torch.Tensor], e: RuntimeError) -> RuntimeError | None:

@@ -30,11 +30,11 @@ from torch import nn
 from ..api import MasterHome
 from ..core.slot import ParamSlot, on_optimizer_worker
 from ..distributed import wrappers as _distributed
-from ..weights.compress import AS_PLAIN, packed_of, packed_property, packed_torch_function
+from ..weights.compress import AS_PLAIN, compressed_special, packed_of, packed_property, packed_torch_function
 from . import compile as _compile
 from .autograd import AUTOGRAD_ENTRIES, REGISTRARS
 from .masters import DERIVED_PROPERTIES, MASTER_ONLY, await_steps, master_values, without_subclass_dispatch
-from .ops import dispatch
+from .ops import dispatch, resident_copies, run_op
 from .writes import is_inplace, set_data, set_master, written
 
 
@@ -107,6 +107,10 @@ def _compiled_region_op(func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
     """OffloadedParameter.__torch_function__, with subclass dispatch off."""
+    if _reads_only(func) and "out" not in kwargs and kwargs.get("inplace") is not True:
+        found = resident_copies(args, kwargs)  # Note [ops in a resident scope] (dispatch/ops.py)
+        if found is not None:
+            return run_op(func, *found)
     params = find_params(args, kwargs)
     if not on_optimizer_worker():
         await_steps(params, func)
@@ -137,6 +141,27 @@ def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
     if handler is not None:
         return handler(*args, **kwargs)
     return dispatch(func, args, kwargs, params)
+
+
+def _reads_only(func: Any) -> bool:
+    """`func` only reads its arguments and none of the paths above or in `dispatch` treats it
+    specially (property accesses, handlers, master-only ops, compressed masters' own cases, in-place
+    writes by name or schema), so that inside a resident scope it gets the device copies
+    (Note [ops in a resident scope] in dispatch/ops.py); `out=` and `inplace=True` are the
+    caller's to check. Decided once per function."""
+    try:
+        known = _READS_ONLY.get(func)
+    except TypeError:  # not hashable: the general path
+        return False
+    if known is None:
+        name = getattr(func, "__name__", "")
+        known = not (name in ("__get__", "__set__", "__delete__") or func in _HANDLERS or func in MASTER_ONLY
+                     or compressed_special(func) or is_inplace(func, (), {}, set()) or func is torch.Tensor.__setitem__)
+        _READS_ONLY[func] = known
+    return known
+
+
+_READS_ONLY: dict[Any, bool] = {}
 
 
 def find_params(args: tuple, kwargs: dict) -> list[OffloadedParameter]:

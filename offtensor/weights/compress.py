@@ -304,6 +304,12 @@ _ON_PARAMETER = {
 _ON_LAYOUT = {torch.Tensor.stride, torch.Tensor.is_contiguous}
 
 
+def compressed_special(func: Any) -> bool:
+    """packed_torch_function treats `func` otherwise than as an op on the values."""
+    return (func in _ON_PARAMETER or func in _ON_LAYOUT or func is torch.Tensor.requires_grad_
+            or func is torch.Tensor.detach)
+
+
 def packed_of(p: Any) -> StoredMaster | None:
     slot = getattr(p, "_ot", None)
     return getattr(slot, "packed", None) if slot is not None else None

@@ -1,0 +1,102 @@
+"""Ops inside a scope whose copy is on the device take the short path to the device copy
+(Note [ops in a resident scope] in dispatch/ops.py) and compute what the unwrapped model does."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import offtensor
+from offtensor.dispatch import param as param_module
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x) + self.lin.weight.sum(0))
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _general_calls(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    calls: list[object] = []
+    general = param_module.dispatch
+
+    def counting(func, *args):  # type: ignore[no-untyped-def]
+        calls.append(func)
+        return general(func, *args)
+
+    monkeypatch.setattr(param_module, "dispatch", counting)
+    return calls
+
+
+@pytest.mark.parametrize("policy", ["kept", "streamed"])
+def test_ops_in_a_loaded_scope_skip_the_general_path_and_match_the_unwrapped_model(monkeypatch, policy):
+    """After the first forward (which learns the copy order), each scope's ops take the general
+    path at most once per call (the op that waits for a load: a streamed scope's each call, a
+    kept one's after a step rewrote its masters), a kept scope's never while its masters stay
+    as they are. Outputs and gradients equal the unwrapped model's, over optimizer steps."""
+    torch.manual_seed(0)
+    model = Stack()
+    reference = copy.deepcopy(model)
+    budget = offtensor.Policy(vram_budget=1 << 30) if policy == "kept" else offtensor.Policy()
+    offtensor.wrap(model, device="cpu", policy=budget)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    x = torch.randn(4, 8)
+    model(x).sum().backward()  # the first forward: copy orders learned
+    reference(x).sum().backward()
+    calls = _general_calls(monkeypatch)
+    for _ in range(3):
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        calls.clear()
+        with torch.no_grad():
+            out = model(x)
+        assert len(calls) <= len(model.blocks), calls
+        torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
+        calls.clear()
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), out, rtol=0, atol=0)
+        assert len(calls) <= (0 if policy == "kept" else len(model.blocks)), calls
+        model(x).square().sum().backward()
+        reference(x).square().sum().backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_a_write_through_a_detached_alias_in_the_call_is_seen_by_the_next_op():
+    """`p.detach().mul_()` inside a kept scope's forward changes the master behind the short
+    path's back: the next op on p must see the new values (its version differs from the
+    copy's), as on the unwrapped model."""
+
+    class Writing(Block):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            self.lin.weight.detach().mul_(0.5)
+            return self.norm(h + self.lin(x))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Writing(), Writing())
+    reference = copy.deepcopy(model)
+    offtensor.wrap(model, lambda name, m: isinstance(m, Writing), device="cpu",
+                   policy=offtensor.Policy(vram_budget=1 << 30))
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
