@@ -10,8 +10,9 @@ scope of a pass, which nothing can hide, this turns a whole-block stall into a o
 Backward needs the whole scope before its first op (autograd reads the saved device copies
 directly), so pre_backward waits for every chunk.
 A load that converts (`Policy(cast="device")`, `Policy(frozen_format)`) is progressive too: the
-master bytes of each chunk cross into a staging buffer on the copy stream, and the cast stream
-converts that chunk into the device copies once its copy has landed; the chunk's event is
+master bytes of each chunk that need converting cross into a staging buffer on the copy stream
+(the others straight into their device copies), and the cast stream converts them into the
+device copies once the chunk's copy has landed; the chunk's event is
 recorded after its conversion. The conversions thus overlap the next chunks' copies instead of
 delaying them, and the first op waits for its own matrix's copy and conversion only (see Note
 [streams and events] in core/streams.py). The staging buffer (host layout, the scope's `nbytes`)
@@ -94,7 +95,9 @@ class LoadProgress:
                         break
                     slot.wait_for_step()
                 self.copied((slot,))
-                if staging is None:
+                if staging is None or (slot.packed is None and slot.device_view.dtype == slot.master.dtype):
+                    # A converting load's parameters that need no conversion (a bias beside fp8
+                    # matrices) also go straight into their device copies: no staging, no kernel.
                     slot.device_view.copy_(slot.master, non_blocking=True)
                     self.unmarked += slot.device_view.nbytes
                 else:  # converted on the cast stream once its chunk has landed

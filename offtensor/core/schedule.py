@@ -101,6 +101,8 @@ class Schedule:
             if scope.state is ScopeState.OFFLOADED and scope.ring is not None and not scope.ring.ready(scope):
                 return  # its read is not done: its own forward loads it (Note [staged loads], weights/staging.py)
             if scope.residency is Residency.KEPT:  # its weights are in the budget's kept part; old gradients are not
+                if not with_grads and scope.state is not ScopeState.OFFLOADED:
+                    continue  # loaded, nothing to fetch
                 grads = scope.old_grad_bytes() if with_grads else 0
                 if in_flight + grads > limit:
                     return
