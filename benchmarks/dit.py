@@ -229,18 +229,39 @@ def round_blocks_to_fp8_(built: BuiltModel) -> int:
 
 
 def measure_dequant_rate(device: torch.device, numel: int, reps: int = 5) -> float:
-    """Seconds per element to dequantize fp8 rows into bf16 on `device`, as offtensor's unfused
-    path does (the values copied into the bf16 buffer, then multiplied by the row scales in
-    place): an upper bound on its fused kernel's time. Median of `reps` after one warm-up."""
+    """Seconds per element that offtensor's own dequantization takes on `device` (its fused kernel
+    where it has one): a frozen linear of about `numel` weights wrapped with
+    Policy(frozen_format="fp8"), each load profiled, the device time of the kernels beside the
+    compute stream (the cast stream's conversions, not its copies) over the elements unpacked.
+    Median of `reps` after one warm-up. Off CUDA, the whole forward's time (no device timeline to
+    split)."""
+    import offtensor
+
     cols = 4096
     rows = max(1, numel // cols)
-    values = torch.randn(rows, cols, device=device).to(torch.float8_e4m3fn)
-    scale = torch.rand(rows, 1, device=device).to(torch.bfloat16)
-    out = torch.empty(rows, cols, device=device, dtype=torch.bfloat16)
+    holder = nn.Sequential(nn.Linear(cols, rows, bias=False)).to(device=device, dtype=torch.bfloat16)
+    holder.requires_grad_(False)
+    offtensor.wrap(holder, lambda name, m: isinstance(m, nn.Linear), device=device,
+                   policy=offtensor.Policy(frozen_format="fp8"))
+    x = torch.zeros(1, cols, device=device, dtype=torch.bfloat16)
 
-    def dequantize() -> None:
-        out.copy_(values)
-        out.mul_(scale)
+    def forward() -> None:
+        with torch.no_grad():
+            holder(x)
 
-    dequantize()
-    return statistics.median(timed(device, dequantize) for _ in range(reps)) / (rows * cols)
+    forward()
+    if device.type != "cuda":
+        return statistics.median(timed(device, forward) for _ in range(reps)) / (rows * cols)
+    from torch.profiler import ProfilerActivity, profile
+
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            forward()
+            torch.cuda.synchronize(device)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and "Memcpy" not in e.name and "Memset" not in e.name]
+        compute = max(kernels, key=lambda e: e.time_range.end).device_resource_id  # the matmul's, last
+        times.append(sum(e.time_range.elapsed_us() for e in kernels if e.device_resource_id != compute) / 1e6)
+    return statistics.median(times) / (rows * cols)

@@ -8,11 +8,17 @@ spend (plus dequantization kernels, which run on the cast stream beside it); eve
 them is compute waiting. A gap during which a host-to-device copy is running is compute waiting
 on the copy stream (the link is the bound there); a gap with no copy running is compute waiting
 on the host (nothing was enqueued: Python dispatch, a host sync, a read not yet done). The link's
-own idle time beside busy compute is what a deeper prefetch could use.
+own idle time beside busy compute is what a deeper prefetch could use. Waiting on the host is
+then split by a second profiled iteration that records the host too: the CUDA runtime calls it
+spent longest in (`host_calls`). A host that blocks in a synchronizing call (an event's or a
+stream's synchronize, a cudaMalloc or cudaFree of the caching allocator) lets the device run dry
+however fast its Python is; one that only launches is slow in Python.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -21,8 +27,11 @@ import torch
 from .profiling import busy, device_intervals, gaps, union
 
 
-def where_time_goes(step: Callable[[], None], device: torch.device) -> dict[str, float] | None:
-    """One call of `step` profiled; None off CUDA (no device timeline). Milliseconds."""
+def where_time_goes(step: Callable[[], None], device: torch.device,
+                    dump: str | None = None) -> dict[str, float] | None:
+    """One call of `step` profiled; None off CUDA (no device timeline). Milliseconds. With `dump`
+    (a path), the device events also go there as gzipped JSON lines: stream, name, start, end
+    (µs), to read which kernel waited where."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -31,7 +40,55 @@ def where_time_goes(step: Callable[[], None], device: torch.device) -> dict[str,
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize(device)
+    if dump is not None:
+        _dump(prof.events(), dump)
     return split_timeline(prof.events())
+
+
+def host_calls(step: Callable[[], None], device: torch.device, top: int = 6) -> dict[str, float] | None:
+    """One call of `step` profiled on the host: the CUDA runtime calls (`cuda*`, `cu*`) it spent
+    longest in, as {"name xN": total ms}, longest first, and "step" (the call's host time);
+    None off CUDA (Note [where a row's time goes])."""
+    if device.type != "cuda":
+        return None
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        step()
+        took = time.perf_counter() - start
+        torch.cuda.synchronize(device)
+    return {"step": took * 1e3, **runtime_calls(prof.events(), top)}
+
+
+def runtime_calls(events: Any, top: int) -> dict[str, float]:
+    """The `top` CUDA runtime and driver calls among a profiler's host events by total time, as
+    {"name xN": ms}."""
+    total: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for evt in events:
+        if evt.device_type == torch.autograd.DeviceType.CPU and evt.name.startswith("cu"):
+            total[evt.name] = total.get(evt.name, 0.0) + evt.time_range.elapsed_us() / 1e3
+            count[evt.name] = count.get(evt.name, 0) + 1
+    longest = sorted(total, key=lambda n: -total[n])[:top]
+    return {f"{n} x{count[n]}": total[n] for n in longest}
+
+
+def describe_host(calls: dict[str, float]) -> str:
+    rest = ", ".join(f"{k} {v:.1f}" for k, v in calls.items() if k != "step")
+    return f"host: step {calls['step']:.1f} ms, in CUDA calls (ms): {rest}"
+
+
+def _dump(events: Any, path: str) -> None:
+    with gzip.open(path, "wt") as f:
+        for evt in events:
+            if evt.device_type == torch.autograd.DeviceType.CUDA:
+                row = [getattr(evt, "device_resource_id", None), evt.name[:80], evt.time_range.start,
+                       evt.time_range.end]
+                f.write(json.dumps(row) + "\n")
 
 
 def split_timeline(events: Any) -> dict[str, float] | None:

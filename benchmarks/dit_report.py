@@ -10,8 +10,8 @@ The streamed bytes are counted over the timed iterations, not derived from the m
 each scope's loads times its host bytes, from offtensor.summary; diffusers: block calls times
 block bytes; Row.streamed_source says which), so a VRAM budget's kept scopes and fp8's 1-byte
 values are in them as they happened. The dequantization term is the fp8 elements those loads
-unpacked at the rate `dit.measure_dequant_rate` measured (the unfused PyTorch path: an upper
-bound on offtensor's fused kernel), added to the copies rather than overlapped with them, as the
+unpacked at the rate `dit.measure_dequant_rate` measured (the conversion kernels of offtensor's
+own fp8 loads, its fused kernel on CUDA), added to the copies rather than overlapped with them, as the
 issue states the floor. A LoRA step moves no gradients: its adapters stay on the device.
 """
 
@@ -116,7 +116,8 @@ def format_dit_table(rows: list[Row], head: str, bw: dict[str, Any], dequant_s_p
     foot = [
         "streamed GB/iter: host-to-device bytes per timed iteration, " + ("; ".join(sources) or "counted")
         + ". H2D ms: those bytes at the measured H2D bandwidth; dequant ms: the fp8 elements those loads "
-        f"unpacked, at {dequant_s_per_element * 1e12:.1f} ps per element (measured, unfused PyTorch path).",
+        f"unpacked, at {dequant_s_per_element * 1e12:.1f} ps per element (measured: the conversion kernels "
+        "of offtensor's fp8 loads).",
         "host fwd ms: how long the forward call took to return on the host (no sync), median of the timed "
         "iterations: below the device's time, the CPU is off the critical path.",
         "predicted ms: the step time the timed layout predicted when it chose what to keep "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -35,7 +36,7 @@ from .dit import (
     measure_dequant_rate,
     round_blocks_to_fp8_,
 )
-from .dit_profile import describe, where_time_goes
+from .dit_profile import describe, describe_host, host_calls, where_time_goes
 from .dit_report import format_dit_table, judge_dit_rows
 from .measure import GiB, PhaseClock, free_memory, measure_bandwidth, short_error, sync
 from .model import BuiltModel, materialize
@@ -236,7 +237,9 @@ def _scenario(built: BuiltModel, s: Scenario, row: Row, peer: str, inputs: dict[
         row.peak_vram_bytes = torch.cuda.max_memory_allocated(device)
     row.predicted_ms = _predicted_ms(built.model, s)
     if getattr(args, "profile", False):  # Note [where a row's time goes]
-        row.profile_ms = where_time_goes(work.step, device)
+        dump = args.profile_dump and os.path.join(args.profile_dump, f"{peer}_{s.name}.jsonl.gz")
+        row.profile_ms = where_time_goes(work.step, device, dump or None)
+        row.host_calls_ms = host_calls(work.step, device)
         work.drain()
     work.optimizers.clear()
     _check_output(row, captured[0], run)
@@ -247,6 +250,8 @@ def _scenario(built: BuiltModel, s: Scenario, row: Row, peer: str, inputs: dict[
           + (f" ({row.note})" if row.note else ""), flush=True)
     if row.profile_ms is not None:
         print(f"    {describe(row.profile_ms)}", flush=True)
+    if row.host_calls_ms is not None:
+        print(f"    {describe_host(row.host_calls_ms)}", flush=True)
 
 
 def _fp8_references(built: BuiltModel, scenarios: list[Scenario], inputs: dict[str, torch.Tensor],

@@ -923,3 +923,25 @@ def test_a_profiled_timeline_splits_compute_waits_into_waits_on_copies_and_on_th
     assert p["waiting_on_host_ms"] == pytest.approx(0.020)
     assert p["link_busy_ms"] == pytest.approx(0.030)
     assert split_timeline([evt("Memcpy HtoD (Pinned -> Device)", 0, 5)]) is None  # no compute: nothing to split
+
+
+def test_the_host_calls_of_a_profiled_step_are_the_cuda_calls_it_spent_longest_in():
+    """--shape flux --profile's second iteration: the host's CUDA runtime calls by total time,
+    longest first, with their counts; aten ops and device events are not runtime calls."""
+    from types import SimpleNamespace
+
+    from benchmarks.dit_profile import describe_host, runtime_calls
+
+    def evt(name, start, end, kind=torch.autograd.DeviceType.CPU):
+        return SimpleNamespace(device_type=kind, name=name,
+                               time_range=SimpleNamespace(elapsed_us=lambda: end - start))
+
+    events = [evt("cudaLaunchKernel", 0, 5), evt("cudaLaunchKernel", 10, 15), evt("cudaMalloc", 20, 3020),
+              evt("cudaEventSynchronize", 0, 1000), evt("aten::mm", 0, 9000),
+              evt("gemm", 0, 9000, torch.autograd.DeviceType.CUDA)]
+    calls = runtime_calls(events, top=2)
+    assert list(calls) == ["cudaMalloc x1", "cudaEventSynchronize x1"]
+    assert calls["cudaMalloc x1"] == pytest.approx(3.0)
+    assert runtime_calls(events, top=6)["cudaLaunchKernel x2"] == pytest.approx(0.010)
+    described = describe_host({"step": 12.0, **calls})
+    assert described.startswith("host: step 12.0 ms, in CUDA calls (ms): cudaMalloc x1 3.0")
