@@ -25,6 +25,7 @@ from torch import nn
 from .dit_blocks import BuiltinFlux
 from .measure import temporarily, timed
 from .model import BuiltModel
+from .profiling import is_kernel
 from .shapes import RandomFill
 from .streamed import fp8_compressed
 
@@ -260,8 +261,7 @@ def measure_dequant_rate(device: torch.device, numel: int, reps: int = 5) -> flo
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             forward()
             torch.cuda.synchronize(device)
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                   and "Memcpy" not in e.name and "Memset" not in e.name]
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and is_kernel(e)]
         compute = max(kernels, key=lambda e: e.time_range.end).device_resource_id  # the matmul's, last
         times.append(sum(e.time_range.elapsed_us() for e in kernels if e.device_resource_id != compute) / 1e6)
     return statistics.median(times) / (rows * cols)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,8 +52,6 @@ def host_calls(step: Callable[[], None], device: torch.device, top: int = 6) -> 
     None off CUDA (Note [where a row's time goes])."""
     if device.type != "cuda":
         return None
-    import time
-
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(device)

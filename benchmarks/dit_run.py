@@ -237,8 +237,8 @@ def _scenario(built: BuiltModel, s: Scenario, row: Row, peer: str, inputs: dict[
         row.peak_vram_bytes = torch.cuda.max_memory_allocated(device)
     row.predicted_ms = _predicted_ms(built.model, s)
     if getattr(args, "profile", False):  # Note [where a row's time goes]
-        dump = args.profile_dump and os.path.join(args.profile_dump, f"{peer}_{s.name}.jsonl.gz")
-        row.profile_ms = where_time_goes(work.step, device, dump or None)
+        dump = os.path.join(args.profile_dump, f"{peer}_{s.name}.jsonl.gz") if args.profile_dump else None
+        row.profile_ms = where_time_goes(work.step, device, dump)
         row.host_calls_ms = host_calls(work.step, device)
         work.drain()
     work.optimizers.clear()

@@ -67,11 +67,16 @@ def device_intervals(events: Any) -> tuple[list[Interval], list[Interval], list[
         iv = (evt.time_range.start, evt.time_range.end)
         if "HtoD" in evt.name:
             h2d.append(iv)
-        elif "Memcpy" in evt.name or "Memset" in evt.name:
-            memory.append(iv)
-        else:
+        elif is_kernel(evt):
             kernels.append(iv)
+        else:
+            memory.append(iv)
     return h2d, memory, kernels
+
+
+def is_kernel(evt: Any) -> bool:
+    """A device event that is a kernel, not a copy or memset."""
+    return "Memcpy" not in evt.name and "Memset" not in evt.name
 
 
 def infer_timeline(prof: Any) -> dict[str, Any]:

@@ -31,6 +31,9 @@ class OpAccess:
     def materialize(self, slot: ParamSlot, op_device: torch.device | None) -> torch.Tensor | None:
         """The tensor an op on `slot`'s parameter computes with; None: the host master.
         `op_device`: the device of the op's other tensors, None if it has none."""
+        ready = slot.ready_copy()
+        if ready is not None:
+            return ready
         scope = slot.scope
         if scope.running_calls > 0 or scope is self.backward_scope:
             if scope.state is not ScopeState.RESIDENT:

@@ -95,9 +95,7 @@ class LoadProgress:
                         break
                     slot.wait_for_step()
                 self.copied((slot,))
-                if staging is None or (slot.packed is None and slot.device_view.dtype == slot.master.dtype):
-                    # A converting load's parameters that need no conversion (a bias beside fp8
-                    # matrices) also go straight into their device copies: no staging, no kernel.
+                if staging is None or not _converts(slot):  # a bias beside fp8 matrices: no staging
                     slot.device_view.copy_(slot.master, non_blocking=True)
                     self.unmarked += slot.device_view.nbytes
                 else:  # converted on the cast stream once its chunk has landed
@@ -156,6 +154,11 @@ class LoadProgress:
             streams.wait(compute, self.chunk_ready[i])
         self.chunks_waited = max(self.chunks_waited, target + 1)
         return self.chunks_waited > last and not self.held_back
+
+
+def _converts(slot: ParamSlot) -> bool:
+    """The parameter's device copy is not its master's bytes: dequantized or cast (`_convert`)."""
+    return slot.packed is not None or slot.device_view.dtype != slot.master.dtype
 
 
 def _convert(slot: ParamSlot, staging: torch.Tensor) -> None:

@@ -64,6 +64,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ..api import ScopeState
 from ..weights.compress import StoredMaster
 
 # ParamSlot.retired is written by the main thread (a retire) and by the optimizer worker (a
@@ -310,6 +311,23 @@ class ParamSlot:
         with _retired_lock: refs = list(self.retired)  # noqa: E701 (Note [interrupts])
         leaves = [self.device_leaf, *(r() for r in refs), *(r() for r in self.temporaries)]
         return [t for t in leaves if t is not None and t.requires_grad]
+
+    def ready_copy(self) -> torch.Tensor | None:
+        """The device copy an op gets (`OpAccess.materialize`, core/access.py) when that takes no
+        work, else None: the scope computing, its copy order learned, no deferred step pending or
+        shared step elsewhere, no write in this call, and the copy loaded (the scope resident, or
+        the compute stream past the chunk holding it, nothing held back: Note [progressive
+        loads] in core/loading.py). Note [ops in a resident scope] in dispatch/ops.py."""
+        scope = self.scope
+        if (scope.running_calls <= 0 or scope.copy_order is None or self.pending_step is not None
+                or self.stepped_elsewhere is not None or scope.writes.written_in_this_call(self)):
+            return None
+        if scope.state is not ScopeState.RESIDENT:
+            loading = scope.loading
+            if (scope.state is not ScopeState.LOADING or loading is None or loading.held_back
+                    or self.chunk >= loading.chunks_waited or scope.live.holds_back):
+                return None
+        return self.use_device_copy()
 
     def use_device_copy(self) -> torch.Tensor:
         leaf = self.device_leaf

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from ..api import ScopeState
 from ..core.slot import on_optimizer_worker
 from . import compile as _compile
 from .masters import MASTER_ONLY
@@ -26,12 +25,10 @@ from .writes import is_inplace, written
 # path (below) ends at the scope's device copy after a dozen checks for cases that cannot apply,
 # and a DiT's blocks run many short kernels, between which the host must keep up: that host time
 # per op was the gap between a kept model and the resident one. So `resident_copies` answers
-# this case first, by the same rule as `OpAccess.materialize`: an op that only reads
-# (`reads_only`, decided once per function by the caller), no tracing or torch.func transform, not
-# the optimizer worker, and each parameter in the top-level arguments with its scope computing,
-# its copy current (no deferred step, no write in this call) and loaded (the scope resident, or
-# the compute stream past the chunk holding it), the copy order learned. Anything else goes the
-# general way, which reaches the same tensor when it applies.
+# this case first: an op that only reads (`reads_only`, decided once per function by the
+# caller), no tracing or torch.func transform, not the optimizer worker, and each parameter in
+# the top-level arguments with a copy that `ParamSlot.ready_copy` (core/slot.py) gives without
+# any work, which is also where `OpAccess.materialize` starts. Anything else goes the general way.
 
 
 def resident_copies(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]] | None:
@@ -45,7 +42,7 @@ def resident_copies(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.
     params: list[torch.Tensor] = []
     for a in values:
         if isinstance(a, torch.Tensor) and getattr(a, "_ot", None) is not None:
-            copy = _current_copy(a)
+            copy = a._ot.ready_copy()  # type: ignore[attr-defined]
             if copy is None:
                 return None
             params.append(a)
@@ -58,22 +55,6 @@ def resident_copies(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.
         return None
     n = len(args)
     return tuple(subs[:n]), dict(zip(kwargs, subs[n:], strict=True)), params
-
-
-def _current_copy(p: torch.Tensor) -> torch.Tensor | None:
-    slot = p._ot  # type: ignore[attr-defined]
-    scope = slot.scope
-    if (scope.running_calls <= 0 or scope.copy_order is None or slot.pending_step is not None
-            or slot.stepped_elsewhere is not None or scope.writes.written_in_this_call(slot)):
-        return None
-    if scope.state is not ScopeState.RESIDENT:
-        # Still loading: the compute stream must have waited for this parameter's chunk
-        # already, with nothing held back (Note [progressive loads] in core/loading.py).
-        loading = scope.loading
-        if (scope.state is not ScopeState.LOADING or loading is None or loading.held_back
-                or slot.chunk >= loading.chunks_waited or scope.live.holds_back):
-            return None
-    return slot.use_device_copy()
 
 
 def run_op(func: Any, args: tuple, kwargs: dict, params: Sequence[torch.Tensor]) -> Any:

@@ -35,7 +35,7 @@ from . import compile as _compile
 from .autograd import AUTOGRAD_ENTRIES, REGISTRARS
 from .masters import DERIVED_PROPERTIES, MASTER_ONLY, await_steps, master_values, without_subclass_dispatch
 from .ops import dispatch, resident_copies, run_op
-from .writes import is_inplace, set_data, set_master, written
+from .writes import is_inplace, set_data, set_master, writes_by_name, written
 
 
 class OffloadedParameter(nn.Parameter):
@@ -156,7 +156,7 @@ def _reads_only(func: Any) -> bool:
     if known is None:
         name = getattr(func, "__name__", "")
         known = not (name in ("__get__", "__set__", "__delete__") or func in _HANDLERS or func in MASTER_ONLY
-                     or compressed_special(func) or is_inplace(func, (), {}, set()) or func is torch.Tensor.__setitem__)
+                     or compressed_special(func) or writes_by_name(func) or func is torch.Tensor.__setitem__)
         _READS_ONLY[func] = known
     return known
 

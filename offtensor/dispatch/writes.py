@@ -75,6 +75,12 @@ def is_inplace(func: Any, args: tuple, kwargs: dict, offloaded: set[int]) -> boo
     # Note [writes the name does not show]
     if "out" in kwargs and _among((kwargs["out"],), offloaded):
         return True
+    return writes_by_name(func)
+
+
+def writes_by_name(func: Any) -> bool:
+    """`func` writes its first argument by what it is, whatever it is given: an aten overload
+    whose schema marks a write, or a name like `add_` or `__iadd__`."""
     if isinstance(func, OpOverload):
         return bool(_mutated_positions(func))
     name = getattr(func, "__name__", "")
