@@ -36,6 +36,8 @@ one of those ranges; the message maps the address to the slot's qualified name.
 - ``aten.copy_`` with the master as the *source* (``args[1]``): offtensor's loads
   (``device_flat.copy_(host_flat)``, ``device_view.copy_(param)``) and its CUDA temporary
   copies. A master as the *destination* (a write) inside forward/backward is flagged.
+- ``aten.slice`` of a scope's ``host_flat`` itself (the tensor object, not a parameter): a run
+  of the host buffer that a load copies from (Note [load plans] in offtensor/core/loading.py).
 - ``aten._to_copy``: offtensor's CPU temporary copy (``master.detach().to(copy=True)``). When the
   guarded engine computes on CUDA, a ``_to_copy`` whose result stays on the CPU is flagged (that
   is a user's ``w.T.float()``; offtensor copies to the device with ``copy_``).
@@ -94,7 +96,7 @@ _ALLOWED = {
     aten._local_scalar_dense,
     aten._has_compatible_shallow_copy_type,
 }
-_CHECK, _ALLOW, _COPY, _TO_COPY = 0, 1, 2, 3
+_CHECK, _ALLOW, _COPY, _TO_COPY, _SLICE = 0, 1, 2, 3, 4
 
 
 def _kind_of(func) -> int:
@@ -105,6 +107,8 @@ def _kind_of(func) -> int:
         return _COPY
     if packet is aten._to_copy:
         return _TO_COPY
+    if packet is aten.slice:
+        return _SLICE
     return _CHECK
 
 
@@ -148,12 +152,14 @@ class MasterGuard(TorchDispatchMode):
         self._cuda = False
         self._ws = _worker_state()
         self._kinds: dict[Any, int] = {}  # op overload -> _CHECK, _ALLOW, _COPY or _TO_COPY
+        self._flats: set[int] = set()  # ids of the scopes' host_flat tensors
 
     # ---- master ranges --------------------------------------------------------------------
 
     def _collect(self) -> None:
         ranges: list[tuple[int, int, list[tuple[int, int, str]]]] = []
         self._cuda = False
+        self._flats.clear()
         with torch._C.DisableTorchFunctionSubclass():
             for model in self.models:
                 engine = getattr(model, "_offtensor_engine", None)
@@ -173,6 +179,7 @@ class MasterGuard(TorchDispatchMode):
                                            [(p.data_ptr(), p.data_ptr() + max(n, 1), slot.name)]))
                     flat = getattr(scope, "host_flat", None)
                     if flat is not None and flat.numel():
+                        self._flats.add(id(flat))
                         start = flat.data_ptr()
                         ranges.append((start, start + flat.numel() * flat.element_size(), slots))
         # Merge overlapping ranges (a master's own storage inside host_flat) into sorted,
@@ -258,6 +265,8 @@ class MasterGuard(TorchDispatchMode):
                     if isinstance(src, torch.Tensor) and self._hit(src) >= 0:
                         self._violation(func, src, "copies to the host")
             return
+        if kind == _SLICE and args and id(args[0]) in self._flats:
+            return  # a load's run of the host buffer, the source of its copy (Note [load plans])
         for a in args:
             if isinstance(a, torch.Tensor):
                 if self._hit(a) >= 0:

@@ -3,8 +3,8 @@ converting load on the cast stream, and the events the compute stream waits on.
 
 # Note [progressive loads]
 A scope's first forward records the order in which its parameters are first used. From then on
-its host-to-device copy goes parameter by parameter in that order, with an event every
-CHUNK_BYTES, and each op makes compute wait only for the chunk that holds its weights. The first
+its host-to-device copy goes in that order, in chunks of CHUNK_BYTES with an event each (Note
+[load plans]), and each op makes compute wait only for the chunk that holds its weights. The first
 matmul of a block starts when its own weights have landed, not the whole block: for the first
 scope of a pass, which nothing can hide, this turns a whole-block stall into a one-matrix stall.
 Backward needs the whole scope before its first op (autograd reads the saved device copies
@@ -27,10 +27,101 @@ from typing import Any
 
 import torch
 
+from ..weights.compress import FusedDequantization
 from .slot import ParamSlot
 from .streams import Streams
 
 CHUNK_BYTES = 32 * 2**20  # see Note [progressive loads]
+# Staged masters this close in the host buffer are copied as one run (Note [load plans]): the
+# bytes between them (a bias, alignment) cross too, into staging, where nothing reads them.
+MERGE_GAP = 256 * 2**10
+
+# Note [load plans]
+# A progressive load enqueues, for each chunk, its copies, an event, and for a converting load
+# its conversions and a second event: a few hundred host-side calls per scope of a DiT, each a
+# few microseconds of Python and of the CUDA runtime, which the host pays again at every load.
+# When compute per scope is as short as its copies, that host time is what the step waits for.
+# So the scope works its load out once, when its copy_order is learned (`LoadPlan`): the chunks
+# (positions in copy_order, cut every CHUNK_BYTES as before), and in each the fewest copies that
+# move its bytes: parameters next to each other in both buffers' layouts copy as one run; the
+# staged masters of a converting load copy as runs of the host buffer (over the small parameters
+# between them, MERGE_GAP); and the fp8 dequantizations of a chunk run as one kernel over a
+# table of the chunk's matrices (FusedDequantization in weights/compress.py, on CUDA), the
+# others one conversion per parameter. Each chunk is enqueued whole, so a parameter's chunk is
+# fixed by the plan; copies held back by a deferred step stop at the first chunk that holds a
+# parameter waiting for one, unless the load needs that chunk now (then the host waits for its
+# steps).
+
+
+class _Chunk:
+    """One chunk of a progressive load: the parameters at positions [lo, hi) of copy_order and
+    the copies that bring them onto the device (Note [load plans])."""
+
+    __slots__ = ("lo", "hi", "slots", "direct", "staged", "converts")
+
+    def __init__(self, lo: int, slots: list[ParamSlot]) -> None:
+        self.lo, self.hi, self.slots = lo, lo + len(slots), slots
+        self.direct: list[tuple[int, int, int]] = []  # (host offset, device offset, bytes): straight in
+        self.staged: list[tuple[int, int]] = []  # (host offset, bytes): into staging, host layout
+        self.converts: list[ParamSlot] = []  # from staging into their device copies, once landed
+
+
+class LoadPlan:
+    """A scope's progressive load, worked out once from its copy_order (Note [load plans]).
+    `staged`: the scope converts (a converting load's masters cross into staging)."""
+
+    def __init__(self, order: list[ParamSlot], staged: bool, device: torch.device) -> None:
+        self.order = order
+        self.chunk_bytes = CHUNK_BYTES
+        layout = sorted(order, key=lambda s: s.offset)
+        rank = {slot: i for i, slot in enumerate(layout)}
+        converting = [staged and _converts(s) for s in layout]
+        self.chunks: list[_Chunk] = []
+        lo, nbytes = 0, 0
+        for i, slot in enumerate(order):
+            nbytes += slot.host_nbytes if converting[rank[slot]] else slot.device_view.nbytes
+            if nbytes >= CHUNK_BYTES or i == len(order) - 1:
+                self.chunks.append(_chunk(lo, order[lo : i + 1], rank, converting))
+                lo, nbytes = i + 1, 0
+        for c, chunk in enumerate(self.chunks):
+            for slot in chunk.slots:
+                slot.chunk = c
+        self.fused = FusedDequantization.plan(
+            [[(s.packed, s.offset, s.device_offset, s.device_view) for s in chunk.converts] for chunk in self.chunks],
+            device)
+
+    def current(self, order: list[ParamSlot]) -> bool:
+        """Still the plan of this copy_order and chunk size."""
+        return self.order is order and self.chunk_bytes == CHUNK_BYTES
+
+
+def _chunk(lo: int, slots: list[ParamSlot], rank: dict[ParamSlot, int], converting: list[bool]) -> _Chunk:
+    chunk = _Chunk(lo, slots)
+    last_direct: ParamSlot | None = None
+    last_staged: ParamSlot | None = None
+    for slot in sorted(slots, key=lambda s: s.offset):
+        r = rank[slot]
+        if converting[r]:
+            chunk.converts.append(slot)
+            n = slot.host_nbytes
+            if (last_staged is not None and not any(converting[rank[last_staged] + 1 : r])
+                    and slot.offset - (chunk.staged[-1][0] + chunk.staged[-1][1]) <= MERGE_GAP):
+                start = chunk.staged[-1][0]
+                chunk.staged[-1] = (start, slot.offset + n - start)
+            else:
+                chunk.staged.append((slot.offset, n))
+            last_staged = slot
+            continue
+        n = slot.device_view.nbytes
+        # Neighbours in both layouts, the same bytes apart: one copy (the padding between them too).
+        if (last_direct is not None and r == rank[last_direct] + 1
+                and slot.offset - last_direct.offset == slot.device_offset - last_direct.device_offset):
+            host, dev, _ = chunk.direct[-1]
+            chunk.direct[-1] = (host, dev, slot.offset + n - host)
+        else:
+            chunk.direct.append((slot.offset, slot.device_offset, n))
+        last_direct = slot
+    return chunk
 
 
 class LoadProgress:
@@ -39,17 +130,17 @@ class LoadProgress:
     def __init__(self, streams: Streams, copied: Callable[[Iterable[ParamSlot]], None]) -> None:
         self.streams = streams
         self.copied = copied  # told of the masters about to be copied (WriteTracker.note_copied)
-        self.chunk_ready: list[Any] = []  # copy-stream events, one per chunk
+        self.chunk_ready: list[Any] = []  # events compute waits on, one per chunk
         self.chunks_waited = 0  # of which the compute stream has waited for
-        # A progressive load (Note [progressive loads]): the scope's copy_order, the host buffer
-        # it copies from, and how many of copy_order's entries are enqueued.
-        self.order: list[ParamSlot] = []
+        # A progressive load (Note [progressive loads]): its plan, the host buffer it copies from
+        # and the device buffer it fills, and how many of copy_order's entries are enqueued.
+        self.plan: LoadPlan | None = None
         self.host: torch.Tensor | None = None
+        self.device_flat: torch.Tensor | None = None
         self.cursor = 0
-        self.end = 0  # len(order) for a progressive load, else 0
-        self.unmarked = 0  # bytes enqueued since the last chunk event
+        self.end = 0  # len(copy_order) for a progressive load, else 0
         # A converting load: the masters' bytes on the device (host layout) until the last chunk's
-        # conversion is enqueued, and the parameters copied there since the last chunk event.
+        # conversion is enqueued; for a whole-scope load, the parameters to convert.
         self.staging: torch.Tensor | None = None
         self.to_convert: list[ParamSlot] = []
 
@@ -74,48 +165,62 @@ class LoadProgress:
             staging.record_stream(cast)
         self.staging = staging
 
-    def follow(self, order: list[ParamSlot], host: torch.Tensor) -> None:
-        """Make this a progressive load of the parameters in `order`, from the host buffer `host`."""
-        self.order, self.host, self.end = order, host, len(order)
+    def follow(self, plan: LoadPlan, host: torch.Tensor, device_flat: torch.Tensor) -> None:
+        """Make this a progressive load by `plan`, from the host buffer `host` into `device_flat`."""
+        self.plan, self.host, self.device_flat, self.end = plan, host, device_flat, len(plan.order)
 
     def copy_more(self, need: int) -> None:
-        """Enqueue the next copies of a progressive load, in `order`, with an event every
-        CHUNK_BYTES (Note [progressive loads]). A parameter whose deferred optimizer step is
-        pending (Note [step fences] in core/slot.py) stops the copies there, unless its position
-        is at most `need`: then the host waits for its step."""
-        order, host, streams = self.order, self.host, self.streams
+        """Enqueue the next chunks of a progressive load, each with its event (Note [load plans]).
+        A chunk holding a parameter whose deferred optimizer step is pending (Note [step fences]
+        in core/slot.py) stops the copies there, unless it starts at or before position `need`:
+        then the host waits for its steps."""
+        plan, host, device_flat, streams = self.plan, self.host, self.device_flat, self.streams
+        assert plan is not None and host is not None and device_flat is not None
+        chunks = plan.chunks
         h2d = streams.h2d()
         staging = self.staging
-        i = start = self.cursor
+        c = first = len(self.chunk_ready)
         with streams.on(h2d):
-            while i < self.end:
-                slot = order[i]
-                if slot.step_pending:
-                    if i > need:
+            while c < len(chunks):
+                chunk = chunks[c]
+                pending = [slot for slot in chunk.slots if slot.step_pending]
+                if pending:
+                    if chunk.lo > need:
                         break
-                    slot.wait_for_step()
-                self.copied((slot,))
-                if staging is None or not _converts(slot):  # a bias beside fp8 matrices: no staging
-                    slot.device_view.copy_(slot.master, non_blocking=True)
-                    self.unmarked += slot.device_view.nbytes
-                else:  # converted on the cast stream once its chunk has landed
-                    assert host is not None
-                    n = slot.host_nbytes
-                    staging[slot.offset : slot.offset + n].copy_(
-                        host[slot.offset : slot.offset + n], non_blocking=True)
-                    self.to_convert.append(slot)
-                    self.unmarked += n
-                slot.chunk = len(self.chunk_ready)
-                i += 1
-                if self.unmarked >= CHUNK_BYTES or i == self.end:
-                    self.mark_chunk(h2d)
-            if self.unmarked:
-                self.mark_chunk(h2d)
-        if i > start:  # the copy stream runs in order: its last event covers the rest
+                    for slot in pending:
+                        slot.wait_for_step()
+                self.copied(chunk.slots)
+                for start, dev, n in chunk.direct:
+                    device_flat[dev : dev + n].copy_(host[start : start + n], non_blocking=True)
+                if chunk.staged:
+                    assert staging is not None
+                    for start, n in chunk.staged:
+                        staging[start : start + n].copy_(host[start : start + n], non_blocking=True)
+                event = streams.record(h2d)
+                if chunk.converts:
+                    event = self._convert_chunk(c, chunk, event)
+                self.chunk_ready.append(event)
+                c += 1
+        if c > first:  # the copy stream runs in order: its last event covers the rest
             streams.reads_masters(self.chunk_ready[-1])
-        self.cursor = i
-        if i == self.end:
+        self.cursor = chunks[c - 1].hi if c else 0
+        if c == len(chunks):
             self.staging = None  # every conversion is enqueued
+
+    def _convert_chunk(self, c: int, chunk: _Chunk, copied: Any) -> Any:
+        """Enqueue the chunk's conversions on the cast stream after `copied` (the event of its
+        copy); the event after them."""
+        streams, staging, plan = self.streams, self.staging, self.plan
+        assert staging is not None and plan is not None and self.device_flat is not None
+        cast = streams.cast()
+        streams.wait(cast, copied)
+        with streams.on(cast):
+            if plan.fused is not None:
+                plan.fused.launch(c, staging, self.device_flat)
+            else:
+                for slot in chunk.converts:
+                    _convert(slot, staging)
+        return streams.record(cast)
 
     def copy_all(self, source: torch.Tensor, device_flat: torch.Tensor, slots: list[ParamSlot]) -> None:
         """Enqueue the whole scope at once (on the current stream): `source` into the device
@@ -127,8 +232,8 @@ class LoadProgress:
             device_flat.copy_(source, non_blocking=True)
 
     def mark_chunk(self, h2d: Any) -> None:
-        """Record the event compute waits on for the copies enqueued since the last one: after
-        their conversion, for a converting load (on the cast stream)."""
+        """A whole-scope load: record the event compute waits on for the copy enqueued, after
+        its conversion, for a converting load (on the cast stream)."""
         streams = self.streams
         event = streams.record(h2d)
         if self.to_convert:
@@ -141,7 +246,6 @@ class LoadProgress:
             self.to_convert.clear()
             event = streams.record(cast)
         self.chunk_ready.append(event)
-        self.unmarked = 0
 
     def compute_waits(self, chunk: int | None) -> bool:
         """The compute stream waits (device side) for the chunks up to `chunk` (None: every

@@ -50,7 +50,7 @@ from ..api import Policy, Residency, ScopeState
 from ..dispatch.masters import master_requires_grad
 from .device_buffer import DeviceBuffer
 from .host_masters import HostMasters
-from .loading import LoadProgress
+from .loading import LoadPlan, LoadProgress
 from .memory import HostBuffer
 from .old_grads import OldGrads
 from .slot import ParamSlot, alive, weakly
@@ -160,6 +160,7 @@ class Scope:
         self.loading: LoadProgress | None = None  # while LOADING
         self.first_uses: dict[ParamSlot, None] = {}  # first forward: parameters in order of use
         self.copy_order: list[ParamSlot] | None = None  # learned from first_uses
+        self.load_plan: LoadPlan | None = None  # a progressive load's copies, from copy_order
         self.grads_offloaded: Any = None  # event on the d2h stream after this backward's grads
         # Calls of the module's forward, counted four ways (the engine keeps them):
         self.running_calls = 0  # in progress now (a recompute in backward included)
@@ -321,7 +322,10 @@ class Scope:
                 loading.stage(masters.nbytes, self.device.flat.device)
             if progressive:
                 assert self.copy_order is not None
-                loading.follow(self.copy_order, host)
+                plan = self.load_plan
+                if plan is None or not plan.current(self.copy_order):  # Note [load plans] (core/loading.py)
+                    plan = self.load_plan = LoadPlan(self.copy_order, self.casts, self.device.flat.device)
+                loading.follow(plan, host, self.device.flat)
                 self.copy_more(need=-1)
             elif self.loader is not None:  # data_parallel(shard_loads=True), whole-scope
                 ready = self.loader.copy(self)  # an event after its copy (CUDA), else None
@@ -366,7 +370,14 @@ class Scope:
             need = loading.end - 1 if upto is None else upto.copy_index
             if need >= loading.cursor:
                 self.copy_more(need)
-        if loading.compute_waits(None if upto is None else upto.chunk):
+        self.compute_waits(None if upto is None else upto.chunk)
+
+    def compute_waits(self, chunk: int | None) -> None:
+        """The compute stream waits (device side) for the load's chunks up to `chunk` (None:
+        every chunk enqueued); -> RESIDENT once it has waited for the whole load."""
+        loading = self.loading
+        assert loading is not None
+        if loading.compute_waits(chunk):
             self.loading = None
             self.state = ScopeState.RESIDENT
 

@@ -314,10 +314,11 @@ class ParamSlot:
 
     def ready_copy(self) -> torch.Tensor | None:
         """The device copy an op gets (`OpAccess.materialize`, core/access.py) when that takes no
-        work, else None: the scope computing, its copy order learned, no deferred step pending or
-        shared step elsewhere, no write in this call, and the copy loaded (the scope resident, or
-        the compute stream past the chunk holding it, nothing held back: Note [progressive
-        loads] in core/loading.py). Note [ops in a resident scope] in dispatch/ops.py."""
+        host work, else None: the scope computing, its copy order learned, no deferred step
+        pending or shared step elsewhere, no write in this call, and the copy loaded or on its
+        way (the scope resident, or every chunk of its load enqueued, nothing held back: the
+        compute stream then waits for the chunk holding it, Note [progressive loads] in
+        core/loading.py). Note [ops in a resident scope] in dispatch/ops.py."""
         scope = self.scope
         if (scope.running_calls <= 0 or scope.copy_order is None or self.pending_step is not None
                 or self.stepped_elsewhere is not None or scope.writes.written_in_this_call(self)):
@@ -325,8 +326,10 @@ class ParamSlot:
         if scope.state is not ScopeState.RESIDENT:
             loading = scope.loading
             if (scope.state is not ScopeState.LOADING or loading is None or loading.held_back
-                    or self.chunk >= loading.chunks_waited or scope.live.holds_back):
+                    or scope.live.holds_back):
                 return None
+            if self.chunk >= loading.chunks_waited:
+                scope.compute_waits(self.chunk)
         return self.use_device_copy()
 
     def use_device_copy(self) -> torch.Tensor:

@@ -21,14 +21,15 @@ from .writes import is_inplace, written
 
 # Note [ops in a resident scope]
 # Nearly every op on an offloaded parameter runs inside its scope's call with its copy on the
-# device: a kept scope's always, a streamed one's once its chunk has landed. There the general
+# device, or on its way: a kept scope's always, a streamed one's once its load's every chunk is
+# enqueued (the first op on a chunk then makes compute wait for it, device side). There the general
 # path (below) ends at the scope's device copy after a dozen checks for cases that cannot apply,
 # and a DiT's blocks run many short kernels, between which the host must keep up: that host time
 # per op was the gap between a kept model and the resident one. So `resident_copies` answers
 # this case first: an op that only reads (`reads_only`, decided once per function by the
 # caller), no tracing or torch.func transform, not the optimizer worker, and each parameter in
 # the top-level arguments with a copy that `ParamSlot.ready_copy` (core/slot.py) gives without
-# any work, which is also where `OpAccess.materialize` starts. Anything else goes the general way.
+# host work, which is also where `OpAccess.materialize` starts. Anything else goes the general way.
 
 
 def resident_copies(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]] | None:

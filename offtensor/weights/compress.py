@@ -248,6 +248,64 @@ def _fused_dequantize() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], 
     return dequantize_rows
 
 
+class FusedDequantization:
+    """The fp8 dequantizations of a scope's progressive load, one kernel per chunk (Note [load
+    plans] in core/loading.py): a table on the device of each matrix's offsets (its values and
+    scales in staging, its device copy in the scope's device buffer), rows' length and size, in
+    chunk order; each chunk's kernel reads its rows of the table."""
+
+    COLUMNS = 5  # values offset (bytes), scale offset and output offset (elements), numel, columns
+
+    def __init__(self, rows: list[list[int]], chunks: list[tuple[int, int, int]], dtype: torch.dtype) -> None:
+        self._host = torch.tensor(rows, dtype=torch.int64).reshape(-1, self.COLUMNS).pin_memory()
+        self._table: torch.Tensor | None = None  # on the device, copied at the first launch
+        self.chunks = chunks  # per chunk: (first row, rows, the largest numel)
+        self.dtype = dtype
+
+    @classmethod
+    def plan(cls, chunks: list[list[tuple[StoredMaster | None, int, int, torch.Tensor]]],
+             device: torch.device) -> FusedDequantization | None:
+        """For a load whose chunks convert (master, its offset in staging, its device copy's
+        offset in the device buffer in bytes, the device copy):
+        one kernel per chunk, or None where not every conversion is an fp8 dequantization
+        into the master's own dtype on a CUDA device with Triton (each is then its own,
+        `unpack_into`)."""
+        if device.type != "cuda" or _fused_dequantize() is None:
+            return None
+        entries = [e for chunk in chunks for e in chunk]
+        if not entries:
+            return None
+        dtype = entries[0][3].dtype
+        size = dtype.itemsize
+        rows: list[list[int]] = []
+        spans: list[tuple[int, int, int]] = []
+        for chunk in chunks:
+            spans.append((len(rows), len(chunk), max((out.numel() for *_, out in chunk), default=0)))
+            for master, offset, device_offset, out in chunk:
+                if (not isinstance(master, PackedMaster) or master.format is not FrozenFormat.FP8
+                        or master.dtype != dtype or out.dtype != dtype or not out.is_contiguous()):
+                    return None
+                scale = offset + _scale_offset(master.shape)
+                if scale % size or device_offset % size:
+                    return None
+                rows.append([offset, scale // size, device_offset // size, out.numel(), _rows_cols(master.shape)[1]])
+        return cls(rows, spans, dtype)
+
+    def launch(self, chunk: int, staging: torch.Tensor, out_flat: torch.Tensor) -> None:
+        """Dequantize the chunk's matrices from `staging` (the load's uint8 staging buffer, host
+        layout) into `out_flat` (the scope's uint8 device buffer), on the current stream."""
+        from .kernels import dequantize_segments
+
+        first, count, numel = self.chunks[chunk]
+        if not count or not numel:
+            return
+        table = self._table
+        if table is None:  # ordered before every launch: the same (current) stream
+            table = self._table = self._host.to(out_flat.device, non_blocking=True)
+        dequantize_segments(staging.view(torch.float8_e4m3fn), staging.view(self.dtype), out_flat.view(self.dtype),
+                            table, first, count, numel)
+
+
 # Reads rows [start, stop) of a tensor (dim 0), in increasing order, each once: a tensor not in
 # memory, read a block at a time (offtensor.load, Note [loading scope by scope] in weights/load.py).
 RowReader = Callable[[int, int], torch.Tensor]

@@ -43,3 +43,31 @@ def dequantize_rows(values: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
         with torch.cuda.device(out.device):
             _dequantize_rows_kernel[(triton.cdiv(n, _BLOCK),)](values, scale, out, n, values.shape[-1],
                                                                BLOCK=_BLOCK)
+
+
+@triton.jit(do_not_specialize=["first"])
+def _dequantize_segments_kernel(values, scales, out, table, first, BLOCK: tl.constexpr):
+    # program (i, j): block i of the j-th matrix from row `first` of the table (Note [load plans])
+    row = table + (first + tl.program_id(1)).to(tl.int64) * 5
+    value_at, scale_at, out_at = tl.load(row), tl.load(row + 1), tl.load(row + 2)
+    n, cols = tl.load(row + 3), tl.load(row + 4)
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    v = tl.load(values + value_at + offsets, mask=mask).to(tl.float32)
+    s = tl.load(scales + scale_at + offsets // cols, mask=mask).to(tl.float32)
+    tl.store(out + out_at + offsets, (v * s).to(out.dtype.element_ty), mask=mask)
+
+
+def dequantize_segments(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
+                        first: int, count: int, numel: int) -> None:
+    """dequantize_rows for `count` matrices in one kernel, on out's device's current stream:
+    matrix j is row `first + j` of `table` (int64, on the device: the offset of its values in
+    `values`, of its scales in `scales`, of its output in `out`, in elements of each, its numel
+    and its columns), `numel` the largest. `values` (1-byte float), `scales` and `out` (of one
+    dtype) are flat views of whole buffers; the same arithmetic as dequantize_rows, bit for bit."""
+    grid = (triton.cdiv(numel, _BLOCK), count)
+    if torch.cuda.current_device() == out.device.index:  # see dequantize_rows
+        _dequantize_segments_kernel[grid](values, scales, out, table, first, BLOCK=_BLOCK)
+        return
+    with torch.cuda.device(out.device):
+        _dequantize_segments_kernel[grid](values, scales, out, table, first, BLOCK=_BLOCK)
