@@ -42,6 +42,7 @@ from ..distributed import wrappers as _distributed
 from .engine import Engine, ModelForward
 from .scope import Scope
 from .slot import ParamSlot, in_backward
+from .writes import DeviceVersions
 
 
 class ScopeHooks:
@@ -57,6 +58,8 @@ class ScopeHooks:
         # notice fully_shard replacing them (Note [data-parallel wrappers] in distributed/wrappers.py).
         self._homes = _homes(scope)
         self._exposed: list[_Home] | None = None  # Note [torch.compile]
+        self._versions: DeviceVersions = []  # of the exposed copies (Note [writes in compiled code])
+        self._compared = False  # a compiled call compared the copies with the masters
         self._places: list[_Home] | None = None  # cache of _current_homes
 
     def install(self) -> None:
@@ -139,10 +142,18 @@ class ScopeHooks:
         self._expose()
 
     def compiled_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        """The forward hook when compiled code calls the module: the parameters back, then the
-        eager hook (which may release the scope)."""
-        if self.scope.running_calls <= 1:
+        """The forward hook when compiled code calls the module: the parameters back, the writes
+        to their device copies into the masters (Note [writes in compiled code] in
+        core/writes.py), then the eager hook (which may release the scope)."""
+        if self.scope.running_calls <= 1 and self._exposed is not None:
             self._hide()
+            versions, self._versions = self._versions, []
+            try:
+                self.engine.writes.compiled_call_ended(self.scope, versions, compare=not self._compared)
+            except RuntimeError:
+                self._post_forward(module, args, kwargs, output)  # sees the error: a failed call
+                raise
+            self._compared = True  # not after a refusal: the next call compares again
         self._post_forward(module, args, kwargs, output)
 
     def _expose(self) -> None:
@@ -170,6 +181,7 @@ class ScopeHooks:
                 # code may check `isinstance(self.weight, nn.Parameter)`. Same object and hooks.
                 leaf.__class__ = nn.Parameter
             params[key] = leaf
+        self._versions = [(slot, slot.device_leaf, slot.device_leaf._version) for slot in self.scope.slots]
 
     def _hide(self) -> None:
         """Put the OffloadedParameters back where `_expose` put device copies."""

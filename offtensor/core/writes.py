@@ -1,14 +1,39 @@
 """What a write to an offloaded parameter's master invalidates: the copies still reading the
-master must finish first, and device copies made from the old value go."""
+master must finish first, and device copies made from the old value go; and writes that
+compiled code made to device copies, which go to the masters (Note [writes in compiled code]).
+
+# Note [writes in compiled code]
+In a compiled forward the scope's device copies stand in for its parameters (Note [device
+copies as graph inputs] in dispatch/compile.py), so a write there (`p.add_(1)` under no_grad,
+`p.copy_(...)`, `p[i] = v`, `p.data.mul_(2)`) reaches the device copy only: lost at the next
+load, and a kept copy and its master disagree. So the compiled pre-hook records each device
+copy's version counter, and the post-hook, once no call of the scope runs, copies each copy
+whose version moved into its master (`written_on_device`): the master changes as in eager mode,
+and the copy, which holds the same values, stays current. One integer comparison per parameter
+per call; a host sync only after a write. Not copied back, refused with the parameter's name:
+a master of another dtype (the forward computes in `compute_dtype`), compressed or in a file,
+or written by eager code in the same call. `p.data.mul_()` bumps no version counter when the
+backend runs the graph as traced (dynamo's "eager" backend; AOTAutograd-based ones, aot_eager
+and inductor, write inputs back with a counted copy): so the first compiled call of each scope
+also compares every unwritten copy's bytes with its master, and refuses what differs. Such a
+write made first at a later call is not seen (docs/design.md, Limits).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from ..api import Residency, ScopeState
+from ..dispatch.masters import without_subclass_dispatch
 from .scope import Scope
 from .slot import ParamSlot, on_optimizer_worker
 from .streams import Streams
+from .write_tracking import version_of
+
+# A device copy and its version counter when a compiled call of its scope started.
+DeviceVersions = list[tuple[ParamSlot, torch.Tensor, int]]
 
 
 class MasterWrites:
@@ -108,3 +133,75 @@ class MasterWrites:
                 and scope.written_since_copied(skip=handed)):
             self.streams.sync_master_reads()
             scope.release(force=True)
+
+    # ---- compiled code (Note [writes in compiled code]) -----------------------------------------
+
+    def compiled_call_ended(self, scope: Scope, versions: DeviceVersions, *, compare: bool) -> None:
+        """The last running compiled call of `scope` ended: copy the device copies it wrote into
+        their masters; `compare`: also compare the others' bytes with their masters (the
+        scope's first compiled call). Raises, naming the parameter, for a write that cannot be
+        copied back, after releasing the scope: its masters keep the values from before the call."""
+        if scope.state is ScopeState.OFFLOADED:
+            return  # released during the call (a forced release): no copy to read
+        for slot, leaf, version in versions:
+            written = leaf._version != version
+            if not written and not (compare and _differs(slot, leaf)):
+                continue
+            problem = _cannot_copy_back(slot, seen=written)
+            if problem is not None:
+                self.streams.sync_master_reads()
+                scope.release(force=True)
+                raise RuntimeError(
+                    f"offtensor: parameter {slot.name!r} was written in place inside a compiled "
+                    f"forward of scope {scope.name!r}, where it is a device copy; {problem}. "
+                    "Write it outside the compiled region (before or after the forward), or call "
+                    "offtensor.unwrap(model) first. The master keeps its values from before the call"
+                )
+            self.written_on_device(slot, leaf)
+
+    def written_on_device(self, slot: ParamSlot, leaf: torch.Tensor) -> None:
+        """Compiled code wrote the device copy `leaf`: its values become the master's, as an
+        eager write to the master would have made them. `leaf` holds them already, so it is not
+        marked stale, nor are graphs that saved it (the compiled graph orders its own reads)."""
+        slot.wait_for_step()
+        scope = slot.scope
+        scope.shadow_stale = True
+        scope.master_writes += 1  # a staged copy is stale (Note [staged loads] in weights/staging.py)
+        slot.retired_copies_written()
+        self.streams.sync_master_reads()
+        # On the current stream, which ran the forward; blocking, so the host waits for it.
+        without_subclass_dispatch(_copy_into_master, slot.param, leaf)
+        scope.writes.copied_versions[slot] = version_of(slot.param)
+
+
+def _copy_into_master(param: torch.Tensor, leaf: torch.Tensor) -> None:
+    # `param.detach()` shares the parameter's version counter: bumped as by an eager write.
+    param.detach().copy_(leaf.detach())
+
+
+def _cannot_copy_back(slot: ParamSlot, *, seen: bool) -> str | None:
+    """Why a device copy written in compiled code cannot become its master's values, or None."""
+    if not seen:
+        return ("the write bumped no version counter (`p.data.<op>_()` under a backend that runs "
+                "the graph as traced, dynamo's 'eager'), so offtensor cannot see it at every call; "
+                "write through the parameter instead (`with torch.no_grad(): p.mul_(2)`)")
+    if slot.packed is not None:
+        return "its master is compressed or kept in a file, so the write cannot reach it"
+    if slot.device_leaf.dtype != slot.param.dtype:
+        return (f"the forward computes in {slot.device_leaf.dtype} while the master is "
+                f"{slot.param.dtype}, so copying the write back would round the master")
+    if slot.stepped_elsewhere is not None:
+        return "its master is stepped by another rank (data_parallel(shard_optimizer=True))"
+    if slot.scope.writes.written_in_this_call(slot):
+        return "eager code also wrote its master in the same call, so the two writes conflict"
+    return None
+
+
+def _differs(slot: ParamSlot, leaf: torch.Tensor) -> bool:
+    """The device copy's bytes differ from its master's, where they are comparable (same dtype,
+    a plain master, no write to it pending in this call)."""
+    if (slot.packed is not None or leaf.dtype != slot.master.dtype or slot.stepped_elsewhere is not None
+            or slot.pending_step is not None or slot.scope.writes.written_in_this_call(slot)):
+        return False
+    master = slot.master.reshape(-1).view(torch.uint8).to(leaf.device)
+    return not torch.equal(leaf.detach().reshape(-1).view(torch.uint8), master)

@@ -13,6 +13,8 @@ which to wait for a chunk of a copy or a deferred optimizer step. So the two are
   loads (Note [progressive loads]) have no per-op hook to wait in;
 - the compiled backward reads the scope's storage, loaded again before it (Note [a compiled
   backward]);
+- a write to a parameter there writes its device copy, which the post-hook copies into the
+  master (Note [writes in compiled code] in core/writes.py);
 - an op on a parameter outside its own scope breaks the graph and runs eagerly (Note [an op in
   compiled code] in dispatch/param.py);
 - `backward_and_step` and `wait_for_steps` (optim/overlap.py) call themselves outside dynamo,
