@@ -41,21 +41,22 @@ parameters. Without it the frozen parameter got the gradient and the optimizer s
 # Note [a backward that raised]
 A backward that raises (a user's hook, an out-of-memory error, a failed recompute) never runs
 its graph task's end callback, and nothing else of autograd reports the error: a callback
-queued with the engine runs only on success, tensor and multi-grad hooks only on gradients.
-But the engine drops a failed task's callbacks with the task, as its `backward()` or `grad()`
-call unwinds, before the exception reaches the caller. So `_tasks` refers to each queued
-callback weakly, with a finalizer (`_task_dropped`): a task dropped while still listed raised.
-When it was the outermost, the gradients it completed become `.grad` (Note [gradients of a
-backward that raised]) and the engine releases what the backward left on the device, as after
-a forward that raised (kept scopes stay, as always). This sees every way into the engine
+queued with the engine runs only on success, tensor and multi-grad hooks only on gradients. But
+the engine drops a failed task's callbacks with the task, as its `backward()` or `grad()` call
+unwinds, before the exception reaches the caller. So `_tasks` refers to each queued callback
+weakly, with a finalizer (`_task_dropped`): a task dropped while still listed raised. When it
+was the outermost, the gradients it completed become `.grad` (Note [gradients of a backward
+that raised]) and the engine releases what the backward left on the device, as after a forward
+that raised (kept scopes stay, as always). This sees every way into the engine
 (`loss.backward()`, `torch.autograd.grad`, a checkpoint's reentrant backward), costs nothing
-per op, and unlike a patch of `torch.autograd.backward` cannot be bypassed by a reference
-taken before the patch. The finalizer acts only on the thread that owns the model: on CUDA an
-autograd device thread may drop the task last, while the caller's thread may already run the
-next forward. There, and if a finalizer is interrupted, the dead reference stays: the next
-backward's first hook (and `in_backward`) forgets it, the next forward releases what is left,
-and a backward_and_step that raised does all of it at once. Without this, a backward after the
-failed one (a retained graph) ended its own task with the failed one listed and never finalized.
+per op (nor on success: the reference goes with its entry first), and unlike a patch of
+`torch.autograd.backward` cannot be bypassed by a reference taken before the patch. The
+finalizer acts only on the thread that owns the model: on CUDA an autograd device thread may
+drop the task last, while the caller's thread may already run the next forward. There, and if a
+finalizer is interrupted, the dead reference stays: the next backward's first hook (and
+`in_backward`) forgets it, the next forward releases what is left, and a backward_and_step that
+raised does all of it at once. Without this, a backward after the failed one (a retained graph)
+ended its own task with the failed one listed and never finalized.
 
 # Note [gradients of a backward that raised]
 Plain autograd accumulates each leaf's gradient as soon as it is computed, so a backward that
@@ -142,10 +143,11 @@ class GradOffload:
         task raised, if it is still listed (Note [a backward that raised])."""
         if self._tasks.get(task) is not ref or not self._owns():
             return
-        del self._tasks[task]
-        self._held.pop(task, None)
-        if all(end() is None for end in self._tasks.values()):  # the outermost task raised
-            self.backward_raised()
+        if any(end() is not None for end in self._tasks.values()):  # an inner task: the outer goes on
+            del self._tasks[task]
+            self._held.pop(task, None)
+            return
+        self.backward_raised()  # the outermost task raised (forgets every task listed)
 
     def _forget_failed_tasks(self) -> None:
         """Drop the graph tasks that raised (Note [a backward that raised]); if the outermost

@@ -206,3 +206,30 @@ def test_a_retained_graph_differentiated_again_after_a_failure_gives_every_gradi
     _assert_nothing_left_on_the_device(model, "streamed")
     assert_grads_match(model, reference, **EXACT)
     _assert_trains_like_reference(model, reference, batch)
+
+
+def _fail_on_output_grad(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+    if output.requires_grad:
+        output.register_hook(_fail)
+
+
+# Reentrant checkpointing refuses torch.autograd.grad.
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant"])
+def test_a_torch_autograd_grad_that_raised_leaves_nothing_on_the_device(checkpoint):
+    """Not only `loss.backward()`: any call into the autograd engine that raises (here
+    `torch.autograd.grad`, failing in the 3rd scope's backward or recompute) releases what it
+    loaded."""
+    model, reference = _model_and_reference("streamed", checkpoint)
+    batch = torch.randn(4, 8), torch.randn(4, 4)
+    for m in (model, reference):
+        _loss(m, batch).backward()
+        m.zero_grad(set_to_none=True)
+    fail = _fail_on_output_grad if checkpoint is None else _fail_in_recompute
+    handle = model.blocks[FAILING].fc1.register_forward_hook(fail)
+    loss = _loss(model, batch)
+    with pytest.raises(InjectedFailure):
+        torch.autograd.grad(loss, [model.input.weight])
+    handle.remove()
+    _assert_nothing_left_on_the_device(model, "streamed")
+    assert all(p.grad is None for p in model.parameters())
+    _assert_trains_like_reference(model, reference, batch)
