@@ -81,7 +81,7 @@ class Engine:
         self.scopes: list[Scope] = []
         self.streams = Streams(device)
         self.live = LiveScopes()
-        self.grads = GradOffload(self.streams, self.scopes, self.end_backward)
+        self.grads = GradOffload(self.streams, self.scopes, self.end_backward, lambda: not self.thread.run_by_another())
         self.calls = GradCalls(self.scopes)
         self.budget = budget_for(policy, device, self.scopes, self.streams, self.live, idle=self._idle,
                                  lockstep=self._lockstep)
@@ -330,15 +330,18 @@ class Engine:
         return self.grads.stepper is None or not trainable(scope)
 
     @outside_transforms
-    def end_backward(self) -> None:
+    def end_backward(self, *, failed: bool = False) -> None:
         """End of the outermost backward: nothing stays resident (unless no_offload holds, or
-        the backward built a graph that may be differentiated again)."""
+        the backward built a graph that may be differentiated again); after one that raised
+        (`failed`, Note [a backward that raised] in core/grads.py), not even what it carried."""
         self._forget_backward()
         for scope in self.scopes:
             scope.running_calls = 0
         self.calls.backward_ended()
+        if failed:
+            self.budget.pass_failed()  # a timed pass measured nothing
         if not self.hold():
-            self.live.release_all(keep_carried=True)
+            self.live.release_all(keep_carried=not failed)
             if self.grads.stepper is not None:  # its worker's steps release nothing
                 self.budget.release_stepped()
         # Old gradients fetched and not taken (Note [stale gradient fetches] in core/old_grads.py).
@@ -349,12 +352,6 @@ class Engine:
     def _forget_backward(self) -> None:
         self.access.backward_scope = None
         self.schedule.forget_backward()
-
-    def backward_failed(self) -> None:
-        """A backward raised where offtensor sees it (backward_and_step): its end-of-backward
-        callback will not run. (After a plain `loss.backward()` the next forward cleans up.)"""
-        self.grads.reset_if_stale()
-        self.end_backward()
 
     def abort(self) -> None:
         """An exception in the forward: drop every device copy and in-flight prefetch; the next

@@ -39,16 +39,35 @@ post-accumulate-grad hooks still run. `_add` does the same with the master's fla
 parameters. Without it the frozen parameter got the gradient and the optimizer stepped it.
 
 # Note [a backward that raised]
-A backward that raises (a user's hook, a failed recompute) never runs its graph task's
-end-of-backward callback, so the task stayed in `_tasks` and its partial gradients in
-`_written`. The next forward forgot them (`reset_if_stale`), but a backward without a forward
-in between (a retained graph differentiated again, the second of two forwards' graphs) ended
-its own task with the failed one still listed: it never finalized, and every offloaded
-parameter silently kept its old `.grad` (None after `zero_grad`), with the partial gradient
-of the failed backward underneath. The autograd engine drops a failed task's callbacks with
-the task, so `_tasks` refers to each queued callback weakly: a dead reference is a task that
-raised. The next backward's first hook (and `in_backward`) forgets those, and with the
-outermost one what it wrote, as the next forward does.
+A backward that raises (a user's hook, an out-of-memory error, a failed recompute) never runs
+its graph task's end callback, and nothing else of autograd reports the error: a callback
+queued with the engine runs only on success, tensor and multi-grad hooks only on gradients. But
+the engine drops a failed task's callbacks with the task, as its `backward()` or `grad()` call
+unwinds, before the exception reaches the caller. So `_tasks` refers to each queued callback
+weakly, with a finalizer (`_task_dropped`): a task dropped while still listed raised. When it
+was the outermost, the gradients it completed become `.grad` (Note [gradients of a backward
+that raised]) and the engine releases what the backward left on the device, as after a forward
+that raised (kept scopes stay, as always). This sees every way into the engine
+(`loss.backward()`, `torch.autograd.grad`, a checkpoint's reentrant backward), costs nothing
+per op (nor on success: the reference goes with its entry first), and unlike a patch of
+`torch.autograd.backward` cannot be bypassed by a reference taken before the patch. The
+finalizer acts only on the thread that owns the model: on CUDA an autograd device thread may
+drop the task last, while the caller's thread may already run the next forward. There, and if a
+finalizer is interrupted, the dead reference stays: the next backward's first hook (and
+`in_backward`) forgets it, the next forward releases what is left, and a backward_and_step that
+raised does all of it at once. Without this, a backward after the failed one (a retained graph)
+ended its own task with the failed one listed and never finalized.
+
+# Note [gradients of a backward that raised]
+Plain autograd accumulates each leaf's gradient as soon as it is computed, so a backward that
+raises leaves `.grad` set on the parameters whose gradients came before the failure. A failed
+backward's gradients here went to the host buffers of `_written`, but `p.grad` points at them
+only at the end of backward, so they were lost; now they are published, with the
+post-accumulate-grad hooks, as at a normal end. (Accumulating into an existing `.grad` writes
+it in place, as before.) A parameter with several leaves (Note [hooks on the sum]) may have
+had only some of its contributions added; autograd would leave none: a partial gradient is
+what accumulation into `.grad` gives as well. Held sums (hooked, several leaves) are dropped:
+their hooks run at the task's end, which never came.
 
 # Note [sparse gradients]
 `nn.Embedding(sparse=True)` and `nn.EmbeddingBag(sparse=True)` give a sparse COO gradient, and
@@ -83,10 +102,13 @@ from .streams import Streams
 class GradOffload:
     """Moves gradients of offloaded parameters to their host `.grad` (one per engine)."""
 
-    def __init__(self, streams: Streams, scopes: list[Scope], end_backward: Callable[[], None]) -> None:
+    def __init__(self, streams: Streams, scopes: list[Scope], end_backward: Callable[..., None],
+                 owns: Callable[[], bool]) -> None:
         self._streams = streams
         self._scopes = scopes
-        self._end_backward = end_backward  # the engine's: releases what is still resident
+        # The engine's: releases what is still resident; `failed=True` after a backward that raised.
+        self._end_backward = end_backward
+        self._owns = owns  # this thread owns the model (Note [a backward that raised])
         # graph tasks with a queued end callback, outermost first -> that callback, weakly
         # (dead: the task raised; Note [a backward that raised])
         self._tasks: dict[int, weakref.ref[Callable[[], None]]] = {}
@@ -113,8 +135,19 @@ class GradOffload:
             return
         self._forget_failed_tasks()
         end = lambda: self._on_task_end(task)  # noqa: E731  (weakly referenced below)
-        self._tasks[task] = weakref.ref(end)
+        self._tasks[task] = weakref.ref(end, lambda ref: self._task_dropped(task, ref))
         Variable._execution_engine.queue_callback(end)
+
+    def _task_dropped(self, task: int, ref: weakref.ref) -> None:
+        """The autograd engine dropped a graph task's end callback: after it ran, or because the
+        task raised, if it is still listed (Note [a backward that raised])."""
+        if self._tasks.get(task) is not ref or not self._owns():
+            return
+        if any(end() is not None for end in self._tasks.values()):  # an inner task: the outer goes on
+            del self._tasks[task]
+            self._held.pop(task, None)
+            return
+        self.backward_raised()  # the outermost task raised (forgets every task listed)
 
     def _forget_failed_tasks(self) -> None:
         """Drop the graph tasks that raised (Note [a backward that raised]); if the outermost
@@ -186,7 +219,7 @@ class GradOffload:
             self._accumulate_sparse(slot, grad)
             return
         if reducer is not None and not reducer.keeps(slot):
-            self._send_to_owner(slot, grad)  # another rank steps it (data_parallel, shard_optimizer)
+            _send_to_owner(reducer, slot, grad)  # another rank steps it (data_parallel, shard_optimizer)
             return
         # Add to what the host gradient holds: this backward's earlier contributions, or the
         # `p.grad` of earlier backward calls (accumulation).
@@ -253,21 +286,6 @@ class GradOffload:
         if self.stepper is not None and slot.single_grad:
             self.stepper.grad_final(slot, None)  # already on the host
 
-    def _send_to_owner(self, slot: ParamSlot, grad: torch.Tensor) -> None:
-        """Data parallel with a sharded optimizer: another rank owns this parameter's gradient.
-        Send this rank's part, with what it accumulated under no_sync, and keep none: `p.grad`
-        becomes None (Note [one host copy per node] in distributed/shared_masters.py)."""
-        grad = grad.to(slot.param.dtype)
-        current = master_grad(slot.param)
-        old = slot.scope.take_old_grad(slot)
-        if old is None and current is not None:
-            slot.wait_for_step()
-            old = current.to(grad.device)  # not non_blocking: `current` may be freed below
-        self.reducer.reduce(slot, grad, old)
-        if current is not None:
-            without_subclass_dispatch(set_grads, [slot], [None])
-        slot.host_grad = None
-
     def _destination(self, slot: ParamSlot) -> tuple[torch.Tensor, bool]:
         """Where this backward's gradient for the slot goes, and whether it adds to what is
         there: into `p.grad` when it exists (accumulation, in place, as PyTorch does), else the
@@ -311,6 +329,22 @@ class GradOffload:
         self._tasks.pop(task, None)
         if not self._tasks:
             self.finalize()
+
+    def backward_raised(self) -> None:
+        """The outermost backward raised: release what it left on the device, publish what it
+        completed and forget the rest (Note [gradients of a backward that raised])."""
+        if self._last_d2h is not None:
+            self._last_d2h.synchronize()
+        stepper = self.stepper  # the slots handed to its worker are published there
+        written = [s for s in self._written if stepper is None or not stepper.handed(s)]
+        frozen = list(self._frozen)
+        self.reset_if_stale()
+        self._end_backward(failed=True)
+        self.stepper = None  # as in finalize
+        publish(written)
+        for slot in frozen:
+            for hook in slot.post_hooks.values():
+                hook(slot.param)
 
     def finalize(self) -> None:
         """End of the outermost backward: host grads complete, `p.grad` set, hooks fired."""
@@ -358,6 +392,22 @@ class GradOffload:
             for scope in self._scopes:
                 for slot in scope.slots:
                     slot.device_leaf.grad = None
+
+
+def _send_to_owner(reducer: Any, slot: ParamSlot, grad: torch.Tensor) -> None:
+    """Data parallel with a sharded optimizer: another rank owns this parameter's gradient.
+    Send this rank's part, with what it accumulated under no_sync, and keep none: `p.grad`
+    becomes None (Note [one host copy per node] in distributed/shared_masters.py)."""
+    grad = grad.to(slot.param.dtype)
+    current = master_grad(slot.param)
+    old = slot.scope.take_old_grad(slot)
+    if old is None and current is not None:
+        slot.wait_for_step()
+        old = current.to(grad.device)  # not non_blocking: `current` may be freed below
+    reducer.reduce(slot, grad, old)
+    if current is not None:
+        without_subclass_dispatch(set_grads, [slot], [None])
+    slot.host_grad = None
 
 
 def _host_grad_is_sparse(slot: ParamSlot) -> bool:

@@ -131,7 +131,7 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
     except BaseException as e:  # noqa: BLE001 - re-raised by raise_partial, with a note
         stepper.cancel()
         for engine in engines:
-            engine.backward_failed()
+            engine.grads.backward_raised()  # if the engine's drop of the task did not (Note [a backward that raised])
         stepper.raise_partial(e, "backward")
     finally:
         # The worker waits for pieces until it is closed, and wait_for_steps() waits for the
