@@ -329,6 +329,35 @@ def test_pinning_past_the_cap_falls_back_to_the_staging_ring_with_one_warning(mo
     offtensor.unwrap(model)
 
 
+def test_a_handler_that_keeps_the_pinning_warning_does_not_keep_the_model_alive(monkeypatch):
+    """Regression: the fallback warning passed the PinnedMemoryError as a log argument, and its
+    traceback holds wrap's frames: a handler that keeps records (pytest's caplog, MemoryHandler)
+    kept the model and its pinned masters alive after unwrap and del."""
+    import weakref
+    from logging.handlers import MemoryHandler
+
+    _, model = _plain_net()
+    scope_bytes = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+    monkeypatch.setenv(MAX_PINNED_ENV, str(int(2.5 * scope_bytes) + offtensor_pinned_now()))
+    kept = MemoryHandler(capacity=1000, flushLevel=logging.CRITICAL + 1)
+    log = logging.getLogger("offtensor")
+    log.addHandler(kept)
+    try:
+        offtensor.wrap(model, device="cpu", policy=offtensor.Policy(pin_memory=True))
+        model(torch.randn(2, 64)).sum().backward()
+        first = weakref.ref(model.blocks[0].up.weight)
+        offtensor.unwrap(model)
+        alive = weakref.ref(model)
+        del model
+        gc.collect()
+        warnings = [r for r in kept.buffer if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and f"would pass {MAX_PINNED_ENV}" in warnings[0].getMessage()
+        assert alive() is None, "a kept log record holds the model"
+        assert first() is None, "a kept log record holds a parameter"
+    finally:
+        log.removeHandler(kept)
+
+
 def offtensor_pinned_now() -> int:
     from offtensor.core import memory as _host_memory
 
