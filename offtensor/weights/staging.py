@@ -203,6 +203,10 @@ class StagingRing:
         self._stats = _Stats()
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._threads: list[threading.Thread] = []
+        # The checkpoint files the file scopes read, checked once per pass (Note [checkpoints that
+        # change] in weights/files.py): at the first load after pass_started.
+        self._stores = list({id(s.files.store): s.files.store for s in scopes if s.home is MasterHome.FILE}.values())
+        self._files_checked = False
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(self, _stop, self._jobs, self._threads)
 
@@ -238,10 +242,18 @@ class StagingRing:
             return slot.fill.done.is_set()
         return scope.home is not MasterHome.FILE
 
+    def pass_started(self) -> None:
+        """A pass of the model starts: its first load checks the checkpoint files."""
+        self._files_checked = False
+
     def acquire(self, scope: Any) -> torch.Tensor:
         """The scope's host bytes in a slot, for its load to copy from; read now (waiting for it)
         unless a read-ahead has, or a recent load left them there."""
         self._after_fork()
+        if not self._files_checked:
+            for store in self._stores:
+                store.check_unchanged()
+            self._files_checked = True
         slot = self._staged.get(scope)
         while True:
             if slot is None:

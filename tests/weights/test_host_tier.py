@@ -236,6 +236,46 @@ def _file_backed(tmp_path: Path):
     return model, reference
 
 
+def test_error_if_a_checkpoint_read_on_demand_is_rewritten_in_place(tmp_path):
+    """Regression: new bytes written into the checkpoint file in place (same size) were read by
+    the next passes, a mix of old and new scopes (0.51 off), then the new model, with no error.
+    Each pass checks that the open files are as offtensor.load found them."""
+    model, reference = _file_backed(tmp_path)
+    path = tmp_path / "model.safetensors"
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), **EXACT)
+        torch.manual_seed(1)
+        save_file(freeze_base(Net(4, 64)).state_dict(), tmp_path / "other.safetensors")
+        other = (tmp_path / "other.safetensors").read_bytes()
+        assert len(other) == path.stat().st_size
+        loaded, as_loaded = path.read_bytes(), path.stat()
+        with open(path, "r+b") as f:
+            f.write(other)
+        os.utime(path, ns=(as_loaded.st_atime_ns, as_loaded.st_mtime_ns + 10**9))  # a coarse clock sees it
+        for _ in range(2):  # and every pass after
+            with pytest.raises(RuntimeError, match=r"checkpoint file '.*model\.safetensors' changed since "
+                               r"offtensor\.load opened it.*load the model again with offtensor\.load"):
+                model(x)
+        with open(path, "r+b") as f:  # as it was: the failed passes left the model usable
+            f.write(loaded)
+        os.utime(path, ns=(as_loaded.st_atime_ns, as_loaded.st_mtime_ns))
+        torch.testing.assert_close(model(x), reference(x), **EXACT)
+
+
+def test_a_checkpoint_replaced_atomically_keeps_being_read_as_loaded(tmp_path):
+    """A new file renamed over the checkpoint leaves the loaded model reading the file it opened."""
+    model, reference = _file_backed(tmp_path)
+    path = tmp_path / "model.safetensors"
+    torch.manual_seed(1)
+    save_file(freeze_base(Net(4, 64)).state_dict(), tmp_path / "other.safetensors")
+    os.replace(tmp_path / "other.safetensors", path)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(model(x), reference(x), **EXACT)
+
+
 def test_a_master_in_a_file_reads_as_the_checkpoint_and_every_write_raises(tmp_path):
     model, reference = _file_backed(tmp_path)
     p, r = model.blocks[1].up.weight, reference.blocks[1].up.weight
