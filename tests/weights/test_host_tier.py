@@ -226,6 +226,26 @@ def test_error_if_the_trainable_scopes_do_not_fit_the_host_budget(tmp_path):
     assert not any(s.masters is offtensor.MasterHome.FILE for s in offtensor.summary(model).scopes)
 
 
+def test_the_host_budget_the_error_names_is_the_least_that_loads(tmp_path):
+    """Regression: the error said "take 0.0 MiB ... Raise host_budget to at least that", rounded,
+    and scopes are padded (17408 host bytes for 17024 parameter bytes): a figure nobody could use.
+    The figure it names loads the same model; one byte less does not."""
+    import re
+
+    n, h = 2, 32
+    reference, path = _saved(tmp_path, n, h)
+    with pytest.raises(ValueError, match=r"Raise host_budget to at least \d+") as raised:
+        offtensor.load(_meta(n, h), path, device="cpu", policy=offtensor.Policy(host_budget=1000))
+    least = int(re.search(r"Raise host_budget to at least (\d+)", str(raised.value)).group(1))
+    assert least > sum(p.numel() * 4 for p in reference.parameters() if p.requires_grad)  # padded
+    with pytest.raises(ValueError, match=rf"Raise host_budget to at least {least}\b"):
+        offtensor.load(_meta(n, h), path, device="cpu", policy=offtensor.Policy(host_budget=least - 1))
+    model = _meta(n, h)
+    offtensor.load(model, path, device="cpu", policy=offtensor.Policy(host_budget=least))
+    x = torch.randn(2, h)
+    torch.testing.assert_close(model(x), reference(x), **EXACT)
+
+
 def _file_backed(tmp_path: Path):
     n, h = 4, 64
     reference, path = _saved(tmp_path, n, h)
