@@ -334,7 +334,7 @@ def test_host_budget_needs_offtensor_load_and_bad_options_are_refused():
     with pytest.raises(ValueError, match=r"host_budget=\.\.\.\) leaves the masters .* needs offtensor\.load"):
         offtensor.wrap(model, device="cpu", policy=offtensor.Policy(host_budget=2**20))
     assert not offtensor.is_wrapped(model)
-    with pytest.raises(ValueError, match="host_budget must be a positive int"):
+    with pytest.raises(ValueError, match="host_budget must be a positive number of bytes"):
         offtensor.Policy(host_budget=0)
     with pytest.raises(ValueError, match="pin_memory must be None, True, False or 'ring'"):
         offtensor.Policy(pin_memory="sometimes")
