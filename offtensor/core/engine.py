@@ -191,8 +191,6 @@ class Engine:
             self._start_pass(scope)
 
     def _start_pass(self, first: Scope) -> None:
-        if self.ring is not None:
-            self.ring.pass_started()
         self.grads.reset_if_stale()
         self.calls.pass_started()
         self._forget_backward()
@@ -226,8 +224,6 @@ class Engine:
         if _distributed.active():
             _distributed.check_ddp_forward("the model given to offtensor.wrap")
         self.model_forward = ModelForward.STARTING
-        if self.ring is not None:
-            self.ring.pass_started()  # before the first scope's load below
         self.budget.between_passes(self.schedule.order, self.schedule.backward_order, self.ring)
         first = self.schedule.first_of_next_pass()
         if first is None or self.schedule.prefetch_bytes == 0:

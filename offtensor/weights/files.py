@@ -5,9 +5,10 @@ as they are kept (Note [masters in files] in weights/file_masters.py).
 # Note [checkpoints that change]
 A file scope reads its masters from the checkpoint at every load, so new bytes written into the
 file in place would make the next passes compute with a mix of old and new scopes, then with
-the new model, silently. So the staging ring checks, once per pass (at its first load), that
-each open checkpoint file still has the size and modification time it had when opened, and
-raises naming the file otherwise: one `fstat` per file and pass, nothing per read. It asks the
+the new model, silently. So the staging ring checks, once per pass (at its first load, and
+when a scope loaded since comes again: the next pass, or backward), that each open checkpoint
+file still has the size and modification time it had when opened, and raises naming the file
+otherwise: one `fstat` per file and pass, nothing per read. It asks the
 open descriptor, not the path: an atomic replace (a new file renamed over the path) leaves the
 descriptor on the old file, which reads as loaded, so the model goes on as it was. A truncated
 file fails its read (EOFError) as well. Reads outside passes (`p.data`, `state_dict()`,

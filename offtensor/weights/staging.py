@@ -204,9 +204,9 @@ class StagingRing:
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._threads: list[threading.Thread] = []
         # The checkpoint files the file scopes read, checked once per pass (Note [checkpoints that
-        # change] in weights/files.py): at the first load after pass_started.
+        # change] in weights/files.py): when a scope acquired since the last check comes again.
         self._stores = list({id(s.files.store): s.files.store for s in scopes if s.home is MasterHome.FILE}.values())
-        self._files_checked = False
+        self._since_check: set[Any] = set()
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(self, _stop, self._jobs, self._threads)
 
@@ -242,18 +242,12 @@ class StagingRing:
             return slot.fill.done.is_set()
         return scope.home is not MasterHome.FILE
 
-    def pass_started(self) -> None:
-        """A pass of the model starts: its first load checks the checkpoint files."""
-        self._files_checked = False
-
     def acquire(self, scope: Any) -> torch.Tensor:
         """The scope's host bytes in a slot, for its load to copy from; read now (waiting for it)
         unless a read-ahead has, or a recent load left them there."""
         self._after_fork()
-        if not self._files_checked:
-            for store in self._stores:
-                store.check_unchanged()
-            self._files_checked = True
+        if self._stores:
+            self._check_files(scope)
         slot = self._staged.get(scope)
         while True:
             if slot is None:
@@ -274,6 +268,15 @@ class StagingRing:
         slot.used = next(self._uses)
         self._read_ahead(scope)
         return slot.flat[: scope.nbytes]
+
+    def _check_files(self, scope: Any) -> None:
+        """Check the checkpoint files once per pass: at the first load, and when a scope loaded
+        since the last check loads again (the next pass, or backward after forward)."""
+        if not self._since_check or scope in self._since_check:
+            for store in self._stores:
+                store.check_unchanged()
+            self._since_check.clear()
+        self._since_check.add(scope)
 
     def copied(self, scope: Any, event: Any) -> None:
         """The scope's load has enqueued its copy out of the slot; `event` follows it (None: done)."""
