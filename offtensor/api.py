@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import decimal
 import enum
+import math
+import numbers
+import operator
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -42,6 +47,12 @@ class MasterHome(enum.Enum):
 @dataclass(frozen=True)
 class Policy:
     """Options for `offtensor.wrap`, passed through whole.
+
+    Sizes (`max_scope_bytes`, `vram_budget`, `host_budget`) are bytes, written as an int, a float
+    (`1.5e9`) or a string with a unit, as accelerate's `max_memory` takes them: `"16GiB"`,
+    `"16GB"`, `"512 MiB"`, `"1.5GiB"` (KB, MB, GB, TB are powers of 1000; KiB, MiB, GiB, TiB
+    powers of 1024; any case). The policy holds them as ints (`Policy(host_budget="1KiB")
+    .host_budget == 1024`).
 
     Attributes:
         prefetch: how much is kept in flight on the copy stream beyond the scope computing
@@ -119,26 +130,28 @@ class Policy:
     """
 
     prefetch: int = 1
-    max_scope_bytes: int | None = None
+    max_scope_bytes: int | float | str | None = None  # an int once made (byte_size)
     keep_for_backward: bool = False
     pin_memory: bool | Literal["ring"] | None = None
     param_filter: Callable[[str, nn.Parameter], bool] | None = None
     compute_dtype: torch.dtype | None = None
     cast: Literal["device", "host"] = "device"
-    vram_budget: int | Literal["auto"] | None = None
+    vram_budget: int | float | str | None = None  # an int or "auto" once made
     layout: Literal["auto", "timed", "spread"] = "auto"
     frozen_format: Literal["fp8", "int8"] | None = None
-    host_budget: int | None = None
+    host_budget: int | float | str | None = None  # an int once made
 
     def __post_init__(self) -> None:
-        if not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"offtensor.Policy: prefetch must be an int >= 0, got {self.prefetch!r}")
-        if self.max_scope_bytes is not None and (
-            not isinstance(self.max_scope_bytes, int) or self.max_scope_bytes <= 0
-        ):
-            raise ValueError(
-                f"offtensor.Policy: max_scope_bytes must be a positive int or None, got {self.max_scope_bytes!r}"
-            )
+        _check_count(self.prefetch, "prefetch")
+        for name in ("max_scope_bytes", "vram_budget", "host_budget"):
+            value = getattr(self, name)
+            if value is not None and not (name == "vram_budget" and value == "auto"):
+                # Frozen: the parsed size replaces what was given, so the policy holds bytes.
+                object.__setattr__(self, name, byte_size(value, f"offtensor.Policy: {name}",
+                                                         also=_ALSO_ACCEPTED[name]))
+        if not isinstance(self.keep_for_backward, bool):
+            raise TypeError(f"offtensor.Policy: keep_for_backward must be True or False, got "
+                            f"{self.keep_for_backward!r}")
         if self.compute_dtype is not None and not (
             isinstance(self.compute_dtype, torch.dtype) and self.compute_dtype.is_floating_point
         ):
@@ -151,12 +164,10 @@ class Policy:
                 "offtensor.Policy: param_filter must be callable as param_filter(qualified_name, "
                 f"param) -> bool (e.g. offtensor.frozen_only), or None; got {type(self.param_filter).__name__}"
             )
-        if self.vram_budget is not None and self.vram_budget != "auto" and (
-                not isinstance(self.vram_budget, int) or self.vram_budget <= 0):
-            raise ValueError(
-                f"offtensor.Policy: vram_budget must be a positive int (bytes), 'auto' or None, "
-                f"got {self.vram_budget!r}"
-            )
+        self._check_choices()
+
+    def _check_choices(self) -> None:
+        """The options chosen from a few values, and the combinations refused."""
         if self.layout not in ("auto", "timed", "spread"):
             raise ValueError(f"offtensor.Policy: layout must be 'auto', 'timed' or 'spread', got {self.layout!r}")
         if self.cast not in ("device", "host"):
@@ -164,13 +175,9 @@ class Policy:
         if self.frozen_format not in (None, "fp8", "int8"):
             raise ValueError(
                 f"offtensor.Policy: frozen_format must be 'fp8', 'int8' or None, got {self.frozen_format!r}")
-        if self.pin_memory not in (None, True, False, "ring"):
+        if not any(self.pin_memory is v for v in (None, True, False)) and self.pin_memory != "ring":
             raise ValueError(
                 f"offtensor.Policy: pin_memory must be None, True, False or 'ring', got {self.pin_memory!r}")
-        if self.host_budget is not None and (
-                isinstance(self.host_budget, bool) or not isinstance(self.host_budget, int) or self.host_budget <= 0):
-            raise ValueError(
-                f"offtensor.Policy: host_budget must be a positive int (bytes) or None, got {self.host_budget!r}")
         if self.cast == "host" and (self.host_budget is not None or self.pin_memory == "ring"):
             raise ValueError(
                 "offtensor.Policy: cast='host' does not combine with host_budget or pin_memory='ring': "
@@ -181,6 +188,50 @@ class Policy:
                 "offtensor.Policy: frozen_format and cast='host' do not combine: cast='host' keeps "
                 "a host copy in compute_dtype, which would undo the compression of frozen "
                 "masters. Use cast='device' (the default) with frozen_format")
+
+
+# What a size field of Policy takes besides a byte size, for its error messages.
+_ALSO_ACCEPTED = {"max_scope_bytes": " or None", "vram_budget": ", 'auto' or None", "host_budget": " or None"}
+
+# Byte units, case-insensitive: decimal (powers of 1000) and binary (powers of 1024), as
+# accelerate's max_memory and most tools write them.
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def byte_size(value: object, what: str, *, also: str = "") -> int:
+    """A positive number of bytes from an int, a float (`1.5e9`) or a string with a unit
+    (`"16GiB"`, `"16GB"`, `"512 MiB"`, `"1.5GiB"`); fractions of a byte are dropped. Raises
+    TypeError or ValueError naming `what` ("offtensor.Policy: host_budget"), with an example;
+    `also`: what else the field takes, for the message."""
+    expected = (f"{what} must be a positive number of bytes (an int, a float such as 1.5e9, or a "
+                f"string such as '16GiB', '16GB' or '512MiB'){also}")
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+        raise TypeError(f"{expected}; got {value!r} ({type(value).__name__})")
+    if isinstance(value, str):
+        match = _SIZE.fullmatch(value)
+        unit = _UNITS.get(match.group(2).lower()) if match else None
+        if match is None or unit is None:
+            raise ValueError(f"{expected} (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB); got {value!r}")
+        nbytes = int(decimal.Decimal(match.group(1)) * unit)  # exact: "1.1GB" is 1100000000
+    elif isinstance(value, numbers.Integral):
+        nbytes = operator.index(value)  # numpy integers too
+    else:
+        if not math.isfinite(float(value)):
+            raise ValueError(f"{expected}; got {value!r}")
+        nbytes = math.floor(float(value))
+    if nbytes <= 0:
+        raise ValueError(f"{expected}; got {value!r}")
+    return nbytes
+
+
+def _check_count(value: object, what: str) -> None:
+    """An int >= 0 option (not a bool, a subclass of int that is never meant as a count)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"offtensor.Policy: {what} must be an int >= 0, got {value!r} ({type(value).__name__})")
+    if value < 0:
+        raise ValueError(f"offtensor.Policy: {what} must be an int >= 0, got {value!r}")
 
 
 def frozen_only(name: str, param: nn.Parameter) -> bool:

@@ -89,6 +89,7 @@ def _split_large(selected: Selected) -> list[tuple[str, nn.Module, Policy, bool,
 
     def visit(name: str, module: nn.Module, policy: Policy, block: str) -> None:
         limit = policy.max_scope_bytes
+        assert limit is None or isinstance(limit, int)  # Policy made it bytes (byte_size)
         children = list(module.named_children())
         nbytes = sum(p.numel() * p.element_size() for p in module.parameters())
         # Note [splitting containers]
@@ -164,6 +165,7 @@ def check_budget(plans: list[Plan], policy: Policy) -> None:
     budget = policy.vram_budget
     if budget is None or budget == "auto":
         return
+    assert isinstance(budget, int)  # Policy made it bytes (byte_size)
     blocks: dict[str, int] = {}
     for _, _, scope_policy, params, block in plans:
         dtypes = compute_dtypes(scope_policy, params)
@@ -306,5 +308,6 @@ def scopes_in_files(plans: list[Plan], policy: Policy) -> set[str]:
     scopes = [(name, layout(host_sizes(scope_policy, params)[1])[1],
                [qual for qual, p in params if p.requires_grad])
               for name, _, scope_policy, params, _ in plans]
+    assert isinstance(policy.host_budget, int)  # Policy made it bytes (byte_size)
     return plan_host_budget(scopes, policy.host_budget)
 

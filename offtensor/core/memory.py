@@ -169,11 +169,14 @@ class PinningFallback:
 
     def __call__(self, error: PinnedMemoryError, what: str) -> None:
         if not self.failed:
+            # The message, not the error: a record keeps its arguments, and the error's traceback
+            # holds wrap's frames, so a handler that keeps records (caplog, MemoryHandler) would
+            # keep the model and its masters alive after unwrap.
             logger.warning(
                 "%s. offtensor keeps %s and what it allocates after in pageable memory, the masters "
                 "loaded through a small page-locked staging ring (as Policy(pin_memory='ring') "
                 "does): nothing is lost, copies are slower. Raise the lockable memory limit "
-                "(ulimit -l) for full speed, or pass Policy(pin_memory='ring') to choose this", error, what)
+                "(ulimit -l) for full speed, or pass Policy(pin_memory='ring') to choose this", str(error), what)
         self.failed = True
 
     def empty(self, nbytes: int, *, pin: bool, what: str) -> torch.Tensor:

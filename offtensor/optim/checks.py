@@ -16,6 +16,11 @@ from ..dispatch.param import OffloadedParameter
 
 def check_call(loss: torch.Tensor, optimizer: Any, spare_threads: Any, piece_bytes: Any, device_share: Any) -> None:
     """The arguments of a backward_and_step call, its defaults filled in."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"offtensor.backward_and_step: loss must be the loss tensor, got a {type(loss).__name__}: "
+            "pass the tensor itself (not loss.item() or a float), whose backward the call "
+            "runs; nothing was stepped")
     if isinstance(spare_threads, bool) or not isinstance(spare_threads, int) or spare_threads < 0:
         raise ValueError(f"offtensor.backward_and_step: spare_threads must be an int >= 0, got {spare_threads!r}")
     if isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int) or piece_bytes < 1:

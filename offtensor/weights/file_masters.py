@@ -161,13 +161,15 @@ def plan_host_budget(scopes: list[tuple[str, int, list[str]]], budget: int) -> s
     needed = sum(n for _, n, _ in trainable)
     if needed > budget:
         first = trainable[0][2][0]
+        # Exact bytes: the scopes' host layouts are padded (ALIGN), so no figure computed from
+        # the parameters, nor a rounded one, is what makes the same load succeed.
         raise ValueError(
-            f"offtensor.load: the scopes with trainable offloaded parameters take {_mib(needed)} of "
-            f"host RAM ({len(trainable)} scopes, e.g. parameter {first!r}), more than "
-            f"Policy(host_budget={budget}) ({_mib(budget)}): trainable masters stay in host RAM, "
-            "where the optimizer steps them. Raise host_budget to at least that, freeze what you do "
-            "not train before offtensor.load (requires_grad_(False)), or keep the trainable "
-            "parameters on the device with Policy(param_filter=offtensor.frozen_only)")
+            f"offtensor.load: the scopes with trainable offloaded parameters take {needed} bytes "
+            f"({_readable(needed)}) of host RAM ({len(trainable)} scopes, e.g. parameter {first!r}), more "
+            f"than Policy(host_budget={budget}): trainable masters stay in host RAM, where the "
+            f"optimizer steps them. Raise host_budget to at least {needed}, freeze what you do not "
+            "train before offtensor.load (requires_grad_(False)), or keep the trainable parameters "
+            "on the device with Policy(param_filter=offtensor.frozen_only)")
     room = budget - needed
     frozen = [(name, n) for name, n, names in scopes if not names]
     if sum(n for _, n in frozen) <= room:
@@ -191,5 +193,5 @@ def plan_host_budget(scopes: list[tuple[str, int, list[str]]], budget: int) -> s
     return {name for name, _ in frozen if name not in in_ram}
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+def _readable(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"

@@ -1,6 +1,19 @@
 """The files that masters are read from: checkpoint files opened once and read with pread from any
 thread, where a checkpoint holds a tensor, and the cache file for the masters no checkpoint holds
-as they are kept (Note [masters in files] in weights/file_masters.py)."""
+as they are kept (Note [masters in files] in weights/file_masters.py).
+
+# Note [checkpoints that change]
+A file scope reads its masters from the checkpoint at every load, so new bytes written into the
+file in place would make the next passes compute with a mix of old and new scopes, then with
+the new model, silently. So the staging ring checks, once per pass (at its first load, and
+when a scope loaded since comes again: the next pass, or backward), that each open checkpoint
+file still has the size and modification time it had when opened, and raises naming the file
+otherwise: one `fstat` per file and pass, nothing per read. It asks the
+open descriptor, not the path: an atomic replace (a new file renamed over the path) leaves the
+descriptor on the old file, which reads as loaded, so the model goes on as it was. A truncated
+file fails its read (EOFError) as well. Reads outside passes (`p.data`, `state_dict()`,
+`unwrap`) are not checked.
+"""
 
 from __future__ import annotations
 
@@ -28,8 +41,29 @@ class FileHandle:
         self.fd = fd
         self._owner = owner  # a TemporaryFile that closes (and so deletes) itself
         self._map: mmap.mmap | None = None  # where os.preadv is missing (Windows)
+        # The file as opened (size, modification time), for check_unchanged; None for the cache
+        # file, which is ours and written only at load.
+        self._opened: tuple[int, int] | None = None
         if owner is None:
             weakref.finalize(self, os.close, fd)
+            self._opened = _identity(os.fstat(fd))
+
+    def check_unchanged(self) -> None:
+        """Raise when the file was written since it was opened (Note [checkpoints that change]).
+        Asks the open descriptor, not the path: a file renamed over the path (an atomic
+        replace) is another file, and this one still reads as it was."""
+        if self._opened is None:
+            return
+        now = _identity(os.fstat(self.fd))
+        if now != self._opened:
+            (size, mtime), (new_size, new_mtime) = self._opened, now
+            raise RuntimeError(
+                f"offtensor: checkpoint file {self.path!r} changed since offtensor.load opened it (size "
+                f"{size} -> {new_size} bytes, modified {(new_mtime - mtime) / 1e9:+.3f} s later): the "
+                "masters read from it on demand (Policy(host_budget=...)) would mix old and new weights. "
+                "Leave the checkpoint as loaded while the model uses it (write a new file and rename it "
+                "over the old one: the model keeps reading the old one), or load the model again with "
+                "offtensor.load")
 
     def read_into(self, buffers: list[memoryview], offset: int) -> int:
         """Fill `buffers` with the file's bytes from `offset` on; returns the bytes read."""
@@ -90,6 +124,12 @@ class FileStore:
             handle = self._files[key] = FileHandle(key, os.open(key, os.O_RDONLY | getattr(os, "O_BINARY", 0)))
         return handle
 
+    def check_unchanged(self) -> None:
+        """Raise when a checkpoint file was written since it was opened (Note [checkpoints that
+        change])."""
+        for handle in self._files.values():
+            handle.check_unchanged()
+
     def append(self, data: torch.Tensor, what: str) -> tuple[FileHandle, int]:
         """Write `data` (uint8, contiguous, on the CPU) at the cache file's end: (file, offset)."""
         if self._cache is None:
@@ -113,6 +153,10 @@ class FileStore:
                 _write_at(self._cache.fd, view[done:], at + done)
         self._cache_end += len(view)
         return self._cache, at
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_size, st.st_mtime_ns
 
 
 def _write_at(fd: int, data: memoryview, offset: int) -> int:

@@ -203,6 +203,10 @@ class StagingRing:
         self._stats = _Stats()
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._threads: list[threading.Thread] = []
+        # The checkpoint files the file scopes read, checked once per pass (Note [checkpoints that
+        # change] in weights/files.py): when a scope acquired since the last check comes again.
+        self._stores = list({id(s.files.store): s.files.store for s in scopes if s.home is MasterHome.FILE}.values())
+        self._since_check: set[Any] = set()
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(self, _stop, self._jobs, self._threads)
 
@@ -242,6 +246,8 @@ class StagingRing:
         """The scope's host bytes in a slot, for its load to copy from; read now (waiting for it)
         unless a read-ahead has, or a recent load left them there."""
         self._after_fork()
+        if self._stores:
+            self._check_files(scope)
         slot = self._staged.get(scope)
         while True:
             if slot is None:
@@ -262,6 +268,15 @@ class StagingRing:
         slot.used = next(self._uses)
         self._read_ahead(scope)
         return slot.flat[: scope.nbytes]
+
+    def _check_files(self, scope: Any) -> None:
+        """Check the checkpoint files once per pass: at the first load, and when a scope loaded
+        since the last check loads again (the next pass, or backward after forward)."""
+        if not self._since_check or scope in self._since_check:
+            for store in self._stores:
+                store.check_unchanged()
+            self._since_check.clear()
+        self._since_check.add(scope)
 
     def copied(self, scope: Any, event: Any) -> None:
         """The scope's load has enqueued its copy out of the slot; `event` follows it (None: done)."""

@@ -156,9 +156,9 @@ def test_a_budget_below_what_streaming_needs_says_what_it_needs():
     assert not offtensor.is_wrapped(model)
 
 
-@pytest.mark.parametrize("bad", [0, -5, 1.5, "1GiB"])
-def test_a_budget_that_is_not_a_positive_int_is_refused(bad):
-    with pytest.raises(ValueError, match="vram_budget must be a positive int"):
+@pytest.mark.parametrize("bad", [0, -5, 0.5, "1 gigabyte"])
+def test_a_budget_that_is_not_a_positive_number_of_bytes_is_refused(bad):
+    with pytest.raises(ValueError, match="vram_budget must be a positive number of bytes"):
         offtensor.Policy(layout="spread", vram_budget=bad)
 
 

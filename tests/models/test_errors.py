@@ -330,3 +330,21 @@ def test_error_if_a_second_thread_runs_forward_while_the_first_is_in_backward():
     thread.join(timeout=30)
     assert len(errors) == 1 and "is in a forward or backward of the same wrapped model" in str(errors[0])
     assert_grads_match(model, reference, rtol=0, atol=0)
+
+
+def test_error_if_backward_and_step_is_given_the_loss_as_a_number_and_nothing_is_stepped():
+    """Regression: backward_and_step(loss.item(), opt) failed with AttributeError: 'float' object
+    has no attribute 'backward'."""
+    model = mlp_of_blocks(n_blocks=2)
+    reference = unwrapped_reference(model, "cpu")
+    offload(model, "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(3, 8)).square().mean()
+    for number in (loss.item(), 0):
+        with pytest.raises(TypeError, match=r"backward_and_step: loss must be the loss tensor, got a (float|int): "
+                           r"pass the tensor itself \(not loss\.item\(\) or a float\).*nothing was stepped"):
+            offtensor.backward_and_step(number, opt)  # type: ignore[arg-type]
+    for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=0, msg=name)
+        assert p.grad is None, name
+    offtensor.backward_and_step(loss, opt)  # the tensor: steps as before

@@ -226,6 +226,26 @@ def test_error_if_the_trainable_scopes_do_not_fit_the_host_budget(tmp_path):
     assert not any(s.masters is offtensor.MasterHome.FILE for s in offtensor.summary(model).scopes)
 
 
+def test_the_host_budget_the_error_names_is_the_least_that_loads(tmp_path):
+    """Regression: the error said "take 0.0 MiB ... Raise host_budget to at least that", rounded,
+    and scopes are padded (17408 host bytes for 17024 parameter bytes): a figure nobody could use.
+    The figure it names loads the same model; one byte less does not."""
+    import re
+
+    n, h = 2, 32
+    reference, path = _saved(tmp_path, n, h)
+    with pytest.raises(ValueError, match=r"Raise host_budget to at least \d+") as raised:
+        offtensor.load(_meta(n, h), path, device="cpu", policy=offtensor.Policy(host_budget=1000))
+    least = int(re.search(r"Raise host_budget to at least (\d+)", str(raised.value)).group(1))
+    assert least > sum(p.numel() * 4 for p in reference.parameters() if p.requires_grad)  # padded
+    with pytest.raises(ValueError, match=rf"Raise host_budget to at least {least}\b"):
+        offtensor.load(_meta(n, h), path, device="cpu", policy=offtensor.Policy(host_budget=least - 1))
+    model = _meta(n, h)
+    offtensor.load(model, path, device="cpu", policy=offtensor.Policy(host_budget=least))
+    x = torch.randn(2, h)
+    torch.testing.assert_close(model(x), reference(x), **EXACT)
+
+
 def _file_backed(tmp_path: Path):
     n, h = 4, 64
     reference, path = _saved(tmp_path, n, h)
@@ -234,6 +254,46 @@ def _file_backed(tmp_path: Path):
     offtensor.load(model, path, device="cpu", policy=policy)
     assert all(s.masters is offtensor.MasterHome.FILE for s in offtensor.summary(model).scopes)
     return model, reference
+
+
+def test_error_if_a_checkpoint_read_on_demand_is_rewritten_in_place(tmp_path):
+    """Regression: new bytes written into the checkpoint file in place (same size) were read by
+    the next passes, a mix of old and new scopes (0.51 off), then the new model, with no error.
+    Each pass checks that the open files are as offtensor.load found them."""
+    model, reference = _file_backed(tmp_path)
+    path = tmp_path / "model.safetensors"
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), **EXACT)
+        torch.manual_seed(1)
+        save_file(freeze_base(Net(4, 64)).state_dict(), tmp_path / "other.safetensors")
+        other = (tmp_path / "other.safetensors").read_bytes()
+        assert len(other) == path.stat().st_size
+        loaded, as_loaded = path.read_bytes(), path.stat()
+        with open(path, "r+b") as f:
+            f.write(other)
+        os.utime(path, ns=(as_loaded.st_atime_ns, as_loaded.st_mtime_ns + 10**9))  # a coarse clock sees it
+        for _ in range(2):  # and every pass after
+            with pytest.raises(RuntimeError, match=r"checkpoint file '.*model\.safetensors' changed since "
+                               r"offtensor\.load opened it.*load the model again with offtensor\.load"):
+                model(x)
+        with open(path, "r+b") as f:  # as it was: the failed passes left the model usable
+            f.write(loaded)
+        os.utime(path, ns=(as_loaded.st_atime_ns, as_loaded.st_mtime_ns))
+        torch.testing.assert_close(model(x), reference(x), **EXACT)
+
+
+def test_a_checkpoint_replaced_atomically_keeps_being_read_as_loaded(tmp_path):
+    """A new file renamed over the checkpoint leaves the loaded model reading the file it opened."""
+    model, reference = _file_backed(tmp_path)
+    path = tmp_path / "model.safetensors"
+    torch.manual_seed(1)
+    save_file(freeze_base(Net(4, 64)).state_dict(), tmp_path / "other.safetensors")
+    os.replace(tmp_path / "other.safetensors", path)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(model(x), reference(x), **EXACT)
 
 
 def test_a_master_in_a_file_reads_as_the_checkpoint_and_every_write_raises(tmp_path):
@@ -274,7 +334,7 @@ def test_host_budget_needs_offtensor_load_and_bad_options_are_refused():
     with pytest.raises(ValueError, match=r"host_budget=\.\.\.\) leaves the masters .* needs offtensor\.load"):
         offtensor.wrap(model, device="cpu", policy=offtensor.Policy(host_budget=2**20))
     assert not offtensor.is_wrapped(model)
-    with pytest.raises(ValueError, match="host_budget must be a positive int"):
+    with pytest.raises(ValueError, match="host_budget must be a positive number of bytes"):
         offtensor.Policy(host_budget=0)
     with pytest.raises(ValueError, match="pin_memory must be None, True, False or 'ring'"):
         offtensor.Policy(pin_memory="sometimes")
@@ -327,6 +387,35 @@ def test_pinning_past_the_cap_falls_back_to_the_staging_ring_with_one_warning(mo
     assert f"would pass {MAX_PINNED_ENV}" in warnings[0].getMessage()
     assert "Policy(pin_memory='ring')" in warnings[0].getMessage()
     offtensor.unwrap(model)
+
+
+def test_a_handler_that_keeps_the_pinning_warning_does_not_keep_the_model_alive(monkeypatch):
+    """Regression: the fallback warning passed the PinnedMemoryError as a log argument, and its
+    traceback holds wrap's frames: a handler that keeps records (pytest's caplog, MemoryHandler)
+    kept the model and its pinned masters alive after unwrap and del."""
+    import weakref
+    from logging.handlers import MemoryHandler
+
+    _, model = _plain_net()
+    scope_bytes = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+    monkeypatch.setenv(MAX_PINNED_ENV, str(int(2.5 * scope_bytes) + offtensor_pinned_now()))
+    kept = MemoryHandler(capacity=1000, flushLevel=logging.CRITICAL + 1)
+    log = logging.getLogger("offtensor")
+    log.addHandler(kept)
+    try:
+        offtensor.wrap(model, device="cpu", policy=offtensor.Policy(pin_memory=True))
+        model(torch.randn(2, 64)).sum().backward()
+        first = weakref.ref(model.blocks[0].up.weight)
+        offtensor.unwrap(model)
+        alive = weakref.ref(model)
+        del model
+        gc.collect()
+        warnings = [r for r in kept.buffer if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and f"would pass {MAX_PINNED_ENV}" in warnings[0].getMessage()
+        assert alive() is None, "a kept log record holds the model"
+        assert first() is None, "a kept log record holds a parameter"
+    finally:
+        log.removeHandler(kept)
 
 
 def offtensor_pinned_now() -> int:
