@@ -20,9 +20,10 @@ Modules, bottom up: measure (timing, memory, bandwidth), scenarios (what runs), 
 Llama), optimizer (the CPU AdamW measurements), peers (placing the model), results (rows),
 workload (one scenario's callables), run (timing a scenario, a peer's pass), rooflines (and
 targets), report (printing, JSON), plots (the pictures, with matplotlib), cli; the subcommands
-in profiling, host_memory, host_tier and plots. The diffusion transformer (`--shape flux`):
-dit_blocks (the built-in DiT), dit (the model, its inputs, the fp8 reference), dit_run (its
-peers and passes), dit_report (its rooflines and table); streamed counts what a peer copied.
+in profiling, host_memory, host_tier, host_overhead (and host_overhead_ops) and plots. The
+diffusion transformer (`--shape flux`): dit_blocks (the built-in DiT), dit (the model, its
+inputs, the fp8 reference), dit_run (its peers and passes), dit_report (its rooflines and
+table); streamed counts what a peer copied.
 Several GPUs (`--nproc N`): launch (the ranks, their process groups), multi_peers (placing the
 model on each rank), multi_report (rows over the ranks, the table), multi (what each rank runs).
 """

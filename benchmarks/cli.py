@@ -52,6 +52,8 @@ COMMANDS = {
     "compression-error": ("compression", "the output and logit error of Policy(frozen_format=fp8|int8) against bf16"),
     "host-tier": ("host_tier", "a model over its Policy(host_budget) streamed from its files against the drive's "
                   "bandwidth; Policy(pin_memory='ring') against pinned"),
+    "host-overhead": ("host_overhead", "the host's share: offtensor's step against the plain model's and other "
+                      "offloaders' at host-bound shapes (thread time; the CPU by default)"),
     "plot": ("plots", "draw the pictures of a --json file (or a step timeline) again (matplotlib)"),
 }
 

@@ -1,0 +1,55 @@
+"""`python -m benchmarks host-overhead --quick` runs on the CPU: every row, peer and section is
+filled in and every peer computes what the plain model does. Timings are not asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("diffusers")
+
+import benchmarks as bench
+from benchmarks.host_overhead import NO_GRADS
+
+ROWS = [f"{model} {mode}" for model in ("Flux", "Llama")
+        for mode in ("forward", "train", "forward, no_grad", "forward, inference_mode")]
+
+
+def test_quick_host_overhead_fills_every_row_and_every_peer_matches_the_plain_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    threads = torch.get_num_threads()
+    out = tmp_path / "host.json"
+    assert bench.main(["host-overhead", "--quick", "--json", str(out)]) == 0
+    assert torch.get_num_threads() == threads  # the benchmark's one thread is given back
+    printed = capsys.readouterr().out
+    table = printed[printed.rindex("| x plain |"):].strip().splitlines()  # the table is printed last
+    assert [line.split(" | ")[0].lstrip("| ") for line in table[2:]] == ROWS
+    assert "checks: every output and grad equals the plain model's" in printed, printed
+    for section in ("| kept training step, Llama |", "| per op (kept scope) |", "| Python calls per step |"):
+        assert section in printed
+    record = json.loads(out.read_text())
+    accelerate = "accelerate" in record["rows"][0]["cells"]
+    for row in record["rows"]:
+        cells = row["cells"]
+        expected = {"plain", "kept", "streamed", "memcpy"} | ({"fp8"} if "no_grad" in row["mode"]
+                                                            or "inference" in row["mode"] else set())
+        assert expected <= set(cells), (row["mode"], set(cells))
+        for name, cell in cells.items():
+            assert cell["error"] is None, (row["mode"], name, cell["error"])
+            assert len(cell["ratios"]) == 3 and all(r > 0 for r in cell["ratios"]), (row["mode"], name)
+            if name != "memcpy":
+                assert cell["calls"] > 0
+                ok = ("=", NO_GRADS) if name == "accelerate" and row["mode"] == "train" else ("=",)
+                assert cell["check"] in ok, (row["workload"], row["mode"], name, cell["check"])
+        if accelerate and row["mode"] == "train":
+            assert cells["accelerate"]["check"] == NO_GRADS  # it keeps no grads: marked, not hidden
+        assert cells["kept"]["calls"] > cells["plain"]["calls"]
+    assert [s["scopes"] for s in record["scaling"]] == [2, 4]
+    assert all(s["check"] == "=" and s["ratio"] > 0 for s in record["scaling"])
+    ops = {o["what"]: o for o in record["per_op"]}
+    assert {"p.shape", "p.dtype", "p.device", "p.numel()", "p.requires_grad", "p.grad (set)",
+            "p.grad = None"} <= set(ops)
+    assert ops["the scope's call, one op"]["calls_offtensor"] > 0
