@@ -16,8 +16,10 @@ scope computing plus that budget. Scopes under 1/TINY of the largest (norms, bia
 counted, so a tiny scope never stands between the copy of the next large one and the compute it
 should overlap. A scope arriving out of order relearns the order from that point; the first
 scope of the order arriving again starts a new pass and releases whatever an earlier, abandoned
-pass left resident. Without the model's hooks to delimit passes (Note [passes of the model's
-forward]), ORDER_LIMIT bounds the order's length.
+pass left resident. A resident kept scope has only its old gradients to fetch: only the next
+`prefetch + 1` of them look, so a backward costs the host the same per scope at 80 scopes as at
+12. Without the model's hooks to delimit passes (Note [passes of the model's forward]),
+ORDER_LIMIT bounds the order's length.
 
 # Note [passes of the model's forward]
 The forward hooks of the model given to `wrap` delimit passes. As that forward starts
@@ -95,6 +97,7 @@ class Schedule:
             return
         in_flight = 0
         room = self.budget.free_streaming_room()
+        kept_ahead = self._policy.prefetch + 1  # kept scopes whose old gradients may be fetched now
         for scope in candidates:
             if scope is current:
                 continue
@@ -103,6 +106,13 @@ class Schedule:
             if scope.residency is Residency.KEPT:  # its weights are in the budget's kept part; old gradients are not
                 if not with_grads and scope.state is not ScopeState.OFFLOADED:
                     continue  # loaded, nothing to fetch
+                if scope.state is not ScopeState.OFFLOADED:
+                    # Nothing but old gradients to fetch: only for the next few kept scopes, so
+                    # that a backward's cost per scope does not grow with the number of scopes
+                    # (Note [prefetch order]); the others' turn comes as the backward nears them.
+                    kept_ahead -= 1
+                    if kept_ahead < 0:
+                        continue
                 grads = scope.old_grad_bytes() if with_grads else 0
                 if in_flight + grads > limit:
                     return

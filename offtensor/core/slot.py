@@ -59,7 +59,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -158,6 +158,28 @@ def device_copy(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torc
     return leaf, view
 
 
+class ParamMeta(NamedTuple):
+    """What cannot change about an offloaded parameter after wrap (Note [metadata without
+    dispatch] in dispatch/metadata.py)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    ndim: int
+    numel: int
+
+
+_disabled = torch._C._disabled_torch_function_impl
+_TensorBase = torch._C.TensorBase
+
+
+def meta_of(p: torch.Tensor) -> ParamMeta:
+    """The parameter's ParamMeta, read with subclass dispatch off."""
+    shape = _disabled(_TensorBase.shape.__get__, (), (p,))  # type: ignore[attr-defined]
+    return ParamMeta(shape, _disabled(_TensorBase.dtype.__get__, (), (p,)),  # type: ignore[attr-defined]
+                     _disabled(_TensorBase.device.__get__, (), (p,)), len(shape), shape.numel())  # type: ignore[attr-defined]
+
+
 @dataclass(eq=False, repr=False)
 class ParamSlot:
     """Per-parameter bookkeeping, stored on the parameter as `p._ot`."""
@@ -202,6 +224,10 @@ class ParamSlot:
     # `p.data` tensors handed out, with their versions at the last look (Note [p.data aliases])
     data_aliases: list[tuple[weakref.ref, int]] = field(default_factory=list)
     data_alias_written: bool = False  # one of them was written (or dropped) since the last copy
+    meta: ParamMeta = field(init=False)  # shape, dtype, device: Note [metadata without dispatch]
+
+    def __post_init__(self) -> None:
+        self.meta = meta_of(self.param)
 
     @property
     def grad_written(self) -> bool:

@@ -32,6 +32,7 @@ from ..core.slot import ParamSlot, on_optimizer_worker
 from ..distributed import wrappers as _distributed
 from ..weights.compress import AS_PLAIN, compressed_special, packed_of, packed_property, packed_torch_function
 from . import compile as _compile
+from . import metadata as _metadata
 from .autograd import AUTOGRAD_ENTRIES, REGISTRARS
 from .masters import DERIVED_PROPERTIES, MASTER_ONLY, await_steps, master_values, without_subclass_dispatch
 from .ops import dispatch, resident_copies, run_op
@@ -47,6 +48,15 @@ class OffloadedParameter(nn.Parameter):
     """
 
     _ot: ParamSlot  # its bookkeeping (core/slot.py)
+
+    # Read without __torch_function__: Note [metadata without dispatch] (dispatch/metadata.py)
+    shape = _metadata.shape  # type: ignore[assignment]
+    dtype = _metadata.dtype  # type: ignore[assignment]
+    device = _metadata.device  # type: ignore[assignment]
+    ndim = _metadata.ndim  # type: ignore[assignment]
+    numel = _metadata.numel  # type: ignore[assignment]
+    grad = _metadata.grad  # type: ignore[assignment]
+    requires_grad = _metadata.requires_grad  # type: ignore[assignment]
 
     def __new__(cls, data: torch.Tensor | None = None, requires_grad: bool = True) -> nn.Parameter:  # type: ignore[misc]
         # Code that rebuilds a parameter as `type(p)(new_data)` (accelerate's

@@ -1,0 +1,93 @@
+"""What an offloaded parameter is (shape, dtype, device, numel, requires_grad, `.grad`),
+answered without a round trip through `__torch_function__`.
+
+# Note [metadata without dispatch]
+A property read on a tensor subclass with its own `__torch_function__` goes through it: about
+2 us for `p.shape` where an `nn.Parameter` takes 0.1. Module code reads these in every forward
+(`x.to(self.weight.dtype)`, shape checks), and the gradient path, the optimizer and `zero_grad`
+read `.grad` of every parameter, so the cost grows with the model. They are about the master
+itself, which `__torch_function__` would hand them (Note [dispatch of an offloaded parameter]
+in dispatch/param.py): so OffloadedParameter defines them as Python properties, found before
+TensorBase's own. Shape, dtype, device and numel cannot change after wrap (a dtype change or
+a new shape is refused, the master never leaves its host buffer): the slot holds them
+(`ParamMeta`, core/slot.py). `requires_grad` and `.grad` are read from the master with subclass dispatch off.
+A `.grad` read or write waits for a pending optimizer step as before (the worker reads and may
+write it): with a fence pending, or a shared master another rank steps, these take the
+dispatched path. Writes to `requires_grad` (refused on compressed masters) always do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_disabled = torch._C._disabled_torch_function_impl
+_TensorBase = torch._C.TensorBase
+_GET_GRAD = _TensorBase.grad.__get__  # type: ignore[union-attr]
+_SET_GRAD = _TensorBase.grad.__set__  # type: ignore[union-attr]
+_GET_REQUIRES_GRAD = _TensorBase.requires_grad.__get__  # type: ignore[attr-defined]
+_SET_REQUIRES_GRAD = _TensorBase.requires_grad.__set__  # type: ignore[attr-defined]
+
+
+def _fixed(field: int, native: Any) -> property:
+    def get(self: Any) -> Any:
+        try:
+            return self._ot.meta[field]
+        except AttributeError:  # detached from offtensor (unwrap): what TensorBase says
+            return native.__get__(self)
+
+    return property(get)
+
+
+shape = _fixed(0, _TensorBase.shape)  # type: ignore[attr-defined]
+dtype = _fixed(1, _TensorBase.dtype)  # type: ignore[attr-defined]
+device = _fixed(2, _TensorBase.device)  # type: ignore[attr-defined]
+ndim = _fixed(3, _TensorBase.ndim)  # type: ignore[attr-defined]
+
+
+def numel(self: Any) -> int:
+    try:
+        return self._ot.meta.numel
+    except AttributeError:
+        return _TensorBase.numel(self)
+
+
+def _plain(p: Any) -> bool:
+    """No optimizer step pending or elsewhere: `.grad` is the master's own, now."""
+    try:
+        slot = p._ot
+    except AttributeError:
+        return False
+    return slot.pending_step is None and slot.stepped_elsewhere is None
+
+
+def _get_grad(self: Any) -> torch.Tensor | None:
+    if _plain(self):
+        return _disabled(_GET_GRAD, (), (self,))
+    return _GET_GRAD(self)  # through __torch_function__: waits for the step
+
+
+def _set_grad(self: Any, value: torch.Tensor | None) -> None:
+    if _plain(self):
+        _disabled(_SET_GRAD, (), (self, value))
+    else:
+        _SET_GRAD(self, value)
+
+
+def _del_grad(self: Any) -> None:
+    _set_grad(self, None)
+
+
+grad = property(_get_grad, _set_grad, _del_grad)
+
+
+def _get_requires_grad(self: Any) -> bool:
+    return _disabled(_GET_REQUIRES_GRAD, (), (self,))
+
+
+def _set_requires_grad(self: Any, value: bool) -> None:
+    _SET_REQUIRES_GRAD(self, value)  # through __torch_function__: compressed masters refuse it
+
+
+requires_grad = property(_get_requires_grad, _set_requires_grad)

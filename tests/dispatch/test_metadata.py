@@ -1,0 +1,81 @@
+"""What an offloaded parameter is (shape, dtype, device, numel, requires_grad, `.grad`) reads as
+for the plain parameter, without `__torch_function__` (Note [metadata without dispatch] in
+dispatch/metadata.py), and `.grad` still waits for a pending optimizer step."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+import offtensor
+from offtensor.dispatch import param as param_module
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.ModuleList([nn.Linear(8, 6), nn.Linear(6, 4).to(torch.float64)]))
+
+
+def test_metadata_reads_as_the_plain_parameters_without_torch_function(monkeypatch):
+    model = _model()
+    reference = copy.deepcopy(model)
+    offtensor.wrap(model, device="cpu")
+    calls = []
+    real = param_module._torch_function
+    monkeypatch.setattr(param_module, "_torch_function", lambda *a: calls.append(a[0]) or real(*a))
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert isinstance(p, offtensor.OffloadedParameter)
+        assert (p.shape, p.dtype, p.device, p.ndim, p.numel(), p.requires_grad, p.grad) == (
+            q.shape, q.dtype, q.device, q.ndim, q.numel(), q.requires_grad, q.grad)
+    assert not calls, calls
+
+
+def test_grad_set_read_and_deleted_like_the_plain_parameter():
+    model = _model()
+    reference = copy.deepcopy(model)
+    offtensor.wrap(model, device="cpu")
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        g = torch.randn_like(q)
+        p.grad, q.grad = g.clone(), g.clone()
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+        assert type(p.grad) is torch.Tensor
+        del p.grad
+        assert p.grad is None
+        p.requires_grad = False
+        assert not p.requires_grad
+        p.requires_grad_(True)
+        assert p.requires_grad
+
+
+def test_metadata_of_an_unwrapped_parameter_is_its_own():
+    model = _model()
+    params = list(model.parameters())
+    offtensor.wrap(model, device="cpu")
+    offtensor.unwrap(model)
+    for p in params:
+        assert type(p) is nn.Parameter and p.device.type == "cpu" and p.numel() == p.shape.numel()
+
+
+def test_grad_read_waits_for_the_deferred_step():
+    """After backward_and_step, reading `.grad` or `.shape` of a parameter stepped on the worker
+    gives what the plain run gives once its step is done."""
+    model = _model().to(torch.float64)
+    reference = copy.deepcopy(model)
+    offtensor.wrap(model, device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    x = torch.randn(3, 8, dtype=torch.float64)
+    for _ in range(3):
+        offtensor.backward_and_step(model[0][1](model[0][0](x)).square().sum(), opt)
+        grads = [p.grad.clone() for p in model.parameters()]
+        reference[0][1](reference[0][0](x)).square().sum().backward()
+        ref_opt.step()
+        for g, q in zip(grads, reference.parameters(), strict=True):
+            torch.testing.assert_close(g, q.grad, rtol=0, atol=0)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    offtensor.wait_for_steps()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0)
