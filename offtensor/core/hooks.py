@@ -35,13 +35,15 @@ from types import FrameType
 from typing import Any
 
 import torch
+import torch.utils._pytree as _pytree
 from torch import nn
 
+from ..api import ScopeState
 from ..dispatch import compile as _compile
 from ..distributed import wrappers as _distributed
 from .engine import Engine, ModelForward
 from .scope import Scope
-from .slot import ParamSlot, in_backward
+from .slot import ExposedCopy, ParamSlot, in_backward
 from .writes import DeviceVersions
 
 
@@ -61,6 +63,11 @@ class ScopeHooks:
         self._versions: DeviceVersions = []  # of the exposed copies (Note [writes in compiled code])
         self._compared = False  # a compiled call compared the copies with the masters
         self._places: list[_Home] | None = None  # cache of _current_homes
+        # `.data` aliases of the exposed copies and their versions, while an eager call has them
+        # exposed (Note [calls of a loaded scope])
+        self._aliases: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
+        self._attrs: list[_Home] | None = None  # where they are exposed
+        self._attr_places: tuple[list[_Home], list[_Home]] | None = None  # cache of _attribute_homes
 
     def install(self) -> None:
         module = self.scope.module
@@ -80,6 +87,8 @@ class ScopeHooks:
         interrupted = self.calls.drop_interrupted()
         if interrupted:
             _forget_calls(self.scope, interrupted)
+            if self.scope.running_calls == 0:
+                self._unexpose_loaded()
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         scope, engine = self.scope, self.engine
@@ -90,6 +99,7 @@ class ScopeHooks:
             _forget_calls(scope, interrupted)
         if scope.running_calls == 0:
             self._hide()  # an interrupted compiled call left its device copies exposed
+            self._unexpose_loaded()  # likewise an eager one
         tensors = _tensors(args, kwargs)
         if not in_backward():
             if _distributed.active():
@@ -128,12 +138,92 @@ class ScopeHooks:
             self.compiled_pre_forward(module, args, kwargs)
         else:
             self._pre_forward(module, args, kwargs)
+            if self.scope.state is ScopeState.RESIDENT and self._exposed is None and self._aliases is None:
+                self._expose_loaded()
 
     def _eager_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self._exposed is not None:  # exposed by _eager_pre_forward or a compiled caller
+        if self._aliases is not None:  # exposed by _expose_loaded
+            self._end_loaded_call(module, args, kwargs, output)
+        elif self._exposed is not None:  # exposed by _eager_pre_forward or a compiled caller
             self.compiled_post_forward(module, args, kwargs, output)
         else:
             self._post_forward(module, args, kwargs, output)
+
+    # ---- eager calls of a loaded scope (Note [calls of a loaded scope]) -------------------------
+
+    # Note [calls of a loaded scope]
+    # Every op on an OffloadedParameter pays its `__torch_function__`: 1-2 us for any Python
+    # override, several for ours, where a DiT block runs kernels of a few us. A scope already
+    # RESIDENT when its call starts (kept, or loaded and waited for) needs no per-op decision:
+    # every op would get its device copy (Note [ops in a resident scope] in dispatch/ops.py). So
+    # for that call its modules' attributes are the device copies (instance attributes, found
+    # before nn.Module.__getattr__ reaches `_parameters`, which keeps the parameters: an
+    # interrupt leaves `parameters()` and `state_dict()` as they are), and ops see plain
+    # tensors. A scope still LOADING keeps the per-op path, which waits for each op's chunk
+    # only. The copies are `ExposedCopy`s, nn.Parameters whose `.data` aliases are noted: a
+    # write in the forward changes the copy, as it changes a plain parameter at once, and at the
+    # call's end each copy whose version moved, or whose alias's did, is copied into its master
+    # (MasterWrites.exposed_call_ended). Not exposed: a compute dtype, compressed or file
+    # masters (a write could not be copied back exactly), a recompute in backward, torch.func
+    # transforms and make_fx traces. A write in a call that an interrupt ends is lost.
+
+    def _expose_loaded(self) -> None:
+        """Put the device copies where the scope's modules' attribute lookups find them first,
+        for this call, when each is ready as it is (ParamSlot.ready_copy) and can be written
+        back as it is (no compute dtype, no compressed or file master, no transform or trace)."""
+        scope = self.scope
+        if (scope.casts or in_backward() or self.engine.thread.foreign() or _compile.tracing()
+                or torch._C._functorch.peek_interpreter_stack() is not None):
+            return
+        slots = scope.slots
+        for slot in slots:
+            if slot.packed is not None or slot.ready_copy() is None:
+                return
+        aliases: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        attrs = self._attribute_homes()
+        for namespace, key, slot in attrs:
+            leaf = slot.device_leaf
+            if type(leaf) is not ExposedCopy:
+                leaf.__class__ = ExposedCopy
+            leaf.__dict__["_ot_aliases"] = aliases
+            namespace[key] = leaf
+        self._versions = [(slot, slot.device_leaf, slot.device_leaf._version) for slot in slots]
+        self._aliases = aliases
+        self._attrs = attrs
+
+    def _unexpose_loaded(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """Take the device copies back out of the modules' attributes; the `.data` aliases
+        noted while they were there."""
+        attrs, aliases = self._attrs, self._aliases
+        self._attrs, self._aliases = None, None
+        for namespace, key, slot in attrs or ():
+            if namespace.get(key) is slot.device_leaf:
+                del namespace[key]
+            slot.device_leaf.__dict__.pop("_ot_aliases", None)
+        return aliases or []
+
+    def _end_loaded_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """The copies taken back, their writes into the masters, then the eager hook (which may
+        release the scope)."""
+        if self.scope.running_calls <= 1:
+            aliases = self._unexpose_loaded()
+            versions, self._versions = self._versions, []
+            aliased = {id(leaf) for leaf, alias, v in aliases if alias._version != v}
+            try:
+                self.engine.writes.exposed_call_ended(self.scope, versions, aliased=aliased)
+            except RuntimeError:
+                self._post_forward(module, args, kwargs, output)  # sees the error: a failed call
+                raise
+        self._post_forward(module, args, kwargs, output)
+
+    def _attribute_homes(self) -> list[_Home]:
+        """(module.__dict__, name, slot) for each place a parameter of the scope is registered:
+        an instance attribute there is found before nn.Module.__getattr__ reaches _parameters."""
+        places = self._current_homes()
+        if self._attr_places is None or self._attr_places[0] is not places:
+            names = {id(m._parameters): m.__dict__ for m in self.scope.module.modules()}
+            self._attr_places = (places, [(names[id(params)], key, slot) for params, key, slot in places])
+        return self._attr_places[1]
 
     def compiled_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The forward pre-hook when compiled code calls the module: the eager hook, then the
@@ -149,7 +239,9 @@ class ScopeHooks:
             self._hide()
             versions, self._versions = self._versions, []
             try:
-                self.engine.writes.compiled_call_ended(self.scope, versions, compare=not self._compared)
+                # Not under torch.export's trace, whose modes would record the comparison.
+                compare = not (self._compared or _compile.tracing() or torch._C._len_torch_function_stack())
+                self.engine.writes.compiled_call_ended(self.scope, versions, compare=compare)
             except RuntimeError:
                 self._post_forward(module, args, kwargs, output)  # sees the error: a failed call
                 raise
@@ -386,5 +478,27 @@ def _homes(scope: Scope) -> list[_Home]:
 
 
 def _tensors(*trees: Any) -> list[torch.Tensor]:
-    leaves, _ = torch.utils._pytree.tree_flatten(trees)
-    return [t for t in leaves if isinstance(t, torch.Tensor)]
+    """The tensors in `trees`, as pytree finds them: a module's inputs or outputs. Tuples,
+    lists and dicts are walked here (a decoder layer's kwargs: a few dozen objects at each call,
+    where tree_flatten costs ~20 us); other containers pytree knows (ModelOutput) by pytree."""
+    found: list[torch.Tensor] = []
+    _collect(trees, found)
+    return found
+
+
+def _collect(tree: Any, found: list[torch.Tensor]) -> None:
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        for x in tree:
+            _collect(x, found)
+    elif kind is dict:
+        for x in tree.values():
+            _collect(x, found)
+    elif isinstance(tree, torch.Tensor):
+        found.append(tree)
+    elif isinstance(tree, tuple):  # a namedtuple, torch.return_types: pytree takes their fields
+        for x in tree:
+            _collect(x, found)
+    elif kind in _pytree.SUPPORTED_NODES:
+        leaves, _ = _pytree.tree_flatten(tree)
+        found.extend(t for t in leaves if isinstance(t, torch.Tensor))

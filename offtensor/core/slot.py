@@ -110,7 +110,40 @@ class DeviceCopy(torch.Tensor):
         if self.untyped_storage().nbytes() < needed:
             return (f"<offtensor device copy {tuple(self.shape)} {self.dtype} on {self.device}: "
                     "released, its scope is offloaded>")
-        return super().__repr__(*args, **kwargs)
+        return torch.Tensor.__repr__(self, *args, **kwargs)
+
+
+class ExposedCopy(nn.Parameter):
+    """A kept scope's device copy registered in place of its parameter for one eager call
+    (Note [calls of a loaded scope] in core/hooks.py): an nn.Parameter to module code, with no
+    `__torch_function__` of its own, whose `.data` aliases are noted so that a write through
+    one (which bumps no version counter the call can compare) reaches the master too."""
+
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        alias = _DATA_GET(self)
+        noted = self.__dict__.get("_ot_aliases")
+        if noted is not None:
+            noted.append((self, alias, alias._version))
+        return alias
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        alias = self.data  # noted: a write through it is seen
+        if value.shape != alias.shape or value.dtype != alias.dtype:
+            raise RuntimeError(
+                f"offtensor: `.data =` of a tensor of shape {tuple(value.shape)} and {value.dtype} "
+                f"on an offloaded parameter of shape {tuple(alias.shape)} and {alias.dtype}, inside "
+                "its scope's forward: its master cannot change shape or dtype. Assign a tensor of the "
+                "same shape and dtype")
+        with torch.no_grad():
+            alias.copy_(value)
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        return DeviceCopy.__repr__(self, *args, **kwargs)  # type: ignore[arg-type]
+
+
+_DATA_GET = torch._C.TensorBase.data.__get__  # type: ignore[attr-defined]
 
 
 def weakly(method: Any, *bound: Any) -> Any:
@@ -175,9 +208,9 @@ _TensorBase = torch._C.TensorBase
 
 def meta_of(p: torch.Tensor) -> ParamMeta:
     """The parameter's ParamMeta, read with subclass dispatch off."""
-    shape = _disabled(_TensorBase.shape.__get__, (), (p,))  # type: ignore[attr-defined]
-    return ParamMeta(shape, _disabled(_TensorBase.dtype.__get__, (), (p,)),  # type: ignore[attr-defined]
-                     _disabled(_TensorBase.device.__get__, (), (p,)), len(shape), shape.numel())  # type: ignore[attr-defined]
+    shape = _disabled(_TensorBase.shape.__get__, (), (p,))  # type: ignore[attr-defined, call-arg]
+    return ParamMeta(shape, _disabled(_TensorBase.dtype.__get__, (), (p,)),  # type: ignore[attr-defined, call-arg]
+                     _disabled(_TensorBase.device.__get__, (), (p,)), len(shape), shape.numel())  # type: ignore[attr-defined, call-arg]
 
 
 @dataclass(eq=False, repr=False)

@@ -141,10 +141,20 @@ class MasterWrites:
         their masters; `compare`: also compare the others' bytes with their masters (the
         scope's first compiled call). Raises, naming the parameter, for a write that cannot be
         copied back, after releasing the scope: its masters keep the values from before the call."""
+        self._copy_back(scope, versions, compare=compare, aliased=set(), where="a compiled forward")
+
+    def exposed_call_ended(self, scope: Scope, versions: DeviceVersions, *, aliased: set[int]) -> None:
+        """The last running eager call of `scope` with its device copies exposed ended (Note
+        [calls of a loaded scope] in core/hooks.py): as compiled_call_ended, the copies written
+        being those whose version moved or whose `.data` aliases (ids in `aliased`) were written."""
+        self._copy_back(scope, versions, compare=False, aliased=aliased, where="the forward")
+
+    def _copy_back(self, scope: Scope, versions: DeviceVersions, *, compare: bool, aliased: set[int],
+                   where: str) -> None:
         if scope.state is ScopeState.OFFLOADED:
             return  # released during the call (a forced release): no copy to read
         for slot, leaf, version in versions:
-            written = leaf._version != version
+            written = leaf._version != version or id(leaf) in aliased
             if not written and not (compare and _differs(slot, leaf)):
                 continue
             problem = _cannot_copy_back(slot, seen=written)
@@ -152,9 +162,9 @@ class MasterWrites:
                 self.streams.sync_master_reads()
                 scope.release(force=True)
                 raise RuntimeError(
-                    f"offtensor: parameter {slot.name!r} was written in place inside a compiled "
-                    f"forward of scope {scope.name!r}, where it is a device copy; {problem}. "
-                    "Write it outside the compiled region (before or after the forward), or call "
+                    f"offtensor: parameter {slot.name!r} was written in place inside {where} of "
+                    f"scope {scope.name!r}, where it is a device copy; {problem}. "
+                    "Write it outside the forward (before or after it), or call "
                     "offtensor.unwrap(model) first. The master keeps its values from before the call"
                 )
             self.written_on_device(slot, leaf)

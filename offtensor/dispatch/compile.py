@@ -151,9 +151,13 @@ _get_mode = torch._C._get_dispatch_mode
 def tracing() -> bool:
     """make_fx is tracing the code calling this (Note [tracing with make_fx]); also before
     autograd (pre-dispatch, as torch.export does)."""
-    # Read at every engine entry point and op on an offloaded parameter: no generator.
+    # Read at every engine entry point and op on an offloaded parameter: no generator, and the
+    # pre-dispatch mode read from its stack's state directly (what _get_dispatch_mode_pre_dispatch reads).
     return (_get_mode(_PROXY) is not None or _get_mode(_FAKE) is not None
-            or torch._ops._get_dispatch_mode_pre_dispatch(_PROXY) is not None)
+            or _PRE_DISPATCH_MODES.get(0) is not None)
+
+
+_PRE_DISPATCH_MODES = torch._ops.mode_stack_state_for_pre_dispatch()  # one per process
 
 
 def untraced(fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -80,9 +80,9 @@ def master_grad(p: torch.Tensor) -> torch.Tensor | None:
     subclass dispatches it unless subclass dispatch is off, and the gradient path reads it for
     every gradient."""
     slot = getattr(p, "_ot", None)
-    if slot is not None and not on_optimizer_worker():
+    if slot is not None and slot.pending_step is not None and not on_optimizer_worker():
         slot.wait_for_step()
-    return without_subclass_dispatch(_GRAD_OF, p)
+    return _disabled_torch_function_impl(_GRAD_OF, (), (p,))  # type: ignore[call-arg]
 
 
 _GRAD_OF = _TensorBase.grad.__get__  # type: ignore[union-attr]

@@ -64,13 +64,13 @@ def _plain(p: Any) -> bool:
 
 def _get_grad(self: Any) -> torch.Tensor | None:
     if _plain(self):
-        return _disabled(_GET_GRAD, (), (self,))
+        return _disabled(_GET_GRAD, (), (self,))  # type: ignore[call-arg]
     return _GET_GRAD(self)  # through __torch_function__: waits for the step
 
 
 def _set_grad(self: Any, value: torch.Tensor | None) -> None:
     if _plain(self):
-        _disabled(_SET_GRAD, (), (self, value))
+        _disabled(_SET_GRAD, (), (self, value))  # type: ignore[call-arg]
     else:
         _SET_GRAD(self, value)
 
@@ -83,7 +83,7 @@ grad = property(_get_grad, _set_grad, _del_grad)
 
 
 def _get_requires_grad(self: Any) -> bool:
-    return _disabled(_GET_REQUIRES_GRAD, (), (self,))
+    return _disabled(_GET_REQUIRES_GRAD, (), (self,))  # type: ignore[call-arg]
 
 
 def _set_requires_grad(self: Any, value: bool) -> None:
