@@ -161,10 +161,10 @@ def refuse_clip_after_step(parameters: list[torch.Tensor], what: str, bound: flo
         return
     used = False
     for p in parameters:
+        g = p.grad  # first: it waits for p's step, which records its mark
         mark = _used.get(id(p))
         if mark is not None and mark[0]() is not p:
             mark = None
-        g = p.grad
         if g is None:
             used = used or (mark is not None and mark[1] is None)
             continue

@@ -275,6 +275,12 @@ class OverlappedStep:
         """Until `slot`'s step is done (every step, when None); raises a worker error once.
         `from_any_thread=False`: the error of a call made on another thread that still runs is
         left for that thread (Note [calls in several threads])."""
+        if slot is None and self._queue.holding and self._call is not None and threading.get_ident() == self._caller:
+            raise RuntimeError(
+                "offtensor.backward_and_step: optimizer.step(), state_dict(), zero_grad() or "
+                "offtensor.wait_for_steps() while the call clips or unscales the gradients (in a "
+                "post-accumulate-grad hook) would wait for steps that begin only after that: it "
+                "waited forever. Call it after backward_and_step returns")
         while True:
             error, on_device = self._locked(self._wait_locked, slot, from_any_thread)
             if on_device is None:

@@ -227,3 +227,16 @@ def test_error_if_clipping_arguments_are_wrong(kwargs, message):
     with pytest.raises(ValueError, match=message):
         offtensor.backward_and_step(F.mse_loss(model(x), y), opt, **kwargs)
     assert_params_match(model, reference, **EXACT)
+
+
+def test_error_if_a_gradient_hook_waits_for_the_steps_while_the_call_clips():
+    """A post-accumulate-grad hook runs when the held gradients are published, before any step
+    begins: a wait for the steps there would wait forever."""
+    model, _ = mlp_and_reference("cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.blocks[1].fc1.weight.register_post_accumulate_grad_hook(lambda p: offtensor.wait_for_steps())
+    x, y = _batches(1)[0][0]
+    with pytest.raises(RuntimeError, match=r"while the call clips or unscales the gradients.*Call it after "
+                                           r"backward_and_step returns"):
+        offtensor.backward_and_step(F.mse_loss(model(x), y), opt, max_grad_norm=1.0)
+    assert offtensor.last_stepped() == []
