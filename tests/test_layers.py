@@ -23,8 +23,8 @@ LAYERS = ["api", "patches", "weights.kernels", "weights.compress", "weights.file
           "core.old_grads", "core.scope", "core.grad_calls", "budget.layout", "budget.timed",
           "budget.vram", "core.schedule", "core.grads", "core.transforms", "core.access", "core.writes", "core.threads",
           "core.engine", "core.hooks", "weights.quantized", "optim.report", "optim.views", "optim.pieces",
-          "optim.device_steps", "optim.piece_queue", "optim.calls", "optim.fenced_state", "optim.checks",
-          "optim.worker", "optim.step", "optim.overlap", "planning", "guards", "wrapping",
+          "optim.device_steps", "optim.piece_queue", "optim.calls", "optim.fenced_state", "optim.clipping",
+          "optim.checks", "optim.worker", "optim.step", "optim.overlap", "planning", "guards", "wrapping",
           "reporting", "controls", "distributed.shared_masters", "distributed.sharded_loads", "distributed.reducer",
           "distributed.agreement", "distributed.data_parallel", "weights.load"]
 

@@ -46,3 +46,25 @@ def test_installing_twice_keeps_one_patch():
     opt.step()
     assert calls_seen == []
     offtensor.unwrap(model)
+
+
+def test_remove_all_restores_the_gradient_clips():
+    """The clip check (Note [a clip after the step]) is installed by the first backward_and_step
+    and undone by remove_all, like the other patches."""
+    import torch.nn.utils.clip_grad as clip_grad
+
+    model, _ = mlp_and_reference("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    offtensor.backward_and_step(model(torch.randn(2, 8)).sum(), opt)
+    offtensor.wait_for_steps()
+    assert clip_grad._clip_grads_with_norm_ is not patches.PLAIN_CLIP_GRADS_WITH_NORM
+    assert torch.nn.utils.clip_grad_value_ is not patches.PLAIN_CLIP_GRAD_VALUE
+    try:
+        patches.remove_all()
+        assert clip_grad._clip_grads_with_norm_ is patches.PLAIN_CLIP_GRADS_WITH_NORM
+        assert torch.nn.utils.clip_grads_with_norm_ is patches.PLAIN_CLIP_GRADS_WITH_NORM
+        assert torch.nn.utils.clip_grad_value_ is clip_grad.clip_grad_value_ is patches.PLAIN_CLIP_GRAD_VALUE
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # not refused once removed
+    finally:
+        patches.before_fork_and_at_exit(calls._settle_before_fork, calls._settle_at_exit)
+        offtensor.unwrap(model)

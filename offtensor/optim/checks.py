@@ -1,5 +1,5 @@
 """What backward_and_step refuses before it changes anything, each error saying the fix: bad
-arguments, a loss scaled by a GradScaler, an optimizer it cannot step in parts, a model it
+arguments, a loss scaled by a GradScaler not passed as scaler=, an optimizer it cannot step in parts, a model it
 cannot hand the steps of."""
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from ..core.engine import Engine
 from ..dispatch.param import OffloadedParameter
 
 
-def check_call(loss: torch.Tensor, optimizer: Any, spare_threads: Any, piece_bytes: Any, device_share: Any) -> None:
-    """The arguments of a backward_and_step call, its defaults filled in."""
+def check_call(loss: torch.Tensor, optimizer: Any, spare_threads: Any, piece_bytes: Any, device_share: Any, *,
+               scaler_given: bool = False) -> None:
+    """The arguments of a backward_and_step call, its defaults filled in; `scaler_given`: a
+    GradScaler was passed as `scaler=`."""
     if not isinstance(loss, torch.Tensor):
         raise TypeError(
             f"offtensor.backward_and_step: loss must be the loss tensor, got a {type(loss).__name__}: "
@@ -28,14 +30,13 @@ def check_call(loss: torch.Tensor, optimizer: Any, spare_threads: Any, piece_byt
     if isinstance(device_share, bool) or not isinstance(device_share, (int, float)) or not 0 <= device_share <= 1:
         raise ValueError(
             f"offtensor.backward_and_step: device_share must be a number from 0 to 1, got {device_share!r}")
-    if _scaled_by_grad_scaler(loss):
+    if not scaler_given and _scaled_by_grad_scaler(loss):
         raise RuntimeError(
             "offtensor.backward_and_step: the loss was scaled by a torch.amp.GradScaler "
-            "(scaler.scale(loss)), whose step must see every gradient before any parameter is "
-            "updated (it unscales them and skips the step when one is inf or NaN), while "
-            "backward_and_step updates parameters during backward: it would step on scaled "
-            "gradients. Use scaler.scale(loss).backward(); scaler.unscale_(optimizer) (to clip); "
-            "scaler.step(optimizer); scaler.update(). bfloat16 autocast needs no GradScaler"
+            "(scaler.scale(loss)), but no scaler= was passed: the optimizer would step on the "
+            "scaled gradients, an inf one too. Pass the scaler: backward_and_step(scaler.scale(loss), "
+            "optimizer, scaler=scaler) unscales, skips the step on inf or NaN as scaler.step does, "
+            "and clips after unscaling with max_grad_norm=; then call scaler.update()"
         )
     _check_optimizer(optimizer)
 

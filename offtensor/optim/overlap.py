@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
@@ -51,6 +52,7 @@ from ..dispatch.compile import in_compiled_region, run_outside_dynamo
 from . import calls
 from .calls import last_stepped, wait_for_steps
 from .checks import check_call, check_engines, engines_of
+from .clipping import BeforeStep, check_clip, check_scaler, watch_clips
 from .device_steps import DeviceSteps
 from .fenced_state import fence_state, install_optimizer_hooks
 from .report import OverlapReport
@@ -70,55 +72,55 @@ DEVICE_SHARE = 0.0
 
 
 def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, zero_grad: bool = False,
-                      spare_threads: int | None = None, piece_bytes: int | None = None,
-                      device_share: float | None = None, **backward_kwargs: Any) -> OverlapReport:
+                      max_grad_norm: float | None = None, clip_parameters: Iterable[torch.Tensor] | None = None,
+                      scaler: torch.amp.GradScaler | None = None, spare_threads: int | None = None,
+                      piece_bytes: int | None = None, device_share: float | None = None,
+                      **backward_kwargs: Any) -> OverlapReport:
     """`loss.backward(); optimizer.step()`, with the optimizer overlapped with backward and with
     the next forward.
 
     Each offloaded scope's parameters are stepped on a host thread as soon as their gradients
-    reach the host, while the device continues backward through the earlier scopes, and the
-    call returns as soon as backward has: the last scopes' steps finish while the next forward
-    begins, each before its weights are loaded. A step then costs about max(forward+backward,
-    CPU optimizer step) instead of their sum. Reading a parameter, its `.grad` or the optimizer
-    waits for the steps it depends on, so per-parameter optimizers (SGD, Adam, AdamW, Adagrad and
-    the like; not LBFGS) give the result of `optimizer.step()` after backward. Global-norm
-    clipping and a `torch.amp.GradScaler` (which raises) need every gradient before the first
-    update: use `loss.backward()` and `optimizer.step()` for them. With gradient accumulation,
-    call `loss.backward()` for all but the last micro-batch. If backward raises, the parameters
-    already stepped stay stepped (`last_stepped()`).
+    reach the host, while the device continues backward, and the call returns as soon as
+    backward has: the last steps finish while the next forward begins, each before its weights
+    are loaded. Reading a parameter, its `.grad` or the optimizer waits for the steps it depends
+    on, so per-parameter optimizers (SGD, Adam, AdamW, Adagrad; not LBFGS) give the result of
+    `optimizer.step()` after backward. With `max_grad_norm` or `scaler` the steps begin when
+    backward ends and overlap only the next forward (Note [clipping in the overlapped step]).
+    With gradient accumulation, call `loss.backward()` for all but the last micro-batch. If
+    backward raises, the parameters already stepped stay stepped (`last_stepped()`).
 
     Args:
-        loss: the scalar to differentiate.
-        optimizer: a `torch.optim.Optimizer` over the model's parameters (offloaded or not).
-        zero_grad: set each `.grad` to None once its parameter is stepped, with no wait
-            (`optimizer.zero_grad()` right after the call waits for the whole step).
-        spare_threads: CPU threads the worker leaves to the thread that launches the device's
-            kernels while it may run (Note [worker threads]). Default (None): `SPARE_THREADS`, 1.
-        piece_bytes: parameter bytes per optimizer step of the worker, so that a piece the next
-            forward needs soon never waits behind a whole scope. Default: `STEP_PIECE_BYTES`, 64 MiB.
-        device_share: up to this fraction of the optimizer's offloaded bytes may be stepped on
-            the device, for a host whose optimizer is slower than forward+backward (Note [device
-            steps]): SGD, Adam and AdamW without step hooks of the user's (else
-            `report.device_steps_off` says why), not with a VRAM budget. Default: 0.0 (off).
+        loss, optimizer: the scalar to differentiate (`scaler.scale(loss)` with a scaler); a
+            `torch.optim.Optimizer` over the model's parameters (offloaded or not).
+        zero_grad: set each `.grad` to None once its parameter is stepped, with no wait.
+        max_grad_norm: clip as `clip_grad_norm_(clip_parameters, max_grad_norm)` does, bit for
+            bit, before the step; `report.grad_norm` is the total norm it returns.
+        clip_parameters: what to clip, in the order of the norm; default: the optimizer's params.
+        scaler: the `torch.amp.GradScaler` that scaled `loss`: unscales (before clipping), and
+            skips the step on inf or NaN as `scaler.step` does. Call `scaler.update()` after.
+        spare_threads: CPU threads left to the thread launching kernels (Note [worker
+            threads]). Default (None): `SPARE_THREADS`, 1.
+        piece_bytes: parameter bytes per step of the worker. Default: `STEP_PIECE_BYTES`, 64 MiB.
+        device_share: up to this fraction of the offloaded bytes may be stepped on the device
+            (Note [device steps]): SGD, Adam and AdamW, no VRAM budget. Default: 0.0 (off).
         **backward_kwargs: passed to `loss.backward` (e.g. `retain_graph`).
 
-    Returns:
-        An `OverlapReport`, completed by the worker; `report.wait()` waits for the whole step.
+    Returns an `OverlapReport`, completed by the worker; `report.wait()` waits for the whole step.
 
     Example::
 
-        for i, batch in enumerate(micro_batches):
-            loss = model(**batch).loss / len(micro_batches)
-            if i < len(micro_batches) - 1:
-                loss.backward()
-            else:
-                offtensor.backward_and_step(loss, optimizer, zero_grad=True)
+        loss = model(**batch).loss
+        report = offtensor.backward_and_step(scaler.scale(loss), optimizer, zero_grad=True,
+                                             max_grad_norm=1.0, scaler=scaler)
+        scaler.update()
     """
     if in_compiled_region():  # called from a compiled training step: Note [torch.compile]
         return run_outside_dynamo(functools.partial(
-            backward_and_step, loss, optimizer, zero_grad=zero_grad, spare_threads=spare_threads,
-            piece_bytes=piece_bytes, device_share=device_share, **backward_kwargs), ())
-    engines, stepper = _prepare(loss, optimizer, zero_grad, spare_threads, piece_bytes, device_share, sys._getframe())
+            backward_and_step, loss, optimizer, zero_grad=zero_grad, max_grad_norm=max_grad_norm, scaler=scaler,
+            clip_parameters=clip_parameters, spare_threads=spare_threads, piece_bytes=piece_bytes,
+            device_share=device_share, **backward_kwargs), ())
+    engines, stepper = _prepare(loss, optimizer, zero_grad, spare_threads, piece_bytes, device_share,
+                                before_step(optimizer, max_grad_norm, clip_parameters, scaler), sys._getframe())
     # Everything that changes module state happens inside the try, so that an interrupt at any
     # point is undone (Note [interrupts]): an engine left pointing at a stepper would refuse
     # every later call, a worker never closed would be waited for forever.
@@ -151,8 +153,19 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
     return stepper.report
 
 
+def before_step(optimizer: torch.optim.Optimizer, max_grad_norm: Any, clip_parameters: Any,
+                scaler: Any) -> BeforeStep | None:
+    """What the call does between backward and the step, checked; None: nothing."""
+    parameters = check_clip(max_grad_norm, clip_parameters)
+    if scaler is not None:
+        check_scaler(scaler, optimizer)
+    if max_grad_norm is None and scaler is None:
+        return None
+    return BeforeStep(optimizer, None if max_grad_norm is None else float(max_grad_norm), parameters, scaler)
+
+
 def _prepare(loss: torch.Tensor, optimizer: torch.optim.Optimizer, zero_grad: bool, spare_threads: int | None,
-             piece_bytes: int | None, device_share: float | None,
+             piece_bytes: int | None, device_share: float | None, before: BeforeStep | None,
              call: FrameType) -> tuple[list[Engine], OverlappedStep]:
     """Check the call (defaults filled in), wait for the earlier calls' steps and make the
     optimizer's entry points and state wait for this call's: the engines of the models it steps,
@@ -160,16 +173,18 @@ def _prepare(loss: torch.Tensor, optimizer: torch.optim.Optimizer, zero_grad: bo
     spare_threads = SPARE_THREADS if spare_threads is None else spare_threads
     piece_bytes = STEP_PIECE_BYTES if piece_bytes is None else piece_bytes
     device_share = DEVICE_SHARE if device_share is None else device_share
-    check_call(loss, optimizer, spare_threads, piece_bytes, device_share)
+    check_call(loss, optimizer, spare_threads, piece_bytes, device_share,
+               scaler_given=before is not None and before.has_scaler)
     wait_for_steps()
     engines = engines_of(optimizer)
     check_engines(engines, device_share)
     install_optimizer_hooks(optimizer)
     fence_state(optimizer)
+    watch_clips()  # Note [a clip after the step]
     as_of = OptimizerAsOfCall(optimizer)
     device = DeviceSteps(as_of, float(device_share), piece_bytes, any(e.grads.reducer for e in engines))
     stepper = OverlappedStep(as_of, device, zero_grad=zero_grad, spare_threads=spare_threads,
-                             piece_bytes=piece_bytes, call=call)
+                             piece_bytes=piece_bytes, call=call, before=before)
     return engines, stepper
 
 

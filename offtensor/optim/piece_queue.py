@@ -24,15 +24,18 @@ class PieceQueue:
     """The pieces handed to the worker and not started, the device's (`DeviceSteps`), the
     worker's error and the threads waiting for a step, under one lock and condition. The call's
     two flags are independent: `closed` (no more pieces come) and `done` (the worker stopped,
-    after its last piece or on an error, while backward may still run)."""
+    after its last piece or on an error, while backward may still run). `holding`: pieces come
+    after `closed` too, until the call's gradients are clipped (Note [clipping in the overlapped
+    step] in optim/clipping.py)."""
 
-    def __init__(self, device: DeviceSteps) -> None:
+    def __init__(self, device: DeviceSteps, *, holding: bool = False) -> None:
         # A C lock: `with` on it has no Python __enter__ for an interrupt to land in.
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.device = device
         self._pieces: list[Piece] = []  # handed over, not yet started
         self.closed = False
+        self.holding = holding
         self.done = False
         self.error: BaseException | None = None  # the worker's, to raise on a calling thread
         self.waiting = 0  # threads blocked in a wait (Note [worker threads])
@@ -60,8 +63,14 @@ class PieceQueue:
     def drop(self) -> None:
         """No more pieces come, and those not started never will: their fences clear."""
         self.closed = True
+        self.holding = False
         self.clear_pending(self._pieces)
         self._pieces.clear()
+        self.cond.notify_all()
+
+    def release(self) -> None:
+        """The pieces held back are in: the worker stops once it has stepped them."""
+        self.holding = False
         self.cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
@@ -109,7 +118,7 @@ class PieceQueue:
 
     def settle(self) -> None:
         """Until the worker has stopped, if no more pieces come."""
-        while self.closed and not self.done:
+        while self.closed and not self.holding and not self.done:
             self.cond.wait()
 
     @staticmethod
@@ -128,7 +137,7 @@ class PieceQueue:
         while True:
             self.finish_device_steps()
             with self.cond:
-                while not self._pieces and not self.closed and not self.device.busy():
+                while not self._pieces and (not self.closed or self.holding) and not self.device.busy():
                     self.cond.wait()
                 if not self._pieces and not self.device.busy():
                     return None, Run.SPARING

@@ -26,6 +26,10 @@ class OverlapReport:
     all_thread_pieces: int = 0  # pieces stepped on every thread, a thread waiting (Note [worker threads])
     device_pieces: int = 0  # pieces stepped on the device (Note [device steps] in optim/device_steps.py)
     device_steps_off: str = ""  # why device_share was given but every piece stepped on the host
+    # With max_grad_norm=: the total norm of the gradients before clipping, as clip_grad_norm_
+    # returns it (Note [clipping in the overlapped step] in optim/clipping.py); else None
+    grad_norm: Any = None
+    step_skipped: bool = False  # with scaler=: inf or NaN found, no parameter stepped (scaler.step's skip)
     _stepper: Any = field(default=None, repr=False, compare=False)
 
     def wait(self) -> OverlapReport:

@@ -28,9 +28,11 @@ import threading
 from types import FrameType
 from typing import Any, NoReturn
 
+from ..core.grads import publish
 from ..core.scope import Scope
 from ..core.slot import ParamSlot
 from . import calls
+from .clipping import BeforeStep, record_step
 from .device_steps import DeviceStep, DeviceSteps
 from .piece_queue import PieceQueue
 from .pieces import Piece, cut, slot_bytes
@@ -43,7 +45,7 @@ class OverlappedStep:
     """One backward_and_step call: what backward hands to the worker, the rest, the waits."""
 
     def __init__(self, as_of: OptimizerAsOfCall, device: DeviceSteps, *, zero_grad: bool, spare_threads: int,
-                 piece_bytes: int, call: FrameType) -> None:
+                 piece_bytes: int, call: FrameType, before: BeforeStep | None = None) -> None:
         optimizer = as_of.optimizer
         self._as_of = as_of
         self.zero_grad = zero_grad
@@ -59,12 +61,17 @@ class OverlappedStep:
         self._rest_done = 0.0  # when the rest was stepped, in seconds since the call
         self._timeline = Timeline()
         self.report = OverlapReport(_stepper=self, device_steps_off=device.off)
-        self._queue = PieceQueue(device)
+        self._queue = PieceQueue(device, holding=before is not None)
+        # With clipping or a scaler: the pieces handed over in backward, held until it has
+        # returned (Note [clipping in the overlapped step] in optim/clipping.py).
+        self._before = before
+        self._held: list[tuple[Scope, list[tuple[list[ParamSlot], int]], Any, bool]] = []
         # The backward_and_step call's frame and thread, until closed (close_if_abandoned).
         self._call: FrameType | None = call
         self._caller = threading.get_ident()
         self._worker = Worker(self._queue, as_of, spare_threads=spare_threads, zero_grad=zero_grad,
-                              timeline=self._timeline, report=self.report, on_stop=self._finish_report)
+                              timeline=self._timeline, report=self.report, on_stop=self._finish_report,
+                              before=before)
 
     def start(self) -> None:
         self._worker.start()
@@ -115,6 +122,10 @@ class OverlappedStep:
     def _put(self, scope: Scope, pieces: list[tuple[list[ParamSlot], int]], landed: Any, early: bool) -> None:
         if self._queue.done:
             return  # the worker failed: the error is raised on the calling thread
+        if self._queue.holding:
+            self._held.append((scope, pieces, landed, early))
+            self._handed.update(id(slot.param) for slots, _ in pieces for slot in slots)
+            return
         rank = scope.engine.forward_position(scope)
         self._timeline.handed(scope.name)
         for slots, nbytes in pieces:
@@ -146,14 +157,16 @@ class OverlappedStep:
 
     def _close(self) -> None:
         self._queue.close()  # first: an interrupt between the two leaves the call closed
-        self._call = None
+        if not self._queue.holding:  # else the call still hands over its held pieces
+            self._call = None
 
     def close_if_abandoned(self) -> None:
         """Close a stepper whose backward_and_step call has ended without closing it: an
         interrupt can land on a line of its cleanup before `close()` runs (the `try:` of its
-        `finally`), and the worker would wait for pieces, and every wait for it, forever."""
+        `finally`), or before it released the pieces it held, and the worker would wait for
+        pieces, and every wait for it, forever."""
         call = self._call
-        if call is None or self._queue.closed:
+        if call is None or (self._queue.closed and not self._queue.holding):
             return
         # The calling thread's stack, from whichever thread waits (None: that thread has ended).
         frame = sys._getframe() if threading.get_ident() == self._caller else sys._current_frames().get(self._caller)
@@ -161,7 +174,11 @@ class OverlappedStep:
             if frame is call:
                 return  # the call is still running (a wait from inside it)
             frame = frame.f_back  # type: ignore[assignment]
-        self.close()
+        self._locked(self._abandon)
+
+    def _abandon(self) -> None:
+        self._queue.holding = False  # pieces held back are not stepped: the call was interrupted
+        self._close()
 
     def cancel(self) -> None:
         """Backward or the rest's step raised: drop what has not started, wait for the rest.
@@ -180,10 +197,13 @@ class OverlappedStep:
         calls.raise_partial(error, where, self._locked(list, self._queue.stepped), len(self._ids))
 
     def after_backward(self) -> None:
-        """Backward has returned: step the rest; for a class of the user's, wait for a part to
-        write its attributes back (Note [attributes the optimizer's step sets])."""
+        """Backward has returned: clip and hand over what was held; step the rest; for a class of
+        the user's, wait for a part to write its attributes back (Note [attributes the
+        optimizer's step sets])."""
         self.report.backward_s = self.elapsed()
         try:
+            if self._before is not None:
+                self._begin_steps(self._before)
             self._step_rest()
         except BaseException as e:  # noqa: BLE001 - re-raised by raise_partial, with a note
             self.cancel()
@@ -191,21 +211,48 @@ class OverlappedStep:
         if not self._as_of.is_torch_optim and not self.report.rest_params:
             self._locked(self._queue.wait_for_a_part)
 
+    def _begin_steps(self, before: BeforeStep) -> None:
+        """Publish the held gradients, unscale, check and clip them, then hand the held pieces
+        to the worker, unless the scaler found inf or NaN (Note [clipping in the overlapped
+        step] in optim/clipping.py)."""
+        held = self._held
+        publish([slot for _, pieces, _, _ in held for slots, _ in pieces for slot in slots])
+        self.report.step_skipped = not before.prepare()
+        self.report.grad_norm = before.total_norm
+        if self.report.step_skipped:
+            before.clip_all(not_in=set())  # as the plain recipe clips before scaler.step skips
+            self._handed.clear()
+        else:
+            before.clip_all(not_in=self._handed)  # the worker clips its pieces
+            before.stepping()
+        self._locked(self._release, held)
+
+    def _release(self, held: list[tuple[Scope, list[tuple[list[ParamSlot], int]], Any, bool]]) -> None:
+        self._queue.release()
+        self._held = []
+        if not self.report.step_skipped:
+            for entry in held:
+                self._put(*entry)
+        self._call = None  # closed, nothing held
+
     def _step_rest(self) -> None:
         """Step what the worker does not, on the calling thread (no more pieces come)."""
         error = self._queue.error
         if error is not None:
             raise error  # the worker failed during backward: stop here
         rest = self._ids - self._handed
-        self.report.rest_params = len(rest)
-        if rest:
+        params = [p for g in self._as_of.optimizer.param_groups for p in g["params"] if id(p) in rest]
+        if self.report.step_skipped:
+            assert self._before is not None
+            self._before.skip()
+        elif rest:
+            self.report.rest_params = len(rest)
             names = [self._names.get(i, "?") for i in rest]
             self._as_of.step(rest, lambda: self._locked(self._queue.stepped.extend, names))
-            if self.zero_grad:
-                for g in self._as_of.optimizer.param_groups:
-                    for p in g["params"]:
-                        if id(p) in rest:
-                            p.grad = None
+            record_step(params, [None if self.zero_grad else p.grad for p in params])
+        if self.zero_grad:
+            for p in params:
+                p.grad = None
         self._locked(self._rest_stepped)
 
     def _rest_stepped(self) -> None:
@@ -228,6 +275,12 @@ class OverlappedStep:
         """Until `slot`'s step is done (every step, when None); raises a worker error once.
         `from_any_thread=False`: the error of a call made on another thread that still runs is
         left for that thread (Note [calls in several threads])."""
+        if slot is None and self._queue.holding and self._call is not None and threading.get_ident() == self._caller:
+            raise RuntimeError(
+                "offtensor.backward_and_step: optimizer.step(), state_dict(), zero_grad() or "
+                "offtensor.wait_for_steps() while the call clips or unscales the gradients (in a "
+                "post-accumulate-grad hook) would wait for steps that begin only after that: it "
+                "waited forever. Call it after backward_and_step returns")
         while True:
             error, on_device = self._locked(self._wait_locked, slot, from_any_thread)
             if on_device is None:

@@ -44,6 +44,7 @@ from ..core.grads import publish, set_grads
 from ..core.slot import worker_state
 from ..dispatch.compile import not_compiling
 from ..dispatch.masters import without_subclass_dispatch
+from .clipping import BeforeStep, record_step
 from .device_steps import DeviceStep
 from .piece_queue import PieceQueue, Run
 from .pieces import Piece
@@ -56,7 +57,8 @@ class Worker:
     queue is closed and empty or a step raised (the error is left in the queue)."""
 
     def __init__(self, queue: PieceQueue, as_of: OptimizerAsOfCall, *, spare_threads: int, zero_grad: bool,
-                 timeline: Timeline, report: OverlapReport, on_stop: Callable[[], None]) -> None:
+                 timeline: Timeline, report: OverlapReport, on_stop: Callable[[], None],
+                 before: BeforeStep | None = None) -> None:
         self._queue = queue
         self._as_of = as_of
         self.spare_threads = spare_threads  # left to the launching thread (Note [worker threads])
@@ -67,6 +69,9 @@ class Worker:
         self._timeline = timeline
         self._report = report
         self._on_stop = on_stop  # called under the queue's lock once the worker has stopped
+        # With clipping or a scaler: gradients published and unscaled by the calling thread,
+        # clipped here (Note [clipping in the overlapped step] in optim/clipping.py)
+        self._before = before
         self._thread = threading.Thread(target=self._run, name="offtensor-optimizer", daemon=True)
 
     def start(self) -> None:
@@ -119,7 +124,10 @@ class Worker:
     def _step(self, piece: Piece, run: Run) -> DeviceStep | None:
         """Step one piece; for one stepped on the device, return its queued step."""
         self._timeline.began(piece.scope)
-        publish(piece.slots)
+        if self._before is None:
+            publish(piece.slots)
+        else:
+            without_subclass_dispatch(self._before.clip, [slot.param for slot in piece.slots])
         names = [s.name for s in piece.slots]
         updated = lambda: self._queue.stepped.extend(names)  # noqa: E731
         queued = None
@@ -137,5 +145,8 @@ class Worker:
                 self._as_of.step(ids, updated)
         if self.zero_grad:
             without_subclass_dispatch(set_grads, piece.slots, [None] * len(piece.slots))
+        # Note [a clip after the step] in optim/clipping.py
+        record_step([slot.param for slot in piece.slots], [None if self.zero_grad else slot.host_grad
+                                                           for slot in piece.slots])
         self._timeline.stepped(piece.scope)  # for a piece on the device: queued there
         return queued

@@ -144,6 +144,9 @@ VARIANTS = {
     "non_reentrant": dict(checkpoint="non_reentrant"),
     "reentrant": dict(checkpoint="reentrant"),
     "backward_and_step": dict(overlap=True),
+    # max_grad_norm=: pieces held until backward returns, then clipped and handed over
+    # (Note [clipping in the overlapped step]); an interrupt between must leave no worker waiting.
+    "backward_and_step_clipped": dict(overlap=True, clip=True),
     # Frozen blocks stored in fp8: converting loads (staging buffer, chunk by chunk conversion).
     "frozen_fp8": dict(fp8=True),
     # Policy(vram_budget): blocks.0 kept resident (reloaded after each step), the rest streamed
@@ -213,6 +216,7 @@ def _fuzz(variant: str) -> tuple[int, list[str]]:
     """Interrupt a training step at spread-out points; (points tried, failures)."""
     options = dict(VARIANTS[variant])
     overlap = options.pop("overlap", False)
+    clip = {"max_grad_norm": 0.1} if options.pop("clip", False) else {}
     model = _build(**options)
     x, y = torch.randn(4, 8), torch.randn(4, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -220,7 +224,7 @@ def _fuzz(variant: str) -> tuple[int, list[str]]:
     def step() -> None:
         loss = F.mse_loss(model(x), y)
         if overlap:
-            offtensor.backward_and_step(loss, opt, zero_grad=True)
+            offtensor.backward_and_step(loss, opt, zero_grad=True, **clip)
         else:
             loss.backward()
 

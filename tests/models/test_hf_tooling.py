@@ -512,3 +512,52 @@ def test_trainer_bf16_full_eval_raises_naming_the_parameter_and_compute_dtype(tm
         trainer.evaluate()
 
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def _overlap_trainer_class() -> type:
+    """examples/trainer_overlap.py's OverlapTrainer (examples/ is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "trainer_overlap.py"
+    spec = importlib.util.spec_from_file_location("trainer_overlap", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.OverlapTrainer
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.5, 0.0], ids=["clipped", "norm_only"])
+def test_overlap_trainer_trains_and_logs_like_trainer(max_grad_norm, tmp_path, monkeypatch):
+    """examples/trainer_overlap.py: Trainer's clip (max_grad_norm=0.5 clips this model's
+    gradients), accumulation over 2 micro-batches and a schedule, with every optimizer step
+    taken by backward_and_step: weights, optimizer state and logged grad norms bit-identical."""
+    transformers = pytest.importorskip("transformers")
+    overlap_trainer = _overlap_trainer_class()
+    calls = []
+    plain = offtensor.backward_and_step
+    monkeypatch.setattr(offtensor, "backward_and_step", lambda *a, **k: calls.append(k) or plain(*a, **k))
+
+    def train(cls: type, model: torch.nn.Module, out: str) -> transformers.Trainer:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / out), use_cpu=True, per_device_train_batch_size=2, max_steps=4,
+            gradient_accumulation_steps=2, max_grad_norm=max_grad_norm, learning_rate=1e-2,
+            lr_scheduler_type="cosine", warmup_steps=1, logging_steps=1, save_strategy="no", report_to=[],
+            seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        trainer = cls(model=model, args=args, train_dataset=_Tokens())
+        trainer.train()
+        return trainer
+
+    model, reference = _llama_and_reference()
+    expected = train(transformers.Trainer, reference, "reference")
+    trainer = train(overlap_trainer, model, "overlap")
+    assert len(calls) == 4 and all(k["max_grad_norm"] == (max_grad_norm or float("inf")) for k in calls)
+    assert_params_match(model, reference, **EXACT)
+    norms = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
+    assert norms == [log["grad_norm"] for log in expected.state.log_history if "grad_norm" in log]
+    assert len(norms) == 4 and (max_grad_norm == 0 or max(norms) > max_grad_norm)  # it did clip
+    state, ref_state = trainer.optimizer.state_dict()["state"], expected.optimizer.state_dict()["state"]
+    for k in ref_state:
+        for name, value in ref_state[k].items():
+            torch.testing.assert_close(state[k][name], value, **EXACT)
+    assert_all_scopes_offloaded(model)
