@@ -17,7 +17,8 @@ from torch import nn
 
 
 class ScopeState(enum.Enum):
-    """Where a scope's parameters live. See Note [scope states] in core/scope.py."""
+    """Where a scope's parameters are: on the host only, on their way to the device, or on both
+    (`summary()`'s state column)."""
 
     OFFLOADED = "offloaded"  # host master only; the device storage has size 0
     LOADING = "loading"  # host-to-device copy enqueued; compute has not waited for it yet
@@ -25,9 +26,9 @@ class ScopeState(enum.Enum):
 
 
 class Residency(enum.Enum):
-    """How long a scope's device copy outlives its calls, beside its ScopeState (Note [VRAM
-    budget] and Note [carried into the next forward] in budget/vram.py). Fixed by the budget's
-    layout for KEPT; STREAMED and CARRIED alternate for the others."""
+    """How long a scope's device copy outlives its calls under `Policy(vram_budget=...)`, beside
+    its ScopeState. KEPT is chosen by the budget's layout; STREAMED and CARRIED alternate for the
+    other scopes. Without a budget every scope streams."""
 
     STREAMED = "streamed"  # loaded for its calls, released when they end
     KEPT = "kept"  # resident by Policy.vram_budget: only a forced release offloads it
@@ -35,8 +36,8 @@ class Residency(enum.Enum):
 
 
 class MasterHome(enum.Enum):
-    """Where a scope's masters live on the host and how a load reads them (Note [staged loads]
-    in weights/staging.py), beside its ScopeState."""
+    """Where a scope's masters live on the host and how a load reads them, beside its
+    ScopeState (`summary()`'s masters column)."""
 
     PINNED = "pinned"  # page-locked RAM, copied to the device directly
     PAGEABLE = "pageable"  # pageable RAM, copied directly (Policy(pin_memory=False))
@@ -72,8 +73,8 @@ class Policy:
             blocks of a model in training; ignored under `torch.no_grad()`.
         pin_memory: page-lock the host masters and grads. `None` pins when the compute device is
             CUDA. Without pinning, host-to-device copies are synchronous and several times
-            slower. `"ring"`: masters and grads stay pageable, and each load stages through a
-            small page-locked ring (Note [staged loads] in weights/staging.py), so page-locked
+            slower. `"ring"`: masters and grads stay pageable, and each load is copied through
+            a small page-locked ring of `2 + prefetch` slots of the largest scope, so page-locked
             memory stays bounded by the ring (WSL, Windows, a low `ulimit -l`). When pinning
             fails (`None` or `True`), the scopes not pinned yet take the ring, with one warning.
             Model-wide: taken from the policy given to `wrap`.
@@ -92,23 +93,32 @@ class Policy:
             kept, refreshed on the CPU when the masters change; half the PCIe bytes, plus a CPU
             cast after each optimizer step. A write that bypasses the parameter
             (`p.data.add_()`, `p.detach().mul_()`) is seen at the next load, which re-casts.
-        vram_budget: device bytes the scopes' weights may take together (Note [VRAM budget] in
-            budget/vram.py). Scopes whose weights fit next to what streaming the others needs
-            (the largest block computing, the one before it, `prefetch` blocks in flight) stay
-            resident, the first in the order `wrap` found them and the others spread evenly
-            over that order: in inference they load once; in training, once per step (an
-            optimizer step changes their masters) instead of in forward and again in backward.
-            A backward leaves the streamed scopes the next forward starts with resident, within
-            the streaming room (Note [carried into the next forward]). `summary()` shows which
-            (kept, carried). `"auto"`: the budget is what the device had free at the peak of
-            the second step (activations included), less a margin: every scope streams until
-            then. `None`: every scope streams. Model-wide: taken from the policy given to `wrap`.
+        vram_budget: device bytes the scopes' weights may take together. Streaming needs room
+            for 2 + `prefetch` of the largest blocks (the one computing, the one before it still
+            finishing its backward, `prefetch` in flight); the scopes whose weights fit in the
+            rest are kept resident (`layout` chooses which): in inference they load once; in
+            training, once per optimizer step (the step changes their masters, so it frees their
+            copies and the next forward loads them again) instead of in forward and again in
+            backward. A backward also leaves the streamed scopes the next forward starts with
+            resident, as many as fit in the streaming room ("carried"). `summary()` marks kept
+            and carried scopes. Gradients on their way to the host and activations come on top.
+            `"auto"`: the budget is the streaming room alone until the second pass has been
+            measured; when the third starts, it grows by the device memory the measured step
+            left unused at its peak (free, plus cached by PyTorch's allocator, less the peak
+            allocated), less a margin (5% of the device's memory, at least 512 MiB), and the
+            timed layout chooses what to keep. On a CPU compute device there is no device memory
+            to measure, so the budget stays the streaming room: `"auto"` keeps nothing there
+            unless every scope fits in that room (give a size to keep scopes on the CPU). `None`:
+            every scope streams. A budget does not combine with
+            `backward_and_step(device_share=...)`. Model-wide: taken from the policy given to
+            `wrap`.
         layout: how the VRAM budget chooses what to keep. `"timed"`: from the second pass's
             measured compute per scope and the link's bandwidth, the set whose simulated step
-            is shortest (Note [a timed layout] in budget/layout.py), chosen when the third pass starts;
-            `summary()` shows its predicted step. `"spread"`: by bytes, spread evenly over the
-            order, from the first pass. `"auto"` (default): `"timed"` on CUDA, `"spread"` on a
-            CPU compute device (nothing overlaps there, so timing has nothing to win).
+            is shortest (copies on one link, each scope computing once its copy has landed),
+            chosen when the third pass starts; `summary()` shows its predicted step. `"spread"`:
+            by bytes, spread evenly over the order, from the first pass. `"auto"` (default):
+            `"timed"` on CUDA, `"spread"` on a CPU compute device (nothing overlaps there, so
+            timing has nothing to win). `vram_budget="auto"` always uses the timed layout.
         frozen_format: `"fp8"` (float8 e4m3) or `"int8"`: keep frozen offloaded parameters
             (requires_grad False at wrap: a LoRA base, every weight of a model for inference)
             compressed on the host, one byte per element plus one scale per output row, and
@@ -116,16 +126,15 @@ class Policy:
             PCIe bytes about halve (from bf16). Matrices only; 1-D parameters (norms, biases)
             and small tensors stay as they are. Lossy: the compressed values become the
             parameter's values (`p`, `state_dict()` report them); writes through the parameter
-            requantize, and unfreezing it raises (Note [compressed masters] in weights/compress.py).
-            Not combinable with `cast="host"`. `None`: masters keep their dtype.
+            requantize, and unfreezing it raises. Not combinable with `cast="host"`. `None`: masters keep their dtype.
         host_budget: bytes of host RAM the offloaded masters may take, for `offtensor.load`
-            from safetensors files (Note [masters in files] in weights/file_masters.py). Scopes with a
-            trainable parameter stay in RAM (an error says so when they do not fit); frozen
-            scopes that do not fit stay in the files and are read into the staging ring on
-            demand, ahead of their use in the learned order, compressed ones from a cache file
-            written at load. Reads through such a parameter (`p.data`, `state_dict()`) read the
-            file; writes raise. The staging ring (`2 + prefetch` of the largest such scope)
-            comes on top. Not combinable with `cast="host"`. `None`: every master in RAM.
+            from safetensors files. Scopes with a trainable parameter stay in RAM (an error says
+            so when they do not fit); frozen scopes that do not fit stay in the files and are
+            read into a staging ring (page-locked on CUDA) ahead of their use in the learned
+            order, compressed ones from a cache file written at load. Reads through such a
+            parameter (`p.data`, `state_dict()`) read the file; writes raise. The staging ring
+            (`2 + prefetch` of the largest such scope) comes on top. Not combinable with
+            `cast="host"`. `None`: every master in RAM.
             Model-wide: taken from the policy given to `load`.
     """
 

@@ -11,8 +11,9 @@ from .wrapping import _engine_of, _find_engine
 
 
 def is_wrapped(model: nn.Module) -> bool:
-    """True when `model` holds parameters offloaded by `wrap`: it was wrapped, or it is part of
-    a wrapped model (Note [part of a wrapped model])."""
+    """True when `model` holds parameters offloaded by `wrap`: it was wrapped, or it holds
+    some of a wrapped model's offloaded parameters (a decoder layer of it, or the base model
+    PEFT's `merge_and_unload()` returns from a wrapped `PeftModel`)."""
     return _find_engine(model) is not None
 
 

@@ -93,13 +93,13 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
         zero_grad: set each `.grad` to None once its parameter is stepped, with no wait
             (`optimizer.zero_grad()` right after the call waits for the whole step).
         spare_threads: CPU threads the worker leaves to the thread that launches the device's
-            kernels while it may run (Note [worker threads]). Default (None): `SPARE_THREADS`, 1.
+            kernels, which would else wait for a core. Default (None): `SPARE_THREADS`, 1.
         piece_bytes: parameter bytes per optimizer step of the worker, so that a piece the next
             forward needs soon never waits behind a whole scope. Default: `STEP_PIECE_BYTES`, 64 MiB.
         device_share: up to this fraction of the optimizer's offloaded bytes may be stepped on
-            the device, for a host whose optimizer is slower than forward+backward (Note [device
-            steps]): SGD, Adam and AdamW without step hooks of the user's (else
-            `report.device_steps_off` says why), not with a VRAM budget. Default: 0.0 (off).
+            the device (masters, gradients and state copied there and back), for a host whose
+            optimizer is slower than forward+backward: SGD, Adam and AdamW without step hooks of
+            the user's (else `report.device_steps_off` says why), no VRAM budget. Default: 0.
         **backward_kwargs: passed to `loss.backward` (e.g. `retain_graph`).
 
     Returns:
