@@ -152,8 +152,10 @@ def main() -> None:
     print()
     print(offtensor.summary(model))
     print()
-    param_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    print(f"model parameters: {param_mib:.1f} MiB")
+    # The table's total size: the scopes, the parameters left on the device and the buffers.
+    tensors = [*model.parameters(), *model.buffers()]
+    model_mib = sum(t.numel() * t.element_size() for t in tensors) / 2**20
+    print(f"model parameters and buffers: {model_mib:.1f} MiB")
     if on_cuda:
         peak = torch.cuda.max_memory_allocated(device) / 2**20
         print(f"peak VRAM: {peak:.1f} MiB (weights, grads, AdamW state and activations)")

@@ -8,7 +8,7 @@ pinned host memory, exactly when they are used.
 See README.md and docs/design.md.
 """
 
-from .api import MasterHome, Policy, ScopeState, ScopeSummary, Summary, frozen_only
+from .api import Layout, MasterHome, Policy, Residency, ScopeState, ScopeSummary, Summary, TensorsSummary, frozen_only
 from .controls import no_offload, set_prefetch
 from .dispatch.param import OffloadedParameter
 from .distributed.data_parallel import data_parallel, sync_masters
@@ -20,13 +20,16 @@ from .weights.load import load
 from .wrapping import unwrap, wrap
 
 __all__ = [
+    "Layout",
     "MasterHome",
     "OffloadedParameter",
     "OverlapReport",
     "Policy",
+    "Residency",
     "ScopeState",
     "ScopeSummary",
     "Summary",
+    "TensorsSummary",
     "backward_and_step",
     "data_parallel",
     "frozen_only",

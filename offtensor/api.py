@@ -8,7 +8,7 @@ import math
 import numbers
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -17,7 +17,8 @@ from torch import nn
 
 
 class ScopeState(enum.Enum):
-    """Where a scope's parameters live. See Note [scope states] in core/scope.py."""
+    """Where a scope's parameters are: on the host only, on their way to the device, or on both
+    (`summary()`'s state column)."""
 
     OFFLOADED = "offloaded"  # host master only; the device storage has size 0
     LOADING = "loading"  # host-to-device copy enqueued; compute has not waited for it yet
@@ -25,9 +26,9 @@ class ScopeState(enum.Enum):
 
 
 class Residency(enum.Enum):
-    """How long a scope's device copy outlives its calls, beside its ScopeState (Note [VRAM
-    budget] and Note [carried into the next forward] in budget/vram.py). Fixed by the budget's
-    layout for KEPT; STREAMED and CARRIED alternate for the others."""
+    """How long a scope's device copy outlives its calls under `Policy(vram_budget=...)`, beside
+    its ScopeState. KEPT is chosen by the budget's layout; STREAMED and CARRIED alternate for the
+    other scopes. Without a budget every scope streams."""
 
     STREAMED = "streamed"  # loaded for its calls, released when they end
     KEPT = "kept"  # resident by Policy.vram_budget: only a forced release offloads it
@@ -35,8 +36,8 @@ class Residency(enum.Enum):
 
 
 class MasterHome(enum.Enum):
-    """Where a scope's masters live on the host and how a load reads them (Note [staged loads]
-    in weights/staging.py), beside its ScopeState."""
+    """Where a scope's masters live on the host and how a load reads them, beside its
+    ScopeState (`summary()`'s masters column)."""
 
     PINNED = "pinned"  # page-locked RAM, copied to the device directly
     PAGEABLE = "pageable"  # pageable RAM, copied directly (Policy(pin_memory=False))
@@ -72,8 +73,8 @@ class Policy:
             blocks of a model in training; ignored under `torch.no_grad()`.
         pin_memory: page-lock the host masters and grads. `None` pins when the compute device is
             CUDA. Without pinning, host-to-device copies are synchronous and several times
-            slower. `"ring"`: masters and grads stay pageable, and each load stages through a
-            small page-locked ring (Note [staged loads] in weights/staging.py), so page-locked
+            slower. `"ring"`: masters and grads stay pageable, and each load is copied through
+            a small page-locked ring of `2 + prefetch` slots of the largest scope, so page-locked
             memory stays bounded by the ring (WSL, Windows, a low `ulimit -l`). When pinning
             fails (`None` or `True`), the scopes not pinned yet take the ring, with one warning.
             Model-wide: taken from the policy given to `wrap`.
@@ -92,23 +93,32 @@ class Policy:
             kept, refreshed on the CPU when the masters change; half the PCIe bytes, plus a CPU
             cast after each optimizer step. A write that bypasses the parameter
             (`p.data.add_()`, `p.detach().mul_()`) is seen at the next load, which re-casts.
-        vram_budget: device bytes the scopes' weights may take together (Note [VRAM budget] in
-            budget/vram.py). Scopes whose weights fit next to what streaming the others needs
-            (the largest block computing, the one before it, `prefetch` blocks in flight) stay
-            resident, the first in the order `wrap` found them and the others spread evenly
-            over that order: in inference they load once; in training, once per step (an
-            optimizer step changes their masters) instead of in forward and again in backward.
-            A backward leaves the streamed scopes the next forward starts with resident, within
-            the streaming room (Note [carried into the next forward]). `summary()` shows which
-            (kept, carried). `"auto"`: the budget is what the device had free at the peak of
-            the second step (activations included), less a margin: every scope streams until
-            then. `None`: every scope streams. Model-wide: taken from the policy given to `wrap`.
+        vram_budget: device bytes the scopes' weights may take together. Streaming needs room
+            for 2 + `prefetch` of the largest blocks (the one computing, the one before it still
+            finishing its backward, `prefetch` in flight); the scopes whose weights fit in the
+            rest are kept resident (`layout` chooses which): in inference they load once; in
+            training, once per optimizer step (the step changes their masters, so it frees their
+            copies and the next forward loads them again) instead of in forward and again in
+            backward. A backward also leaves the streamed scopes the next forward starts with
+            resident, as many as fit in the streaming room ("carried"). `summary()` marks kept
+            and carried scopes. Gradients on their way to the host and activations come on top.
+            `"auto"`: the budget is the streaming room alone until the second pass has been
+            measured; when the third starts, it grows by the device memory the measured step
+            left unused at its peak (free, plus cached by PyTorch's allocator, less the peak
+            allocated), less a margin (5% of the device's memory, at least 512 MiB), and the
+            timed layout chooses what to keep. On a CPU compute device there is no device memory
+            to measure, so the budget stays the streaming room: `"auto"` keeps nothing there
+            unless every scope fits in that room (give a size to keep scopes on the CPU). `None`:
+            every scope streams. A budget does not combine with
+            `backward_and_step(device_share=...)`. Model-wide: taken from the policy given to
+            `wrap`.
         layout: how the VRAM budget chooses what to keep. `"timed"`: from the second pass's
             measured compute per scope and the link's bandwidth, the set whose simulated step
-            is shortest (Note [a timed layout] in budget/layout.py), chosen when the third pass starts;
-            `summary()` shows its predicted step. `"spread"`: by bytes, spread evenly over the
-            order, from the first pass. `"auto"` (default): `"timed"` on CUDA, `"spread"` on a
-            CPU compute device (nothing overlaps there, so timing has nothing to win).
+            is shortest (copies on one link, each scope computing once its copy has landed),
+            chosen when the third pass starts; `summary()` shows its predicted step. `"spread"`:
+            by bytes, spread evenly over the order, from the first pass. `"auto"` (default):
+            `"timed"` on CUDA, `"spread"` on a CPU compute device (nothing overlaps there, so
+            timing has nothing to win). `vram_budget="auto"` always uses the timed layout.
         frozen_format: `"fp8"` (float8 e4m3) or `"int8"`: keep frozen offloaded parameters
             (requires_grad False at wrap: a LoRA base, every weight of a model for inference)
             compressed on the host, one byte per element plus one scale per output row, and
@@ -116,16 +126,15 @@ class Policy:
             PCIe bytes about halve (from bf16). Matrices only; 1-D parameters (norms, biases)
             and small tensors stay as they are. Lossy: the compressed values become the
             parameter's values (`p`, `state_dict()` report them); writes through the parameter
-            requantize, and unfreezing it raises (Note [compressed masters] in weights/compress.py).
-            Not combinable with `cast="host"`. `None`: masters keep their dtype.
+            requantize, and unfreezing it raises. Not combinable with `cast="host"`. `None`: masters keep their dtype.
         host_budget: bytes of host RAM the offloaded masters may take, for `offtensor.load`
-            from safetensors files (Note [masters in files] in weights/file_masters.py). Scopes with a
-            trainable parameter stay in RAM (an error says so when they do not fit); frozen
-            scopes that do not fit stay in the files and are read into the staging ring on
-            demand, ahead of their use in the learned order, compressed ones from a cache file
-            written at load. Reads through such a parameter (`p.data`, `state_dict()`) read the
-            file; writes raise. The staging ring (`2 + prefetch` of the largest such scope)
-            comes on top. Not combinable with `cast="host"`. `None`: every master in RAM.
+            from safetensors files. Scopes with a trainable parameter stay in RAM (an error says
+            so when they do not fit); frozen scopes that do not fit stay in the files and are
+            read into a staging ring (page-locked on CUDA) ahead of their use in the learned
+            order, compressed ones from a cache file written at load. Reads through such a
+            parameter (`p.data`, `state_dict()`) read the file; writes raise. The staging ring
+            (`2 + prefetch` of the largest such scope) comes on top. Not combinable with
+            `cast="host"`. `None`: every master in RAM.
             Model-wide: taken from the policy given to `load`.
     """
 
@@ -239,8 +248,19 @@ def frozen_only(name: str, param: nn.Parameter) -> bool:
     return not param.requires_grad
 
 
+def format_bytes(nbytes: int) -> str:
+    """`nbytes` in the largest binary unit it reaches, as `summary()` prints sizes: "512 B",
+    "16.2 KiB", "2.8 MiB", "1.5 GiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
 @dataclass(frozen=True)
 class ScopeSummary:
+    """One scope of `summary()`: what it offloads and where its bytes are now."""
+
     name: str
     state: ScopeState
     num_params: int  # number of elements
@@ -250,8 +270,36 @@ class ScopeSummary:
     loads_on_demand: int = 0  # of which not prefetched in time: the compute waited for the copy
     kept: bool = False  # resident by Policy.vram_budget
     carried: bool = False  # left resident by a backward for the next forward (Policy.vram_budget)
-    masters: MasterHome = MasterHome.PINNED  # where the masters live (Note [staged loads])
+    masters: MasterHome = MasterHome.PINNED  # where the masters live
     file_bytes: int = 0  # bytes of the masters read from files at each load (MasterHome.FILE)
+    # The parameters' bytes as the model sees them (numel x element size; a quantized weight's
+    # packed tensors), whatever the host layout (padding, compression) takes.
+    param_bytes: int = 0
+    # Device bytes of the scope's weights while loaded: what a kept scope takes of the budget,
+    # also when an optimizer step has freed its stale copy until the next forward loads it.
+    loaded_bytes: int = 0
+    residency: Residency = Residency.STREAMED
+
+
+@dataclass(frozen=True)
+class TensorsSummary:
+    """Parameters or buffers of the model that offtensor does not offload, and where they are."""
+
+    count: int = 0  # tensors
+    numel: int = 0
+    nbytes: int = 0  # numel x element size, wherever they are
+    device_bytes: int = 0  # of nbytes, on the compute device
+    host_bytes: int = 0  # of nbytes, on the CPU when the compute device is another
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], device: torch.device) -> TensorsSummary:
+        nbytes = [t.numel() * t.element_size() for t in tensors]
+        on_device = [t.device.type == device.type and (device.index is None or t.device.index == device.index)
+                     for t in tensors]
+        on_host = [not d and t.device.type == "cpu" for t, d in zip(tensors, on_device, strict=True)]
+        return cls(len(tensors), sum(t.numel() for t in tensors), sum(nbytes),
+                   sum(n for n, d in zip(nbytes, on_device, strict=True) if d),
+                   sum(n for n, h in zip(nbytes, on_host, strict=True) if h))
 
 
 @dataclass(frozen=True)
@@ -261,60 +309,84 @@ class Layout:
     budget: int  # bytes (for vram_budget="auto": as sized from the measured step)
     kept_bytes: int
     streamed_bytes: int
-    timed: bool  # chosen from measured times (Note [a timed layout]); False: by bytes
+    timed: bool  # chosen from measured times (layout="timed"); False: by bytes
     predicted_forward_ms: float | None = None
     predicted_backward_ms: float | None = None  # 0.0 when the measured pass had no backward
 
 
 @dataclass(frozen=True)
 class Summary:
-    """What is offloaded, what is resident, and how much device memory each scope takes."""
+    """What is offloaded, what is resident, and how much memory each part of the model takes:
+    the scopes, the parameters left out of them (`not_offloaded`) and the buffers. Printed, it
+    is a table whose total row adds up to the model's bytes (`model_bytes`)."""
 
     device: str
     scopes: list[ScopeSummary] = field(default_factory=list)
     device_allocated: int | None = None  # torch.cuda.memory_allocated on CUDA, else None
     layout: Layout | None = None  # under Policy(vram_budget=...)
-    staging_bytes: int = 0  # the staging ring's host memory (Note [staged loads])
+    staging_bytes: int = 0  # the staging ring's host memory (Policy.host_budget, pin_memory="ring")
     file_bytes_read: int = 0  # bytes read from files into the staging ring since wrap
+    not_offloaded: TensorsSummary = field(default_factory=TensorsSummary)  # parameters outside the scopes
+    buffers: TensorsSummary = field(default_factory=TensorsSummary)  # never offloaded
 
     @property
     def host_bytes(self) -> int:
+        """The scopes' host masters."""
         return sum(s.host_bytes for s in self.scopes)
 
     @property
     def device_bytes(self) -> int:
+        """What the scopes hold on the compute device now."""
         return sum(s.device_bytes for s in self.scopes)
 
+    @property
+    def model_bytes(self) -> int:
+        """The parameters' and buffers' bytes (numel x element size), offloaded or not."""
+        return sum(s.param_bytes for s in self.scopes) + self.not_offloaded.nbytes + self.buffers.nbytes
+
     def __str__(self) -> str:
-        rows = [("scope", "state", "masters", "params", "host MiB", "device MiB", "loads", "on demand")]
+        rows: list[tuple[str, ...]] = [
+            ("scope", "state", "masters", "params", "size", "host", "device", "loaded", "loads", "on demand")]
         for s in self.scopes:
             note = " (kept)" if s.kept else " (carried)" if s.carried else ""
-            rows.append(
-                (s.name, s.state.value + note, s.masters.value, f"{s.num_params:,}",
-                 f"{s.host_bytes / 2**20:.1f}", f"{s.device_bytes / 2**20:.1f}", str(s.loads),
-                 str(s.loads_on_demand))
-            )
-        rows.append(("total", "", "", f"{sum(s.num_params for s in self.scopes):,}",
-                     f"{self.host_bytes / 2**20:.1f}", f"{self.device_bytes / 2**20:.1f}",
-                     str(sum(s.loads for s in self.scopes)),
-                     str(sum(s.loads_on_demand for s in self.scopes))))
+            rows.append((s.name, s.state.value + note, s.masters.value, f"{s.num_params:,}",
+                         *map(format_bytes, (s.param_bytes, s.host_bytes, s.device_bytes, s.loaded_bytes)),
+                         str(s.loads), str(s.loads_on_demand)))
+        rest, buffers = self.not_offloaded, self.buffers
+        if rest.count:
+            rows.append(("not offloaded", "", "", f"{rest.numel:,}", *map(format_bytes, (
+                rest.nbytes, rest.host_bytes, rest.device_bytes)), "", "", ""))
+        if buffers.count:
+            rows.append(("buffers", "", "", "", *map(format_bytes, (
+                buffers.nbytes, buffers.host_bytes, buffers.device_bytes)), "", "", ""))
+        rows.append(("total", "", "", f"{sum(s.num_params for s in self.scopes) + rest.numel:,}", *map(format_bytes, (
+            self.model_bytes, self.host_bytes + rest.host_bytes + buffers.host_bytes,
+            self.device_bytes + rest.device_bytes + buffers.device_bytes)), "",
+            str(sum(s.loads for s in self.scopes)), str(sum(s.loads_on_demand for s in self.scopes))))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
                  for r in rows]
+        return "\n".join([self._head(), *lines, *self._tail()])
+
+    def _head(self) -> str:
         head = f"offtensor: {len(self.scopes)} scopes computing on {self.device}"
         if self.device_allocated is not None:
-            head += f", device memory allocated {self.device_allocated / 2**20:.1f} MiB"
+            head += f", device memory allocated {format_bytes(self.device_allocated)}"
         if self.staging_bytes:
             in_files = sum(s.file_bytes for s in self.scopes)
-            head += (f"; {in_files / 2**20:.1f} MiB in files, staging ring {self.staging_bytes / 2**20:.1f} MiB, "
-                     f"{self.file_bytes_read / 2**20:.1f} MiB read")
-        tail = []
-        if self.layout is not None:
-            lay = self.layout
-            tail.append(f"layout ({'timed' if lay.timed else 'by bytes'}): budget {lay.budget / 2**20:.0f} MiB, kept "
-                        f"{lay.kept_bytes / 2**20:.0f} MiB, streamed {lay.streamed_bytes / 2**20:.0f} MiB, carried "
-                        f"{sum(s.device_bytes for s in self.scopes if s.carried) / 2**20:.0f} MiB")
-            if lay.predicted_forward_ms is not None:
-                tail[-1] += (f"; predicted forward {lay.predicted_forward_ms:.1f} ms, "
-                             f"backward {lay.predicted_backward_ms:.1f} ms")
-        return "\n".join([head, *lines, *tail])
+            head += (f"; {format_bytes(in_files)} in files, staging ring {format_bytes(self.staging_bytes)}, "
+                     f"{format_bytes(self.file_bytes_read)} read")
+        return head
+
+    def _tail(self) -> list[str]:
+        if self.layout is None:
+            return []
+        lay = self.layout
+        carried = sum(s.device_bytes for s in self.scopes if s.carried)
+        line = (f"layout ({'timed' if lay.timed else 'by bytes'}): budget {format_bytes(lay.budget)}, kept "
+                f"{format_bytes(lay.kept_bytes)}, streamed {format_bytes(lay.streamed_bytes)}, carried "
+                f"{format_bytes(carried)}")
+        if lay.predicted_forward_ms is not None:
+            line += (f"; predicted forward {lay.predicted_forward_ms:.1f} ms, "
+                     f"backward {lay.predicted_backward_ms:.1f} ms")
+        return [line]

@@ -18,7 +18,8 @@ from .wrapping import _engine_of
 def set_prefetch(model: nn.Module, module: nn.Module, *, forward: list[nn.Module] | None = None,
                  backward: list[nn.Module] | None = None) -> None:
     """Say which modules to load when `module`'s forward (backward) starts, instead of the
-    next ones of the order offtensor learned (Note [prefetch order]).
+    next ones of the order offtensor learned (the order of the first forward, and of the first
+    backward once one has run).
 
     The learned order is right for a model that runs its blocks in the same order every step;
     when it does not (a block chosen at run time, a mixture of experts, a loop whose length

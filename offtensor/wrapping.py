@@ -92,7 +92,7 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
 
     Example::
 
-        model = AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)
         offtensor.wrap(model)                      # decoder layers offloaded
         model.to("cuda")                           # embeddings, norm, head on the GPU
         model.gradient_checkpointing_enable()
@@ -143,8 +143,9 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
     in_files = scopes_in_files(plans, policy)  # Note [masters in files] (weights/file_masters.py)
     engine = Engine(device, policy)
     intercept_function_apply()  # Note [custom autograd Functions] (dispatch/function_apply.py)
-    progress = PinProgress(sum(p.numel() * p.element_size() for *_, params, _ in plans for _, p in params),
-                           *([source.label] if source is not None else []))
+    # Unpinned (a CPU device, pin_memory False or "ring"), the masters are only copied.
+    label = source.label if source is not None else "pinning host memory" if pin else "copying masters to host memory"
+    progress = PinProgress(sum(p.numel() * p.element_size() for *_, params, _ in plans for _, p in params), label)
     try:
         for name, module, scope_policy, params, block in plans:
             scope = Scope(name, module, scope_policy, engine, pinned=pin and not engine.pinning.failed, block=block)

@@ -53,6 +53,11 @@ def pytest_report_header(config: pytest.Config) -> str:
     return tiers.header()
 
 
+def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
+    # Under -q (README's command) pytest prints no header: the seed line comes after collection.
+    return [tiers.header()] if config.option.verbose < 0 else []
+
+
 # Note [freezing what outlives a module]
 # After collection the heap holds some 400k objects (torch, transformers, diffusers, and
 # torch._dynamo, which the first optimizer step imports), and every full garbage collection

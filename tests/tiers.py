@@ -5,14 +5,14 @@
 - ``quick`` (the default): every test module runs, but the combinatorial suites (the
   architecture x mode matrix, the interrupt fuzzer, the training-loop fuzzer, the zero_grad
   matrix) run a sample that still reaches each mechanism: every architecture in one mode, every
-  mode on some architectures, every interrupt variant at a few points, a few fuzz seeds. Meant
-  for the edit-test loop: well under 20 s on an idle 2-core machine.
+  mode on some architectures, every interrupt variant at a few points, a few fuzz seeds. A few
+  minutes on an idle 2-core machine (README.md, "Two commands").
 - ``full``: every case of every matrix. CI (``.ci/run``) and the GPU check
   (``.ci/gpu_check.sh``) run this tier.
 
 Which cases the quick tier samples is keyed on ``OFFTENSOR_TEST_SEED`` (an integer). Unset, it is
-the day number (UTC), so that successive days cover different cases, and the pytest header
-prints it: ``OFFTENSOR_TEST_SEED=<n> python -m pytest -q tests`` draws the same sample again.
+the day number (UTC), so that successive days cover different cases, and pytest prints it (in the
+header, or after collection under ``-q``): ``OFFTENSOR_TEST_SEED=<n> python -m pytest -q tests`` draws the same sample again.
 
 # Note [sampling is per decision]
 Each sampled suite draws from its own generator, keyed on the seed *and* the suite's name

@@ -190,11 +190,12 @@ class PinningFallback:
 
 
 class PinProgress:
-    """Prints pinning progress on a terminal when pinning takes long (large models: minutes)."""
+    """Prints the progress of filling the host masters on a terminal when it takes long (large
+    models: minutes)."""
 
-    def __init__(self, total_bytes: int, label: str = "pinning host memory") -> None:
+    def __init__(self, total_bytes: int, label: str) -> None:
         self._total = total_bytes
-        self._label = label  # offtensor.load: "loading weights"
+        self._label = label  # "pinning host memory", or what is done instead
         self._done = 0
         self._start = time.perf_counter()
         self._shown = False

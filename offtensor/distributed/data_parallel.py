@@ -28,7 +28,7 @@ def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weig
                   timeout: datetime.timedelta | float = DEFAULT_TIMEOUT) -> nn.Module:
     """Train a wrapped model data-parallel: one process per device, each on its slice of the
     batch, gradients averaged over the ranks in every backward (offtensor's replacement for
-    DistributedDataParallel, which cannot see offloaded gradients; Note [data parallel]).
+    DistributedDataParallel, which cannot see offloaded gradients).
 
     Call it on every rank after `offtensor.wrap(model, ...)` and `model.to(device)`, with the
     process group initialised (`torchrun`, `init_process_group`: NCCL for CUDA, gloo for the
@@ -40,7 +40,7 @@ def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weig
     `find_unused_parameters`). `offtensor.unwrap(model)` ends the mode.
 
     With `shard_optimizer=True` the ranks of a node share one host copy of the offloaded masters
-    and split the CPU optimizer work (Note [one host copy per node]): each trainable offloaded
+    (in /dev/shm) and split the CPU optimizer work: each trainable offloaded
     parameter's averaged gradient goes to its owner rank's `p.grad` only (None elsewhere), so your
     optimizer, built over all parameters on every rank, steps and keeps state for that rank's
     share. The ranks pass a fence after every `optimizer.step()` and before the forward after a
@@ -50,7 +50,7 @@ def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weig
 
     With `shard_loads=True` each rank copies only its 1/N slice of a scope from the host and the
     ranks all-gather the rest (over NVLink between GPUs), so each moves N times fewer bytes over
-    PCIe (Note [sharded loads]). The loads become collective: every rank must run the same passes;
+    PCIe. The loads become collective: every rank must run the same passes;
     one on some ranks only (evaluation on rank 0) goes inside `offtensor.local_loads(model)`.
     Scopes whose load casts are loaded as before.
 
@@ -108,7 +108,7 @@ def data_parallel(model: nn.Module, process_group: Any = None, *, broadcast_weig
 def sync_masters(model: nn.Module) -> None:
     """Wait until the optimizer steps of every rank are in the shared masters of a model in
     `data_parallel(model, shard_optimizer=True)` mode: this rank's deferred steps
-    (`backward_and_step`), then a fence of all ranks (Note [step fence] in distributed/shared_masters.py).
+    (`backward_and_step`), then a barrier of all ranks.
     Needed only to read the masters after `backward_and_step` and before the next forward (which
     waits by itself), e.g. to save a checkpoint; every rank must call it.
 

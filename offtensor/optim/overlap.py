@@ -98,11 +98,11 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, *, z
         clip_parameters: what to clip, in the order of the norm; default: the optimizer's params.
         scaler: the `torch.amp.GradScaler` that scaled `loss`: unscales (before clipping), and
             skips the step on inf or NaN as `scaler.step` does. Call `scaler.update()` after.
-        spare_threads: CPU threads left to the thread launching kernels (Note [worker
-            threads]). Default (None): `SPARE_THREADS`, 1.
+        spare_threads: CPU threads the worker leaves to the thread launching the device's
+            kernels. Default (None): `SPARE_THREADS`, 1.
         piece_bytes: parameter bytes per step of the worker. Default: `STEP_PIECE_BYTES`, 64 MiB.
         device_share: up to this fraction of the offloaded bytes may be stepped on the device
-            (Note [device steps]): SGD, Adam and AdamW, no VRAM budget. Default: 0.0 (off).
+            (SGD, Adam and AdamW, no VRAM budget). Default: 0.0 (off).
         **backward_kwargs: passed to `loss.backward` (e.g. `retain_graph`).
 
     Returns an `OverlapReport`, completed by the worker; `report.wait()` waits for the whole step.

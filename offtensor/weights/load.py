@@ -58,11 +58,12 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
     The model's parameters (all or some) are on the meta device (built under
     `torch.device("meta")` or `accelerate.init_empty_weights()`). Each scope's host buffer is
     filled from the source one tensor at a time, compressed on the fly under
-    `Policy(frozen_format=...)`, so peak host memory stays close to the offloaded bytes (Note
-    [loading scope by scope]); the other meta parameters and buffers then go to `rest_device`,
-    and parameters not on the meta device keep their values. A transformers model's
+    `Policy(frozen_format=...)`, so peak host memory stays close to the offloaded bytes (the
+    masters, one checkpoint tensor and small temporaries); the other meta parameters and
+    buffers then go to `rest_device`, and parameters not on the meta device keep their values. A transformers model's
     `tie_weights()` is called first. With `Policy(host_budget=B)` the frozen scopes that do not
-    fit B bytes of host RAM stay in the files, read ahead of use (Note [masters in files]).
+    fit B bytes of host RAM stay in the files, read ahead of use into a small staging ring; reads
+    through such a parameter read the file, writes to it raise.
 
     Args:
         model: the model, modified in place; its meta parameters become real (offloaded ones
@@ -70,8 +71,8 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
         weights: a Hugging Face checkpoint: a directory with `model.safetensors.index.json`
             (sharded) or `model.safetensors`, or one `.safetensors` file. Keys are the model's
             parameter names; a name that is not found is also tried without PEFT's `.base_layer`
-            and without leading components (`base_model.model.`), the same ones for every key
-            (Note [checkpoint keys] in weights/checkpoint.py). Persistent buffers are read from
+            and without leading components (`base_model.model.`), the same ones for every key.
+            Persistent buffers are read from
             it too. Tensors it holds that nothing was read from are named in a warning.
         predicate: as for `wrap`.
         init: `init(module_name, module)` initializes, in place, the parameters the checkpoint
@@ -99,11 +100,11 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
 
         config = AutoConfig.from_pretrained(path)
         with accelerate.init_empty_weights():  # buffers stay real (rotary inv_freq is in no checkpoint)
-            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         offtensor.load(model, path, policy=offtensor.Policy(frozen_format="fp8"))
         out = model(input_ids.cuda())
         # larger than host RAM: 32 GiB of it in RAM, the rest read from the files as needed
-        offtensor.load(model, path, policy=offtensor.Policy(host_budget=32 * 2**30))
+        offtensor.load(model, path, policy=offtensor.Policy(host_budget="32GiB"))
     """
     _check_sources(weights, init)
     checkpoint = Checkpoint(weights) if weights is not None else None
