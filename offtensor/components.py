@@ -3,19 +3,18 @@ and for an object holding several: a diffusers pipeline.
 
 # Note [wrapping a pipeline]
 A diffusers pipeline is not an nn.Module: it holds its models as components (`pipe.components`,
-with tokenizers and a scheduler beside them), and users wrapped each one themselves and then
-called `pipe.to("cuda")`. `offtensor.wrap(pipe)` does both: each component is wrapped as a
-model of its own (its own engine, schedule and hooks, so each learns its own passes), then every
-component is moved to the device with `module.to`, which keeps the masters on the host;
-`pipe.to` is not called, since diffusers refuses or undoes it around offloaded models. The
-default leaves whole on the device the components that hold little (under 1/8 of all the
-components' bytes: a VAE, a CLIP text encoder), whose blocks would cost a copy each for bytes
-that matter little; the user's predicate, seeing `component.name` names, selects anything. The
-components stay the same objects, and the pipeline's own `__call__` runs unchanged, so its
-images equal the unwrapped pipeline's. Under a VRAM budget the wrapped components share one
-`SharedBudget` (Note [one budget across models] in budget/shared.py), laid out once they are all
-wrapped. A wrap that raises part way unwraps the components wrapped so far. `unwrap(pipe)`
-unwraps each and moves it back to the one device it was on before, if it was on one.
+with tokenizers and a scheduler beside them); users wrapped each one and then called
+`pipe.to("cuda")`. `offtensor.wrap(pipe)` does both: each component is wrapped as a model of its
+own (its own engine, schedule and hooks, so each learns its own passes), then every component is
+moved with `module.to`, which keeps the masters on the host (what `pipe.to` would do; an object
+that is not a pipeline has no `to`). The default leaves whole on the device the components that
+hold little (under 1/8 of all the components' bytes: a VAE, a CLIP text encoder), whose blocks
+would cost a copy each for bytes that matter little; a predicate, seeing `component.name`
+names, selects anything. The components stay the same objects and the pipeline's `__call__`
+runs unchanged, so its images equal the unwrapped pipeline's. Under a VRAM budget the wrapped
+components share one `SharedBudget` (Note [one budget across models] in budget/shared.py), laid
+out once all are wrapped. A wrap that raises part way unwraps the components wrapped so far.
+`unwrap(pipe)` unwraps each and moves it back to the one device it was on before, if one.
 """
 
 from __future__ import annotations
@@ -72,7 +71,7 @@ def wrap(model: Any, predicate: Predicate | None = None, *,
     with the component's in front (`"transformer.transformer_blocks.0"`). Under
     `Policy(vram_budget=...)` one budget spans the wrapped components, kept by measured time
     across them (Note [one budget across models] in budget/shared.py). `unwrap`, `summary` and
-    `is_wrapped` take the same object. Do not call `pipe.to(...)` after it.
+    `is_wrapped` take the same object. No `pipe.to(...)` is needed.
 
     Args:
         model: the model, modified in place (or an object holding several: see above).
@@ -102,7 +101,7 @@ def wrap(model: Any, predicate: Predicate | None = None, *,
         loss.backward(); opt.step(); opt.zero_grad()
 
         pipe = FluxPipeline.from_pretrained(name, torch_dtype=torch.bfloat16)
-        offtensor.wrap(pipe, policy=offtensor.Policy(vram_budget="auto"))   # not pipe.to("cuda")
+        offtensor.wrap(pipe, policy=offtensor.Policy(vram_budget="auto"))   # the rest to the GPU too
         image = pipe("a photo of a cat").images[0]
     """
     if isinstance(model, nn.Module):
