@@ -9,15 +9,14 @@ See README.md and docs/design.md.
 """
 
 from .api import Layout, MasterHome, Policy, Residency, ScopeState, ScopeSummary, Summary, TensorsSummary, frozen_only
+from .components import is_wrapped, summary, unwrap, wrap
 from .controls import no_offload, set_prefetch
 from .dispatch.param import OffloadedParameter
 from .distributed.data_parallel import data_parallel, sync_masters
 from .distributed.reducer import no_sync
 from .distributed.sharded_loads import local_loads
 from .optim.overlap import OverlapReport, backward_and_step, last_stepped, wait_for_steps
-from .reporting import is_wrapped, summary
 from .weights.load import load
-from .wrapping import unwrap, wrap
 
 __all__ = [
     "Layout",

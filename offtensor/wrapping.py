@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .api import MasterHome, Policy, ScopeState
+from .budget.shared import SharedBudget
 from .core.engine import Engine
 from .core.grads import new_host_grad
 from .core.hooks import ModelHooks, ScopeHooks
@@ -61,45 +62,7 @@ _ENGINE_ATTR = "_offtensor_engine"
 
 def wrap(model: nn.Module, predicate: Predicate | None = None, *,
          device: torch.device | str | None = None, policy: Policy | None = None) -> nn.Module:
-    """Offload the parameters of selected modules to host memory, streaming them to `device`.
-
-    Each module that `predicate` selects becomes a *scope*: its parameters (recursively) become
-    `OffloadedParameter`s whose masters live in one flat host buffer (pinned on CUDA). When the
-    scope's forward starts, its parameters are copied to the device as one transfer (the next
-    scopes are prefetched on a side stream while it computes); when the forward ends the device
-    copy is freed. In backward the scope is loaded again, gradients are copied to the host as
-    they are produced and accumulate into `p.grad` on the CPU, so a standard `torch.optim`
-    optimizer steps the host masters. Works with `torch.utils.checkpoint` (reentrant or not)
-    and Hugging Face `gradient_checkpointing_enable()`. Modules not selected are left alone:
-    place them yourself (`model.to(device)` after `wrap` moves them and the buffers and keeps
-    the offloaded masters on the host).
-
-    Args:
-        model: the model, modified in place. Parameters keep their identity (an optimizer built
-            before `wrap` stays valid); their data moves into the host buffers.
-        predicate: `predicate(qualified_name, module) -> bool | Policy` selects scopes;
-            returning a `Policy` selects the module with that policy. Default: every element of
-            every outermost `nn.ModuleList` (the decoder layers of a transformer, the blocks of
-            a UNet or a diffusion transformer); lists nested inside a selected element are part
-            of it. `offtensor.summary(model)` lists the scopes chosen.
-            A selected module's descendants are part of it and must not be selected too.
-        device: the compute device. Default: the current CUDA device if available, else
-            `"cpu"`; `"cpu"` runs the same mechanism with CPU copies (used to test it).
-        policy: options (prefetch depth, keep-for-backward, pinning); default `Policy()`.
-
-    Returns:
-        `model`.
-
-    Example::
-
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)
-        offtensor.wrap(model)                      # decoder layers offloaded
-        model.to("cuda")                           # embeddings, norm, head on the GPU
-        model.gradient_checkpointing_enable()
-        opt = torch.optim.AdamW(model.parameters(), fused=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward(); opt.step(); opt.zero_grad()
-    """
+    """`offtensor.wrap` of an nn.Module (its docstring, in components.py, says what it does)."""
     return wrap_filling(model, predicate, device, policy, source=None)
 
 
@@ -120,9 +83,11 @@ class ScopeSource(Protocol):
 
 
 def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.device | str | None,
-                 policy: Policy | None, source: ScopeSource | None) -> nn.Module:
+                 policy: Policy | None, source: ScopeSource | None, shared: SharedBudget | None = None) -> nn.Module:
     """`wrap`; with `source`, the masters' values come from it scope by scope, and parameters
-    on the meta device are accepted (Note [loading scope by scope] in weights/load.py)."""
+    on the meta device are accepted (Note [loading scope by scope] in weights/load.py); with
+    `shared`, the VRAM budget is shared with other models (Note [one budget across models] in
+    budget/shared.py), which lays out once all are wrapped."""
     policy = policy if policy is not None else Policy()
     _check_arguments(model, predicate, policy)
     device = resolve_device(device)
@@ -141,7 +106,7 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
     check_memory_not_shared(model, plans)
     check_budget(plans, policy)
     in_files = scopes_in_files(plans, policy)  # Note [masters in files] (weights/file_masters.py)
-    engine = Engine(device, policy)
+    engine = Engine(device, policy, shared)
     intercept_function_apply()  # Note [custom autograd Functions] (dispatch/function_apply.py)
     # Unpinned (a CPU device, pin_memory False or "ring"), the masters are only copied.
     label = source.label if source is not None else "pinning host memory" if pin else "copying masters to host memory"

@@ -21,11 +21,11 @@ LAYERS = ["api", "patches", "weights.kernels", "weights.compress", "weights.file
           "dispatch.ops", "dispatch.autograd", "dispatch.param", "dispatch.function_apply", "dispatch.optimizer_step",
           "core.streams", "core.write_tracking", "core.host_masters", "core.device_buffer", "core.loading",
           "core.old_grads", "core.scope", "core.grad_calls", "budget.layout", "budget.timed",
-          "budget.vram", "core.schedule", "core.grads", "core.transforms", "core.access", "core.writes", "core.threads",
+          "budget.vram", "budget.shared", "core.schedule", "core.grads", "core.transforms", "core.access", "core.writes", "core.threads",
           "core.engine", "core.hooks", "weights.quantized", "optim.report", "optim.views", "optim.pieces",
           "optim.device_steps", "optim.piece_queue", "optim.calls", "optim.fenced_state", "optim.clipping",
           "optim.checks", "optim.worker", "optim.step", "optim.overlap", "planning", "guards", "wrapping",
-          "reporting", "controls", "distributed.shared_masters", "distributed.sharded_loads", "distributed.reducer",
+          "reporting", "components", "controls", "distributed.shared_masters", "distributed.sharded_loads", "distributed.reducer",
           "distributed.agreement", "distributed.data_parallel", "weights.load"]
 
 

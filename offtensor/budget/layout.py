@@ -329,3 +329,83 @@ def auto_margin(device: torch.device) -> int:
         return AUTO_MARGIN_MIN
     total = torch.cuda.get_device_properties(device).total_memory
     return max(AUTO_MARGIN_MIN, int(total * AUTO_MARGIN_FRACTION))
+
+
+@dataclass
+class Member:
+    """One model under a budget shared with others that run one at a time (Note [one budget across
+    models] in budget/shared.py): its scopes' costs, its measured orders (indices into `costs`) and
+    how many of its passes run per cycle of the group (`weight`)."""
+
+    costs: Sequence[ScopeCost]
+    forward: Sequence[int]
+    backward: Sequence[int]
+    weight: float
+
+    def step_ms(self, kept: set[int], room: int) -> float:
+        return self.weight * simulate(self.costs, self.forward, self.backward, kept, room).step_ms
+
+
+def _across_ms(members: Sequence[Member], kept: Sequence[set[int]], room: int) -> float:
+    return sum(m.step_ms(k, room) for m, k in zip(members, kept, strict=True) if m.weight)
+
+
+def room_across(members: Sequence[Member], kept: Sequence[set[int]], prefetch: int) -> int:
+    """What streaming needs when the members run one at a time: the most any one of them needs."""
+    return max((min_room(m.costs, k, prefetch) for m, k in zip(members, kept, strict=True)), default=0)
+
+
+def _greedy_across(members: Sequence[Member], budget: int, prefetch: int) -> list[set[int]]:
+    """From nothing kept, keep the scope of any member that shortens the weighted cycle most per
+    byte; every member's room shrinks by what any one keeps."""
+    kept: list[set[int]] = [set() for _ in members]
+    used = 0
+    while True:
+        now = _across_ms(members, kept, budget - used)
+        base: dict[int, float] = {}  # the cycle with the room less `size` bytes, by size
+        pick, pick_score = None, None
+        for m, member in enumerate(members):
+            if not member.weight:
+                continue
+            for i in sorted(set(member.forward) | set(member.backward)):
+                if i in kept[m]:
+                    continue
+                size = member.costs[i].device_bytes
+                trial = [k | {i} if n == m else k for n, k in enumerate(kept)]
+                room = budget - used - size
+                if room < room_across(members, trial, prefetch):
+                    continue
+                if size not in base:
+                    base[size] = _across_ms(members, kept, room)
+                ms = base[size] - member.step_ms(kept[m], room) + member.step_ms(trial[m], room)
+                c = member.costs[i]
+                ratio = c.copy_ms / max(c.forward_ms + c.backward_ms, 1e-6)
+                score = (round((now - ms) / max(size, 1) * 2**30, 3), ratio, -m, -i)
+                if pick_score is None or score > pick_score:
+                    pick, pick_score = (m, i), score
+        if pick is None:
+            return kept
+        kept[pick[0]].add(pick[1])
+        used += members[pick[0]].costs[pick[1]].device_bytes
+
+
+def choose_across(members: Sequence[Member], budget: int, prefetch: int,
+                  byte_layout: Sequence[set[int]]) -> tuple[list[set[int]], Prediction]:
+    """The kept sets of models sharing `budget` (Note [one budget across models] in
+    budget/shared.py) and the weighted cycle they predict: the faster by simulation of the greedy
+    across them and of `byte_layout` (what the byte layout keeps now); within TIE, the one that
+    keeps more."""
+    options = [_greedy_across(members, budget, prefetch), [set(k) for k in byte_layout]]
+    scored = []
+    for kept in options:
+        used = sum(m.costs[i].device_bytes for m, k in zip(members, kept, strict=True) for i in k)
+        if budget - used >= room_across(members, kept, prefetch):
+            scored.append((_across_ms(members, kept, budget - used), used, kept))
+    if scored:
+        fastest = min(ms for ms, _, _ in scored)
+        _, used, kept = max((o for o in scored if o[0] <= fastest * (1 + TIE)), key=lambda o: o[1])
+    else:
+        used, kept = 0, [set() for _ in members]
+    steps = [simulate(m.costs, m.forward, m.backward, k, budget - used) for m, k in zip(members, kept, strict=True)]
+    return kept, Prediction(sum(m.weight * p.forward_ms for m, p in zip(members, steps, strict=True)),
+                            sum(m.weight * p.backward_ms for m, p in zip(members, steps, strict=True)))

@@ -65,27 +65,36 @@ class TimedLayout:
         timer = self.timer
         if timer.state is Measuring.DONE:
             return None
-        if timer.state is Measuring.WAITING:
-            if order:  # one pass has run: the order is known, cold kernels are paid
-                timer.state = Measuring.MEASURING
-                self._reads_before = ring.read_stats() if ring is not None else (0, 0.0)
-            return None
-        if timer.state is Measuring.MEASURING:
-            timer.state = Measuring.MEASURED  # the measured pass (and its backward) is over
+        self.advance(order, ring)
         if timer.state is not Measuring.MEASURED or not self._idle():
             return None
         timer.state = Measuring.DONE
         if self._lockstep():
             return None
-        index = {scope: i for i, scope in enumerate(self.scopes)}
-        forward = [index[s] for s in order]
-        backward = [index[s] for s in backward_order()] if timer.saw_backward else []
-        costs = self._costs(ring)
-        budget = self._sized(budget)
+        forward, backward = self.indices(order, backward_order)
+        costs = self.costs(ring)
+        budget = self.sized(budget)
         kept, prediction = choose(costs, forward, backward, budget, self.policy.prefetch)
         return {self.scopes[i] for i in kept}, budget, prediction
 
-    def _costs(self, ring: Any) -> list[ScopeCost]:
+    def advance(self, order: list[Scope], ring: Any) -> None:
+        """The model's forward starts: measure this pass once one has run (the order is known,
+        cold kernels are paid); the pass measured before it (and its backward) is over."""
+        timer = self.timer
+        if timer.state is Measuring.WAITING:
+            if order:
+                timer.state = Measuring.MEASURING
+                self._reads_before = ring.read_stats() if ring is not None else (0, 0.0)
+        elif timer.state is Measuring.MEASURING:
+            timer.state = Measuring.MEASURED
+
+    def indices(self, order: list[Scope], backward_order: Callable[[], list[Scope]]) -> tuple[list[int], list[int]]:
+        """The measured forward and backward orders as indices into `scopes` (and `costs`)."""
+        index = {scope: i for i, scope in enumerate(self.scopes)}
+        backward = [index[s] for s in backward_order()] if self.timer.saw_backward else []
+        return [index[s] for s in order], backward
+
+    def costs(self, ring: Any) -> list[ScopeCost]:
         """What each scope costs a pass, from the measured times and one timed copy."""
         timer = self.timer
         largest = max(self.scopes, key=lambda s: s.nbytes)
@@ -97,7 +106,7 @@ class TimedLayout:
                           s.device_nbytes, s.block, copied_when_kept=timer.saw_backward and trainable(s))
                 for s in self.scopes]
 
-    def _sized(self, budget: int) -> int:
+    def sized(self, budget: int) -> int:
         """The budget, under vram_budget="auto" raised by the memory the measured step left unused."""
         if self.policy.vram_budget == "auto":
             spare = spare_device_bytes(self.device)

@@ -38,7 +38,7 @@ Filling the streaming room still caps how far the copies get ahead while kept sc
 at the room's 2 + `prefetch` blocks. With every kept scope first, the copies reach that lead
 during them and then idle; where a streamed block computes a little faster than it copies, the
 lead is used up after a few streamed blocks and each later one waits for its copy. Spread evenly
-by bytes over the order (`_keep_within`), each kept scope comes when the copies have fallen a few
+by bytes over the order (`keep_within`), each kept scope comes when the copies have fallen a few
 blocks behind, and its compute lets them catch up. Passes that are transfer-bound or
 compute-bound move the same bytes either way.
 
@@ -79,6 +79,34 @@ def streaming_bytes(largest_block: int, prefetch: int) -> int:
     """Device bytes streaming needs beside a VRAM budget's kept scopes (Note [VRAM budget]): the
     block computing, the one before it finishing its backward, `prefetch` in flight."""
     return (2 + prefetch) * largest_block
+
+
+def keep_within(scopes: list[Scope], budget: int, streaming: int) -> None:
+    """Keep what fits in `budget` beside `streaming` bytes: every scope when all fit, else the
+    first in wrap's order and the others spread evenly by bytes (Note [kept scopes spread])."""
+    total = sum(s.device_nbytes for s in scopes)
+    if total <= budget:
+        for scope in scopes:
+            scope.residency = Residency.KEPT
+        return
+    assert budget >= streaming  # wrap checked it (planning.check_budget) before anything moved
+    room = budget - streaming
+    first, *rest = scopes
+    if first.device_nbytes <= room:
+        first.residency = Residency.KEPT
+        room -= first.device_nbytes
+    else:  # a first scope larger than the room (a wrapped embedding): spread over all
+        rest = scopes
+    # Each scope earns the kept share (room / rest) of its bytes, and one is kept when the
+    # earnings so far pay for it (in integers: x rest).
+    rest_bytes = max(1, sum(s.device_nbytes for s in rest))
+    share, credit = room, 0
+    for scope in rest:
+        credit += share * scope.device_nbytes
+        if scope.device_nbytes * rest_bytes <= credit and scope.device_nbytes <= room:
+            scope.residency = Residency.KEPT
+            room -= scope.device_nbytes
+            credit -= scope.device_nbytes * rest_bytes
 
 
 class NoBudget:
@@ -146,41 +174,15 @@ class VramBudget(NoBudget):
     def ready(self, largest_block: int) -> None:
         """Choose the scopes the budget keeps by bytes (Note [kept scopes spread])."""
         self.largest_block = largest_block
+        streaming = streaming_bytes(largest_block, self.policy.prefetch)
         budget = self.policy.vram_budget
         if budget == "auto":  # streams everything until the measured step sizes it (Note [a timed layout])
-            total = sum(s.device_nbytes for s in self.scopes)
-            budget = min(total, streaming_bytes(largest_block, self.policy.prefetch))
+            budget = min(sum(s.device_nbytes for s in self.scopes), streaming)
         assert isinstance(budget, int)
         self.bytes = budget
-        self._keep_within(budget, largest_block)
+        keep_within(self.scopes, budget, streaming)
         if not all(s.residency is Residency.KEPT for s in self.scopes):
-            self.streaming_room = streaming_bytes(largest_block, self.policy.prefetch)
-
-    def _keep_within(self, budget: int, largest_block: int) -> None:
-        total = sum(s.device_nbytes for s in self.scopes)
-        if total <= budget:
-            for scope in self.scopes:
-                scope.residency = Residency.KEPT
-            return
-        streaming = streaming_bytes(largest_block, self.policy.prefetch)
-        assert budget >= streaming  # wrap checked it (planning.check_budget) before anything moved
-        room = budget - streaming
-        first, *rest = self.scopes
-        if first.device_nbytes <= room:
-            first.residency = Residency.KEPT
-            room -= first.device_nbytes
-        else:  # a first scope larger than the room (a wrapped embedding): spread over all
-            rest = self.scopes
-        # Each scope earns the kept share (room / rest) of its bytes, and one is kept when the
-        # earnings so far pay for it (in integers: x rest).
-        rest_bytes = max(1, sum(s.device_nbytes for s in rest))
-        share, credit = room, 0
-        for scope in rest:
-            credit += share * scope.device_nbytes
-            if scope.device_nbytes * rest_bytes <= credit and scope.device_nbytes <= room:
-                scope.residency = Residency.KEPT
-                room -= scope.device_nbytes
-                credit -= scope.device_nbytes * rest_bytes
+            self.streaming_room = streaming
 
     def apply(self, kept: set[Scope], budget: int, prediction: Prediction | None) -> None:
         """Keep exactly `kept` from now on, within `budget` (a timed layout, chosen between two
@@ -218,7 +220,7 @@ class VramBudget(NoBudget):
         room = self.free_streaming_room()
         if room is None or scope.residency is Residency.KEPT:
             return
-        for other in reversed(list(self.live)):
+        for other in self.releasable():
             if room >= scope.device_nbytes:
                 return
             # A carried scope's backward is over, so it can go too: one backward through two
@@ -230,12 +232,16 @@ class VramBudget(NoBudget):
             other.release()
             room += other.device_nbytes
 
+    def releasable(self) -> list[Scope]:
+        """The resident scopes `make_room` may release, in the order it tries them: latest first."""
+        return list(reversed(list(self.live)))
+
     def carries(self, scope: Scope, head: Callable[[], list[Scope]]) -> bool:
         if self.streaming_room is None:
             return False
         if self._carry is None:
             self._carry = set()
-            room = self.streaming_room - self.largest_block  # one block left to copy into
+            room = self.carry_room()
             for ahead in head():
                 if ahead.residency is Residency.KEPT:
                     continue
@@ -244,6 +250,11 @@ class VramBudget(NoBudget):
                 self._carry.add(ahead)
                 room -= ahead.device_nbytes
         return scope in self._carry
+
+    def carry_room(self) -> int:
+        """The bytes a backward may leave carried: the room less one block to copy into."""
+        assert self.streaming_room is not None
+        return self.streaming_room - self.largest_block
 
     def forget_backward(self) -> None:
         self._carry = None

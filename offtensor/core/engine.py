@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from ..api import Policy, Residency, ScopeState
-from ..budget.vram import budget_for
+from ..budget.shared import ModelCalls, SharedBudget
+from ..budget.vram import NoBudget, budget_for
 from ..dispatch.optimizer_step import watch_compiled_steps
 from ..distributed import wrappers as _distributed
 from .access import OpAccess
@@ -72,10 +73,25 @@ def _no_engine() -> None:
     """What a pickled wrapped model's engine attribute loads as (Note [copies of a wrapped model])."""
 
 
+def _budget(engine: Engine, shared: SharedBudget | None) -> NoBudget:
+    """The engine's VRAM budget: its own, or a member of `shared` (Note [one budget across
+    models] in budget/shared.py)."""
+    if shared is None:
+        return budget_for(engine.policy, engine.device, engine.scopes, engine.streams, engine.live,
+                          idle=engine._idle, lockstep=engine._lockstep)
+    return shared.member(engine.scopes, engine.streams, engine.live, ModelCalls(
+        idle=engine._idle, lockstep=engine._lockstep,
+        expects_backward=lambda: engine.training is not TrainingState.INFERENCE,
+        order=lambda: engine.schedule.order, backward_order=lambda: engine.schedule.backward_order(),
+        needed_in_backward=lambda s: engine.schedule.needed_in_backward(s), ring=lambda: engine.ring))
+
+
 class Engine:
     """The passes of one wrapped model: drives its scopes' states from the hooks' calls."""
 
-    def __init__(self, device: torch.device, policy: Policy) -> None:
+    def __init__(self, device: torch.device, policy: Policy, shared: SharedBudget | None = None) -> None:
+        """`shared`: the VRAM budget this model shares with others (Note [one budget across
+        models] in budget/shared.py); None: its own, from `policy`."""
         self.device = device
         self.policy = policy
         self.scopes: list[Scope] = []
@@ -83,8 +99,7 @@ class Engine:
         self.live = LiveScopes()
         self.grads = GradOffload(self.streams, self.scopes, self.end_backward, lambda: not self.thread.run_by_another())
         self.calls = GradCalls(self.scopes)
-        self.budget = budget_for(policy, device, self.scopes, self.streams, self.live, idle=self._idle,
-                                 lockstep=self._lockstep)
+        self.budget = _budget(self, shared)
         self.schedule = Schedule(self.scopes, policy, self.budget)
         self.thread = ThreadOwner(lambda: self._computing() or self.grads.in_backward())
         # What the layers above call: no_offload (wrapping.py), backward_and_step (optim/overlap.py),
