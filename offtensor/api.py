@@ -252,6 +252,16 @@ class ScopeSummary:
     carried: bool = False  # left resident by a backward for the next forward (Policy.vram_budget)
     masters: MasterHome = MasterHome.PINNED  # where the masters live (Note [staged loads])
     file_bytes: int = 0  # bytes of the masters read from files at each load (MasterHome.FILE)
+    # Host-to-device bytes since wrap: loads, routed expert rows, temporary copies, old gradients
+    bytes_to_device: int = 0
+    expert_hits: int = 0  # routed expert rows an op needed that were on the device already
+    expert_misses: int = 0  # routed expert rows copied for an op (Note [routed experts])
+
+    @property
+    def expert_hit_rate(self) -> float | None:
+        """Of the routed expert rows ops needed, the share already on the device; None: none."""
+        n = self.expert_hits + self.expert_misses
+        return self.expert_hits / n if n else None
 
 
 @dataclass(frozen=True)
@@ -285,19 +295,25 @@ class Summary:
     def device_bytes(self) -> int:
         return sum(s.device_bytes for s in self.scopes)
 
+    @property
+    def bytes_to_device(self) -> int:
+        """Host-to-device bytes of every scope since wrap."""
+        return sum(s.bytes_to_device for s in self.scopes)
+
     def __str__(self) -> str:
-        rows = [("scope", "state", "masters", "params", "host MiB", "device MiB", "loads", "on demand")]
+        rows = [("scope", "state", "masters", "params", "host MiB", "device MiB", "loads", "on demand",
+                 "to device MiB")]
         for s in self.scopes:
             note = " (kept)" if s.kept else " (carried)" if s.carried else ""
             rows.append(
                 (s.name, s.state.value + note, s.masters.value, f"{s.num_params:,}",
                  f"{s.host_bytes / 2**20:.1f}", f"{s.device_bytes / 2**20:.1f}", str(s.loads),
-                 str(s.loads_on_demand))
+                 str(s.loads_on_demand), f"{s.bytes_to_device / 2**20:.1f}")
             )
         rows.append(("total", "", "", f"{sum(s.num_params for s in self.scopes):,}",
                      f"{self.host_bytes / 2**20:.1f}", f"{self.device_bytes / 2**20:.1f}",
                      str(sum(s.loads for s in self.scopes)),
-                     str(sum(s.loads_on_demand for s in self.scopes))))
+                     str(sum(s.loads_on_demand for s in self.scopes)), f"{self.bytes_to_device / 2**20:.1f}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
                  for r in rows]

@@ -24,7 +24,9 @@ def summary(model: nn.Module) -> Summary:
         ScopeSummary(s.name, s.state, s.num_params(), s.host_bytes(), s.device_bytes(), s.loads,
                      s.loads_on_demand, kept=s.residency is Residency.KEPT,
                      carried=s.residency is Residency.CARRIED, masters=s.home,
-                     file_bytes=s.nbytes if s.home is MasterHome.FILE else 0)
+                     file_bytes=s.nbytes if s.home is MasterHome.FILE else 0,
+                     bytes_to_device=s.traffic.bytes_to_device, expert_hits=s.traffic.expert_hits,
+                     expert_misses=s.traffic.expert_misses)
         for s in engine.scopes if id(s.module) in inside
     ]
     allocated = torch.cuda.memory_allocated(engine.device) if engine.streams.is_cuda else None

@@ -124,12 +124,25 @@ def _chunk(lo: int, slots: list[ParamSlot], rank: dict[ParamSlot, int], converti
     return chunk
 
 
+class Traffic:
+    """What one scope moved to the device since wrap, and how often its routed experts were
+    already there (Note [routed experts] in core/experts.py): `summary()` reports them."""
+
+    __slots__ = ("bytes_to_device", "expert_hits", "expert_misses")
+
+    def __init__(self) -> None:
+        self.bytes_to_device = 0  # loads, expert rows, temporary copies, old gradients
+        self.expert_hits = 0  # expert rows an op needed that were on the device already
+        self.expert_misses = 0  # expert rows copied for an op
+
+
 class LoadProgress:
     """What a load has enqueued and what compute has waited for; exists only while LOADING."""
 
-    def __init__(self, streams: Streams, copied: Callable[[Iterable[ParamSlot]], None]) -> None:
+    def __init__(self, streams: Streams, copied: Callable[[Iterable[ParamSlot]], None], traffic: Traffic) -> None:
         self.streams = streams
         self.copied = copied  # told of the masters about to be copied (WriteTracker.note_copied)
+        self.traffic = traffic  # the scope's counters
         self.chunk_ready: list[Any] = []  # events compute waits on, one per chunk
         self.chunks_waited = 0  # of which the compute stream has waited for
         # A progressive load (Note [progressive loads]): its plan, the host buffer it copies from
@@ -192,10 +205,12 @@ class LoadProgress:
                 self.copied(chunk.slots)
                 for start, dev, n in chunk.direct:
                     device_flat[dev : dev + n].copy_(host[start : start + n], non_blocking=True)
+                    self.traffic.bytes_to_device += n
                 if chunk.staged:
                     assert staging is not None
                     for start, n in chunk.staged:
                         staging[start : start + n].copy_(host[start : start + n], non_blocking=True)
+                        self.traffic.bytes_to_device += n
                 event = streams.record(h2d)
                 if chunk.converts:
                     event = self._convert_chunk(c, chunk, event)
@@ -230,6 +245,7 @@ class LoadProgress:
             self.to_convert.extend(slots)
         else:
             device_flat.copy_(source, non_blocking=True)
+        self.traffic.bytes_to_device += source.nbytes
 
     def mark_chunk(self, h2d: Any) -> None:
         """A whole-scope load: record the event compute waits on for the copy enqueued, after

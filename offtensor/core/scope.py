@@ -50,7 +50,7 @@ from ..api import Policy, Residency, ScopeState
 from ..dispatch.masters import master_requires_grad
 from .device_buffer import DeviceBuffer
 from .host_masters import HostMasters
-from .loading import LoadPlan, LoadProgress
+from .loading import LoadPlan, LoadProgress, Traffic
 from .memory import HostBuffer
 from .old_grads import OldGrads
 from .slot import ParamSlot, alive, weakly
@@ -153,7 +153,8 @@ class Scope:
         self.masters = HostMasters(pinned)
         self.device = DeviceBuffer()
         self.writes = WriteTracker(self.streams)
-        self.old_grads = OldGrads(self.streams, self.slots)
+        self.traffic = Traffic()  # bytes to the device since wrap; routed experts' hits
+        self.old_grads = OldGrads(self.streams, self.slots, self.traffic)
         # Policy.compute_dtype differs from a master's dtype: the load casts (Policy.cast).
         self.casts = False
         self.state = ScopeState.OFFLOADED
@@ -249,6 +250,7 @@ class Scope:
             copy.copy_(values, non_blocking=True)  # current stream: ordered with its use
             if op_device.type == "cuda":
                 self.streams.reads_masters(self.streams.record(torch.cuda.current_stream(op_device)))
+        self.traffic.bytes_to_device += copy.nbytes
         if needs_grad:
             copy.requires_grad_(True)
             copy.register_post_accumulate_grad_hook(weakly(self.grad_sink, slot))
@@ -294,7 +296,7 @@ class Scope:
         streams, masters = self.streams, self.masters
         h2d = streams.h2d()
         self.device.allocate(streams)
-        self.loading = loading = LoadProgress(streams, self.writes.note_copied)
+        self.loading = loading = LoadProgress(streams, self.writes.note_copied, self.traffic)
         progressive = (self.copy_order is not None and masters.shadow is None and self.loader is None
                        and masters.ring is None)
         if not progressive:
