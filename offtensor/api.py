@@ -127,6 +127,15 @@ class Policy:
             file; writes raise. The staging ring (`2 + prefetch` of the largest such scope)
             comes on top. Not combinable with `cast="host"`. `None`: every master in RAM.
             Model-wide: taken from the policy given to `load`.
+        experts: which parameters are routed experts, stacked along their first dimension: a
+            load in forward leaves them out and an op copies in only the experts it reads
+            (`w[idx]`; for whole-tensor ops such as grouped_mm, the experts the router chose),
+            so a decode token moves the experts it uses, not the layer's all (Note [routed
+            experts] in core/experts.py). `"auto"` (default): the parameters of a module named
+            `experts` that are stacked per expert (transformers' MoE models: `gate_up_proj`,
+            `down_proj`, their biases). A callable `experts(qualified_name, param) -> bool`
+            marks them (a module of your own indexing a stacked weight). `None`: none, every
+            scope loads whole.
     """
 
     prefetch: int = 1
@@ -140,6 +149,7 @@ class Policy:
     layout: Literal["auto", "timed", "spread"] = "auto"
     frozen_format: Literal["fp8", "int8"] | None = None
     host_budget: int | float | str | None = None  # an int once made
+    experts: Literal["auto"] | Callable[[str, nn.Parameter], bool] | None = "auto"
 
     def __post_init__(self) -> None:
         _check_count(self.prefetch, "prefetch")
@@ -168,6 +178,9 @@ class Policy:
 
     def _check_choices(self) -> None:
         """The options chosen from a few values, and the combinations refused."""
+        if not (self.experts is None or self.experts == "auto" or callable(self.experts)):
+            raise ValueError("offtensor.Policy: experts must be 'auto', None or callable as "
+                             f"experts(qualified_name, param) -> bool, got {self.experts!r}")
         if self.layout not in ("auto", "timed", "spread"):
             raise ValueError(f"offtensor.Policy: layout must be 'auto', 'timed' or 'spread', got {self.layout!r}")
         if self.cast not in ("device", "host"):

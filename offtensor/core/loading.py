@@ -70,19 +70,23 @@ class LoadPlan:
     """A scope's progressive load, worked out once from its copy_order (Note [load plans]).
     `staged`: the scope converts (a converting load's masters cross into staging)."""
 
-    def __init__(self, order: list[ParamSlot], staged: bool, device: torch.device) -> None:
+    def __init__(self, order: list[ParamSlot], staged: bool, device: torch.device, routed: int = 0) -> None:
+        """`routed`: how many routed expert parameters end copy_order (Note [routed experts] in
+        core/experts.py); a chunk ends before them, so that a load can leave them out."""
         self.order = order
         self.chunk_bytes = CHUNK_BYTES
         layout = sorted(order, key=lambda s: s.offset)
         rank = {slot: i for i, slot in enumerate(layout)}
         converting = [staged and _converts(s) for s in layout]
         self.chunks: list[_Chunk] = []
+        self.routed_from = len(order) - routed  # position of the first routed parameter
         lo, nbytes = 0, 0
         for i, slot in enumerate(order):
             nbytes += slot.host_nbytes if converting[rank[slot]] else slot.device_view.nbytes
-            if nbytes >= CHUNK_BYTES or i == len(order) - 1:
+            if nbytes >= CHUNK_BYTES or i == len(order) - 1 or i == self.routed_from - 1:
                 self.chunks.append(_chunk(lo, order[lo : i + 1], rank, converting))
                 lo, nbytes = i + 1, 0
+        self.unrouted_chunks = sum(chunk.hi <= self.routed_from for chunk in self.chunks)
         for c, chunk in enumerate(self.chunks):
             for slot in chunk.slots:
                 slot.chunk = c
@@ -151,7 +155,8 @@ class LoadProgress:
         self.host: torch.Tensor | None = None
         self.device_flat: torch.Tensor | None = None
         self.cursor = 0
-        self.end = 0  # len(copy_order) for a progressive load, else 0
+        self.end = 0  # len(copy_order) for a progressive load (without routed experts), else 0
+        self.chunk_count = 0  # the plan's chunks this load copies (Note [routed experts])
         # A converting load: the masters' bytes on the device (host layout) until the last chunk's
         # conversion is enqueued; for a whole-scope load, the parameters to convert.
         self.staging: torch.Tensor | None = None
@@ -178,9 +183,12 @@ class LoadProgress:
             staging.record_stream(cast)
         self.staging = staging
 
-    def follow(self, plan: LoadPlan, host: torch.Tensor, device_flat: torch.Tensor) -> None:
-        """Make this a progressive load by `plan`, from the host buffer `host` into `device_flat`."""
-        self.plan, self.host, self.device_flat, self.end = plan, host, device_flat, len(plan.order)
+    def follow(self, plan: LoadPlan, host: torch.Tensor, device_flat: torch.Tensor, routed: bool) -> None:
+        """Make this a progressive load by `plan`, from the host buffer `host` into `device_flat`;
+        without `routed`, not the routed experts (Note [routed experts] in core/experts.py)."""
+        self.plan, self.host, self.device_flat = plan, host, device_flat
+        self.end = len(plan.order) if routed else plan.routed_from
+        self.chunk_count = len(plan.chunks) if routed else plan.unrouted_chunks
 
     def copy_more(self, need: int) -> None:
         """Enqueue the next chunks of a progressive load, each with its event (Note [load plans]).
@@ -194,7 +202,7 @@ class LoadProgress:
         staging = self.staging
         c = first = len(self.chunk_ready)
         with streams.on(h2d):
-            while c < len(chunks):
+            while c < self.chunk_count:
                 chunk = chunks[c]
                 pending = [slot for slot in chunk.slots if slot.step_pending]
                 if pending:
@@ -219,7 +227,7 @@ class LoadProgress:
         if c > first:  # the copy stream runs in order: its last event covers the rest
             streams.reads_masters(self.chunk_ready[-1])
         self.cursor = chunks[c - 1].hi if c else 0
-        if c == len(chunks):
+        if c == self.chunk_count:
             self.staging = None  # every conversion is enqueued
 
     def _convert_chunk(self, c: int, chunk: _Chunk, copied: Any) -> Any:

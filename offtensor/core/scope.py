@@ -53,7 +53,7 @@ from .host_masters import HostMasters
 from .loading import LoadPlan, LoadProgress, Traffic
 from .memory import HostBuffer
 from .old_grads import OldGrads
-from .slot import ParamSlot, alive, weakly
+from .slot import ParamSlot, alive, in_backward, weakly
 from .streams import Streams
 from .write_tracking import WriteTracker
 
@@ -150,6 +150,7 @@ class Scope:
         self.live: LiveScopes = engine.live
         self.grad_sink = engine.grads.on_leaf_grad  # where device copies' gradients go (core/grads.py)
         self.slots: list[ParamSlot] = []
+        self.routed: list[ParamSlot] = []  # Note [routed experts] (core/experts.py)
         self.masters = HostMasters(pinned)
         self.device = DeviceBuffer()
         self.writes = WriteTracker(self.streams)
@@ -228,10 +229,14 @@ class Scope:
         """After the first forward: copy parameters in the order it first used them."""
         if self.copy_order is None and self.first_uses:
             used = list(self.first_uses)
-            self.copy_order = used + [s for s in self.slots if s not in self.first_uses]
-            for i, slot in enumerate(self.copy_order):
-                slot.copy_index = i
+            self.set_copy_order(used + [s for s in self.slots if s not in self.first_uses])
             self.first_uses.clear()
+
+    def set_copy_order(self, order: list[ParamSlot]) -> None:
+        """Copy in `order`, routed experts last (Note [routed experts] in core/experts.py)."""
+        self.copy_order = sorted(order, key=lambda s: s.experts is not None)  # stable
+        for i, slot in enumerate(self.copy_order):
+            slot.copy_index = i
 
     def temporary_copy(self, slot: ParamSlot, op_device: torch.device | None,
                        needs_grad: bool) -> torch.Tensor:
@@ -277,6 +282,8 @@ class Scope:
 
     def refresh(self, slot: ParamSlot) -> None:
         self.writes.refresh(slot)
+        if slot.experts is not None:
+            slot.experts.all_there()
 
     def written_since_copied(self, skip: Any = None) -> bool:
         return self.writes.written_since_copied(skip)
@@ -319,6 +326,8 @@ class Scope:
                 self.loading = None
                 self.device.storage.resize_(0)
                 raise
+        whole = not progressive or not self.routed or in_backward()  # Note [routed experts] (core/experts.py)
+        _routed_loaded(self, whole)
         with streams.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
             if self.casts and masters.shadow is None:
                 loading.stage(masters.nbytes, self.device.flat.device)
@@ -326,8 +335,9 @@ class Scope:
                 assert self.copy_order is not None
                 plan = self.load_plan
                 if plan is None or not plan.current(self.copy_order):  # Note [load plans] (core/loading.py)
-                    plan = self.load_plan = LoadPlan(self.copy_order, self.casts, self.device.flat.device)
-                loading.follow(plan, host, self.device.flat)
+                    plan = self.load_plan = LoadPlan(self.copy_order, self.casts, self.device.flat.device,
+                                                     routed=len(self.routed))
+                loading.follow(plan, host, self.device.flat, routed=whole)
                 self.copy_more(need=-1)
             elif self.loader is not None:  # data_parallel(shard_loads=True), whole-scope
                 ready = self.loader.copy(self)  # an event after its copy (CUDA), else None
@@ -394,6 +404,7 @@ class Scope:
         self.loading = None
         self.writes.in_call.clear()  # the next load copies the masters as they are
         self.device.free(self.slots)  # retired instead under a saved graph (Note [higher-order gradients])
+        _forget_routed(self)
         torch.clear_autocast_cache()  # Note [autocast's cast cache]
         self.state = ScopeState.OFFLOADED
         if self.residency is Residency.CARRIED:
@@ -409,3 +420,22 @@ class Scope:
 
     def take_old_grad(self, slot: ParamSlot) -> torch.Tensor | None:
         return self.old_grads.take(slot)
+
+
+def _routed_loaded(scope: Scope, whole: bool) -> None:
+    """A load copies the scope's routed experts whole, or none of them (ops copy theirs): Note
+    [routed experts] in core/experts.py."""
+    if not whole:
+        _forget_routed(scope)
+        if scope.routed:
+            scope.writes.note_copied(scope.routed)  # what an op copies later is current then
+        return
+    for slot in scope.routed:
+        if slot.experts is not None:
+            slot.experts.all_there()
+
+
+def _forget_routed(scope: Scope) -> None:
+    for slot in scope.routed:
+        if slot.experts is not None:
+            slot.experts.forget()
