@@ -35,8 +35,9 @@ The results are views of the device copy, the parameter's one leaf, so gradients
 master by the usual path (Note [gradient path] in core/grads.py), exactly, trainable experts
 included; experts no op read get zero gradients, as in plain autograd. Backward reads the views
 it saved without an op on the parameter, so a load in backward (`in_backward`) copies the routed
-experts whole, as do loads that are not progressive (the first, the staging ring's, sharded and
-cast="host" loads), the refresh of a write during the call, and compiled code (`fill_all`).
+experts whole, as do a scope's first load when it converts (it has no load plan yet), the staging
+ring's, sharded and cast="host" loads, the refresh of a write during the call, and compiled code
+(`fill_all`).
 
 # Note [recognising experts]
 `Policy(experts="auto")` (default) routes the parameters of a module named `experts` of at least

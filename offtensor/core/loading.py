@@ -245,9 +245,18 @@ class LoadProgress:
                     _convert(slot, staging)
         return streams.record(cast)
 
-    def copy_all(self, source: torch.Tensor, device_flat: torch.Tensor, slots: list[ParamSlot]) -> None:
+    def copy_all(self, source: torch.Tensor, device_flat: torch.Tensor, slots: list[ParamSlot],
+                 only: list[ParamSlot] | None = None) -> None:
         """Enqueue the whole scope at once (on the current stream): `source` into the device
-        buffer, or, for a converting load, into staging, converted at the next mark_chunk."""
+        buffer, or, for a converting load, into staging, converted at the next mark_chunk;
+        `only`: just those parameters (a load that converts nothing)."""
+        if only is not None:  # not the routed experts (Note [routed experts] in core/experts.py)
+            for slot in only:
+                n = slot.device_view.nbytes
+                device_flat[slot.device_offset : slot.device_offset + n].copy_(
+                    source[slot.offset : slot.offset + n], non_blocking=True)
+                self.traffic.bytes_to_device += n
+            return
         if self.staging is not None:
             self.staging.copy_(source, non_blocking=True)
             self.to_convert.extend(slots)

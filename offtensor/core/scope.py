@@ -326,8 +326,7 @@ class Scope:
                 self.loading = None
                 self.device.storage.resize_(0)
                 raise
-        whole = not progressive or not self.routed or in_backward()  # Note [routed experts] (core/experts.py)
-        _routed_loaded(self, whole)
+        whole = _routed_loaded(self, progressive)  # Note [routed experts] (core/experts.py)
         with streams.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
             if self.casts and masters.shadow is None:
                 loading.stage(masters.nbytes, self.device.flat.device)
@@ -343,7 +342,8 @@ class Scope:
                 ready = self.loader.copy(self)  # an event after its copy (CUDA), else None
                 loading.chunk_ready = [ready if ready is not None else streams.record(h2d)]
             else:
-                loading.copy_all(host if masters.shadow is None else masters.shadow, self.device.flat, self.slots)
+                loading.copy_all(host if masters.shadow is None else masters.shadow, self.device.flat, self.slots,
+                                 only=None if whole else [s for s in self.slots if s.experts is None])
                 if masters.ring is not None:
                     masters.ring.copied(self, streams.record(h2d))
                 loading.mark_chunk(h2d)
@@ -422,18 +422,21 @@ class Scope:
         return self.old_grads.take(slot)
 
 
-def _routed_loaded(scope: Scope, whole: bool) -> None:
-    """A load copies the scope's routed experts whole, or none of them (ops copy theirs): Note
-    [routed experts] in core/experts.py."""
+def _routed_loaded(scope: Scope, progressive: bool) -> bool:
+    """Whether a load starting now copies the scope's routed experts whole: in backward, or
+    when it converts or is not the scope's own copy; else ops copy theirs (Note [routed
+    experts] in core/experts.py)."""
+    masters = scope.masters
+    plain = scope.loader is None and masters.ring is None and masters.shadow is None and not scope.casts
+    whole = not scope.routed or in_backward() or not (progressive or plain)
     if not whole:
         _forget_routed(scope)
-        if scope.routed:
-            scope.writes.note_copied(scope.routed)  # what an op copies later is current then
-        return
+        scope.writes.note_copied(scope.routed)  # what an op copies later is current then
+        return False
     for slot in scope.routed:
         if slot.experts is not None:
             slot.experts.all_there()
-
+    return True
 
 def _forget_routed(scope: Scope) -> None:
     for slot in scope.routed:

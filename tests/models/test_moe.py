@@ -198,3 +198,61 @@ def test_experts_not_stacked_stream_as_before_with_one_log_line(caplog):
     for s, block in zip(offtensor.summary(model).scopes, model, strict=True):
         weights = sum(p.numel() * 4 for p in block.parameters())
         assert s.loads * weights <= s.bytes_to_device <= s.loads * s.host_bytes  # whole, with padding
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("experts_frozen", [False, True], ids=["trainable_experts", "frozen_experts"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_training_grads_equal_the_plain_models(implementation, experts_frozen, checkpointing):
+    model = tiny_moe("qwen3_moe", implementation).train()
+    if experts_frozen:  # LoRA-like: the experts frozen, attention trained
+        for name, p in model.named_parameters():
+            p.requires_grad_("experts" not in name)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    reference = unwrapped_reference(model, "cpu")
+    offtensor.wrap(model, device="cpu")
+    ids = torch.randint(1, 128, (2, 8))
+    for _ in range(2):  # the second step accumulates into the first's grads
+        model(ids, labels=ids).loss.backward()
+        reference(ids, labels=ids).loss.backward()
+        got, expected = _grads(model), _grads(reference)
+        assert got.keys() == expected.keys()
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_fp8_experts_routed_compute_as_fp8_experts_loaded_whole():
+    model = tiny_moe("qwen3_moe", "eager").requires_grad_(False)
+    whole = copy.deepcopy(model)
+    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(frozen_format="fp8"))
+    offtensor.wrap(whole, device="cpu", policy=offtensor.Policy(frozen_format="fp8", experts=None))
+    ids = torch.randint(1, 128, (1, 6))
+    kwargs = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    got, expected = model.generate(ids, **kwargs), whole.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert offtensor.summary(model).bytes_to_device < offtensor.summary(whole).bytes_to_device
+
+
+def test_kept_scopes_keep_their_experts_across_tokens():
+    """Under a VRAM budget that keeps every layer, an expert copied for one token is there for
+    the next: only new experts cross, and the hit rate says so."""
+    model = tiny_moe("qwen3_moe", "eager")
+    reference = unwrapped_reference(model, "cpu")
+    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget="1GiB"))
+    ids = torch.randint(1, 128, (1, 6))
+    kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    got, expected = model.generate(ids, **kwargs), reference.generate(ids, **kwargs)
+    for a, b in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    summary = offtensor.summary(model)
+    assert all(s.kept for s in summary.scopes), summary
+    for s in summary.scopes:
+        assert s.expert_hit_rate is not None and s.expert_hit_rate >= 0.3, s
+        assert s.bytes_to_device <= s.host_bytes  # each expert crossed at most once
