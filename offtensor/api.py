@@ -136,6 +136,15 @@ class Policy:
             (`2 + prefetch` of the largest such scope) comes on top. Not combinable with
             `cast="host"`. `None`: every master in RAM.
             Model-wide: taken from the policy given to `load`.
+        experts: which parameters are routed experts, stacked along their first dimension: a
+            load in forward leaves them out and an op copies in only the experts it reads
+            (`w[idx]`; for whole-tensor ops such as grouped_mm, the experts the router chose),
+            so a decode token moves the experts it uses, not the layer's all (Note [routed
+            experts] in core/experts.py). `"auto"` (default): the parameters of a module named
+            `experts` that are stacked per expert (transformers' MoE models: `gate_up_proj`,
+            `down_proj`, their biases). A callable `experts(qualified_name, param) -> bool`
+            marks them (a module of your own indexing a stacked weight). `None`: none, every
+            scope loads whole.
     """
 
     prefetch: int = 1
@@ -149,6 +158,7 @@ class Policy:
     layout: Literal["auto", "timed", "spread"] = "auto"
     frozen_format: Literal["fp8", "int8"] | None = None
     host_budget: int | float | str | None = None  # an int once made
+    experts: Literal["auto"] | Callable[[str, nn.Parameter], bool] | None = "auto"
 
     def __post_init__(self) -> None:
         _check_count(self.prefetch, "prefetch")
@@ -177,6 +187,9 @@ class Policy:
 
     def _check_choices(self) -> None:
         """The options chosen from a few values, and the combinations refused."""
+        if not (self.experts is None or self.experts == "auto" or callable(self.experts)):
+            raise ValueError("offtensor.Policy: experts must be 'auto', None or callable as "
+                             f"experts(qualified_name, param) -> bool, got {self.experts!r}")
         if self.layout not in ("auto", "timed", "spread"):
             raise ValueError(f"offtensor.Policy: layout must be 'auto', 'timed' or 'spread', got {self.layout!r}")
         if self.cast not in ("device", "host"):
@@ -280,6 +293,17 @@ class ScopeSummary:
     loaded_bytes: int = 0
     residency: Residency = Residency.STREAMED
 
+    # Host-to-device bytes since wrap: loads, routed expert rows, temporary copies, old gradients
+    bytes_to_device: int = 0
+    expert_hits: int = 0  # routed expert rows an op needed that were on the device already
+    expert_misses: int = 0  # routed expert rows copied for an op (Note [routed experts])
+
+    @property
+    def expert_hit_rate(self) -> float | None:
+        """Of the routed expert rows ops needed, the share already on the device; None: none."""
+        n = self.expert_hits + self.expert_misses
+        return self.expert_hits / n if n else None
+
 
 @dataclass(frozen=True)
 class TensorsSummary:
@@ -344,25 +368,32 @@ class Summary:
         """The parameters' and buffers' bytes (numel x element size), offloaded or not."""
         return sum(s.param_bytes for s in self.scopes) + self.not_offloaded.nbytes + self.buffers.nbytes
 
+    @property
+    def bytes_to_device(self) -> int:
+        """Host-to-device bytes of every scope since wrap."""
+        return sum(s.bytes_to_device for s in self.scopes)
+
     def __str__(self) -> str:
         rows: list[tuple[str, ...]] = [
-            ("scope", "state", "masters", "params", "size", "host", "device", "loaded", "loads", "on demand")]
+            ("scope", "state", "masters", "params", "size", "host", "device", "loaded", "loads", "on demand",
+             "to device")]
         for s in self.scopes:
             note = " (kept)" if s.kept else " (carried)" if s.carried else ""
             rows.append((s.name, s.state.value + note, s.masters.value, f"{s.num_params:,}",
                          *map(format_bytes, (s.param_bytes, s.host_bytes, s.device_bytes, s.loaded_bytes)),
-                         str(s.loads), str(s.loads_on_demand)))
+                         str(s.loads), str(s.loads_on_demand), format_bytes(s.bytes_to_device)))
         rest, buffers = self.not_offloaded, self.buffers
         if rest.count:
             rows.append(("not offloaded", "", "", f"{rest.numel:,}", *map(format_bytes, (
-                rest.nbytes, rest.host_bytes, rest.device_bytes)), "", "", ""))
+                rest.nbytes, rest.host_bytes, rest.device_bytes)), "", "", "", ""))
         if buffers.count:
             rows.append(("buffers", "", "", "", *map(format_bytes, (
-                buffers.nbytes, buffers.host_bytes, buffers.device_bytes)), "", "", ""))
+                buffers.nbytes, buffers.host_bytes, buffers.device_bytes)), "", "", "", ""))
         rows.append(("total", "", "", f"{sum(s.num_params for s in self.scopes) + rest.numel:,}", *map(format_bytes, (
             self.model_bytes, self.host_bytes + rest.host_bytes + buffers.host_bytes,
             self.device_bytes + rest.device_bytes + buffers.device_bytes)), "",
-            str(sum(s.loads for s in self.scopes)), str(sum(s.loads_on_demand for s in self.scopes))))
+            str(sum(s.loads for s in self.scopes)), str(sum(s.loads_on_demand for s in self.scopes)),
+            format_bytes(self.bytes_to_device)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
                  for r in rows]

@@ -25,6 +25,7 @@ from torch import nn
 from .api import MasterHome, Policy, ScopeState
 from .budget.shared import SharedBudget
 from .core.engine import Engine
+from .core.experts import route_experts
 from .core.grads import new_host_grad
 from .core.hooks import ModelHooks, ScopeHooks
 from .core.memory import HostBuffer, PinnedMemoryError, PinProgress, pinning_available
@@ -126,6 +127,7 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
                 source.begin(name, params)
                 _offload_params(scope, params, device, source.value)
                 source.end()
+            engine.handles.extend(route_experts(scope))  # Note [routed experts] (core/experts.py)
             progress.advance(sum(p.numel() * p.element_size() for _, p in params))
             hooks = ScopeHooks(scope, engine)
             engine.scope_hooks.append(hooks)

@@ -42,6 +42,7 @@ from ..api import ScopeState
 from ..dispatch import compile as _compile
 from ..distributed import wrappers as _distributed
 from .engine import Engine, ModelForward
+from .experts import fill_all_experts
 from .scope import Scope
 from .slot import ExposedCopy, ParamSlot, in_backward
 from .writes import DeviceVersions
@@ -254,13 +255,12 @@ class ScopeHooks:
         if self.engine.thread.foreign():
             return
         scope.make_resident()
+        fill_all_experts(scope)  # compiled code reads every expert's rows (Note [routed experts in backward])
         if scope.copy_order is None:
             # No op reports its first use in compiled code (Note [progressive loads]): copy in
             # the parameters' order. Later loads are then progressive, so a prefetch enqueues
             # what no deferred optimizer step holds back instead of waiting for every step.
-            scope.copy_order = list(scope.slots)
-            for i, slot in enumerate(scope.copy_order):
-                slot.copy_index = i
+            scope.set_copy_order(list(scope.slots))
         if self._exposed is not None:
             return  # a nested call of the same scope
         self._exposed = places = self._current_homes()

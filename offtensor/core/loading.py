@@ -70,19 +70,23 @@ class LoadPlan:
     """A scope's progressive load, worked out once from its copy_order (Note [load plans]).
     `staged`: the scope converts (a converting load's masters cross into staging)."""
 
-    def __init__(self, order: list[ParamSlot], staged: bool, device: torch.device) -> None:
+    def __init__(self, order: list[ParamSlot], staged: bool, device: torch.device, routed: int = 0) -> None:
+        """`routed`: how many routed expert parameters end copy_order (Note [routed experts] in
+        core/experts.py); a chunk ends before them, so that a load can leave them out."""
         self.order = order
         self.chunk_bytes = CHUNK_BYTES
         layout = sorted(order, key=lambda s: s.offset)
         rank = {slot: i for i, slot in enumerate(layout)}
         converting = [staged and _converts(s) for s in layout]
         self.chunks: list[_Chunk] = []
+        self.routed_from = len(order) - routed  # position of the first routed parameter
         lo, nbytes = 0, 0
         for i, slot in enumerate(order):
             nbytes += slot.host_nbytes if converting[rank[slot]] else slot.device_view.nbytes
-            if nbytes >= CHUNK_BYTES or i == len(order) - 1:
+            if nbytes >= CHUNK_BYTES or i == len(order) - 1 or i == self.routed_from - 1:
                 self.chunks.append(_chunk(lo, order[lo : i + 1], rank, converting))
                 lo, nbytes = i + 1, 0
+        self.unrouted_chunks = sum(chunk.hi <= self.routed_from for chunk in self.chunks)
         for c, chunk in enumerate(self.chunks):
             for slot in chunk.slots:
                 slot.chunk = c
@@ -124,12 +128,25 @@ def _chunk(lo: int, slots: list[ParamSlot], rank: dict[ParamSlot, int], converti
     return chunk
 
 
+class Traffic:
+    """What one scope moved to the device since wrap, and how often its routed experts were
+    already there (Note [routed experts] in core/experts.py): `summary()` reports them."""
+
+    __slots__ = ("bytes_to_device", "expert_hits", "expert_misses")
+
+    def __init__(self) -> None:
+        self.bytes_to_device = 0  # loads, expert rows, temporary copies, old gradients
+        self.expert_hits = 0  # expert rows an op needed that were on the device already
+        self.expert_misses = 0  # expert rows copied for an op
+
+
 class LoadProgress:
     """What a load has enqueued and what compute has waited for; exists only while LOADING."""
 
-    def __init__(self, streams: Streams, copied: Callable[[Iterable[ParamSlot]], None]) -> None:
+    def __init__(self, streams: Streams, copied: Callable[[Iterable[ParamSlot]], None], traffic: Traffic) -> None:
         self.streams = streams
         self.copied = copied  # told of the masters about to be copied (WriteTracker.note_copied)
+        self.traffic = traffic  # the scope's counters
         self.chunk_ready: list[Any] = []  # events compute waits on, one per chunk
         self.chunks_waited = 0  # of which the compute stream has waited for
         # A progressive load (Note [progressive loads]): its plan, the host buffer it copies from
@@ -138,7 +155,8 @@ class LoadProgress:
         self.host: torch.Tensor | None = None
         self.device_flat: torch.Tensor | None = None
         self.cursor = 0
-        self.end = 0  # len(copy_order) for a progressive load, else 0
+        self.end = 0  # len(copy_order) for a progressive load (without routed experts), else 0
+        self.chunk_count = 0  # the plan's chunks this load copies (Note [routed experts])
         # A converting load: the masters' bytes on the device (host layout) until the last chunk's
         # conversion is enqueued; for a whole-scope load, the parameters to convert.
         self.staging: torch.Tensor | None = None
@@ -165,9 +183,12 @@ class LoadProgress:
             staging.record_stream(cast)
         self.staging = staging
 
-    def follow(self, plan: LoadPlan, host: torch.Tensor, device_flat: torch.Tensor) -> None:
-        """Make this a progressive load by `plan`, from the host buffer `host` into `device_flat`."""
-        self.plan, self.host, self.device_flat, self.end = plan, host, device_flat, len(plan.order)
+    def follow(self, plan: LoadPlan, host: torch.Tensor, device_flat: torch.Tensor, routed: bool) -> None:
+        """Make this a progressive load by `plan`, from the host buffer `host` into `device_flat`;
+        without `routed`, not the routed experts (Note [routed experts] in core/experts.py)."""
+        self.plan, self.host, self.device_flat = plan, host, device_flat
+        self.end = len(plan.order) if routed else plan.routed_from
+        self.chunk_count = len(plan.chunks) if routed else plan.unrouted_chunks
 
     def copy_more(self, need: int) -> None:
         """Enqueue the next chunks of a progressive load, each with its event (Note [load plans]).
@@ -181,7 +202,7 @@ class LoadProgress:
         staging = self.staging
         c = first = len(self.chunk_ready)
         with streams.on(h2d):
-            while c < len(chunks):
+            while c < self.chunk_count:
                 chunk = chunks[c]
                 pending = [slot for slot in chunk.slots if slot.step_pending]
                 if pending:
@@ -192,10 +213,12 @@ class LoadProgress:
                 self.copied(chunk.slots)
                 for start, dev, n in chunk.direct:
                     device_flat[dev : dev + n].copy_(host[start : start + n], non_blocking=True)
+                    self.traffic.bytes_to_device += n
                 if chunk.staged:
                     assert staging is not None
                     for start, n in chunk.staged:
                         staging[start : start + n].copy_(host[start : start + n], non_blocking=True)
+                        self.traffic.bytes_to_device += n
                 event = streams.record(h2d)
                 if chunk.converts:
                     event = self._convert_chunk(c, chunk, event)
@@ -204,7 +227,7 @@ class LoadProgress:
         if c > first:  # the copy stream runs in order: its last event covers the rest
             streams.reads_masters(self.chunk_ready[-1])
         self.cursor = chunks[c - 1].hi if c else 0
-        if c == len(chunks):
+        if c == self.chunk_count:
             self.staging = None  # every conversion is enqueued
 
     def _convert_chunk(self, c: int, chunk: _Chunk, copied: Any) -> Any:
@@ -222,14 +245,24 @@ class LoadProgress:
                     _convert(slot, staging)
         return streams.record(cast)
 
-    def copy_all(self, source: torch.Tensor, device_flat: torch.Tensor, slots: list[ParamSlot]) -> None:
+    def copy_all(self, source: torch.Tensor, device_flat: torch.Tensor, slots: list[ParamSlot],
+                 only: list[ParamSlot] | None = None) -> None:
         """Enqueue the whole scope at once (on the current stream): `source` into the device
-        buffer, or, for a converting load, into staging, converted at the next mark_chunk."""
+        buffer, or, for a converting load, into staging, converted at the next mark_chunk;
+        `only`: just those parameters (a load that converts nothing)."""
+        if only is not None:  # not the routed experts (Note [routed experts] in core/experts.py)
+            for slot in only:
+                n = slot.device_view.nbytes
+                device_flat[slot.device_offset : slot.device_offset + n].copy_(
+                    source[slot.offset : slot.offset + n], non_blocking=True)
+                self.traffic.bytes_to_device += n
+            return
         if self.staging is not None:
             self.staging.copy_(source, non_blocking=True)
             self.to_convert.extend(slots)
         else:
             device_flat.copy_(source, non_blocking=True)
+        self.traffic.bytes_to_device += source.nbytes
 
     def mark_chunk(self, h2d: Any) -> None:
         """A whole-scope load: record the event compute waits on for the copy enqueued, after

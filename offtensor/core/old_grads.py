@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..dispatch.masters import master_grad, master_requires_grad
+from .loading import Traffic
 from .slot import ParamSlot
 from .streams import Streams
 
@@ -34,9 +35,10 @@ from .streams import Streams
 class OldGrads:
     """The fetches of one scope's existing host gradients and the event that follows them."""
 
-    def __init__(self, streams: Streams, slots: list[ParamSlot]) -> None:
+    def __init__(self, streams: Streams, slots: list[ParamSlot], traffic: Traffic) -> None:
         self.streams = streams
         self.slots = slots  # the scope's (the same list)
+        self.traffic = traffic  # the scope's counters
         self.ready: Any = None  # event on the copy stream after the fetch's copies
 
     def to_fetch(self) -> list[tuple[ParamSlot, torch.Tensor]]:
@@ -68,6 +70,7 @@ class OldGrads:
         with streams.on(h2d):
             for _, g, old in fetched:
                 old.copy_(g, non_blocking=True)
+                self.traffic.bytes_to_device += g.nbytes
         self.ready = ready = streams.record(h2d)
         streams.reads_masters(ready)
         # Only now, and the source before the copy: an interrupt between two statements (Note

@@ -50,10 +50,10 @@ from ..api import Policy, Residency, ScopeState
 from ..dispatch.masters import master_requires_grad
 from .device_buffer import DeviceBuffer
 from .host_masters import HostMasters
-from .loading import LoadPlan, LoadProgress
+from .loading import LoadPlan, LoadProgress, Traffic
 from .memory import HostBuffer
 from .old_grads import OldGrads
-from .slot import ParamSlot, alive, weakly
+from .slot import ParamSlot, alive, in_backward, weakly
 from .streams import Streams
 from .write_tracking import WriteTracker
 
@@ -150,10 +150,12 @@ class Scope:
         self.live: LiveScopes = engine.live
         self.grad_sink = engine.grads.on_leaf_grad  # where device copies' gradients go (core/grads.py)
         self.slots: list[ParamSlot] = []
+        self.routed: list[ParamSlot] = []  # Note [routed experts] (core/experts.py)
         self.masters = HostMasters(pinned)
         self.device = DeviceBuffer()
         self.writes = WriteTracker(self.streams)
-        self.old_grads = OldGrads(self.streams, self.slots)
+        self.traffic = Traffic()  # bytes to the device since wrap; routed experts' hits
+        self.old_grads = OldGrads(self.streams, self.slots, self.traffic)
         # Policy.compute_dtype differs from a master's dtype: the load casts (Policy.cast).
         self.casts = False
         self.state = ScopeState.OFFLOADED
@@ -227,10 +229,14 @@ class Scope:
         """After the first forward: copy parameters in the order it first used them."""
         if self.copy_order is None and self.first_uses:
             used = list(self.first_uses)
-            self.copy_order = used + [s for s in self.slots if s not in self.first_uses]
-            for i, slot in enumerate(self.copy_order):
-                slot.copy_index = i
+            self.set_copy_order(used + [s for s in self.slots if s not in self.first_uses])
             self.first_uses.clear()
+
+    def set_copy_order(self, order: list[ParamSlot]) -> None:
+        """Copy in `order`, routed experts last (Note [routed experts] in core/experts.py)."""
+        self.copy_order = sorted(order, key=lambda s: s.experts is not None)  # stable
+        for i, slot in enumerate(self.copy_order):
+            slot.copy_index = i
 
     def temporary_copy(self, slot: ParamSlot, op_device: torch.device | None,
                        needs_grad: bool) -> torch.Tensor:
@@ -249,6 +255,7 @@ class Scope:
             copy.copy_(values, non_blocking=True)  # current stream: ordered with its use
             if op_device.type == "cuda":
                 self.streams.reads_masters(self.streams.record(torch.cuda.current_stream(op_device)))
+        self.traffic.bytes_to_device += copy.nbytes
         if needs_grad:
             copy.requires_grad_(True)
             copy.register_post_accumulate_grad_hook(weakly(self.grad_sink, slot))
@@ -275,6 +282,8 @@ class Scope:
 
     def refresh(self, slot: ParamSlot) -> None:
         self.writes.refresh(slot)
+        if slot.experts is not None:
+            slot.experts.all_there()
 
     def written_since_copied(self, skip: Any = None) -> bool:
         return self.writes.written_since_copied(skip)
@@ -294,7 +303,7 @@ class Scope:
         streams, masters = self.streams, self.masters
         h2d = streams.h2d()
         self.device.allocate(streams)
-        self.loading = loading = LoadProgress(streams, self.writes.note_copied)
+        self.loading = loading = LoadProgress(streams, self.writes.note_copied, self.traffic)
         progressive = (self.copy_order is not None and masters.shadow is None and self.loader is None
                        and masters.ring is None)
         if not progressive:
@@ -317,6 +326,7 @@ class Scope:
                 self.loading = None
                 self.device.storage.resize_(0)
                 raise
+        whole = _routed_loaded(self, progressive)  # Note [routed experts] (core/experts.py)
         with streams.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
             if self.casts and masters.shadow is None:
                 loading.stage(masters.nbytes, self.device.flat.device)
@@ -324,14 +334,16 @@ class Scope:
                 assert self.copy_order is not None
                 plan = self.load_plan
                 if plan is None or not plan.current(self.copy_order):  # Note [load plans] (core/loading.py)
-                    plan = self.load_plan = LoadPlan(self.copy_order, self.casts, self.device.flat.device)
-                loading.follow(plan, host, self.device.flat)
+                    plan = self.load_plan = LoadPlan(self.copy_order, self.casts, self.device.flat.device,
+                                                     routed=len(self.routed))
+                loading.follow(plan, host, self.device.flat, routed=whole)
                 self.copy_more(need=-1)
             elif self.loader is not None:  # data_parallel(shard_loads=True), whole-scope
                 ready = self.loader.copy(self)  # an event after its copy (CUDA), else None
                 loading.chunk_ready = [ready if ready is not None else streams.record(h2d)]
             else:
-                loading.copy_all(host if masters.shadow is None else masters.shadow, self.device.flat, self.slots)
+                loading.copy_all(host if masters.shadow is None else masters.shadow, self.device.flat, self.slots,
+                                 only=None if whole else [s for s in self.slots if s.experts is None])
                 if masters.ring is not None:
                     masters.ring.copied(self, streams.record(h2d))
                 loading.mark_chunk(h2d)
@@ -392,6 +404,7 @@ class Scope:
         self.loading = None
         self.writes.in_call.clear()  # the next load copies the masters as they are
         self.device.free(self.slots)  # retired instead under a saved graph (Note [higher-order gradients])
+        _forget_routed(self)
         torch.clear_autocast_cache()  # Note [autocast's cast cache]
         self.state = ScopeState.OFFLOADED
         if self.residency is Residency.CARRIED:
@@ -407,3 +420,25 @@ class Scope:
 
     def take_old_grad(self, slot: ParamSlot) -> torch.Tensor | None:
         return self.old_grads.take(slot)
+
+
+def _routed_loaded(scope: Scope, progressive: bool) -> bool:
+    """Whether a load starting now copies the scope's routed experts whole: in backward, or
+    when it converts or is not the scope's own copy; else ops copy theirs (Note [routed
+    experts] in core/experts.py)."""
+    masters = scope.masters
+    plain = scope.loader is None and masters.ring is None and masters.shadow is None and not scope.casts
+    whole = not scope.routed or in_backward() or not (progressive or plain)
+    if not whole:
+        _forget_routed(scope)
+        scope.writes.note_copied(scope.routed)  # what an op copies later is current then
+        return False
+    for slot in scope.routed:
+        if slot.experts is not None:
+            slot.experts.all_there()
+    return True
+
+def _forget_routed(scope: Scope) -> None:
+    for slot in scope.routed:
+        if slot.experts is not None:
+            slot.experts.forget()

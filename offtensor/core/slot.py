@@ -88,6 +88,21 @@ class StepFence(Protocol):
     def wait(self, slot: ParamSlot) -> None: ...
 
 
+class RoutedRows(Protocol):
+    """Which experts of a routed expert parameter its device copy holds (ExpertRows in
+    core/experts.py, above: Note [routed experts])."""
+
+    whole: bool  # every expert is on the device: ops get the device copy as any other
+
+    def before_op(self, func: Any, args: tuple, param: torch.Tensor) -> None: ...
+
+    def forget(self) -> None: ...
+
+    def all_there(self) -> None: ...
+
+    def fill_all(self) -> None: ...
+
+
 class DeviceCopy(torch.Tensor):
     """The device copy of an offloaded parameter: a plain tensor to every op, but printing it
     while its scope is offloaded (storage resized to 0 bytes) says so instead of reading freed
@@ -257,6 +272,8 @@ class ParamSlot:
     # `p.data` tensors handed out, with their versions at the last look (Note [p.data aliases])
     data_aliases: list[tuple[weakref.ref, int]] = field(default_factory=list)
     data_alias_written: bool = False  # one of them was written (or dropped) since the last copy
+    # A routed expert parameter: the experts its device copy holds (Note [routed experts] in core/experts.py)
+    experts: RoutedRows | None = None
     meta: ParamMeta = field(init=False)  # shape, dtype, device: Note [metadata without dispatch]
 
     def __post_init__(self) -> None:
@@ -380,7 +397,8 @@ class ParamSlot:
         core/loading.py). Note [ops in a resident scope] in dispatch/ops.py."""
         scope = self.scope
         if (scope.running_calls <= 0 or scope.copy_order is None or self.pending_step is not None
-                or self.stepped_elsewhere is not None or scope.writes.written_in_this_call(self)):
+                or self.stepped_elsewhere is not None or (self.experts is not None and not self.experts.whole)
+                or scope.writes.written_in_this_call(self)):
             return None
         if scope.state is not ScopeState.RESIDENT:
             loading = scope.loading

@@ -98,6 +98,10 @@ def dispatch(func: Any, args: tuple, kwargs: dict, params: Sequence[torch.Tensor
     subs = replacements(params, op_device(args, kwargs, offloaded))
     if not subs:
         return func(*args, **kwargs)
+    for p in params:  # routed experts: the rows the op reads (Note [routed experts] in core/experts.py)
+        slot = getattr(p, "_ot", None)
+        if slot is not None and slot.experts is not None and subs.get(id(p)) is slot.device_leaf:
+            slot.experts.before_op(func, args, p)
     args, kwargs = substitute(args, kwargs, subs, offloaded)
     return run_op(func, args, kwargs, params)
 

@@ -223,8 +223,17 @@ def unpack_bytes_into(fmt: FrozenFormat, dtype: torch.dtype, shape: torch.Size, 
     rows, cols = _rows_cols(shape)
     values = packed[: rows * cols].view(fmt.dtype).view(rows, cols)
     start = _scale_offset(shape)
-    scale = packed[start : start + rows * dtype.itemsize].view(dtype)[:, None]
-    target = out.view(rows, cols)
+    scale = packed[start : start + rows * dtype.itemsize].view(dtype)
+    unpack_rows_into(fmt, values, scale, out.view(rows, cols))
+
+
+def unpack_rows_into(fmt: FrozenFormat, values: torch.Tensor, scale: torch.Tensor, target: torch.Tensor) -> None:
+    """Dequantize rows of a compressed master on `target`'s device: `values` (rows, cols) of
+    `fmt`'s dtype and `scale` (rows,) of the master's dtype, on that device; `target` (rows,
+    cols) of the compute dtype. Each row alone: the rows of one expert give the bytes the whole
+    master's unpacking gives them (Note [routed experts] in core/experts.py)."""
+    dtype, out, rows = scale.dtype, target, values.shape[0]
+    scale = scale[:, None]
     if out.dtype == dtype and fmt is FrozenFormat.INT8:
         torch.mul(values, scale, out=target)  # one kernel: int8 promotes to the scale's dtype
     elif out.dtype == dtype and out.is_cuda and (fused := _fused_dequantize()) is not None:
