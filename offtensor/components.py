@@ -62,7 +62,8 @@ def wrap(model: Any, predicate: Predicate | None = None, *,
     the offloaded masters on the host).
 
     An object that is not an nn.Module (a diffusers `DiffusionPipeline`, or any object whose
-    attributes hold several models) is wrapped component by component: its nn.Modules are `pipe.components`' (else its attributes');
+    attributes hold several models) is wrapped component by component: its nn.Modules are
+    `pipe.components`' (else its attributes');
     each component the predicate selects modules in is wrapped (by default: the components the
     default predicate selects blocks in that hold at least 1/8 of all the components' bytes, as
     a Flux pipeline's transformer and T5; not its VAE or CLIP), and every component is then moved
