@@ -37,7 +37,10 @@ one of those ranges; the message maps the address to the slot's qualified name.
   (``device_flat.copy_(host_flat)``, ``device_view.copy_(param)``) and its CUDA temporary
   copies. A master as the *destination* (a write) inside forward/backward is flagged.
 - ``aten.slice`` of a scope's ``host_flat`` itself (the tensor object, not a parameter): a run
-  of the host buffer that a load copies from (Note [load plans] in offtensor/core/loading.py).
+  of the host buffer that a load copies from (Note [load plans] in offtensor/core/loading.py);
+  ``aten.select`` and ``aten.slice`` of a slot's ``master`` (offtensor's plain tensor over the
+  master's bytes, not the parameter): the rows of a routed expert a load copies (Note [routed
+  experts] in offtensor/core/experts.py).
 - ``aten._to_copy``: offtensor's CPU temporary copy (``master.detach().to(copy=True)``). When the
   guarded engine computes on CUDA, a ``_to_copy`` whose result stays on the CPU is flagged (that
   is a user's ``w.T.float()``; offtensor copies to the device with ``copy_``).
@@ -107,7 +110,7 @@ def _kind_of(func) -> int:
         return _COPY
     if packet is aten._to_copy:
         return _TO_COPY
-    if packet is aten.slice:
+    if packet is aten.slice or packet is aten.select:
         return _SLICE
     return _CHECK
 
@@ -152,7 +155,7 @@ class MasterGuard(TorchDispatchMode):
         self._cuda = False
         self._ws = _worker_state()
         self._kinds: dict[Any, int] = {}  # op overload -> _CHECK, _ALLOW, _COPY or _TO_COPY
-        self._flats: set[int] = set()  # ids of the scopes' host_flat tensors
+        self._flats: set[int] = set()  # ids of the scopes' host_flat tensors and slots' masters
 
     # ---- master ranges --------------------------------------------------------------------
 
@@ -170,6 +173,7 @@ class MasterGuard(TorchDispatchMode):
                     slots = []
                     for slot in scope.slots:
                         p = slot.param
+                        self._flats.add(id(slot.master))  # a routed expert's rows are read from it
                         n = p.numel() * p.element_size()
                         if n:
                             slots.append((p.data_ptr(), p.data_ptr() + n, slot.name))
