@@ -446,10 +446,10 @@ def new_host_grad(slot: ParamSlot) -> torch.Tensor:
 
 def _typed(buffer: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
     """A new tensor on the buffer's bytes with the parameter's dtype and shape."""
-    p = slot.param
+    meta = slot.meta  # not the parameter's own properties (Note [metadata without dispatch])
     # Sliced to the gradient's bytes: a zero-size parameter's buffer still has one byte
     # (host_empty allocates at least one), which no dtype wider than a byte can view.
-    return buffer[: p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+    return buffer[: meta.numel * meta.dtype.itemsize].view(meta.dtype).view(meta.shape)
 
 
 def _storage_uses(t: torch.Tensor) -> int:

@@ -53,6 +53,13 @@ def numel(self: Any) -> int:
         return _TensorBase.numel(self)
 
 
+def element_size(self: Any) -> int:
+    try:
+        return self._ot.meta.dtype.itemsize
+    except AttributeError:
+        return _TensorBase.element_size(self)
+
+
 def _plain(p: Any) -> bool:
     """No optimizer step pending or elsewhere: `.grad` is the master's own, now."""
     try:

@@ -55,6 +55,7 @@ class OffloadedParameter(nn.Parameter):
     device = _metadata.device  # type: ignore[assignment]
     ndim = _metadata.ndim  # type: ignore[assignment]
     numel = _metadata.numel  # type: ignore[assignment]
+    element_size = _metadata.element_size  # type: ignore[assignment]
     grad = _metadata.grad  # type: ignore[assignment]
     requires_grad = _metadata.requires_grad  # type: ignore[assignment]
 

@@ -27,8 +27,8 @@ def test_metadata_reads_as_the_plain_parameters_without_torch_function(monkeypat
     monkeypatch.setattr(param_module, "_torch_function", lambda *a: calls.append(a[0]) or real(*a))
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert isinstance(p, offtensor.OffloadedParameter)
-        assert (p.shape, p.dtype, p.device, p.ndim, p.numel(), p.requires_grad, p.grad) == (
-            q.shape, q.dtype, q.device, q.ndim, q.numel(), q.requires_grad, q.grad)
+        assert (p.shape, p.dtype, p.device, p.ndim, p.numel(), p.element_size(), p.requires_grad, p.grad) == (
+            q.shape, q.dtype, q.device, q.ndim, q.numel(), q.element_size(), q.requires_grad, q.grad)
     assert not calls, calls
 
 
