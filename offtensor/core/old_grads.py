@@ -46,9 +46,10 @@ class OldGrads:
         yet and not already added to in this backward; not a sparse one, which is added to on
         the host (Note [sparse gradients] in core/grads.py), nor one of a frozen parameter, which
         gets no gradient to add to it (Note [stale gradient fetches])."""
+        # `.grad` first: after zero_grad(set_to_none=True), the common case, it alone decides.
         return [(slot, g) for slot in self.slots if slot.old_grad is None and not slot.grad_written
-                and master_requires_grad(slot.param)
-                and (g := master_grad(slot.param)) is not None and g.layout == torch.strided]
+                and (g := master_grad(slot.param)) is not None and master_requires_grad(slot.param)
+                and g.layout == torch.strided]
 
     def nbytes(self) -> int:
         """Bytes a fetch would copy now."""

@@ -116,6 +116,8 @@ class Schedule:
                 grads = scope.old_grad_bytes() if with_grads else 0
                 if in_flight + grads > limit:
                     return
+                if grads == 0 and scope.state is not ScopeState.OFFLOADED:
+                    continue  # loaded, no old gradient to fetch: a load would find the same
                 scope.load(with_grads=with_grads)
                 in_flight += grads
                 continue
