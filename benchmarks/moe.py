@@ -32,7 +32,8 @@ from .measure import GiB
 from .model import BuiltModel, _empty_weights, _no_init_weights, decoder_layers, materialize
 from .shapes import RandomFill
 
-MOE_PEER_NAMES = ("resident", "offtensor-whole", "offtensor-routed", "offtensor-routed-vram", "accelerate")
+MOE_PEER_NAMES = ("resident", "offtensor-whole", "offtensor-routed", "offtensor-routed-vram", "offtensor-routed-cache",
+                  "accelerate")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
@@ -196,14 +197,15 @@ class ActiveBytes:
             h.remove()
 
 
-def routed_budget(built: BuiltModel, gib: float | None) -> int:
-    """offtensor-routed-vram's Policy.vram_budget: `gib`, else the streaming room (3 layers)
-    and a quarter of the layers' bytes beside it, so that it keeps some layers and streams
-    the rest at any size."""
-    if gib is not None:
-        return int(gib * GiB)
-    sizes = [_nbytes(p for p in layer.parameters() if not p.requires_grad) for layer in built.layers]
-    return 3 * max(sizes) + sum(sizes) // 4
+def routed_budget(built: BuiltModel, gib: float | None) -> tuple[int, int]:
+    """(offtensor-routed-vram's and -cache's Policy.vram_budget, -cache's Policy.expert_cache):
+    `gib`, else the streaming room (3 layers) and a quarter of the layers' bytes beside it, so
+    that it keeps some layers and streams the rest at any size; the cache takes half of what the
+    budget leaves beside the streaming room."""
+    sizes = [sum(-(-_nbytes([p]) // 256) * 256 for p in layer.parameters() if not p.requires_grad)
+             for layer in built.layers]  # as wrap lays them out
+    budget = int(gib * GiB) if gib is not None else 3 * max(sizes) + sum(sizes) // 4
+    return budget, max(1, (budget - 3 * max(sizes)) // 2)
 
 
 def setup_moe_peer(peer: str, built: BuiltModel, device: torch.device, budget_gib: float | None) -> str:
@@ -227,11 +229,13 @@ def setup_moe_peer(peer: str, built: BuiltModel, device: torch.device, budget_gi
     options: dict[str, Any] = {"param_filter": offtensor.frozen_only}
     if peer == "offtensor-whole":
         options["experts"] = None
-    if peer == "offtensor-routed-vram":
-        options["vram_budget"] = routed_budget(built, budget_gib)
+    if peer in ("offtensor-routed-vram", "offtensor-routed-cache"):
+        options["vram_budget"], cache = routed_budget(built, budget_gib)
+        if peer == "offtensor-routed-cache":
+            options["expert_cache"] = cache
     policy = offtensor.Policy(**options)
     offtensor.load(built.model, init=built.fill, device=device, policy=policy, init_device=built.fill.device)
     built.model.to(device)  # embeddings, head, norms, adapters; the masters stay on the host
-    shown = ", ".join(f"{k}={getattr(v, '__name__', v)!r}" if k != "vram_budget" else f"{k}={format_bytes(v)}"
+    shown = ", ".join(f"{k}={format_bytes(v)}" if isinstance(v, int) else f"{k}={getattr(v, '__name__', v)!r}"
                       for k, v in options.items())
     return f"offtensor.load(model, init=RandomFill, policy=Policy({shown}))"
