@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 
-from . import dit_run, multi
+from . import dit_run, moe_run, multi
 from .dit import FLUX_DEV, build_dit
 from .dit_run import DIT_PEER_NAMES
 from .launch import launched_by_torchrun
 from .measure import measure_bandwidth
 from .model import build_model
+from .moe import MOE_PEER_NAMES
 from .multi_peers import MULTI_PEER_NAMES
 from .optimizer import WorkerSettings
 from .peers import PEER_NAMES, SHAPE_PEER_NAMES, VRAM_PEERS, layer_bytes, peer_plan, peer_unavailable
@@ -27,6 +28,7 @@ from .rooflines import compute_rooflines
 from .run import Run, run_peer
 from .scenarios import (
     FULL_SHAPE,
+    MOE_SHAPE_NAMES,
     MULTI_SCENARIOS,
     NAMED_SHAPES,
     QUICK_NAMED_SHAPES,
@@ -74,9 +76,11 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; 2 with --quick; "
                    "with --shape, the shape's)")
-    p.add_argument("--shape", choices=[*NAMED_SHAPES, "flux"], default=None,
+    p.add_argument("--shape", choices=[*NAMED_SHAPES, "flux", *MOE_SHAPE_NAMES], default=None,
                    help="a real model's dimensions (8b: Llama-3-8B, 34b: CodeLlama-34B, 70b: Llama-2-70B; flux: the "
-                        "Flux.1-dev diffusion transformer, its own peers: " + ", ".join(DIT_PEER_NAMES) + "), built "
+                        "Flux.1-dev diffusion transformer, its own peers: " + ", ".join(DIT_PEER_NAMES) + "; "
+                        + ", ".join(MOE_SHAPE_NAMES) + ": mixture-of-experts models, their own peers: "
+                        + ", ".join(MOE_PEER_NAMES) + "; --layers N for fewer layers), built "
                         "on the meta device and loaded scope by scope with random weights, with its own "
                         "scenarios: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in SHAPE_SCENARIOS.items()))
     p.add_argument("--dit-model", choices=["auto", "diffusers", "builtin"], default="auto",
@@ -195,6 +199,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.layers is not None or args.compile or args.plot is not None:
             p.error("--shape flux has its own blocks (19 double, 38 single) and table; it takes none of --layers, "
                     "--compile, --plot")
+    if args.shape in MOE_SHAPE_NAMES:
+        peers = default_peers = MOE_PEER_NAMES
+        if args.compile or args.plot is not None:
+            p.error(f"--shape {args.shape} has its own table; it takes neither --compile nor --plot")
     args.peers = _names(args.peers or list(default_peers), peers, "peer")
     if args.vram_cap_gib <= 0:
         p.error("--vram-cap-gib must be > 0")
@@ -273,6 +281,8 @@ def _bench(args: argparse.Namespace) -> int:
         device = _device(args.device)
         args.vram_full_shape = _full_shape_layers(args, device)
         return dit_run.main(args, device, _json_args(args))
+    if args.shape in MOE_SHAPE_NAMES:
+        return moe_run.main(args, _device(args.device), _json_args(args))
     if args.shape is not None:
         base = (QUICK_NAMED_SHAPES if args.quick else NAMED_SHAPES)[args.shape]
     else:

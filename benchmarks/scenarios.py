@@ -118,6 +118,14 @@ SHAPE_SCENARIOS: dict[str, dict[str, Scenario]] = {
     "flux": {s.name: s for s in (Scenario("infer-1024px", "infer", 1, 4096, on_variant="lora", at_shape=True),
                                  Scenario("lora-step-1024px", "frozen-step", 1, 4096, at_shape=True))},
 }
+# --shape qwen3-30b-a3b | gpt-oss-20b (benchmarks/moe*.py): greedy decode steps at batch 1 and 8
+# (seq: the tokens a step adds), a prefill and a LoRA step, on one LoRA model per peer.
+_MOE = {s.name: s for s in (Scenario("decode-1", "decode", 1, 1, at_shape=True),
+                            Scenario("decode-8", "decode", 8, 1, at_shape=True),
+                            Scenario("prefill-1x2048", "infer", 1, 2048, at_shape=True),
+                            Scenario("lora-step-1x2048", "frozen-step", 1, 2048, at_shape=True))}
+MOE_SHAPE_NAMES = ("qwen3-30b-a3b", "gpt-oss-20b")
+SHAPE_SCENARIOS.update(dict.fromkeys(MOE_SHAPE_NAMES, _MOE))
 
 
 # The several-GPU benchmark (--nproc N): the same shapes, per rank (issue 13's two targets).

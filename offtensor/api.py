@@ -49,7 +49,7 @@ class MasterHome(enum.Enum):
 class Policy:
     """Options for `offtensor.wrap`, passed through whole.
 
-    Sizes (`max_scope_bytes`, `vram_budget`, `host_budget`) are bytes, written as an int, a float
+    Sizes (`max_scope_bytes`, `vram_budget`, `host_budget`, `expert_cache`) are bytes, written as an int, a float
     (`1.5e9`) or a string with a unit, as accelerate's `max_memory` takes them: `"16GiB"`,
     `"16GB"`, `"512 MiB"`, `"1.5GiB"` (KB, MB, GB, TB are powers of 1000; KiB, MiB, GiB, TiB
     powers of 1024; any case). The policy holds them as ints (`Policy(host_budget="1KiB")
@@ -145,6 +145,14 @@ class Policy:
             `down_proj`, their biases). A callable `experts(qualified_name, param) -> bool`
             marks them (a module of your own indexing a stacked weight). `None`: none, every
             scope loads whole.
+        expert_cache: device bytes that keep routed experts' rows across tokens for the scopes
+            that stream (kept scopes keep their own): a row an op needs is copied from there,
+            device to device, instead of from the host; rows are kept by how often and how
+            recently they were used, and dropped when their master is written (Note [expert
+            cache] in core/expert_cache.py; `summary()` shows the hit rate and the bytes held).
+            Under a `vram_budget` in bytes the cache is carved from the budget: kept scopes are
+            chosen within `vram_budget - expert_cache`, which must still hold the streaming
+            room; not with `vram_budget="auto"`. `None` (default): no cache. Model-wide.
     """
 
     prefetch: int = 1
@@ -159,10 +167,11 @@ class Policy:
     frozen_format: Literal["fp8", "int8"] | None = None
     host_budget: int | float | str | None = None  # an int once made
     experts: Literal["auto"] | Callable[[str, nn.Parameter], bool] | None = "auto"
+    expert_cache: int | float | str | None = None  # an int once made
 
     def __post_init__(self) -> None:
         _check_count(self.prefetch, "prefetch")
-        for name in ("max_scope_bytes", "vram_budget", "host_budget"):
+        for name in ("max_scope_bytes", "vram_budget", "host_budget", "expert_cache"):
             value = getattr(self, name)
             if value is not None and not (name == "vram_budget" and value == "auto"):
                 # Frozen: the parsed size replaces what was given, so the policy holds bytes.
@@ -190,6 +199,10 @@ class Policy:
         if not (self.experts is None or self.experts == "auto" or callable(self.experts)):
             raise ValueError("offtensor.Policy: experts must be 'auto', None or callable as "
                              f"experts(qualified_name, param) -> bool, got {self.experts!r}")
+        if self.expert_cache is not None and self.vram_budget == "auto":
+            raise ValueError(
+                "offtensor.Policy: expert_cache does not combine with vram_budget='auto', which sizes the budget "
+                "from a measured step's free memory; give vram_budget in bytes (the cache is carved from it)")
         if self.layout not in ("auto", "timed", "spread"):
             raise ValueError(f"offtensor.Policy: layout must be 'auto', 'timed' or 'spread', got {self.layout!r}")
         if self.cast not in ("device", "host"):
@@ -213,7 +226,8 @@ class Policy:
 
 
 # What a size field of Policy takes besides a byte size, for its error messages.
-_ALSO_ACCEPTED = {"max_scope_bytes": " or None", "vram_budget": ", 'auto' or None", "host_budget": " or None"}
+_ALSO_ACCEPTED = {"max_scope_bytes": " or None", "vram_budget": ", 'auto' or None", "host_budget": " or None",
+                  "expert_cache": " or None"}
 
 # Byte units, case-insensitive: decimal (powers of 1000) and binary (powers of 1024), as
 # accelerate's max_memory and most tools write them.
@@ -336,6 +350,7 @@ class Layout:
     timed: bool  # chosen from measured times (layout="timed"); False: by bytes
     predicted_forward_ms: float | None = None
     predicted_backward_ms: float | None = None  # 0.0 when the measured pass had no backward
+    expert_cache: int = 0  # bytes of the budget left to Policy.expert_cache (kept scopes fit in the rest)
 
 
 @dataclass(frozen=True)
@@ -348,6 +363,7 @@ class Summary:
     scopes: list[ScopeSummary] = field(default_factory=list)
     device_allocated: int | None = None  # torch.cuda.memory_allocated on CUDA, else None
     layout: Layout | None = None  # under Policy(vram_budget=...)
+    expert_cache_bytes: int | None = None  # routed expert rows held now under Policy(expert_cache); None: no cache
     staging_bytes: int = 0  # the staging ring's host memory (Policy.host_budget, pin_memory="ring")
     file_bytes_read: int = 0  # bytes read from files into the staging ring since wrap
     not_offloaded: TensorsSummary = field(default_factory=TensorsSummary)  # parameters outside the scopes
@@ -403,6 +419,11 @@ class Summary:
         head = f"offtensor: {len(self.scopes)} scopes computing on {self.device}"
         if self.device_allocated is not None:
             head += f", device memory allocated {format_bytes(self.device_allocated)}"
+        if self.expert_cache_bytes is not None:
+            hits = sum(s.expert_hits for s in self.scopes)
+            needed = hits + sum(s.expert_misses for s in self.scopes)
+            head += (f"; expert cache holds {format_bytes(self.expert_cache_bytes)}"
+                     + (f", expert hit rate {hits / needed:.0%}" if needed else ""))
         if self.staging_bytes:
             in_files = sum(s.file_bytes for s in self.scopes)
             head += (f"; {format_bytes(in_files)} in files, staging ring {format_bytes(self.staging_bytes)}, "
@@ -417,6 +438,8 @@ class Summary:
         line = (f"layout ({'timed' if lay.timed else 'by bytes'}): budget {format_bytes(lay.budget)}, kept "
                 f"{format_bytes(lay.kept_bytes)}, streamed {format_bytes(lay.streamed_bytes)}, carried "
                 f"{format_bytes(carried)}")
+        if lay.expert_cache:
+            line += f", expert cache {format_bytes(lay.expert_cache)}"
         if lay.predicted_forward_ms is not None:
             line += (f"; predicted forward {lay.predicted_forward_ms:.1f} ms, "
                      f"backward {lay.predicted_backward_ms:.1f} ms")

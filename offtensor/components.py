@@ -231,6 +231,11 @@ def _wrap_components(obj: Any, predicate: Predicate | None, device: torch.device
             "or wrap a component: offtensor.wrap(pipe.transformer)")
     device = resolve_device(device)
     devices = {name: _device_of(module) for name, module in components}
+    if policy.vram_budget is not None and policy.expert_cache is not None:
+        raise ValueError(
+            f"offtensor.wrap: Policy(expert_cache=...) is not carved from a budget shared by the components of this "
+            f"{type(obj).__name__}; wrap the mixture-of-experts component alone (offtensor.wrap(pipe.transformer, "
+            "policy=...)) or leave expert_cache out")
     shared = SharedBudget(policy, device) if policy.vram_budget is not None else None
     done: list[nn.Module] = []
     try:

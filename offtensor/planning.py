@@ -173,6 +173,14 @@ def check_budget(plans: list[Plan], policy: Policy) -> None:
         blocks[block] = blocks.get(block, 0) + layout(sizes)[1]
     total, largest = sum(blocks.values()), max(blocks.values())
     streaming = streaming_bytes(largest, policy.prefetch)
+    cache = policy.expert_cache
+    if isinstance(cache, int) and budget - cache < min(total, streaming):
+        raise ValueError(
+            f"offtensor.wrap: Policy(expert_cache={cache}) ({_size(cache)}) leaves {_size(max(0, budget - cache))} "
+            f"of Policy(vram_budget={budget}) ({_size(budget)}), below what streaming needs, {_size(streaming)} "
+            f"({2 + policy.prefetch} times the largest selected module, {_size(largest)}). The cache is carved "
+            f"from the budget: raise vram_budget to at least {_size(cache + min(total, streaming))} or lower "
+            "expert_cache")
     if budget < min(total, streaming):
         raise ValueError(
             f"offtensor.wrap: Policy(vram_budget={budget}) ({_size(budget)}) is below what "

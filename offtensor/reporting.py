@@ -50,7 +50,9 @@ def summary(model: nn.Module) -> Summary:
     allocated = torch.cuda.memory_allocated(engine.device) if engine.streams.is_cuda else None
     ring = engine.ring
     rest = [p for p in model.parameters() if not _offloaded(p)]
+    cache = engine.expert_cache
     return Summary(str(engine.device), rows, allocated, engine.budget.layout(),
+                   expert_cache_bytes=cache.used if cache is not None else None,
                    staging_bytes=ring.nbytes if ring is not None else 0,
                    file_bytes_read=ring.bytes_read if ring is not None else 0,
                    not_offloaded=TensorsSummary.of(rest, engine.device),

@@ -127,7 +127,7 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
                 source.begin(name, params)
                 _offload_params(scope, params, device, source.value)
                 source.end()
-            engine.handles.extend(route_experts(scope))  # Note [routed experts] (core/experts.py)
+            engine.handles.extend(route_experts(scope, engine.expert_cache))  # Note [routed experts] (core/experts.py)
             progress.advance(sum(p.numel() * p.element_size() for _, p in params))
             hooks = ScopeHooks(scope, engine)
             engine.scope_hooks.append(hooks)
@@ -247,6 +247,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 def _undo_wrap(engine: Engine, model: nn.Module) -> nn.Module:
     """`unwrap` once no step is pending: also the undo of a wrap that raised."""
     engine.release_all(force=True)
+    if engine.expert_cache is not None:
+        engine.expert_cache.clear()
     if engine.ring is not None:
         engine.ring.close()
     for handle in (*engine.handles, *engine.guard_handles):

@@ -20,7 +20,7 @@ LAYERS = ["api", "patches", "weights.kernels", "weights.compress", "weights.file
           "distributed.wrappers", "dispatch.compile", "core.slot", "dispatch.masters", "dispatch.metadata", "dispatch.writes",
           "dispatch.ops", "dispatch.autograd", "dispatch.param", "dispatch.function_apply", "dispatch.optimizer_step",
           "core.streams", "core.write_tracking", "core.host_masters", "core.device_buffer", "core.loading",
-          "core.old_grads", "core.scope", "core.experts", "core.grad_calls", "budget.layout", "budget.timed",
+          "core.old_grads", "core.scope", "core.expert_cache", "core.experts", "core.grad_calls", "budget.layout", "budget.timed",
           "budget.vram", "budget.shared", "core.schedule", "core.grads", "core.transforms", "core.access", "core.writes", "core.threads",
           "core.engine", "core.hooks", "weights.quantized", "optim.report", "optim.views", "optim.pieces",
           "optim.device_steps", "optim.piece_queue", "optim.calls", "optim.fenced_state", "optim.clipping",

@@ -163,6 +163,8 @@ class VramBudget(NoBudget):
         self.live = live
         self.timed = timed  # None: kept scopes are chosen by bytes alone
         self.bytes = 0  # the budget (sized, for "auto"; set by ready)
+        # Policy.expert_cache's share of it: kept scopes fit in the rest (Note [expert cache])
+        self.cache_bytes = policy.expert_cache if isinstance(policy.expert_cache, int) else 0
         # The device bytes streamed scopes may take together; None when every scope is kept.
         self.streaming_room: int | None = None
         self.largest_block = 0
@@ -180,7 +182,7 @@ class VramBudget(NoBudget):
             budget = min(sum(s.device_nbytes for s in self.scopes), streaming)
         assert isinstance(budget, int)
         self.bytes = budget
-        keep_within(self.scopes, budget, streaming)
+        keep_within(self.scopes, budget - self.cache_bytes, streaming)
         if not all(s.residency is Residency.KEPT for s in self.scopes):
             self.streaming_room = streaming
 
@@ -194,7 +196,7 @@ class VramBudget(NoBudget):
             elif scope.residency is Residency.KEPT:
                 scope.residency = Residency.STREAMED
                 scope.release()
-        self.bytes = budget
+        self.bytes = budget + self.cache_bytes
         self.prediction = prediction
         kept_bytes = sum(s.device_nbytes for s in kept)
         everything = all(s.residency is Residency.KEPT for s in self.scopes)
@@ -205,7 +207,8 @@ class VramBudget(NoBudget):
         total = sum(s.device_nbytes for s in self.scopes)
         pred = self.prediction
         return Layout(self.bytes, kept, total - kept, self.timed is not None and pred is not None,
-                      pred.forward_ms if pred is not None else None, pred.backward_ms if pred is not None else None)
+                      pred.forward_ms if pred is not None else None, pred.backward_ms if pred is not None else None,
+                      self.cache_bytes)
 
     def free_streaming_room(self) -> int | None:
         if self.streaming_room is None:
@@ -267,7 +270,7 @@ class VramBudget(NoBudget):
     def between_passes(self, order: list[Scope], backward_order: Callable[[], list[Scope]], ring: Any) -> None:
         if self.timed is None:
             return
-        chosen = self.timed.between_passes(order, backward_order, ring, self.bytes)
+        chosen = self.timed.between_passes(order, backward_order, ring, self.bytes - self.cache_bytes)
         if chosen is not None:
             self.apply(*chosen)
 

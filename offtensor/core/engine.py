@@ -34,6 +34,7 @@ from ..budget.vram import NoBudget, budget_for
 from ..dispatch.optimizer_step import watch_compiled_steps
 from ..distributed import wrappers as _distributed
 from .access import OpAccess
+from .expert_cache import ExpertCache
 from .grad_calls import GradCalls, trainable
 from .grads import GradOffload
 from .memory import PinningFallback
@@ -100,6 +101,8 @@ class Engine:
         self.grads = GradOffload(self.streams, self.scopes, self.end_backward, lambda: not self.thread.run_by_another())
         self.calls = GradCalls(self.scopes)
         self.budget = _budget(self, shared)
+        # Routed expert rows kept across loads (Note [expert cache] in core/expert_cache.py)
+        self.expert_cache = ExpertCache(policy.expert_cache) if isinstance(policy.expert_cache, int) else None
         self.schedule = Schedule(self.scopes, policy, self.budget)
         self.thread = ThreadOwner(lambda: self._computing() or self.grads.in_backward())
         # What the layers above call: no_offload (wrapping.py), backward_and_step (optim/overlap.py),

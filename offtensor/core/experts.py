@@ -58,7 +58,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..api import Residency
 from ..weights.compress import PackedMaster, unpack_rows_into
+from .expert_cache import ExpertCache
 from .loading import Traffic
 from .scope import Scope
 from .slot import ParamSlot
@@ -74,8 +76,9 @@ class ExpertRows:
     """Which experts of one routed parameter its device copy holds, and the copies of the others
     (Note [routed experts])."""
 
-    def __init__(self, slot: ParamSlot, streams: Streams, traffic: Traffic) -> None:
+    def __init__(self, slot: ParamSlot, streams: Streams, traffic: Traffic, cache: ExpertCache | None = None) -> None:
         self.slot = slot
+        self.cache = cache  # the model's, under Policy(expert_cache) (Note [expert cache])
         self.streams = streams
         self.traffic = traffic  # the scope's counters
         self.count = slot.meta.shape[0]  # E
@@ -112,12 +115,23 @@ class ExpertRows:
     def fill(self, experts: Iterable[int]) -> None:
         loaded, wanted = self.loaded, set(experts)
         todo = sorted(e for e in wanted if not loaded[e])
+        cache = self.cache if self.slot.scope.residency is not Residency.KEPT else None
+        if cache is not None and todo:  # Note [expert cache]
+            found = [(e, rows) for e in todo if (rows := cache.use(self.slot, e)) is not None]
+            view = self.slot.device_view
+            for e, rows in found:  # on compute, the current stream: nothing crosses the link
+                view[e].copy_(rows)
+                loaded[e] = True
+            todo = [e for e in todo if not loaded[e]]
         self.traffic.expert_misses += len(todo)
         self.traffic.expert_hits += len(wanted) - len(todo)
         if todo:
             self._copy(todo)
             for e in todo:
                 loaded[e] = True
+            if cache is not None:  # after the copy's event, on compute
+                for e in todo:
+                    cache.offer(self.slot, e, self.slot.device_view[e])
         self.whole = all(loaded)
 
     def _copy(self, experts: list[int]) -> None:
@@ -181,16 +195,17 @@ def _indexed(index: Any, count: int) -> list[int] | None:
     return None
 
 
-def route_experts(scope: Scope) -> list[RemovableHandle]:
+def route_experts(scope: Scope, cache: ExpertCache | None = None) -> list[RemovableHandle]:
     """Find the scope's routed expert parameters (Note [recognising experts]) and give each its
-    ExpertRows; the handles of the hooks that read the router's choice."""
+    ExpertRows, sharing the model's `cache` (Note [expert cache]); the handles of the hooks that
+    read the router's choice."""
     choice = scope.policy.experts
     if choice is None:
         return []
     by_name = {slot.name: slot for slot in scope.slots}
     if callable(choice):
         marked = [slot for slot in scope.slots if slot.meta.ndim >= 1 and choice(slot.name, slot.param)]
-        _install(scope, marked)
+        _install(scope, marked, cache)
         return []
     handles: list[RemovableHandle] = []
     for name, module in scope.module.named_modules():
@@ -207,7 +222,7 @@ def route_experts(scope: Scope) -> list[RemovableHandle]:
             continue
         count = stacked[0].meta.shape[0]
         routed = [slot for slot in own if slot.meta.ndim >= 2 and slot.meta.shape[0] == count]
-        _install(scope, routed)
+        _install(scope, routed, cache)
         names = list(inspect.signature(module.forward).parameters)
         chosen = next((n for n in ROUTER_CHOICE if n in names), None)
         if chosen is not None:
@@ -215,10 +230,10 @@ def route_experts(scope: Scope) -> list[RemovableHandle]:
     return handles
 
 
-def _install(scope: Scope, slots: list[ParamSlot]) -> None:
+def _install(scope: Scope, slots: list[ParamSlot], cache: ExpertCache | None) -> None:
     for slot in slots:
         if slot.experts is None:
-            rows = ExpertRows(slot, scope.streams, scope.traffic)
+            rows = ExpertRows(slot, scope.streams, scope.traffic, cache)
             slot.experts = rows
             scope.routed.append(slot)
 

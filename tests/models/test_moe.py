@@ -256,3 +256,114 @@ def test_kept_scopes_keep_their_experts_across_tokens():
     for s in summary.scopes:
         assert s.expert_hit_rate is not None and s.expert_hit_rate >= 0.3, s
         assert s.bytes_to_device <= s.host_bytes  # each expert crossed at most once
+
+
+# ---- the expert cache (Note [expert cache] in core/expert_cache.py) -------------------------------
+
+
+def _layer_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(the largest decoder layer's device bytes, 256-byte aligned as wrap lays them out; the
+    routed experts' bytes of all layers)."""
+    largest = max(sum(-(-p.numel() * p.element_size() // 256) * 256 for p in layer.parameters())
+                  for layer in model.model.layers)
+    return largest, sum(routed_bytes_per_expert(layer)[1] for layer in model.model.layers)
+
+
+def _cached_moe(implementation: str, cache: bool) -> tuple[torch.nn.Module, torch.nn.Module, int]:
+    """A 4-layer Qwen3-MoE and its plain reference, wrapped under a VRAM budget of the streaming
+    room (3 layers: nothing kept) plus, with `cache`, a quarter of the routed experts' bytes."""
+    torch.manual_seed(0)
+    config = CONFIGS["qwen3_moe"]()
+    config.num_hidden_layers = 4
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.config._experts_implementation = implementation
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name or "gate" in name:
+                p.normal_(0, 0.2)
+    model.eval()
+    reference = unwrapped_reference(model, "cpu")
+    largest, routed = _layer_bytes(model)
+    size = routed // 4
+    policy = offtensor.Policy(vram_budget=3 * largest + (size if cache else 0), expert_cache=size if cache else None)
+    offtensor.wrap(model, device="cpu", policy=policy)
+    return model, reference, size
+
+
+def _decode(model: torch.nn.Module, ids: torch.Tensor, tokens: int, each=lambda: None) -> tuple[list, list[int]]:
+    """Greedy decode: the logits of each step, and the bytes each step after the prompt copied."""
+    logits, copied = [], []
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        logits.append(out.logits[:, -1])
+        for _ in range(tokens):
+            before = offtensor.summary(model).bytes_to_device if offtensor.is_wrapped(model) else 0
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
+            logits.append(out.logits[:, -1])
+            if offtensor.is_wrapped(model):
+                copied.append(offtensor.summary(model).bytes_to_device - before)
+            each()
+    return logits, copied
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_the_expert_cache_keeps_hot_experts_and_decodes_exactly(implementation):
+    model, reference, size = _cached_moe(implementation, cache=True)
+    plain, _, _ = _cached_moe(implementation, cache=False)
+    ids = torch.randint(1, 128, (1, 6))
+    held = []
+    got, cached = _decode(model, ids, 8, lambda: held.append(offtensor.summary(model).expert_cache_bytes))
+    expected, _ = _decode(reference, ids, 8)
+    _, streamed = _decode(plain, ids, 8)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    summary = offtensor.summary(model)
+    assert not any(s.kept for s in summary.scopes) and summary.layout.expert_cache == size
+    assert 0 < max(held) <= size, (held, size)  # never above its budget
+    assert summary.expert_cache_bytes is not None and sum(s.expert_hits for s in summary.scopes) > 0
+    assert sum(cached[1:]) < sum(streamed[1:]), (cached, streamed)  # hits do not cross the link
+    assert all(c <= s for c, s in zip(cached, streamed, strict=True)), (cached, streamed)
+    assert "expert cache holds" in str(summary) and "expert cache" in str(summary).splitlines()[-1]
+
+
+def test_the_expert_cache_drops_rows_whose_masters_were_written():
+    """Writes between tokens (in place, through .data, an optimizer step in training) reach the
+    next token's experts: no cached row is stale."""
+    model, reference, _ = _cached_moe("eager", cache=True)
+    ids = torch.randint(1, 128, (1, 6))
+    _decode(model, ids, 3)
+    _decode(reference, ids, 3)
+    for m in (model, reference):
+        experts = m.model.layers[1].mlp.experts
+        with torch.no_grad():
+            experts.gate_up_proj.mul_(1.5)
+        experts.down_proj.data.mul_(-1.0)
+    got, _ = _decode(model, ids, 3)
+    expected, _ = _decode(reference, ids, 3)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    model.train()
+    reference.train()
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference)]
+    for _ in range(3):  # a step between forwards writes every expert's master
+        losses = []
+        for m, opt in zip((model, reference), optimizers, strict=True):
+            loss = m(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0, msg=name)
+
+
+def test_expert_cache_errors():
+    with pytest.raises(ValueError, match="expert_cache does not combine with vram_budget='auto'"):
+        offtensor.Policy(vram_budget="auto", expert_cache="1GiB")
+    with pytest.raises(ValueError, match="expert_cache must be a positive number of bytes"):
+        offtensor.Policy(expert_cache=0)
+    model = tiny_moe("qwen3_moe", "eager")
+    largest, _ = _layer_bytes(model)
+    with pytest.raises(ValueError, match="leaves .* below what streaming needs"):
+        offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=3 * largest, expert_cache=2 * largest))

@@ -1,0 +1,118 @@
+"""--shape qwen3-30b-a3b | gpt-oss-20b: the mixture-of-experts benchmark runs end to end on the CPU
+(tiny, 2 layers), every peer computes the resident model's outputs bit for bit, and a routed
+decode token copies at most 1.10x the non-expert bytes plus the bytes of the experts its routers
+picked, counted here from the routers, apart from the benchmark's own count."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import offtensor
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+import benchmarks as bench
+from benchmarks import cli
+from benchmarks.moe import MOE_PEER_NAMES, MOE_SHAPES, QUICK_MOE_SHAPES, build_moe, setup_moe_peer, with_cache
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+def test_quick_moe_run_is_exact_and_copies_the_active_bytes(shape, tmp_path, capsys, one_thread):
+    out = tmp_path / "moe.json"
+    assert bench.main(["--quick", "--device", "cpu", "--shape", shape, "--layers", "2", "--warmup", "1",
+                       "--iters", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {(r["scenario"], r["peer"]): r for r in result["results"]}
+    assert {p for _, p in rows} == set(MOE_PEER_NAMES)
+    for (scenario, peer), r in rows.items():
+        assert r["status"] == "ok", (scenario, peer, r["note"])
+        assert r["median_ms"] > 0 and r["tokens_per_s"] > 0
+        assert r["exact"] is True, (scenario, peer, r["max_abs_diff"])  # bit for bit the resident model's
+    for batch in (1, 8):
+        routed, whole = rows[(f"decode-{batch}", "offtensor-routed")], rows[(f"decode-{batch}", "offtensor-whole")]
+        assert routed["bytes_per_step"] <= 1.10 * routed["active_bytes"], routed
+        assert whole["bytes_per_step"] > routed["bytes_per_step"]
+        assert whole["x_active"] > 1.5  # the whole layers: every expert
+    kept, streamed = rows[("decode-1", "offtensor-routed-vram")], rows[("decode-1", "offtensor-routed")]
+    assert kept["expert_hit_rate"] > 0 and kept["bytes_per_step"] < streamed["bytes_per_step"]
+    assert result["model"]["shape"]["layers"] == 2
+    printed = capsys.readouterr().out
+    assert "| peer | decode-1 | decode-8 | prefill-1x2048 | lora-step-1x2048 |" in printed
+    assert "experts=None" in result["setups"]["offtensor-whole"]
+    assert "vram_budget=" in result["setups"]["offtensor-routed-vram"]
+
+
+def _picked(model: torch.nn.Module) -> dict[str, set[int]]:
+    """Forward pre-hooks on each experts module: the experts its router picked in the last call."""
+    picked: dict[str, set[int]] = {}
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            def hook(mod, args, kwargs, name=name):
+                index = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if k.endswith("index")
+                                                          or k == "router_indices")
+                picked[name] = set(index.unique().tolist())
+            module.register_forward_pre_hook(hook, with_kwargs=True)
+    return picked
+
+
+@pytest.mark.parametrize("shape", list(QUICK_MOE_SHAPES))
+def test_a_routed_decode_token_copies_at_most_1_10x_the_active_bytes(shape):
+    built = build_moe(QUICK_MOE_SHAPES[shape], CPU, 0)
+    setup_moe_peer("offtensor-routed", built, CPU, None)
+    picked = _picked(built.model)
+    model = built.model.eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(1, 512, (1, 8)), use_cache=True)
+        before = offtensor.summary(model).bytes_to_device
+        model(input_ids=out.logits[:, -1:].argmax(-1), **with_cache(model, out), use_cache=True)
+        copied = offtensor.summary(model).bytes_to_device - before
+    needed = whole = 0
+    for i, layer in enumerate(built.layers):
+        experts = layer.mlp.experts
+        stacked = [p for p in experts.parameters(recurse=False) if p.dim() >= 2]
+        frozen = sum(p.numel() * p.element_size() for p in layer.parameters() if not p.requires_grad)
+        routed = sum(p.numel() * p.element_size() for p in stacked)
+        one = sum(p[0].numel() * p.element_size() for p in stacked)
+        needed += frozen - routed + one * len(picked[f"model.layers.{i}.mlp.experts"])
+        whole += frozen
+    assert copied <= 1.10 * needed, (copied, needed, whole)
+    assert copied < whole / 2
+
+
+@pytest.mark.parametrize("shape,total,active", [("qwen3-30b-a3b", 30.5e9, 3.3e9), ("gpt-oss-20b", 20.9e9, 3.6e9)])
+def test_the_shapes_have_the_published_parameter_counts(shape, total, active):
+    """Built on the meta device: Qwen3-30B-A3B's 30.5B parameters (3.3B active), gpt-oss-20b's
+    20.9B (3.6B active, the input embeddings not counted as its card counts them)."""
+    s = MOE_SHAPES[shape]
+    model = build_moe(s, CPU, 0).model
+    base = {n: p for n, p in model.named_parameters() if "lora_" not in n}
+    experts = sum(p.numel() for n, p in base.items() if ".experts." in n)
+    used = sum(p.numel() for p in base.values()) - experts + experts * s.top_k // s.experts
+    if shape == "gpt-oss-20b":
+        used -= model.get_input_embeddings().weight.numel()
+    assert sum(p.numel() for p in base.values()) == pytest.approx(total, rel=0.01)
+    assert used == pytest.approx(active, rel=0.02)
+
+
+def test_moe_shapes_take_their_own_peers_and_layers():
+    args = cli.parse_args(["--shape", "qwen3-30b-a3b", "--layers", "2"])
+    assert tuple(args.peers) == MOE_PEER_NAMES and args.layers == 2
+    assert args.scenarios == ["decode-1", "decode-8", "prefill-1x2048", "lora-step-1x2048"]
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--shape", "gpt-oss-20b", "--peers", "offtensor-fp8"])
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--shape", "gpt-oss-20b", "--compile"])
