@@ -208,10 +208,17 @@ def routed_budget(built: BuiltModel, gib: float | None) -> tuple[int, int]:
     return budget, max(1, (budget - 3 * max(sizes)) // 2)
 
 
+def format_bytes(n: int) -> str:
+    """Bytes in the largest binary unit that keeps one digit before the point."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 def setup_moe_peer(peer: str, built: BuiltModel, device: torch.device, budget_gib: float | None) -> str:
     """Place `built` for `peer`; the call, in words."""
     import offtensor
-    from offtensor.api import format_bytes
 
     assert isinstance(built.fill, RandomFill)
     if peer == "resident":
