@@ -22,6 +22,7 @@ import os
 import tempfile
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,34 @@ class FileHandle:
         return total
 
 
+class ParallelReads:
+    """Reads of large ranges of files split into PIECE preads on READ_THREADS threads, for
+    offtensor.load (Note [loading at the disk's speed] in weights/load.py)."""
+
+    PIECE = 8 * 2**20
+    READ_THREADS = 4  # two keep two cores copying out of the page cache; more keep a drive's queue full
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    def read(self, handle: FileHandle, offset: int, dest: memoryview) -> None:
+        """Fill `dest` with the file's bytes from `offset` on (EOFError where the file ends first)."""
+        if len(dest) <= self.PIECE:
+            handle.read_into([dest], offset)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.READ_THREADS, thread_name_prefix="offtensor-load")
+        reads: list[Future] = [self._pool.submit(handle.read_into, [dest[at : at + self.PIECE]], offset + at)
+                               for at in range(0, len(dest), self.PIECE)]
+        for read in reads:
+            read.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
 @dataclass(eq=False)
 class FileTensor:
     """Where a checkpoint holds a tensor, and a RowReader of it (`rows()` opens one on first use):
@@ -105,6 +134,13 @@ class FileTensor:
         if self._reader is None:
             self._reader = self.rows()
         return self._reader(start, stop)
+
+    def read_into(self, dest: torch.Tensor) -> bool:
+        """Read the whole tensor into `dest` where its reader can (copy_rows)."""
+        if self._reader is None:
+            self._reader = self.rows()
+        read_into = getattr(self._reader, "read_into", None)
+        return read_into is not None and bool(read_into(dest))
 
 
 class FileStore:
