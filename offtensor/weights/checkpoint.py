@@ -22,10 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .compress import copy_rows
-from .files import FileHandle, FileStore, FileTensor, ParallelReads
+from .files import FileHandle, FileStore, FileTensor, copy_from_file
 
 _INDEX = "model.safetensors.index.json"
 
@@ -49,7 +50,6 @@ class Checkpoint:
         self.used: set[str] = set()  # the keys read (Note [checkpoint keys])
         self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}  # file -> (its data's offset, header)
         self._handles: dict[Path, FileHandle] = {}  # the files read, each opened once
-        self.reads = ParallelReads()
         self._first: tuple[str, str, str] | None = None  # the first match: name, key, prefix dropped
         if path.is_dir() and (path / _INDEX).is_file():
             weight_map = json.loads((path / _INDEX).read_text())["weight_map"]
@@ -118,7 +118,7 @@ class Checkpoint:
         dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
         if dtype is None:  # a dtype torch lacks: safetensors converts it
             return _Rows(like, lambda: _SafeRows(self._safe_open, file, key))
-        return _Rows(like, None, (self._handle(file), start + begin, end - begin, dtype, self.reads))
+        return _Rows(like, None, (self._handle(file), start + begin, end - begin, dtype))
 
     def in_file(self, key: str, qual: str, like: torch.Tensor, store: FileStore) -> FileTensor | _Rows:
         """Where the tensor `key` is in its file, checked against `like` (parameter `qual`), to be
@@ -134,10 +134,6 @@ class Checkpoint:
             return self.rows(key, qual, like)
         begin, end = entry["data_offsets"]
         return FileTensor(store.open(file), start + begin, end - begin, dtype, lambda: self.rows(key, qual, like))
-
-    def close(self) -> None:
-        """Stop the reader threads (the end of offtensor.load); the files close with the object."""
-        self.reads.close()
 
     def _header(self, file: Path) -> tuple[int, dict[str, Any]]:
         """The file's header, and where its data begins."""
@@ -179,7 +175,7 @@ class _Rows:
     file's dtype (Note [loading at the disk's speed])."""
 
     def __init__(self, like: torch.Tensor, safe: Callable[[], _SafeRows] | None,
-                 where: tuple[FileHandle, int, int, torch.dtype, ParallelReads] | None = None) -> None:
+                 where: tuple[FileHandle, int, int, torch.dtype] | None = None) -> None:
         self.dtype = like.dtype
         self.shape = tuple(like.shape)
         self.rows = like.shape[0] if like.dim() else 1
@@ -193,11 +189,11 @@ class _Rows:
                 assert self._safe is not None
                 self._safe_rows = self._safe()
             return self._safe_rows(start, stop, stop >= self.rows).to(self.dtype)
-        handle, offset, nbytes, dtype, reads = self._where
+        handle, offset, nbytes, dtype = self._where
         shape = (stop - start, *self.shape[1:]) if self.shape else ()
         t = torch.empty(shape, dtype=dtype)
         row_bytes = nbytes // self.rows if self.shape else 0
-        reads.read(handle, offset + start * row_bytes, _bytes_of(t))
+        handle.read_into([_bytes_of(t).data], offset + start * row_bytes)
         return t.to(self.dtype)
 
     def read_into(self, dest: torch.Tensor) -> bool:
@@ -205,11 +201,11 @@ class _Rows:
         False otherwise (then read it a block of rows at a time)."""
         if self._where is None:
             return False
-        handle, offset, nbytes, dtype, reads = self._where
+        handle, offset, _, dtype = self._where
         if not (dest.device.type == "cpu" and dest.dtype == dtype == self.dtype and dest.is_contiguous()
                 and tuple(dest.shape) == self.shape):
             return False
-        reads.read(handle, offset, _bytes_of(dest))
+        copy_from_file(handle, offset, _bytes_of(dest))
         return True
 
     def read(self) -> torch.Tensor:
@@ -219,9 +215,9 @@ class _Rows:
         return out
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable."""
-    return t.detach().reshape(-1).view(torch.uint8).numpy().data
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor, writable (uint8)."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def _shape_error(key: str, shape: tuple[int, ...], qual: str, like: torch.Tensor) -> str:

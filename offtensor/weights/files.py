@@ -22,11 +22,11 @@ import os
 import tempfile
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .compress import RowReader
@@ -90,32 +90,25 @@ class FileHandle:
         return total
 
 
-class ParallelReads:
-    """Reads of large ranges of files split into PIECE preads on READ_THREADS threads, for
-    offtensor.load (Note [loading at the disk's speed] in weights/load.py)."""
+_MAP_AT_LEAST = 2**20  # bytes: smaller reads are one pread
 
-    PIECE = 8 * 2**20
-    READ_THREADS = 4  # two keep two cores copying out of the page cache; more keep a drive's queue full
 
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-
-    def read(self, handle: FileHandle, offset: int, dest: memoryview) -> None:
-        """Fill `dest` with the file's bytes from `offset` on (EOFError where the file ends first)."""
-        if len(dest) <= self.PIECE:
-            handle.read_into([dest], offset)
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.READ_THREADS, thread_name_prefix="offtensor-load")
-        reads: list[Future] = [self._pool.submit(handle.read_into, [dest[at : at + self.PIECE]], offset + at)
-                               for at in range(0, len(dest), self.PIECE)]
-        for read in reads:
-            read.result()
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+def copy_from_file(handle: FileHandle, offset: int, dest: np.ndarray) -> None:
+    """Fill `dest` (uint8, contiguous) with the file's bytes from `offset` on, through a mapping
+    of that range closed after the copy (Note [loading at the disk's speed] in weights/load.py)."""
+    nbytes = dest.size
+    if nbytes == 0:
+        return
+    if nbytes < _MAP_AT_LEAST or not hasattr(os, "preadv"):
+        handle.read_into([dest.data], offset)
+        return
+    if os.fstat(handle.fd).st_size < offset + nbytes:  # a mapping past the end faults (SIGBUS)
+        raise EOFError(f"{handle.path}: the file ends before byte {offset + nbytes}, where the tensor does")
+    base = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(handle.fd, offset + nbytes - base, offset=base, access=mmap.ACCESS_READ) as mapped:
+        source = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=offset - base)
+        np.copyto(dest, source)
+        del source  # before the mapping closes
 
 
 @dataclass(eq=False)

@@ -125,9 +125,6 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
             unwrap(model)
         meta.put_back()
         raise
-    finally:
-        if checkpoint is not None:
-            checkpoint.close()
     if checkpoint is not None:
         checkpoint.warn_unused()
     return model

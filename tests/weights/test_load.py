@@ -535,13 +535,13 @@ class _Mixed(torch.nn.Module):
 
 
 @pytest.mark.parametrize("convert", [False, True], ids=["file-dtypes", "converted"])
-def test_load_reads_each_tensor_bit_for_bit_in_pieces_or_converted(tmp_path, monkeypatch, convert):
-    """A master of the file's dtype is read straight into the host buffer, split into several
-    parallel reads when larger than a piece (here 4 KiB); one of another dtype is read a block of
-    rows at a time and converted as `tensor.to` converts it."""
-    from offtensor.weights.files import ParallelReads
+def test_load_reads_each_tensor_bit_for_bit_mapped_read_or_converted(tmp_path, monkeypatch, convert):
+    """A master of the file's dtype is copied straight into the host buffer, from a mapping of
+    its bytes when it has 4 KiB or more (here; 1 MiB by default), else with a pread; one of
+    another dtype is read a block of rows at a time and converted as `tensor.to` converts it."""
+    from offtensor.weights import files
 
-    monkeypatch.setattr(ParallelReads, "PIECE", 4096)
+    monkeypatch.setattr(files, "_MAP_AT_LEAST", 4096)
     path, tensors = _mixed_checkpoint(tmp_path)
     dtypes = {"1.weight": torch.float64, "0.weight": torch.float32} if convert else {}
     model = _Mixed(dtypes)
