@@ -93,6 +93,7 @@ def measure(kind: str, path: Path, n: int, h: int) -> dict[str, Any]:
 
     nbytes = sum(p.numel() * p.element_size() for p in meta_stack(n, h).parameters())
     check: bool | None = None
+    model: torch.nn.Module | None = None
     if kind in ("copy-floor", "wrap"):
         model = _model_in_ram(path, n, h)
     if KINDS[kind][1]:
@@ -110,15 +111,17 @@ def measure(kind: str, path: Path, n: int, h: int) -> dict[str, Any]:
     elif kind == "write-floor":
         np.empty(nbytes, dtype=np.uint8).fill(1)
     elif kind == "copy-floor":
+        assert model is not None
         out, at = np.empty(nbytes, dtype=np.uint8), 0
         for p in model.parameters():
             size = p.numel() * p.element_size()
             np.copyto(out[at : at + size], p.detach().reshape(-1).view(torch.uint8).numpy())
             at += size
     else:
+        assert model is not None
         offtensor.wrap(model, device="cpu")
     seconds = time.perf_counter() - start
-    if kind.startswith("offtensor") or kind == "wrap":
+    if model is not None and (kind.startswith("offtensor") or kind == "wrap"):
         check = _equal_to_file(model, path)
     return {"kind": kind, "seconds": seconds, "check": check}
 
@@ -156,8 +159,9 @@ def run(path: Path, n: int, h: int, runs: int) -> dict[str, Any]:
             times[kind].append(r["seconds"])
             if r["check"] is not None:
                 checks[kind].append(r["check"])
-    rows = {k: {"label": KINDS[k][0], "median_s": statistics.median(v), "min_s": min(v), "max_s": max(v),
-                "seconds": v, "equal": all(checks[k]) if checks[k] else None} for k, v in times.items()}
+    rows: dict[str, dict[str, Any]] = {
+        k: {"label": KINDS[k][0], "median_s": statistics.median(v), "min_s": min(v), "max_s": max(v),
+            "seconds": v, "equal": all(checks[k]) if checks[k] else None} for k, v in times.items()}
     ratios = {name: rows[a]["median_s"] / rows[b]["median_s"] for name, (a, b) in RATIOS.items()}
     return {"rows": rows, "ratios": ratios}
 
@@ -166,9 +170,9 @@ def report(result: dict[str, Any], nbytes: int, runs: int) -> None:
     print(f"\n| measurement ({nbytes / 2**30:.2f} GiB, fresh processes) | median s | min-max s | GiB/s | equal |")
     print("|---|---|---|---|---|")
     for row in result["rows"].values():
-        equal = "-" if row["equal"] is None else "yes" if row["equal"] else "NO"
+        same = "-" if row["equal"] is None else "yes" if row["equal"] else "NO"
         print(f"| {row['label']} | {row['median_s']:.3f} | {row['min_s']:.3f}-{row['max_s']:.3f} | "
-              f"{nbytes / row['median_s'] / 2**30:.2f} | {equal} |")
+              f"{nbytes / row['median_s'] / 2**30:.2f} | {same} |")
     print(f"\n| ratio (medians of {runs}) | value | target | |\n|---|---|---|---|")
     for name, value in result["ratios"].items():
         print(f"| {name} | {value:.2f} | <= {TARGET} | {'PASS' if value <= TARGET else 'FAIL'} |")
