@@ -56,6 +56,8 @@ COMMANDS = {
                   "bandwidth; Policy(pin_memory='ring') against pinned"),
     "host-overhead": ("host_overhead", "the host's share: offtensor's step against the plain model's and other "
                       "offloaders' at host-bound shapes (thread time; the CPU by default)"),
+    "load-speed": ("load_speed", "offtensor.load of a checkpoint and wrap of a model in RAM against the disk's and "
+                   "memory's own speed, in fresh processes"),
     "plot": ("plots", "draw the pictures of a --json file (or a step timeline) again (matplotlib)"),
 }
 

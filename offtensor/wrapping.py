@@ -28,7 +28,8 @@ from .core.engine import Engine
 from .core.experts import route_experts
 from .core.grads import new_host_grad
 from .core.hooks import ModelHooks, ScopeHooks
-from .core.memory import HostBuffer, PinnedMemoryError, PinProgress, pinning_available
+from .core.memory import HostBuffer, PinnedMemoryError, pinning_available
+from .core.progress import Progress
 from .core.scope import Scope
 from .core.slot import ParamSlot, device_copy
 from .dispatch.function_apply import intercept_function_apply
@@ -111,7 +112,7 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
     intercept_function_apply()  # Note [custom autograd Functions] (dispatch/function_apply.py)
     # Unpinned (a CPU device, pin_memory False or "ring"), the masters are only copied.
     label = source.label if source is not None else "pinning host memory" if pin else "copying masters to host memory"
-    progress = PinProgress(sum(p.numel() * p.element_size() for *_, params, _ in plans for _, p in params), label)
+    progress = Progress(sum(p.numel() * p.element_size() for *_, params, _ in plans for _, p in params), label)
     try:
         for name, module, scope_policy, params, block in plans:
             scope = Scope(name, module, scope_policy, engine, pinned=pin and not engine.pinning.failed, block=block)

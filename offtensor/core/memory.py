@@ -36,9 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 import threading
-import time
 import weakref
 
 import numpy as np
@@ -187,34 +185,3 @@ class PinningFallback:
             except PinnedMemoryError as error:
                 self(error, what)
         return host_empty(nbytes, pin=False)
-
-
-class PinProgress:
-    """Prints the progress of filling the host masters on a terminal when it takes long (large
-    models: minutes)."""
-
-    def __init__(self, total_bytes: int, label: str) -> None:
-        self._total = total_bytes
-        self._label = label  # "pinning host memory", or what is done instead
-        self._done = 0
-        self._start = time.perf_counter()
-        self._shown = False
-        self._tty = sys.stderr.isatty()
-
-    def advance(self, nbytes: int) -> None:
-        self._done += nbytes
-        elapsed = time.perf_counter() - self._start
-        if self._tty and elapsed > 1.0:
-            self._shown = True
-            rate = self._done / elapsed / 2**30
-            sys.stderr.write(
-                f"\rofftensor: {self._label} {self._done / 2**30:.1f}/"
-                f"{self._total / 2**30:.1f} GiB ({rate:.1f} GiB/s)"
-            )
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        elapsed = time.perf_counter() - self._start
-        if self._shown:
-            sys.stderr.write("\n")
-        logger.debug("%s: %.2f GiB in %.1f s", self._label, self._total / 2**30, elapsed)

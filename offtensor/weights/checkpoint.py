@@ -18,13 +18,15 @@ import json
 import os
 import struct
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .compress import copy_rows
-from .files import FileStore, FileTensor
+from .files import FileHandle, FileStore, FileTensor, copy_from_file
 
 _INDEX = "model.safetensors.index.json"
 
@@ -47,6 +49,7 @@ class Checkpoint:
         self.files: dict[str, Path] = {}
         self.used: set[str] = set()  # the keys read (Note [checkpoint keys])
         self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}  # file -> (its data's offset, header)
+        self._handles: dict[Path, FileHandle] = {}  # the files read, each opened once
         self._first: tuple[str, str, str] | None = None  # the first match: name, key, prefix dropped
         if path.is_dir() and (path / _INDEX).is_file():
             weight_map = json.loads((path / _INDEX).read_text())["weight_map"]
@@ -106,18 +109,23 @@ class Checkpoint:
 
     def rows(self, key: str, qual: str, like: torch.Tensor) -> _Rows:
         """A RowReader of the tensor `key`, checked against `like` (parameter `qual`)."""
-        return _Rows(self._safe_open, self.files[key], key, qual, like)
+        file = self.files[key]
+        start, header = self._header(file)
+        entry = header[key]
+        if tuple(entry["shape"]) != tuple(like.shape):
+            raise ValueError(_shape_error(key, tuple(entry["shape"]), qual, like))
+        begin, end = entry["data_offsets"]
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:  # a dtype torch lacks: safetensors converts it
+            return _Rows(like, lambda: _SafeRows(self._safe_open, file, key))
+        return _Rows(like, None, (self._handle(file), start + begin, end - begin, dtype))
 
     def in_file(self, key: str, qual: str, like: torch.Tensor, store: FileStore) -> FileTensor | _Rows:
         """Where the tensor `key` is in its file, checked against `like` (parameter `qual`), to be
         read there (Note [masters in files] in weights/file_masters.py); its RowReader for a dtype
         safetensors names that torch lacks."""
         file = self.files[key]
-        if file not in self._headers:
-            with open(file, "rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                self._headers[file] = (8 + size, json.loads(f.read(size)))
-        start, header = self._headers[file]
+        start, header = self._header(file)
         entry = header[key]
         if tuple(entry["shape"]) != tuple(like.shape):
             raise ValueError(_shape_error(key, tuple(entry["shape"]), qual, like))
@@ -127,40 +135,89 @@ class Checkpoint:
         begin, end = entry["data_offsets"]
         return FileTensor(store.open(file), start + begin, end - begin, dtype, lambda: self.rows(key, qual, like))
 
+    def _header(self, file: Path) -> tuple[int, dict[str, Any]]:
+        """The file's header, and where its data begins."""
+        if file not in self._headers:
+            with open(file, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                self._headers[file] = (8 + size, json.loads(f.read(size)))
+        return self._headers[file]
 
-class _Rows:
-    """Reads one checkpoint tensor a block of rows at a time (a RowReader, weights/compress.py), in
-    `like`'s dtype. The file is open from the first block to the last: its mapping goes with the
-    handle (Note [loading scope by scope] in weights/load.py)."""
+    def _handle(self, file: Path) -> FileHandle:
+        handle = self._handles.get(file)
+        if handle is None:
+            fd = os.open(file, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            handle = self._handles[file] = FileHandle(str(file), fd)
+        return handle
 
-    def __init__(self, safe_open: Any, file: Path, key: str, qual: str, like: torch.Tensor) -> None:
-        self.dtype = like.dtype
-        self.rows = like.shape[0] if like.dim() else 1
+
+class _SafeRows:
+    """A tensor of a dtype torch lacks, read through safetensors a block of rows at a time; the
+    file is open (mapped) from the first block to the last."""
+
+    def __init__(self, safe_open: Any, file: Path, key: str) -> None:
         self._handle = safe_open(str(file), framework="pt")
         self._file = self._handle.__enter__()
         self._slice = self._file.get_slice(key)
-        shape = tuple(self._slice.get_shape())
-        if shape != tuple(like.shape):
-            self.close()
-            raise ValueError(_shape_error(key, shape, qual, like))
         self._key = key
 
-    def __call__(self, start: int, stop: int) -> torch.Tensor:
+    def __call__(self, start: int, stop: int, last: bool) -> torch.Tensor:
         t = self._slice[start:stop] if self._slice.get_shape() else self._file.get_tensor(self._key)
-        if stop >= self.rows:
-            self.close()
+        if last:
+            self._handle.__exit__(None, None, None)
+        return t
+
+
+class _Rows:
+    """Reads one checkpoint tensor a block of rows at a time (a RowReader, weights/compress.py),
+    in `like`'s dtype: preads of the file, or through safetensors for a dtype torch lacks
+    (`safe`). `read_into` reads the whole tensor straight into its destination when that has the
+    file's dtype (Note [loading at the disk's speed])."""
+
+    def __init__(self, like: torch.Tensor, safe: Callable[[], _SafeRows] | None,
+                 where: tuple[FileHandle, int, int, torch.dtype] | None = None) -> None:
+        self.dtype = like.dtype
+        self.shape = tuple(like.shape)
+        self.rows = like.shape[0] if like.dim() else 1
+        self._safe = safe
+        self._safe_rows: _SafeRows | None = None
+        self._where = where
+
+    def __call__(self, start: int, stop: int) -> torch.Tensor:
+        if self._where is None:
+            if self._safe_rows is None:
+                assert self._safe is not None
+                self._safe_rows = self._safe()
+            return self._safe_rows(start, stop, stop >= self.rows).to(self.dtype)
+        handle, offset, nbytes, dtype = self._where
+        shape = (stop - start, *self.shape[1:]) if self.shape else ()
+        t = torch.empty(shape, dtype=dtype)
+        row_bytes = nbytes // self.rows if self.shape else 0
+        handle.read_into([_bytes_of(t).data], offset + start * row_bytes)
         return t.to(self.dtype)
 
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.__exit__(None, None, None)
-            self._handle = self._file = self._slice = None
+    def read_into(self, dest: torch.Tensor) -> bool:
+        """Read the whole tensor into `dest` if it is a contiguous CPU tensor of the file's dtype;
+        False otherwise (then read it a block of rows at a time)."""
+        if self._where is None:
+            return False
+        handle, offset, _, dtype = self._where
+        if not (dest.device.type == "cpu" and dest.dtype == dtype == self.dtype and dest.is_contiguous()
+                and tuple(dest.shape) == self.shape):
+            return False
+        copy_from_file(handle, offset, _bytes_of(dest))
+        return True
 
     def read(self) -> torch.Tensor:
         """The whole tensor (small ones: buffers)."""
-        out = torch.empty(self._slice.get_shape(), dtype=self.dtype)
+        out = torch.empty(self.shape, dtype=self.dtype)
         copy_rows(out, self)
         return out
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor, writable (uint8)."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def _shape_error(key: str, shape: tuple[int, ...], qual: str, like: torch.Tensor) -> str:

@@ -328,7 +328,11 @@ def _reader(value: torch.Tensor | RowReader) -> RowReader:
 
 def copy_rows(dest: torch.Tensor, value: torch.Tensor | RowReader) -> None:
     """`dest.copy_(value)`, a block of rows at a time when `value` is a RowReader (small
-    temporaries)."""
+    temporaries); a reader with `read_into(dest)` (a checkpoint's tensor) may read into `dest`
+    whole instead, returning True (Note [loading at the disk's speed] in weights/load.py)."""
+    read_into = None if isinstance(value, torch.Tensor) else getattr(value, "read_into", None)
+    if read_into is not None and read_into(dest):
+        return
     if isinstance(value, torch.Tensor) or dest.dim() == 0:
         dest.copy_(value if isinstance(value, torch.Tensor) else value(0, 1))
         return

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .compress import RowReader
@@ -89,6 +90,27 @@ class FileHandle:
         return total
 
 
+_MAP_AT_LEAST = 2**20  # bytes: smaller reads are one pread
+
+
+def copy_from_file(handle: FileHandle, offset: int, dest: np.ndarray) -> None:
+    """Fill `dest` (uint8, contiguous) with the file's bytes from `offset` on, through a mapping
+    of that range closed after the copy (Note [loading at the disk's speed] in weights/load.py)."""
+    nbytes = dest.size
+    if nbytes == 0:
+        return
+    if nbytes < _MAP_AT_LEAST or not hasattr(os, "preadv"):
+        handle.read_into([dest.data], offset)
+        return
+    if os.fstat(handle.fd).st_size < offset + nbytes:  # a mapping past the end faults (SIGBUS)
+        raise EOFError(f"{handle.path}: the file ends before byte {offset + nbytes}, where the tensor does")
+    base = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(handle.fd, offset + nbytes - base, offset=base, access=mmap.ACCESS_READ) as mapped:
+        source = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=offset - base)
+        np.copyto(dest, source)
+        del source  # before the mapping closes
+
+
 @dataclass(eq=False)
 class FileTensor:
     """Where a checkpoint holds a tensor, and a RowReader of it (`rows()` opens one on first use):
@@ -105,6 +127,13 @@ class FileTensor:
         if self._reader is None:
             self._reader = self.rows()
         return self._reader(start, stop)
+
+    def read_into(self, dest: torch.Tensor) -> bool:
+        """Read the whole tensor into `dest` where its reader can (copy_rows)."""
+        if self._reader is None:
+            self._reader = self.rows()
+        read_into = getattr(self._reader, "read_into", None)
+        return read_into is not None and bool(read_into(dest))
 
 
 class FileStore:

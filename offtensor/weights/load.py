@@ -7,10 +7,9 @@ still be offloaded compressed (Policy(frozen_format="fp8"): 70 GB), but only if 
 in full precision on the host. So the model is built on the meta device (`with
 torch.device("meta"):` or accelerate's `init_empty_weights()`: shapes, no data), and `load`
 builds the scopes one after the other as `wrap` does, except that each master's values come from
-the source, one tensor at a time: `safe_open(file).get_tensor(key)` reads one tensor (the file
-is opened per tensor, so no mapping of a whole shard stays resident), it is copied or quantized
-into the scope's host buffer, and dropped. Quantization works in row blocks of bounded size.
-Host memory beyond the masters is then one tensor of the checkpoint plus small temporaries,
+the source, one tensor at a time: a checkpoint tensor is copied or quantized into the scope's
+host buffer (Note [loading at the disk's speed]), and dropped; quantization works in row blocks
+of bounded size. Host memory beyond the masters is then one tensor of the checkpoint plus small temporaries,
 whatever the model's size. An init function instead fills one scope's parameters at a time
 (allocated uninitialized on the CPU, or on `init_device`), so the extra is one scope in full
 precision. Random weights for a benchmark of a 70B shape are 70 billion values, drawn much faster
@@ -26,6 +25,19 @@ ones (rotary tables, computed by the constructor) keep their values. One the che
 would keep its constructor value unseen (batch-norm statistics at their defaults), so all are
 looked up, under the prefix the parameters' keys drop, before any is written, and those missing
 raise a KeyError naming them (`strict=False`: a warning), as load_state_dict's missing keys do.
+
+# Note [loading at the disk's speed]
+A master of the checkpoint's dtype is copied into its place in the scope's host buffer straight
+from a mapping of the tensor's bytes in the file, unmapped after the copy: no intermediate
+tensor, each byte of the buffer written once (numpy allocates it without zeroing, in huge pages;
+the kernel's zeroing of fresh pages is what any owner of the memory pays). A sequential copy out
+of a mapping lets the kernel read ahead, so a cold load runs near the disk's speed: preads of
+8 MiB pieces on 4 threads took 2-3x longer cold on 2 cores, and safetensors' `get_slice`, which
+mapped the file again for every block of rows, loaded at 0.1 GiB/s. Tensors under 1 MiB are one
+pread; a master of another dtype (a cast, compression) reads blocks of rows with preads and
+converts each as `Tensor.to` does; dtypes torch lacks go through safetensors. Host memory beyond
+the masters stays one tensor's mapping. `python -m benchmarks load-speed` times it against
+safetensors' own load and against allocating and writing the same bytes.
 """
 
 from __future__ import annotations

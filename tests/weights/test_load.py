@@ -501,3 +501,97 @@ def test_a_load_that_raises_leaves_the_model_as_it_was_and_a_retry_loads_it(tmp_
             _init(name, module)
     with torch.no_grad():
         torch.testing.assert_close(model(_ids("cpu")).logits, reference(_ids("cpu")).logits)
+
+
+def _mixed_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Tensors of several dtypes and shapes (a scalar, an empty one, one of many read pieces)."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "0.weight": torch.randn(64, 48, generator=gen).bfloat16(),
+        "0.bias": torch.randn(64, generator=gen).half(),
+        "1.weight": torch.randn(300, 70, generator=gen),
+        "1.bias": torch.randint(-100, 100, (300,), generator=gen, dtype=torch.int32).float(),
+        "2.scale": torch.tensor(1.5),
+        "2.empty": torch.zeros(0, 5),
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, path)
+    return path, tensors
+
+
+class _Mixed(torch.nn.Module):
+    def __init__(self, dtypes: dict[str, torch.dtype]) -> None:
+        super().__init__()
+        shapes = {"0.weight": (64, 48), "0.bias": (64,), "1.weight": (300, 70), "1.bias": (300,),
+                  "2.scale": (), "2.empty": (0, 5)}
+        self.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(3))
+        for key, shape in shapes.items():
+            i, name = key.split(".")
+            with torch.device("meta"):
+                setattr(self.layers[int(i)], name, torch.nn.Parameter(torch.empty(shape, dtype=dtypes.get(key, {
+                    "0.weight": torch.bfloat16, "0.bias": torch.float16}.get(key, torch.float32)))))
+
+
+@pytest.mark.parametrize("convert", [False, True], ids=["file-dtypes", "converted"])
+def test_load_reads_each_tensor_bit_for_bit_mapped_read_or_converted(tmp_path, monkeypatch, convert):
+    """A master of the file's dtype is copied straight into the host buffer, from a mapping of
+    its bytes when it has 4 KiB or more (here; 1 MiB by default), else with a pread; one of
+    another dtype is read a block of rows at a time and converted as `tensor.to` converts it."""
+    from offtensor.weights import files
+
+    monkeypatch.setattr(files, "_MAP_AT_LEAST", 4096)
+    path, tensors = _mixed_checkpoint(tmp_path)
+    dtypes = {"1.weight": torch.float64, "0.weight": torch.float32} if convert else {}
+    model = _Mixed(dtypes)
+    offtensor.load(model, path, lambda name, m: name.startswith("layers."), device="cpu")
+    for key, expected in tensors.items():
+        i, name = key.split(".")
+        got = getattr(model.layers[int(i)], name).detach()
+        assert got.dtype == dtypes.get(key, expected.dtype)
+        assert torch.equal(got, expected.to(got.dtype)), key
+
+
+class _FakeTerminal:
+    """stderr as a terminal."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, s: str) -> int:
+        self.text += s
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal, setting, shown", [(True, None, True), (False, None, False), (True, "0", False)],
+                         ids=["terminal", "not-a-terminal", "OFFTENSOR_PROGRESS=0"])
+def test_a_progress_bar_shows_on_a_terminal_unless_turned_off(tmp_path, monkeypatch, capsys, terminal, setting,
+                                                              shown):
+    from offtensor.core import progress
+
+    monkeypatch.setattr(progress, "SHOW_AFTER_S", 0.0)  # as if each scope took long
+    if setting is None:
+        monkeypatch.delenv(progress.PROGRESS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(progress.PROGRESS_ENV, setting)
+    fake = _FakeTerminal()
+    if terminal:
+        monkeypatch.setattr(sys, "stderr", fake)
+    path, _ = _mixed_checkpoint(tmp_path)
+    offtensor.load(_Mixed({}), path, lambda name, m: name.startswith("layers."), device="cpu")
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    offtensor.wrap(plain, lambda name, m: isinstance(m, torch.nn.Linear), device="cpu")
+    printed = fake.text + capsys.readouterr().err
+    if shown:
+        assert "offtensor: loading weights into host memory [" in printed, printed
+        assert "offtensor: copying masters to host memory [" in printed, printed
+        assert "100%" in printed and printed.endswith("\n")
+    else:
+        assert "offtensor:" not in printed, printed
