@@ -92,6 +92,7 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
+from ..dispatch import compile as _compile
 from ..dispatch.autograd import run_grad_hooks
 from ..dispatch.masters import master_grad, master_requires_grad, without_subclass_dispatch
 from .scope import Scope
@@ -162,6 +163,13 @@ class GradOffload:
             self.reset_if_stale()
 
     def on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None:
+        if _compile.in_compiled_region():
+            # backward called from compiled code: Note [hooks outside dynamo] (dispatch/compile.py)
+            _compile.run_outside_dynamo(self._on_leaf_grad, (slot, leaf))
+            return
+        self._on_leaf_grad(slot, leaf)
+
+    def _on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None:
         grad = leaf.grad
         leaf.grad = None  # the device copy keeps no gradient: it lives on the host
         if grad is not None and grad.requires_grad:
