@@ -35,7 +35,7 @@ class HostMasters:
 
     def __init__(self, pinned: bool) -> None:
         # Where the masters live and how loads read them (Note [staged loads] in
-        # weights/file_masters.py); wrap sets FILE or RING, with `ring` (the engine's
+        # weights/staging.py); wrap sets FILE or RING, with `ring` (the engine's
         # StagingRing) and, for FILE, `files` (a FileScope: where in the files each master is).
         self.home = MasterHome.PINNED if pinned else MasterHome.PAGEABLE
         self.ring: Any = None
@@ -63,7 +63,7 @@ class HostMasters:
 
     def write_mark(self, slots: list[ParamSlot]) -> tuple[Any, ...]:
         """The writes to the masters so far, as the staging ring compares them (Note [staged
-        loads] in weights/file_masters.py): through the parameters, their views and detached
+        loads] in weights/staging.py): through the parameters, their views and detached
         aliases (versions), and through `p.data` aliases (their own versions, Note [p.data
         aliases] in core/slot.py); masters in files are never written."""
         if self.home is MasterHome.FILE:

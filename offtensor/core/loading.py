@@ -192,7 +192,7 @@ class LoadProgress:
 
     def copy_more(self, need: int) -> None:
         """Enqueue the next chunks of a progressive load, each with its event (Note [load plans]).
-        A chunk holding a parameter whose deferred optimizer step is pending (Note [step fences]
+        A chunk holding a parameter whose deferred optimizer step is pending (Note [deferred step fences]
         in core/slot.py) stops the copies there, unless it starts at or before position `need`:
         then the host waits for its steps."""
         plan, host, device_flat, streams = self.plan, self.host, self.device_flat, self.streams

@@ -319,7 +319,7 @@ class Scope:
         host = masters.flat
         if masters.ring is not None and self.loader is None:
             # A staged scope's bytes come from the staging ring (Note [staged loads] in
-            # weights/file_masters.py): read from its files, or copied from pageable masters.
+            # weights/staging.py): read from its files, or copied from pageable masters.
             try:
                 host = masters.ring.acquire(self)
             except BaseException:  # a failed read: nothing is loading

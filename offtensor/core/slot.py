@@ -9,7 +9,7 @@ needs them, the scope is loaded again into the same storage object (see Note [ba
 triggers] in core/hooks.py). Reassigning `.data` or allocating new tensors would either keep the
 memory alive through autograd's references or break its saved-tensor checks.
 
-# Note [step fences]
+# Note [deferred step fences]
 `offtensor.backward_and_step` steps parameters on a worker thread while backward and the next
 forward go on (Note [deferred steps] in optim/overlap.py). Whatever reads or writes a master first
 waits for its pending step: the copy to the device (core/loading.py), an op or property access on the
@@ -83,7 +83,7 @@ def on_optimizer_worker() -> bool:
 
 
 class StepFence(Protocol):
-    """What a parameter with a pending deferred step waits on (Note [step fences])."""
+    """What a parameter with a pending deferred step waits on (Note [deferred step fences])."""
 
     def wait(self, slot: ParamSlot) -> None: ...
 
@@ -255,9 +255,11 @@ class ParamSlot:
     copy_index: int = 0  # position in the scope's copy_order
     pending_step: StepFence | None = None  # a deferred optimizer step still has to write the master
     # data_parallel(shard_optimizer=True): the sharding, while the rank that owns this shared
-    # master may be stepping it; reading its values raises (Note [step fence] in distributed/shared_masters.py)
+    # master may be stepping it; reading its values raises (Note [barrier across ranks] in
+    # distributed/shared_masters.py)
     stepped_elsewhere: Any = None
-    grad_hooks: OrderedDict = field(default_factory=OrderedDict)  # register_hook hooks, see Note [user gradient hooks]
+    # register_hook hooks (Note [user gradient hooks] in dispatch/autograd.py)
+    grad_hooks: OrderedDict = field(default_factory=OrderedDict)
     # The master is kept apart from the parameter, `master` holds no values: compressed
     # (Policy(frozen_format), Note [compressed masters] in weights/compress.py) or in a file
     # (Policy(host_budget), Note [masters in files] in weights/file_masters.py)
@@ -307,7 +309,7 @@ class ParamSlot:
         return f"ParamSlot({self.name!r}, {tuple(self.param.shape)}, scope {self.scope.name!r})"
 
     def wait_for_step(self) -> None:
-        """Block until a deferred optimizer step has written this master (Note [step fences])."""
+        """Block until a deferred optimizer step has written this master (Note [deferred step fences])."""
         fence = self.pending_step
         if fence is not None and not on_optimizer_worker():
             fence.wait(self)
@@ -383,7 +385,7 @@ class ParamSlot:
     def graph_leaves(self) -> list[torch.Tensor]:
         """Every tensor that stands for this parameter in an autograd graph and can receive a
         gradient: its device copy, retired copies and temporary copies still alive (Note
-        [gradients with respect to a parameter] in dispatch/param.py)."""
+        [gradients with respect to a parameter] in dispatch/autograd.py)."""
         with _retired_lock: refs = list(self.retired)  # noqa: E701 (Note [interrupts])
         leaves = [self.device_leaf, *(r() for r in refs), *(r() for r in self.temporaries)]
         return [t for t in leaves if t is not None and t.requires_grad]

@@ -95,7 +95,7 @@ class MasterWrites:
             return
         if scope.running_calls and slot is not None:
             # Written through `.data` in the scope's own call, perhaps: Note [writes during a
-            # scope's call] (core/scope.py).
+            # scope's call] (core/write_tracking.py).
             scope.written_in_call[slot] = None
         if not self.outlives_calls(scope) and (scope.running_calls or self._in_backward()):
             # A streamed scope's next call loads afresh; one resident outside its calls (the last

@@ -22,7 +22,7 @@ node share one copy and each parameter is stepped by one rank:
   recorded after the copy (`Sharding.written`). A `no_sync` backward adding to such an averaged
   gradient would leave a sum that cannot be split later, and raises.
 
-# Note [step fence]
+# Note [barrier across ranks]
 A rank must not copy a master to its device while its owner, in another process, steps it, and
 every rank must see the stepped values from the next forward on. The owner's step cannot start
 before every rank's copy of the weights for that backward is done (it needs the reduced gradient,
@@ -188,7 +188,7 @@ def _wait(store: Any, keys: list[str], timeout: Any, ranks: list[int], what: str
 
 class Sharding:
     """Who steps which offloaded parameter of one data-parallel model, and the fence after the
-    steps (Note [one host copy per node], Note [step fence])."""
+    steps (Note [one host copy per node], Note [barrier across ranks])."""
 
     def __init__(self, engines: list[Engine], group: Any, ranks: list[int], owners: dict[str, int],
                  job: str, store: Any) -> None:
@@ -275,7 +275,7 @@ class Sharding:
         tensor = record[0]()
         return tensor is not None and tensor._version == record[1] and tensor is slot.host_grad
 
-    # ---- the fence (Note [step fence]) ---------------------------------------------------------
+    # ---- the fence (Note [barrier across ranks]) ------------------------------------------------
 
     def install(self, model: nn.Module) -> None:
         """The fence after optimizer steps and before the forward that follows a synchronised
