@@ -79,7 +79,7 @@ class GradCalls:
         if create_graph:
             self.create_graph = True
         if self.create_graph:
-            scope.graph_saved = True
+            scope.device.graph_saved = True
 
     def backward_ended(self) -> None:
         """The outermost backward ended."""

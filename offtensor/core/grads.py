@@ -87,16 +87,43 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.autograd import Variable
 
 from ..dispatch.autograd import run_grad_hooks
 from ..dispatch.masters import master_grad, master_requires_grad, without_subclass_dispatch
-from .scope import Scope
+from .scope import Scope, scope_of
 from .slot import ParamSlot
 from .streams import Streams
+
+
+class Stepper(Protocol):
+    """The overlapped optimizer step of a backward_and_step call, as the gradient path hands it
+    gradients (OverlappedStep in optim/step.py, above: Note [early handover])."""
+
+    @property
+    def closed(self) -> bool: ...  # its call has ended
+
+    def handed(self, slot: ParamSlot) -> bool: ...  # the parameter was handed to its worker
+
+    def grad_final(self, slot: ParamSlot, landed: Any) -> None: ...  # landed: the copy's event
+
+    def scope_done(self, scope: Scope, grads_offloaded: Any) -> None: ...
+
+
+class Reducer(Protocol):
+    """Averages gradients over the ranks (GradReducer in distributed/reducer.py, above: Note
+    [data parallel])."""
+
+    def keeps(self, slot: ParamSlot) -> bool: ...  # this rank steps the parameter
+
+    def reduce(self, slot: ParamSlot, grad: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor | None: ...
+
+    def written(self, slot: ParamSlot, buf: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class GradOffload:
@@ -120,9 +147,10 @@ class GradOffload:
         self._held: dict[int, dict[int, tuple[ParamSlot, torch.Tensor]]] = {}
         # hooked parameters frozen since the forward that reached them (Note [frozen since the forward])
         self._frozen: list[ParamSlot] = []
-        self.stepper: Any = None  # optim/step.py's OverlappedStep during backward_and_step
-        # GradReducer (distributed/reducer.py) in data-parallel mode (Note [data parallel]), else None
-        self.reducer: Any = None
+        # A gradient came after a handover: backward_and_step steps after backward (`accumulate`).
+        self.late_gradients = False
+        self.stepper: Stepper | None = None  # during backward_and_step
+        self.reducer: Reducer | None = None  # in data-parallel mode
 
     def in_backward(self) -> bool:
         """A backward through the wrapped model is running (from its first hook to its end)."""
@@ -183,7 +211,7 @@ class GradOffload:
                     other.single_grad = False
                 later = "hands it over once its whole scope's backward is done"
             else:  # handed at its scope's end: calls were miscounted, maybe in other scopes too
-                slot.scope.engine.late_gradients = True
+                self.late_gradients = True
                 later = "steps this model's offloaded parameters after backward, without overlap"
             raise RuntimeError(
                 f"offtensor.backward_and_step: parameter {slot.name!r} received another gradient "
@@ -235,7 +263,9 @@ class GradOffload:
                 streams.wait(streams.compute(), slot.last_d2h)
             old = buf.to(grad.device, non_blocking=True)
         if reducer is not None:  # averaged over the ranks, old included (Note [data parallel])
-            grad = reducer.reduce(slot, grad, old)
+            reduced = reducer.reduce(slot, grad, old)
+            assert reduced is not None  # keeps(slot): this rank steps it
+            grad = reduced
         elif old is not None:
             grad = grad + old
         if grad.device.type == "cuda":
@@ -245,7 +275,7 @@ class GradOffload:
                 buf.copy_(grad, non_blocking=True)
             slot.last_d2h = self._last_d2h = streams.record(d2h)
             slot.scope.grads_offloaded = slot.last_d2h  # the d2h stream is in order
-            self._inflight.append((slot.scope, slot.last_d2h, grad))
+            self._inflight.append((scope_of(slot), slot.last_d2h, grad))
         else:
             buf.copy_(grad)
         if reducer is not None:
@@ -394,7 +424,7 @@ class GradOffload:
                     slot.device_leaf.grad = None
 
 
-def _send_to_owner(reducer: Any, slot: ParamSlot, grad: torch.Tensor) -> None:
+def _send_to_owner(reducer: Reducer, slot: ParamSlot, grad: torch.Tensor) -> None:
     """Data parallel with a sharded optimizer: another rank owns this parameter's gradient.
     Send this rank's part, with what it accumulated under no_sync, and keep none: `p.grad`
     becomes None (Note [one host copy per node] in distributed/shared_masters.py)."""
@@ -438,8 +468,7 @@ def new_host_grad(slot: ParamSlot) -> torch.Tensor:
     tensor on it); returns the tensor that becomes `p.grad`."""
     p = slot.param
     # Pageable once page-locking failed (Note [page-locked memory as a bounded resource] in core/memory.py).
-    slot.grad_buffer = slot.scope.engine.pinning.empty(p.numel() * p.element_size(), pin=slot.scope.pinned,
-                                                       what="gradients")
+    slot.grad_buffer = slot.scope.new_host_memory(p.numel() * p.element_size(), "gradients")
     slot.grad_buffer_uses = _storage_uses(slot.grad_buffer)
     return _typed(slot.grad_buffer, slot)
 

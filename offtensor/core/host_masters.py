@@ -25,6 +25,8 @@ import torch
 
 from ..api import MasterHome
 from ..dispatch.masters import without_subclass_dispatch
+from ..weights.file_masters import FileScope
+from ..weights.staging import StagingRing
 from .memory import HostBuffer
 from .slot import ParamSlot
 from .write_tracking import version_of
@@ -38,8 +40,8 @@ class HostMasters:
         # weights/staging.py); wrap sets FILE or RING, with `ring` (the engine's
         # StagingRing) and, for FILE, `files` (a FileScope: where in the files each master is).
         self.home = MasterHome.PINNED if pinned else MasterHome.PAGEABLE
-        self.ring: Any = None
-        self.files: Any = None
+        self.ring: StagingRing | None = None
+        self.files: FileScope | None = None
         self.nbytes = 0  # the host buffer, master dtypes
         # Both replaced by wrap's _offload_params right after construction.
         self.flat = torch.empty(0, dtype=torch.uint8)  # pinned when `pinned`; all the masters' bytes

@@ -12,7 +12,7 @@ array, which runs before numpy frees the memory, i.e. once the last tensor view 
 # Note [one storage per master]
 Each master is a tensor with its own storage over its own bytes of the scope's one host
 allocation (`HostBuffer.tensor`: `torch.from_numpy` of a slice of the allocation's numpy array),
-while `Scope.host_flat` is one more tensor over all those bytes, for the single bulk copy to the
+while `HostMasters.flat` is one more tensor over all those bytes, for the single bulk copy to the
 device. To PyTorch the masters then look like separately allocated tensors: `torch.save` sees no
 storage holding several dtypes (a scope can mix fp32 norms and bf16 matrices), and safetensors
 (`save_model`, `save_file`) and transformers' `save_pretrained` see no shared storage, which

@@ -32,7 +32,7 @@ def set_data(p: torch.Tensor, value: torch.Tensor, what: str = "set .data of") -
             f"{value.dtype}; offloaded masters keep their shape and dtype. Copy values with "
             "p.data.copy_(t), or call offtensor.unwrap(model) first"
         )
-    slot.scope.engine.master_written(slot)
+    slot.scope.master_written(slot)
     # Detached: autograd records nothing, without grad mode (Note [interrupts]); `p.detach()`
     # shares p's version counter, so the write bumps it as `p.copy_` under no_grad did.
     p.detach().copy_(value.detach())

@@ -196,4 +196,4 @@ def _release_held(engines: list[Engine], stepper: OverlappedStep) -> None:
     if held:
         stepper.wait()
         for engine in held:
-            engine.release_all(force=True)
+            engine.live.release_all(force=True)
