@@ -22,12 +22,12 @@ gradient (autograd sums them before the leaf's AccumulateGrad). A parameter used
 scope (a tied embedding: the scope's device copy and temporary copies for the other ops), or
 with retired copies (Note [higher-order gradients] in core/device_buffer.py), has several leaves, whose
 gradients arrive here one by one: run on each, a hook that is not linear (`g.clamp()`,
-`g.sign()`, a norm it records) changed the result, and ran once per leaf. So a hooked parameter
+`g.sign()`, a norm it records) would change the result, and run once per leaf. So a hooked parameter
 with several leaves has its contributions summed on the device per graph task (`_hold`), and its
 hooks run on the sum at the end of that task (`_on_task_end`, before the end of backward),
 after which the sum takes the usual path. Such a parameter is never handed to the optimizer
 worker early (`used_outside`), so holding it back changes no step. A parameter with one leaf
-gets its hooks at once, as before.
+gets its hooks at once, as a plain parameter does.
 
 # Note [frozen since the forward]
 A parameter frozen between the forward that used it and the backward (`requires_grad_(False)`
@@ -55,16 +55,16 @@ finalizer acts only on the thread that owns the model: on CUDA an autograd devic
 drop the task last, while the caller's thread may already run the next forward. There, and if a
 finalizer is interrupted, the dead reference stays: the next backward's first hook (and
 `in_backward`) forgets it, the next forward releases what is left, and a backward_and_step that
-raised does all of it at once. Without this, a backward after the failed one (a retained graph)
-ended its own task with the failed one listed and never finalized.
+raised does all of it at once. A failed task left listed would otherwise stay the outermost, so
+a later backward (through a retained graph) would never end its own.
 
 # Note [gradients of a backward that raised]
 Plain autograd accumulates each leaf's gradient as soon as it is computed, so a backward that
-raises leaves `.grad` set on the parameters whose gradients came before the failure. A failed
-backward's gradients here went to the host buffers of `_written`, but `p.grad` points at them
-only at the end of backward, so they were lost; now they are published, with the
-post-accumulate-grad hooks, as at a normal end. (Accumulating into an existing `.grad` writes
-it in place, as before.) A parameter with several leaves (Note [hooks on the sum]) may have
+raises leaves `.grad` set on the parameters whose gradients came before the failure. Here they
+go to the host buffers of `_written`, and `p.grad` points at them only at the end of backward,
+which a failed one never reaches: so they are published when it fails, with the
+post-accumulate-grad hooks, as at a normal end, or they would be lost. (Accumulating into an
+existing `.grad` writes it in place either way.) A parameter with several leaves (Note [hooks on the sum]) may have
 had only some of its contributions added; autograd would leave none: a partial gradient is
 what accumulation into `.grad` gives as well. Held sums (hooked, several leaves) are dropped:
 their hooks run at the task's end, which never came.

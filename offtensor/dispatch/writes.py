@@ -91,9 +91,9 @@ def writes_by_name(func: Any) -> bool:
 # An op is taken for an in-place write by its name (`add_`, `__iadd__`), and such a write goes to
 # the master. Two kinds of write have no such name: `torch.add(a, b, out=p)` writes `p`, and an
 # aten overload called directly (`torch.ops.aten.add_.Tensor(p, t)`, `aten.copy_.default`) is
-# named `add_.Tensor`. Dispatched as reads, both wrote the scope's device copy (or a temporary
-# copy) inside a forward, and the write was lost at the next load: a step counter that never
-# counted. So an `out=` holding a parameter makes the op a write of the `out` tensors, and an
+# named `add_.Tensor`. Dispatched as reads, both would write the scope's device copy (or a
+# temporary copy) inside a forward, lost at the next load: a step counter that never counts. So
+# an `out=` holding a parameter makes the op a write of the `out` tensors, and an
 # overload is a write of the arguments its schema marks as written (`Tensor(a!)`).
 
 
