@@ -9,10 +9,9 @@ import weakref
 from torch import nn
 
 from .core import engine as _engine
-from .core.engine import Engine
+from .core.engine import Engine, engine_of
 from .core.scope import Scope
 from .core.slot import in_backward
-from .wrapping import _engine_of
 
 
 def set_prefetch(model: nn.Module, module: nn.Module, *, forward: list[nn.Module] | None = None,
@@ -44,7 +43,7 @@ def set_prefetch(model: nn.Module, module: nn.Module, *, forward: list[nn.Module
             offtensor.set_prefetch(model, block, forward=list(blocks[i + 1 : i + 3]),
                                    backward=list(blocks[max(i - 2, 0) : i])[::-1])
     """
-    engine = _engine_of(model, "set_prefetch")
+    engine = engine_of(model, "set_prefetch")
     triggers = _scopes_of(engine, model, module, "module")
     for override, targets in ((engine.schedule.forward_override, forward),
                               (engine.schedule.backward_override, backward)):
@@ -92,7 +91,7 @@ class no_offload(contextlib.ContextDecorator):
         self._depth = 0  # the same object may be entered again (a decorated recursive function)
         self._model = weakref.ref(model) if model is not None else None
         if model is not None:
-            _engine_of(model, "no_offload")  # wrapped now: refuse early otherwise
+            engine_of(model, "no_offload")  # wrapped now: refuse early otherwise
         self._holds: weakref.WeakSet | None = None  # where this object is registered while held
 
     def __enter__(self) -> no_offload:
@@ -101,7 +100,7 @@ class no_offload(contextlib.ContextDecorator):
             model = self._model() if self._model is not None else None
             if self._model is not None and model is None:
                 raise RuntimeError("offtensor.no_offload: the model it was given no longer exists")
-            self._holds = _engine_of(model, "no_offload").holds if model is not None else _engine.holds_for_all
+            self._holds = engine_of(model, "no_offload").holds if model is not None else _engine.holds_for_all
         assert self._holds is not None
         self._holds.add(self)
         return self
@@ -121,5 +120,5 @@ class no_offload(contextlib.ContextDecorator):
         # model. What such a model kept under a hold of every model is released by its own
         # thread's next pass, which releases what an earlier pass left resident.
         for engine in list(_engine.engines):
-            if not engine.hold() and not engine.run_by_another_thread():
-                engine.release_all()
+            if not engine.hold() and not engine.thread.run_by_another():
+                engine.live.release_all()

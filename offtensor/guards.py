@@ -37,7 +37,7 @@ copied too, as with `assign=False`.
 `module.weight = nn.Parameter(t)` after wrap, or tying a scope's parameter to another one
 (`tie_weights()` on a selected head), would register a plain parameter in the scope, never
 offloaded (resident on the device, or PyTorch's device-mismatch error once the inputs are
-there), while the old master stayed in the scope's buffer and was still loaded at each call:
+there), while the old master would stay in the scope's buffer, loaded at each call:
 the scope's layout is fixed at wrap. A parameter registration hook (`Module.register_parameter`,
 which `setattr` uses, calls it for every module) refuses to replace a live offloaded parameter
 by another object, before anything changes, naming it and the ways to do it: copy the values

@@ -7,16 +7,16 @@ import torch
 from torch import nn
 
 from .api import MasterHome, Residency, ScopeSummary, Summary, TensorsSummary
+from .core.engine import engine_of, find_engine
 from .dispatch.param import OffloadedParameter
 from .weights.quantized import offloaded_weight
-from .wrapping import _engine_of, _find_engine
 
 
 def is_wrapped(model: nn.Module) -> bool:
     """True when `model` holds parameters offloaded by `wrap`: it was wrapped, or it holds
     some of a wrapped model's offloaded parameters (a decoder layer of it, or the base model
     PEFT's `merge_and_unload()` returns from a wrapped `PeftModel`)."""
-    return _find_engine(model) is not None
+    return find_engine(model) is not None
 
 
 def summary(model: nn.Module) -> Summary:
@@ -34,7 +34,7 @@ def summary(model: nn.Module) -> Summary:
         loss = model(input_ids=ids, labels=ids).loss
         print(offtensor.summary(model))
     """
-    engine = _engine_of(model, "summary")
+    engine = engine_of(model, "summary")
     inside = {id(m) for m in model.modules()}
     rows = [
         ScopeSummary(s.name, s.state, s.num_params(), s.host_bytes(), s.device_bytes(), s.loads,

@@ -24,7 +24,7 @@ from torch import nn
 
 from .api import MasterHome, Policy, ScopeState
 from .budget.shared import SharedBudget
-from .core.engine import Engine
+from .core.engine import ENGINE_ATTR, Engine, engine_of
 from .core.experts import route_experts
 from .core.grads import new_host_grad
 from .core.hooks import ModelHooks, ScopeHooks
@@ -59,7 +59,6 @@ from .weights.staging import StagingRing
 
 logger = logging.getLogger("offtensor")
 
-_ENGINE_ATTR = "_offtensor_engine"
 
 
 def wrap(model: nn.Module, predicate: Predicate | None = None, *,
@@ -147,7 +146,7 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
         ModelHooks(engine, engine.scope_hooks).install(model)
     guard(model, engine)  # guards.py
     engine.root = weakref.ref(model)
-    setattr(model, _ENGINE_ATTR, engine)
+    setattr(model, ENGINE_ATTR, engine)
     logger.debug("wrapped %d scopes (%.1f MiB) computing on %s", len(engine.scopes),
                  sum(s.nbytes for s in engine.scopes) / 2**20, device)
     return model
@@ -191,10 +190,10 @@ def _check_arguments(model: nn.Module, predicate: Predicate | None, policy: Poli
     if not isinstance(policy, Policy):
         raise TypeError(f"offtensor.wrap: policy must be an offtensor.Policy, got {type(policy).__name__}")
     check_model(model)  # no DDP or FSDP: Note [data-parallel wrappers] in distributed/wrappers.py
-    if getattr(model, _ENGINE_ATTR, None) is not None:
+    if getattr(model, ENGINE_ATTR, None) is not None:
         raise RuntimeError(
             f"offtensor.wrap: this {type(model).__name__} is already wrapped "
-            f"({len(getattr(model, _ENGINE_ATTR).scopes)} scopes); call offtensor.unwrap(model) "
+            f"({len(getattr(model, ENGINE_ATTR).scopes)} scopes); call offtensor.unwrap(model) "
             "first, then wrap it again with the new predicate or policy"
         )
     already = [(n, p) for n, p in model.named_parameters() if isinstance(p, OffloadedParameter)]
@@ -216,7 +215,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
     `model` may also be a part of the wrapped model that holds all its scopes, such as the base
     model PEFT's `merge_and_unload()` returns: the whole wrapped model is unwrapped."""
-    engine = _engine_of(model, "unwrap")
+    engine = engine_of(model, "unwrap")
     inside = {id(m) for m in model.modules()}
     outside = [s.name for s in engine.scopes if id(s.module) not in inside]
     if outside:
@@ -247,7 +246,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def _undo_wrap(engine: Engine, model: nn.Module) -> nn.Module:
     """`unwrap` once no step is pending: also the undo of a wrap that raised."""
-    engine.release_all(force=True)
+    engine.live.release_all(force=True)
     if engine.expert_cache is not None:
         engine.expert_cache.clear()
     if engine.ring is not None:
@@ -265,8 +264,8 @@ def _undo_wrap(engine: Engine, model: nn.Module) -> nn.Module:
         if top is None:
             continue
         remove_guards(top)
-        if getattr(top, _ENGINE_ATTR, None) is engine:
-            delattr(top, _ENGINE_ATTR)
+        if getattr(top, ENGINE_ATTR, None) is engine:
+            delattr(top, ENGINE_ATTR)
     return model
 
 
@@ -282,27 +281,6 @@ def _restore_params(scope: Scope) -> None:
         p.data = data
         if grad is not None:
             p.grad = grad.clone()
-
-
-def _find_engine(model: nn.Module) -> Engine | None:
-    engine = getattr(model, _ENGINE_ATTR, None)
-    if engine is not None:
-        return engine
-    for p in model.parameters():
-        slot = getattr(p, "_ot", None) if isinstance(p, OffloadedParameter) else None
-        if slot is not None:
-            return slot.scope.engine
-    return None
-
-
-def _engine_of(model: nn.Module, caller: str) -> Engine:
-    engine = _find_engine(model)
-    if engine is None:
-        raise ValueError(
-            f"offtensor.{caller}: this {type(model).__name__} is not wrapped (it holds no "
-            "offloaded parameter); call offtensor.wrap(model) first"
-        )
-    return engine
 
 
 def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device: torch.device,
@@ -325,12 +303,12 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     files = scope.files
     masters = None if files is not None else _host_buffer(scope)
     if masters is not None:
-        scope.host_flat = masters.flat
-        scope.host_buffer = masters
+        scope.masters.flat = masters.flat
+        scope.masters.buffer = masters
     if scope.casts and scope.policy.cast == "host":
-        scope.host_shadow = scope.engine.pinning.empty(scope.device_nbytes, pin=scope.pinned, what="host shadows")
+        scope.masters.shadow = scope.engine.pinning.empty(scope.device_nbytes, pin=scope.pinned, what="host shadows")
     # Allocated here only to create each parameter's device tensor on it; freed below.
-    scope.device_flat = torch.empty(scope.device_nbytes, dtype=torch.uint8, device=device)
+    scope.device.flat = torch.empty(scope.device_nbytes, dtype=torch.uint8, device=device)
     # Plain tensors that do not require grad: autograd records none of these copies, without
     # grad mode (Note [interrupts]).
     for (qual, p), offset, dev_offset, dt, pk in zip(params, offsets, dev_offsets, dtypes, packs, strict=True):
@@ -351,7 +329,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
         del value  # a weight read from a checkpoint goes now (Note [loading scope by scope])
         grad = p.grad
         p.grad = None
-        leaf, view = device_copy(scope.device_flat, dev_offset, dt, p.shape, p.requires_grad)
+        leaf, view = device_copy(scope.device.flat, dev_offset, dt, p.shape, p.requires_grad)
         if p.is_meta:  # offtensor.load: `p.data =` cannot change a meta tensor's device
             torch.utils.swap_tensors(p, nn.Parameter(host, requires_grad=p.requires_grad))
         else:
@@ -368,7 +346,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
             slot.host_grad.copy_(grad.detach())
             p.grad = slot.host_grad
         scope.slots.append(slot)
-    scope.device_storage.resize_(0)
+    scope.device.storage.resize_(0)
     scope.state = ScopeState.OFFLOADED
 
 

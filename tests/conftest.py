@@ -567,7 +567,7 @@ def assert_all_scopes_offloaded(model: nn.Module) -> None:
     hold exactly their weights, equal to the masters (a stale copy would be a silent wrong
     answer at the next forward)."""
     import offtensor
-    from offtensor.wrapping import _find_engine
+    from offtensor.core.engine import find_engine as _find_engine
 
     scopes = offtensor.summary(model).scopes
     assert scopes, "summary() lists no scope"
@@ -576,7 +576,7 @@ def assert_all_scopes_offloaded(model: nn.Module) -> None:
         if (s.kept or s.carried) and s.state != offtensor.ScopeState.OFFLOADED:
             scope = next(x for x in engine.scopes if x.name == s.name)
             assert s.device_bytes == scope.device_nbytes, f"{s.name} holds {s.device_bytes} device bytes"
-            if scope.device_flat.is_cuda:
+            if scope.device.flat.is_cuda:
                 torch.cuda.synchronize()
             for slot in scope.slots:
                 values = slot.packed.unpack() if slot.packed is not None else slot.master  # frozen_format
@@ -612,7 +612,7 @@ def most_device_bytes(monkeypatch):
 
     def spy(scope):
         real(scope)
-        seen[0] = max(seen[0], sum(s.device_storage.nbytes() for s in scope.engine.scopes))
+        seen[0] = max(seen[0], sum(s.device.storage.nbytes() for s in scope.engine.scopes))
 
     monkeypatch.setattr(_scope.Scope, "_start_load", spy)
     return seen

@@ -27,16 +27,16 @@ runs backward on a device thread; the mode follows it there through autograd's t
 state on recent PyTorch, and if it does not, backward is simply unchecked.
 
 # What counts as master storage
-For each wrapped model's engine: every scope's flat host buffer ``scope.host_flat`` (address
+For each wrapped model's engine: every scope's flat host buffer ``scope.masters.flat`` (address
 range ``[data_ptr, data_ptr + nbytes)``) and each ``slot.param``'s own storage (in case masters
 get storages of their own). A tensor argument is "on a master" when its ``data_ptr()`` falls in
 one of those ranges; the message maps the address to the slot's qualified name.
 
 # What is allowed on master storage
 - ``aten.copy_`` with the master as the *source* (``args[1]``): offtensor's loads
-  (``device_flat.copy_(host_flat)``, ``device_view.copy_(param)``) and its CUDA temporary
+  (``device.flat.copy_(masters.flat)``, ``device_view.copy_(param)``) and its CUDA temporary
   copies. A master as the *destination* (a write) inside forward/backward is flagged.
-- ``aten.slice`` of a scope's ``host_flat`` itself (the tensor object, not a parameter): a run
+- ``aten.slice`` of a scope's ``masters.flat`` itself (the tensor object, not a parameter): a run
   of the host buffer that a load copies from (Note [load plans] in offtensor/core/loading.py);
   ``aten.select`` and ``aten.slice`` of a slot's ``master`` (offtensor's plain tensor over the
   master's bytes, not the parameter): the rows of a routed expert a load copies (Note [routed
@@ -62,7 +62,7 @@ offtensor's own CPU temporary copy is) passes; ``.data`` itself runs no aten op.
 # Scope of the check
 The guard checks every op while it is active, whoever runs it. Inside the wrapped model's forward
 or backward offtensor never hands an op the master (in its scope: the device copy; outside it:
-a temporary copy, ``Engine.materialize``). Outside them, with no operand on an
+a temporary copy, ``OpAccess.materialize``). Outside them, with no operand on an
 accelerator and no gradient needed (a user's functional call after the forward, an optimizer
 step, ``state_dict``), offtensor acts on the master by design: do not guard those.
 """
@@ -155,7 +155,7 @@ class MasterGuard(TorchDispatchMode):
         self._cuda = False
         self._ws = _worker_state()
         self._kinds: dict[Any, int] = {}  # op overload -> _CHECK, _ALLOW, _COPY or _TO_COPY
-        self._flats: set[int] = set()  # ids of the scopes' host_flat tensors and slots' masters
+        self._flats: set[int] = set()  # ids of the scopes' masters.flat tensors and slots' masters
 
     # ---- master ranges --------------------------------------------------------------------
 
@@ -181,7 +181,7 @@ class MasterGuard(TorchDispatchMode):
                         if st.nbytes():
                             ranges.append((st.data_ptr(), st.data_ptr() + st.nbytes(),
                                            [(p.data_ptr(), p.data_ptr() + max(n, 1), slot.name)]))
-                    flat = getattr(scope, "host_flat", None)
+                    flat = scope.masters.flat
                     if flat is not None and flat.numel():
                         self._flats.add(id(flat))
                         start = flat.data_ptr()

@@ -28,13 +28,13 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ..api import Layout, Policy, Residency, ScopeState
 from ..core.scope import LiveScopes, Scope
 from ..core.streams import Streams
+from ..weights.staging import StagingRing
 from .layout import Measuring, Member, Prediction, choose_across
 from .timed import TimedLayout
 from .vram import VramBudget, keep_within, streaming_bytes
@@ -52,7 +52,7 @@ class ModelCalls:
     order: Callable[[], list[Scope]]  # the learned forward order
     backward_order: Callable[[], list[Scope]]
     needed_in_backward: Callable[[Scope], bool]  # the current backward has needed the scope
-    ring: Callable[[], Any]  # the staging ring or None
+    ring: Callable[[], StagingRing | None]  # the staging ring or None
 
 
 class MemberBudget(VramBudget):
@@ -82,7 +82,8 @@ class MemberBudget(VramBudget):
         assert self.streaming_room is not None
         return self.streaming_room - self.group.largest_block() - self.group.held_streamed(but=self)
 
-    def between_passes(self, order: list[Scope], backward_order: Callable[[], list[Scope]], ring: Any) -> None:
+    def between_passes(self, order: list[Scope], backward_order: Callable[[], list[Scope]],
+                       ring: StagingRing | None) -> None:
         self.group.between_passes(self)
 
     def layout(self) -> Layout:

@@ -4,7 +4,6 @@ its times (Note [a timed layout] in budget/layout.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -12,6 +11,7 @@ from ..api import MasterHome, Policy
 from ..core.grad_calls import trainable
 from ..core.scope import Scope
 from ..core.streams import Streams
+from ..weights.staging import StagingRing
 from .layout import (
     Measuring,
     PassTimer,
@@ -30,7 +30,7 @@ def _copied_from(scope: Scope) -> torch.Tensor:
     buffer, or the host shadow under cast="host"."""
     if scope.ring is not None:
         return scope.ring.sample(scope.nbytes)
-    return scope.host_flat if scope.host_shadow is None else scope.host_shadow
+    return scope.masters.flat if scope.masters.shadow is None else scope.masters.shadow
 
 
 class TimedLayout:
@@ -58,7 +58,7 @@ class TimedLayout:
         if self.timer.state is Measuring.MEASURING:
             self.timer.restart()  # a failed pass measures nothing: the next one is measured
 
-    def between_passes(self, order: list[Scope], backward_order: Callable[[], list[Scope]], ring: Any,
+    def between_passes(self, order: list[Scope], backward_order: Callable[[], list[Scope]], ring: StagingRing | None,
                        budget: int) -> tuple[set[Scope], int, Prediction] | None:
         """The model's forward starts: start measuring this pass, or, once one was measured,
         return what to keep within what budget, and the step it predicts (None: not now)."""
@@ -77,7 +77,7 @@ class TimedLayout:
         kept, prediction = choose(costs, forward, backward, budget, self.policy.prefetch)
         return {self.scopes[i] for i in kept}, budget, prediction
 
-    def advance(self, order: list[Scope], ring: Any) -> None:
+    def advance(self, order: list[Scope], ring: StagingRing | None) -> None:
         """The model's forward starts: measure this pass once one has run (the order is known,
         cold kernels are paid); the pass measured before it (and its backward) is over."""
         timer = self.timer
@@ -94,14 +94,14 @@ class TimedLayout:
         backward = [index[s] for s in backward_order()] if self.timer.saw_backward else []
         return [index[s] for s in order], backward
 
-    def costs(self, ring: Any) -> list[ScopeCost]:
+    def costs(self, ring: StagingRing | None) -> list[ScopeCost]:
         """What each scope costs a pass, from the measured times and one timed copy."""
         timer = self.timer
         largest = max(self.scopes, key=lambda s: s.nbytes)
         per_byte = copy_ms_per_byte(_copied_from(largest), self.device, self.streams.h2d())
         read_per_byte = self._read_ms_per_byte(ring)
         return [ScopeCost(timer.total_ms(s, "forward"), timer.total_ms(s, "backward"),
-                          (s.nbytes if s.host_shadow is None else s.device_nbytes)
+                          (s.nbytes if s.masters.shadow is None else s.device_nbytes)
                           * (max(per_byte, read_per_byte) if s.home is MasterHome.FILE else per_byte),
                           s.device_nbytes, s.block, copied_when_kept=timer.saw_backward and trainable(s))
                 for s in self.scopes]
@@ -114,7 +114,7 @@ class TimedLayout:
                 return budget + max(0, spare - auto_margin(self.device))
         return budget
 
-    def _read_ms_per_byte(self, ring: Any) -> float:
+    def _read_ms_per_byte(self, ring: StagingRing | None) -> float:
         """The drive's time per byte read into the staging ring: in the measured pass, else since
         wrap; 0.0 without reads."""
         if ring is None:

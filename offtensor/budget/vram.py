@@ -12,8 +12,8 @@ first in the order `wrap` found them (usually the first of a pass, whose copy no
 then the others spread over that order (Note [kept scopes spread]); a timed layout chooses them
 from measured times instead (Note [a timed layout] in budget/layout.py). A kept scope is
 released only when its copy would be stale or must go: a write to one of its masters (an
-optimizer step on this thread; `p.data` taken, `Engine.master_handed_out`; a write through a
-view or a detached alias, seen by `Scope.written_since_copied` at its next forward), the end of
+optimizer step on this thread; `p.data` taken, `MasterWrites.master_handed_out`; a write through a
+view or a detached alias, seen by `WriteTracker.written_since_copied` at its next forward), the end of
 a `backward_and_step`'s backward for its trainable scopes (the worker steps them and cannot
 release), an interrupted call, `unwrap`. So in inference a kept scope loads once; in training,
 once per optimizer step; a frozen one once. Kept scopes do not count against the prefetch
@@ -52,7 +52,7 @@ pass (`Schedule.first_of_next_pass` and on, skipping kept ones), as many as fit 
 room less one block, which stays free for the next copy. They are the backward's last scopes, so
 they never raise its footprint, and they count against the room like any streamed scope (when
 one backward runs through two forwards' graphs, a scope loading on demand releases them:
-`make_room`). A carried scope outlives its calls as a kept one does (`Engine.outlives_calls`): a
+`make_room`). A carried scope outlives its calls as a kept one does (`MasterWrites.outlives_calls`): a
 write to its masters releases it (an optimizer step ends the carry of what it writes; a frozen
 layer is carried across steps), and so do an unused pass, an exception, `unwrap`. Its next
 forward uses it, then streams it. Not carried: trainable scopes under backward_and_step (the
@@ -63,7 +63,6 @@ backward that built a graph.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -71,6 +70,7 @@ from ..api import Layout, Policy, Residency, ScopeState
 from ..core.grad_calls import trainable
 from ..core.scope import LiveScopes, Scope
 from ..core.streams import Streams
+from ..weights.staging import StagingRing
 from .layout import Prediction
 from .timed import TimedLayout
 
@@ -136,7 +136,8 @@ class NoBudget:
         """backward_and_step's worker is about to step the trainable masters: release their kept
         copies, which it cannot (Note [VRAM budget])."""
 
-    def between_passes(self, order: list[Scope], backward_order: Callable[[], list[Scope]], ring: Any) -> None:
+    def between_passes(self, order: list[Scope], backward_order: Callable[[], list[Scope]],
+                       ring: StagingRing | None) -> None:
         """The model's forward starts: measure this pass, or lay out from the measured one
         (`order`: the learned forward order; `ring`: the staging ring or None)."""
 
@@ -267,7 +268,8 @@ class VramBudget(NoBudget):
             if scope.residency is Residency.KEPT and trainable(scope):
                 scope.release(force=True)
 
-    def between_passes(self, order: list[Scope], backward_order: Callable[[], list[Scope]], ring: Any) -> None:
+    def between_passes(self, order: list[Scope], backward_order: Callable[[], list[Scope]],
+                       ring: StagingRing | None) -> None:
         if self.timed is None:
             return
         chosen = self.timed.between_passes(order, backward_order, ring, self.bytes - self.cache_bytes)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from ..api import ScopeState
-from .scope import Scope
+from .scope import Scope, scope_of
 from .slot import ParamSlot, in_backward
 from .transforms import outside_transforms
 
@@ -34,7 +34,7 @@ class OpAccess:
         ready = slot.ready_copy()
         if ready is not None:
             return ready
-        scope = slot.scope
+        scope = scope_of(slot)
         if scope.running_calls > 0 or scope is self.backward_scope:
             if scope.state is not ScopeState.RESIDENT:
                 scope.make_resident(upto=slot)

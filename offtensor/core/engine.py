@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -32,15 +32,17 @@ from ..api import Policy, Residency, ScopeState
 from ..budget.shared import ModelCalls, SharedBudget
 from ..budget.vram import NoBudget, budget_for
 from ..dispatch.optimizer_step import watch_compiled_steps
+from ..dispatch.param import OffloadedParameter
 from ..distributed import wrappers as _distributed
+from ..weights.staging import StagingRing
 from .access import OpAccess
 from .expert_cache import ExpertCache
 from .grad_calls import GradCalls, trainable
 from .grads import GradOffload
 from .memory import PinningFallback
 from .schedule import Schedule
-from .scope import LiveScopes, Scope
-from .slot import in_backward
+from .scope import LiveScopes, Scope, scope_of
+from .slot import ParamSlot, in_backward
 from .streams import Streams
 from .threads import ThreadOwner
 from .transforms import outside_transforms
@@ -68,6 +70,43 @@ class TrainingState(enum.Enum):
     INFERENCE = "inference"  # no backward in this pass, nor after the previous one
     EXPECTING_BACKWARD = "expecting backward"  # none yet in this pass; one followed the previous
     TRAINING = "training"  # a backward ran in this pass
+
+
+# The attribute of a wrapped model that holds its engine (set by wrap).
+ENGINE_ATTR = "_offtensor_engine"
+
+
+def find_engine(model: nn.Module) -> Engine | None:
+    """The engine of a wrapped model (or of a module inside one), None if it holds no offloaded
+    parameter."""
+    engine = getattr(model, ENGINE_ATTR, None)
+    if engine is not None:
+        return engine
+    for p in model.parameters():
+        slot = getattr(p, "_ot", None) if isinstance(p, OffloadedParameter) else None
+        if slot is not None:
+            return owning_engine(slot)
+    return None
+
+
+def engine_of(model: nn.Module, caller: str) -> Engine:
+    """The engine of a wrapped model; `caller`, the public function that needs it, names the
+    error when the model is not wrapped."""
+    engine = find_engine(model)
+    if engine is None:
+        raise ValueError(
+            f"offtensor.{caller}: this {type(model).__name__} is not wrapped (it holds no "
+            "offloaded parameter); call offtensor.wrap(model) first"
+        )
+    return engine
+
+
+def owning_engine(owner: Scope | ParamSlot) -> Engine:
+    """The Engine of a scope or of a parameter's slot, for the layers above the engine; below
+    it, a slot's scope is a SlotScope (core/slot.py) and a scope's engine a ScopeEngine
+    (core/scope.py), which name what those layers may ask."""
+    scope = owner if isinstance(owner, Scope) else scope_of(owner)
+    return cast(Engine, scope.engine)
 
 
 def _no_engine() -> None:
@@ -105,23 +144,12 @@ class Engine:
         self.expert_cache = ExpertCache(policy.expert_cache) if isinstance(policy.expert_cache, int) else None
         self.schedule = Schedule(self.scopes, policy, self.budget)
         self.thread = ThreadOwner(lambda: self._computing() or self.grads.in_backward())
-        # What the layers above call: no_offload (wrapping.py), backward_and_step (optim/overlap.py),
-        # dispatch for each op on an offloaded parameter (core/access.py) and before each write of
-        # a master (core/writes.py). release_all(force=True) releases what the budget keeps too.
-        self.run_by_another_thread = self.thread.run_by_another
-        self.forward_position = self.schedule.forward_position
-        self.release_all = self.live.release_all
+        # What an op on an offloaded parameter gets, and what a write to a master does: asked
+        # through each scope (SlotScope in core/slot.py), by dispatch, weights and the optimizer.
         self.access = OpAccess(device, self._computing)
-        self.materialize = self.access.materialize
         self.writes = MasterWrites(self.streams, self.hold, self.grads.in_backward)
-        self.outlives_calls = self.writes.outlives_calls
-        self.master_written = self.writes.master_written
-        self.before_master_write = self.writes.before_master_write
-        self.master_handed_out = self.writes.master_handed_out
         self.holds: weakref.WeakSet[Any] = weakref.WeakSet()  # no_offload(model) for this model
         self.model_forward = ModelForward.OUTSIDE
-        # A gradient came after a handover: backward_and_step steps after backward (GradOffload.accumulate).
-        self.late_gradients = False
         self.training = TrainingState.INFERENCE
         self._preloaded: Scope | None = None  # loaded by begin_forward in the current model forward
         self._carried_fresh = False  # scopes were carried since the last pass started
@@ -134,7 +162,7 @@ class Engine:
         # Called by abort: loads collective with other ranks are out of step (Note [sharded loads]).
         self.on_abort: list[Callable[[], None]] = []
         # Set by wrap: the staging ring (Note [staged loads] in weights/staging.py), or None.
-        self.ring: Any = None
+        self.ring: StagingRing | None = None
         self.pinning = PinningFallback()  # to the ring, when page-locking fails
         engines.add(self)
         watch_compiled_steps()  # Note [a compiled optimizer step] (dispatch/optimizer_step.py)
@@ -365,7 +393,7 @@ class Engine:
         # Old gradients fetched and not taken (Note [stale gradient fetches] in core/old_grads.py).
         for scope in self.scopes:
             if scope.state is not ScopeState.OFFLOADED:
-                scope.drop_old_grads()
+                scope.old_grads.drop()
 
     def _forget_backward(self) -> None:
         self.access.backward_scope = None
@@ -383,6 +411,6 @@ class Engine:
         self.model_forward = ModelForward.OUTSIDE
         self.budget.pass_failed()
         if not self.hold():
-            self.release_all()
+            self.live.release_all()
         for callback in self.on_abort:
             callback()

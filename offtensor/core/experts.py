@@ -44,7 +44,7 @@ ring's, sharded and cast="host" loads, the refresh of a write during the call, a
 2 dimensions whose first is the E of a 3-D parameter among them (transformers 5's fused
 `gate_up_proj`, `down_proj` and their biases). `Policy(experts=fn)` routes those `fn(name, p)`
 marks; `Policy(experts=None)` none. A module named `experts` with no stacked parameter of its
-own (a ModuleList of expert modules) streams whole, as before, with one log line saying why.
+own (a ModuleList of expert modules) streams whole, with one log line saying why.
 """
 
 from __future__ import annotations

@@ -22,12 +22,12 @@ gradient (autograd sums them before the leaf's AccumulateGrad). A parameter used
 scope (a tied embedding: the scope's device copy and temporary copies for the other ops), or
 with retired copies (Note [higher-order gradients] in core/device_buffer.py), has several leaves, whose
 gradients arrive here one by one: run on each, a hook that is not linear (`g.clamp()`,
-`g.sign()`, a norm it records) changed the result, and ran once per leaf. So a hooked parameter
+`g.sign()`, a norm it records) would change the result, and run once per leaf. So a hooked parameter
 with several leaves has its contributions summed on the device per graph task (`_hold`), and its
 hooks run on the sum at the end of that task (`_on_task_end`, before the end of backward),
 after which the sum takes the usual path. Such a parameter is never handed to the optimizer
 worker early (`used_outside`), so holding it back changes no step. A parameter with one leaf
-gets its hooks at once, as before.
+gets its hooks at once, as a plain parameter does.
 
 # Note [frozen since the forward]
 A parameter frozen between the forward that used it and the backward (`requires_grad_(False)`
@@ -55,16 +55,16 @@ finalizer acts only on the thread that owns the model: on CUDA an autograd devic
 drop the task last, while the caller's thread may already run the next forward. There, and if a
 finalizer is interrupted, the dead reference stays: the next backward's first hook (and
 `in_backward`) forgets it, the next forward releases what is left, and a backward_and_step that
-raised does all of it at once. Without this, a backward after the failed one (a retained graph)
-ended its own task with the failed one listed and never finalized.
+raised does all of it at once. A failed task left listed would otherwise stay the outermost, so
+a later backward (through a retained graph) would never end its own.
 
 # Note [gradients of a backward that raised]
 Plain autograd accumulates each leaf's gradient as soon as it is computed, so a backward that
-raises leaves `.grad` set on the parameters whose gradients came before the failure. A failed
-backward's gradients here went to the host buffers of `_written`, but `p.grad` points at them
-only at the end of backward, so they were lost; now they are published, with the
-post-accumulate-grad hooks, as at a normal end. (Accumulating into an existing `.grad` writes
-it in place, as before.) A parameter with several leaves (Note [hooks on the sum]) may have
+raises leaves `.grad` set on the parameters whose gradients came before the failure. Here they
+go to the host buffers of `_written`, and `p.grad` points at them only at the end of backward,
+which a failed one never reaches: so they are published when it fails, with the
+post-accumulate-grad hooks, as at a normal end, or they would be lost. (Accumulating into an
+existing `.grad` writes it in place either way.) A parameter with several leaves (Note [hooks on the sum]) may have
 had only some of its contributions added; autograd would leave none: a partial gradient is
 what accumulation into `.grad` gives as well. Held sums (hooked, several leaves) are dropped:
 their hooks run at the task's end, which never came.
@@ -87,7 +87,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.autograd import Variable
@@ -95,9 +95,36 @@ from torch.autograd import Variable
 from ..dispatch import compile as _compile
 from ..dispatch.autograd import run_grad_hooks
 from ..dispatch.masters import master_grad, master_requires_grad, without_subclass_dispatch
-from .scope import Scope
+from .scope import Scope, scope_of
 from .slot import ParamSlot
 from .streams import Streams
+
+
+class Stepper(Protocol):
+    """The overlapped optimizer step of a backward_and_step call, as the gradient path hands it
+    gradients (OverlappedStep in optim/step.py, above: Note [early handover])."""
+
+    @property
+    def closed(self) -> bool: ...  # its call has ended
+
+    def handed(self, slot: ParamSlot) -> bool: ...  # the parameter was handed to its worker
+
+    def grad_final(self, slot: ParamSlot, landed: Any) -> None: ...  # landed: the copy's event
+
+    def scope_done(self, scope: Scope, grads_offloaded: Any) -> None: ...
+
+
+class Reducer(Protocol):
+    """Averages gradients over the ranks (GradReducer in distributed/reducer.py, above: Note
+    [data parallel])."""
+
+    def keeps(self, slot: ParamSlot) -> bool: ...  # this rank steps the parameter
+
+    def reduce(self, slot: ParamSlot, grad: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor | None: ...
+
+    def written(self, slot: ParamSlot, buf: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class GradOffload:
@@ -121,9 +148,10 @@ class GradOffload:
         self._held: dict[int, dict[int, tuple[ParamSlot, torch.Tensor]]] = {}
         # hooked parameters frozen since the forward that reached them (Note [frozen since the forward])
         self._frozen: list[ParamSlot] = []
-        self.stepper: Any = None  # optim/step.py's OverlappedStep during backward_and_step
-        # GradReducer (distributed/reducer.py) in data-parallel mode (Note [data parallel]), else None
-        self.reducer: Any = None
+        # A gradient came after a handover: backward_and_step steps after backward (`accumulate`).
+        self.late_gradients = False
+        self.stepper: Stepper | None = None  # during backward_and_step
+        self.reducer: Reducer | None = None  # in data-parallel mode
 
     def in_backward(self) -> bool:
         """A backward through the wrapped model is running (from its first hook to its end)."""
@@ -191,7 +219,7 @@ class GradOffload:
                     other.single_grad = False
                 later = "hands it over once its whole scope's backward is done"
             else:  # handed at its scope's end: calls were miscounted, maybe in other scopes too
-                slot.scope.engine.late_gradients = True
+                self.late_gradients = True
                 later = "steps this model's offloaded parameters after backward, without overlap"
             raise RuntimeError(
                 f"offtensor.backward_and_step: parameter {slot.name!r} received another gradient "
@@ -243,7 +271,9 @@ class GradOffload:
                 streams.wait(streams.compute(), slot.last_d2h)
             old = buf.to(grad.device, non_blocking=True)
         if reducer is not None:  # averaged over the ranks, old included (Note [data parallel])
-            grad = reducer.reduce(slot, grad, old)
+            reduced = reducer.reduce(slot, grad, old)
+            assert reduced is not None  # keeps(slot): this rank steps it
+            grad = reduced
         elif old is not None:
             grad = grad + old
         if grad.device.type == "cuda":
@@ -253,7 +283,7 @@ class GradOffload:
                 buf.copy_(grad, non_blocking=True)
             slot.last_d2h = self._last_d2h = streams.record(d2h)
             slot.scope.grads_offloaded = slot.last_d2h  # the d2h stream is in order
-            self._inflight.append((slot.scope, slot.last_d2h, grad))
+            self._inflight.append((scope_of(slot), slot.last_d2h, grad))
         else:
             buf.copy_(grad)
         if reducer is not None:
@@ -402,7 +432,7 @@ class GradOffload:
                     slot.device_leaf.grad = None
 
 
-def _send_to_owner(reducer: Any, slot: ParamSlot, grad: torch.Tensor) -> None:
+def _send_to_owner(reducer: Reducer, slot: ParamSlot, grad: torch.Tensor) -> None:
     """Data parallel with a sharded optimizer: another rank owns this parameter's gradient.
     Send this rank's part, with what it accumulated under no_sync, and keep none: `p.grad`
     becomes None (Note [one host copy per node] in distributed/shared_masters.py)."""
@@ -446,8 +476,7 @@ def new_host_grad(slot: ParamSlot) -> torch.Tensor:
     tensor on it); returns the tensor that becomes `p.grad`."""
     p = slot.param
     # Pageable once page-locking failed (Note [page-locked memory as a bounded resource] in core/memory.py).
-    slot.grad_buffer = slot.scope.engine.pinning.empty(p.numel() * p.element_size(), pin=slot.scope.pinned,
-                                                       what="gradients")
+    slot.grad_buffer = slot.scope.new_host_memory(p.numel() * p.element_size(), "gradients")
     slot.grad_buffer_uses = _storage_uses(slot.grad_buffer)
     return _typed(slot.grad_buffer, slot)
 

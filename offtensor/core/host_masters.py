@@ -25,6 +25,8 @@ import torch
 
 from ..api import MasterHome
 from ..dispatch.masters import without_subclass_dispatch
+from ..weights.file_masters import FileScope
+from ..weights.staging import StagingRing
 from .memory import HostBuffer
 from .slot import ParamSlot
 from .write_tracking import version_of
@@ -35,11 +37,11 @@ class HostMasters:
 
     def __init__(self, pinned: bool) -> None:
         # Where the masters live and how loads read them (Note [staged loads] in
-        # weights/file_masters.py); wrap sets FILE or RING, with `ring` (the engine's
+        # weights/staging.py); wrap sets FILE or RING, with `ring` (the engine's
         # StagingRing) and, for FILE, `files` (a FileScope: where in the files each master is).
         self.home = MasterHome.PINNED if pinned else MasterHome.PAGEABLE
-        self.ring: Any = None
-        self.files: Any = None
+        self.ring: StagingRing | None = None
+        self.files: FileScope | None = None
         self.nbytes = 0  # the host buffer, master dtypes
         # Both replaced by wrap's _offload_params right after construction.
         self.flat = torch.empty(0, dtype=torch.uint8)  # pinned when `pinned`; all the masters' bytes
@@ -63,7 +65,7 @@ class HostMasters:
 
     def write_mark(self, slots: list[ParamSlot]) -> tuple[Any, ...]:
         """The writes to the masters so far, as the staging ring compares them (Note [staged
-        loads] in weights/file_masters.py): through the parameters, their views and detached
+        loads] in weights/staging.py): through the parameters, their views and detached
         aliases (versions), and through `p.data` aliases (their own versions, Note [p.data
         aliases] in core/slot.py); masters in files are never written."""
         if self.home is MasterHome.FILE:

@@ -42,7 +42,7 @@ MERGE_GAP = 256 * 2**10
 # few microseconds of Python and of the CUDA runtime, which the host pays again at every load.
 # When compute per scope is as short as its copies, that host time is what the step waits for.
 # So the scope works its load out once, when its copy_order is learned (`LoadPlan`): the chunks
-# (positions in copy_order, cut every CHUNK_BYTES as before), and in each the fewest copies that
+# (positions in copy_order, cut every CHUNK_BYTES), and in each the fewest copies that
 # move its bytes: parameters next to each other in both buffers' layouts copy as one run; the
 # staged masters of a converting load copy as runs of the host buffer (over the small parameters
 # between them, MERGE_GAP); and the fp8 dequantizations of a chunk run as one kernel over a
@@ -192,7 +192,7 @@ class LoadProgress:
 
     def copy_more(self, need: int) -> None:
         """Enqueue the next chunks of a progressive load, each with its event (Note [load plans]).
-        A chunk holding a parameter whose deferred optimizer step is pending (Note [step fences]
+        A chunk holding a parameter whose deferred optimizer step is pending (Note [deferred step fences]
         in core/slot.py) stops the copies there, unless it starts at or before position `need`:
         then the host waits for its steps."""
         plan, host, device_flat, streams = self.plan, self.host, self.device_flat, self.streams

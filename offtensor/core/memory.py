@@ -12,7 +12,7 @@ array, which runs before numpy frees the memory, i.e. once the last tensor view 
 # Note [one storage per master]
 Each master is a tensor with its own storage over its own bytes of the scope's one host
 allocation (`HostBuffer.tensor`: `torch.from_numpy` of a slice of the allocation's numpy array),
-while `Scope.host_flat` is one more tensor over all those bytes, for the single bulk copy to the
+while `HostMasters.flat` is one more tensor over all those bytes, for the single bulk copy to the
 device. To PyTorch the masters then look like separately allocated tensors: `torch.save` sees no
 storage holding several dtypes (a scope can mix fp32 norms and bf16 matrices), and safetensors
 (`save_model`, `save_file`) and transformers' `save_pretrained` see no shared storage, which
@@ -24,7 +24,7 @@ slices keep the allocation (and its registration) alive until the last master is
 Page-locking can fail: a low `ulimit -l`, WSL and Windows cap it well below the RAM. A failed
 registration raises `PinnedMemoryError`; `wrap` then keeps the masters not pinned yet in pageable
 memory and stages their loads through the staging ring (`Policy(pin_memory="ring")`, Note [staged
-loads] in weights/file_masters.py), gradients in pageable memory, and logs one warning per wrapped
+loads] in weights/staging.py), gradients in pageable memory, and logs one warning per wrapped
 model (`PinningFallback`): nothing is lost, loads are slower. `OFFTENSOR_MAX_PINNED_BYTES=N`
 caps what offtensor page-locks at N bytes (registrations past it fail as a real one would), to
 test that path; on a machine without CUDA it also lets `Policy(pin_memory=True)` run, pinning

@@ -14,7 +14,7 @@ far as possible: each fetch remembers the tensor it copied and that tensor's ver
 and `take` uses the fetched copy only if `p.grad` is still that tensor, unwritten since;
 otherwise the gradient path reads `p.grad` as it is now (or starts afresh when it is None). A
 fetch that no gradient takes (a parameter the forward did not use, or one unfrozen since it) is
-freed at the end of the backward (`Engine.end_backward`, `drop_old_grads`), not only at the
+freed at the end of the backward (`Engine.end_backward`, `OldGrads.drop`), not only at the
 release: a kept or carried scope outlives the backward and would hold it beyond the budget. A
 frozen parameter's `p.grad` is not fetched at all: the gradient path drops what such a parameter
 gets (Note [frozen since the forward] in core/grads.py).

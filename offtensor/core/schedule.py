@@ -113,7 +113,7 @@ class Schedule:
                     kept_ahead -= 1
                     if kept_ahead < 0:
                         continue
-                grads = scope.old_grad_bytes() if with_grads else 0
+                grads = scope.old_grads.nbytes() if with_grads else 0
                 if in_flight + grads > limit:
                     return
                 if grads == 0 and scope.state is not ScopeState.OFFLOADED:

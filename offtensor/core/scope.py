@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import weakref
 from operator import attrgetter
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ from ..dispatch.masters import master_requires_grad
 from .device_buffer import DeviceBuffer
 from .host_masters import HostMasters
 from .loading import LoadPlan, LoadProgress, Traffic
-from .memory import HostBuffer
+from .memory import HostBuffer, PinningFallback
 from .old_grads import OldGrads
 from .slot import ParamSlot, alive, in_backward, weakly
 from .streams import Streams
@@ -61,6 +61,54 @@ logger = logging.getLogger("offtensor")
 
 # Each parameter starts at a multiple of this many bytes in the flat buffers (aligned loads).
 ALIGN = 256
+
+
+class GradSink(Protocol):
+    """Where device copies' gradients go (GradOffload in core/grads.py, above)."""
+
+    def on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None: ...
+
+
+class OpCopies(Protocol):
+    """What an op on a parameter computes with (OpAccess in core/access.py, above)."""
+
+    def materialize(self, slot: ParamSlot, op_device: torch.device | None) -> torch.Tensor | None: ...
+
+
+class WritesToMasters(Protocol):
+    """What a write to a master does to the device copies (MasterWrites in core/writes.py, above)."""
+
+    def master_written(self, slot: ParamSlot) -> None: ...
+
+    def before_master_write(self, slot: ParamSlot, *, written: bool = True) -> None: ...
+
+    def master_handed_out(self, scope: Scope, slot: ParamSlot | None = None) -> None: ...
+
+
+class ScopeEngine(Protocol):
+    """The engine as its scopes see it (Engine in core/engine.py, above): what a scope is built
+    from, and what it asks for its slots (SlotScope in core/slot.py)."""
+
+    streams: Streams
+    live: LiveScopes
+    device: torch.device  # the compute device
+    pinning: PinningFallback
+
+    @property
+    def grads(self) -> GradSink: ...
+
+    @property
+    def access(self) -> OpCopies: ...
+
+    @property
+    def writes(self) -> WritesToMasters: ...
+
+
+class ScopeLoader(Protocol):
+    """Fills a scope's device buffer in place of its whole-scope copy (ShardedLoads in
+    distributed/sharded_loads.py, above: Note [sharded loads])."""
+
+    def copy(self, scope: Scope) -> Any: ...  # on the copy stream; an event after its work, or None
 
 
 class LiveScopes:
@@ -112,7 +160,7 @@ class LiveScopes:
 
 def _part(part: str, name: str) -> Any:
     """An attribute of one of a scope's parts, read and set through the scope under the name the
-    layers above use (`scope.host_flat` is `scope.masters.flat`). Read without a Python call."""
+    layers above use (`scope.nbytes` is `scope.masters.nbytes`). Read without a Python call."""
 
     def assign(scope: Scope, value: Any) -> None:
         setattr(getattr(scope, part), name, value)
@@ -129,23 +177,15 @@ class Scope:
     ring = _part("masters", "ring")
     files = _part("masters", "files")
     nbytes = _part("masters", "nbytes")
-    host_flat = _part("masters", "flat")
-    host_buffer = _part("masters", "buffer")
-    host_shadow = _part("masters", "shadow")
-    shadow_stale = _part("masters", "shadow_stale")
-    master_writes = _part("masters", "master_writes")
-    device_flat = _part("device", "flat")
     device_nbytes = _part("device", "nbytes")
-    graph_saved = _part("device", "graph_saved")
-    written_in_call = _part("writes", "in_call")
 
-    def __init__(self, name: str, module: nn.Module, policy: Policy, engine: Any,
+    def __init__(self, name: str, module: nn.Module, policy: Policy, engine: ScopeEngine,
                  pinned: bool, block: str | None = None) -> None:
         self.name = name
         self.block = name if block is None else block  # the selected module (Policy.max_scope_bytes)
         self.module = module
         self.policy = policy
-        self.engine = engine  # its Engine (core/engine.py): for the layers above this one
+        self.engine = engine
         self.streams: Streams = engine.streams
         self.live: LiveScopes = engine.live
         self.grad_sink = engine.grads.on_leaf_grad  # where device copies' gradients go (core/grads.py)
@@ -182,7 +222,7 @@ class Scope:
         # the whole-scope copy (`loader.copy(scope)`, on the copy stream; it may return the
         # event that follows its work; Note [sharded loads] in distributed/sharded_loads.py).
         # None: the plain copy.
-        self.loader: Any = None
+        self.loader: ScopeLoader | None = None
 
     @property
     def weights_ready(self) -> Any:
@@ -190,10 +230,6 @@ class Scope:
         no copy is pending."""
         loading = self.loading
         return loading.weights_ready if loading is not None else None
-
-    @property
-    def device_storage(self) -> torch.UntypedStorage:
-        return self.device.storage
 
     @property
     def pinned(self) -> bool:
@@ -217,10 +253,6 @@ class Scope:
 
     def device_bytes(self) -> int:
         return self.device.storage.nbytes() + self.old_grads.held_bytes()
-
-    def old_grad_bytes(self) -> int:
-        """Bytes a load with_grads would fetch now: existing host gradients (accumulation)."""
-        return self.old_grads.nbytes()
 
     def num_params(self) -> int:
         return sum(s.param.numel() for s in self.slots)
@@ -277,16 +309,10 @@ class Scope:
 
     # ---- writes the device copies have not seen (Note [writes during a scope's call]) --------
 
-    def written_in_this_call(self, slot: ParamSlot) -> bool:
-        return self.writes.written_in_this_call(slot)
-
     def refresh(self, slot: ParamSlot) -> None:
         self.writes.refresh(slot)
         if slot.experts is not None:
             slot.experts.all_there()
-
-    def written_since_copied(self, skip: Any = None) -> bool:
-        return self.writes.written_since_copied(skip)
 
     # ---- transitions (Note [scope states]) -----------------------------------------------
 
@@ -309,7 +335,7 @@ class Scope:
         if not progressive:
             for slot in self.slots:
                 slot.wait_for_step()
-            if masters.shadow is not None and self.written_since_copied():
+            if masters.shadow is not None and self.writes.written_since_copied():
                 # Policy(cast="host"): a write no op on the parameter saw (`p[0].fill_()`,
                 # `p.detach().mul_()`) left the shadow cast from the old masters.
                 masters.shadow_stale = True
@@ -319,7 +345,7 @@ class Scope:
         host = masters.flat
         if masters.ring is not None and self.loader is None:
             # A staged scope's bytes come from the staging ring (Note [staged loads] in
-            # weights/file_masters.py): read from its files, or copied from pageable masters.
+            # weights/staging.py): read from its files, or copied from pageable masters.
             try:
                 host = masters.ring.acquire(self)
             except BaseException:  # a failed read: nothing is loading
@@ -400,7 +426,7 @@ class Scope:
             return
         streams = self.streams
         streams.wait(streams.compute(), self.weights_ready)  # a prefetch nobody used: the free must follow it
-        self.drop_old_grads()
+        self.old_grads.drop()
         self.loading = None
         self.writes.in_call.clear()  # the next load copies the masters as they are
         self.device.free(self.slots)  # retired instead under a saved graph (Note [higher-order gradients])
@@ -413,13 +439,37 @@ class Scope:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("release %s%s", self.name, streams.memory())
 
-    # ---- old gradients for accumulation (Note [stale gradient fetches]) ---------------------
+    # ---- what its slots ask of the engine (SlotScope in core/slot.py) -------------------------
 
-    def drop_old_grads(self) -> None:
-        self.old_grads.drop()
+    def compute_device(self) -> torch.device:
+        return self.engine.device
+
+    def materialize(self, slot: ParamSlot, op_device: torch.device | None) -> torch.Tensor | None:
+        """The tensor an op on `slot`'s parameter computes with; None: the master (core/access.py)."""
+        return self.engine.access.materialize(slot, op_device)
+
+    def master_written(self, slot: ParamSlot) -> None:
+        self.engine.writes.master_written(slot)
+
+    def before_master_write(self, slot: ParamSlot, *, written: bool = True) -> None:
+        self.engine.writes.before_master_write(slot, written=written)
+
+    def master_handed_out(self, slot: ParamSlot) -> None:
+        self.engine.writes.master_handed_out(self, slot)
+
+    def new_host_memory(self, nbytes: int, what: str) -> torch.Tensor:
+        """Host memory of the scope's kind (page-locked unless pinning failed, core/memory.py)."""
+        return self.engine.pinning.empty(nbytes, pin=self.pinned, what=what)
+
+    # ---- old gradients for accumulation (Note [stale gradient fetches]) ---------------------
 
     def take_old_grad(self, slot: ParamSlot) -> torch.Tensor | None:
         return self.old_grads.take(slot)
+
+
+def scope_of(slot: ParamSlot) -> Scope:
+    """The Scope a slot belongs to, for the layers from here up (below, it is a SlotScope)."""
+    return cast(Scope, slot.scope)
 
 
 def _routed_loaded(scope: Scope, progressive: bool) -> bool:

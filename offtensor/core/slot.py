@@ -9,7 +9,7 @@ needs them, the scope is loaded again into the same storage object (see Note [ba
 triggers] in core/hooks.py). Reassigning `.data` or allocating new tensors would either keep the
 memory alive through autograd's references or break its saved-tensor checks.
 
-# Note [step fences]
+# Note [deferred step fences]
 `offtensor.backward_and_step` steps parameters on a worker thread while backward and the next
 forward go on (Note [deferred steps] in optim/overlap.py). Whatever reads or writes a master first
 waits for its pending step: the copy to the device (core/loading.py), an op or property access on the
@@ -41,8 +41,8 @@ parameter, backward differentiates with the new values, and nothing raises.
 
 # Note [p.data aliases]
 `p.data` is a plain tensor over the master with a version counter of its own, so a write
-through it bumps nothing a load compares (`Scope.written_since_copied`). Taking it marks the
-cast="host" shadow and a kept copy stale (Engine.master_handed_out), but an alias kept and
+through it bumps nothing a load compares (`WriteTracker.written_since_copied`). Taking it marks the
+cast="host" shadow and a kept copy stale (MasterWrites.master_handed_out), but an alias kept and
 written after the next load left them stale for good. So each `p.data` handed out is held
 weakly with its version (`data_aliases`); the checks before reusing what outlives a load (the
 shadow at each load, a kept or carried copy at each call and backward) ask `data_written`,
@@ -64,7 +64,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from ..api import ScopeState
+from ..api import MasterHome, ScopeState
 from ..weights.compress import StoredMaster
 
 # ParamSlot.retired is written by the main thread (a retire) and by the optimizer worker (a
@@ -83,7 +83,7 @@ def on_optimizer_worker() -> bool:
 
 
 class StepFence(Protocol):
-    """What a parameter with a pending deferred step waits on (Note [step fences])."""
+    """What a parameter with a pending deferred step waits on (Note [deferred step fences])."""
 
     def wait(self, slot: ParamSlot) -> None: ...
 
@@ -101,6 +101,75 @@ class RoutedRows(Protocol):
     def all_there(self) -> None: ...
 
     def fill_all(self) -> None: ...
+
+
+class SlotScope(Protocol):
+    """The scope a slot belongs to (Scope in core/scope.py, above), as the slot and the layers that
+    reach it through a slot see it. What an op, a write or a gradient needs of the engine is asked
+    here too, so that nothing below the engine reaches the engine itself."""
+
+    name: str
+    state: ScopeState
+    casts: bool  # the load casts to Policy.compute_dtype
+    running_calls: int  # calls of the module's forward in progress
+    copy_order: list[ParamSlot] | None
+    slots: list[ParamSlot]
+    grads_offloaded: Any  # event on the d2h stream after this backward's gradients
+
+    @property
+    def home(self) -> MasterHome: ...  # where the masters live
+
+    @property
+    def pinned(self) -> bool: ...
+
+    @property
+    def loading(self) -> LoadingNow | None: ...  # while LOADING
+
+    @property
+    def live(self) -> LoadsHeldBack: ...
+
+    @property
+    def writes(self) -> WrittenInCall: ...
+
+    def grad_sink(self, slot: ParamSlot, leaf: torch.Tensor) -> None: ...  # a device copy's gradient
+
+    def compute_waits(self, chunk: int | None) -> None: ...
+
+    def take_old_grad(self, slot: ParamSlot) -> torch.Tensor | None: ...
+
+    def compute_device(self) -> torch.device: ...
+
+    def materialize(self, slot: ParamSlot, op_device: torch.device | None) -> torch.Tensor | None: ...
+
+    def master_written(self, slot: ParamSlot) -> None: ...
+
+    def before_master_write(self, slot: ParamSlot, *, written: bool = True) -> None: ...
+
+    def master_handed_out(self, slot: ParamSlot) -> None: ...
+
+    def new_host_memory(self, nbytes: int, what: str) -> torch.Tensor: ...
+
+
+class LoadingNow(Protocol):
+    """A scope's load in progress, as its slots' short path reads it (LoadProgress, core/loading.py)."""
+
+    chunks_waited: int  # chunks the compute stream has waited for
+
+    @property
+    def held_back(self) -> bool: ...
+
+
+class LoadsHeldBack(Protocol):
+    """The model's loaded scopes (LiveScopes, core/scope.py)."""
+
+    @property
+    def holds_back(self) -> bool: ...
+
+
+class WrittenInCall(Protocol):
+    """A scope's writes its device copies have not seen (WriteTracker, core/write_tracking.py)."""
+
+    def written_in_this_call(self, slot: ParamSlot) -> bool: ...
 
 
 class DeviceCopy(torch.Tensor):
@@ -234,7 +303,7 @@ class ParamSlot:
 
     param: nn.Parameter  # the OffloadedParameter (dispatch/param.py, the layer above)
     name: str  # qualified name in the wrapped model
-    scope: Any  # its Scope (core/scope.py, above)
+    scope: SlotScope  # its Scope (core/scope.py, above)
     offset: int  # bytes into the scope's host buffer (master layout)
     device_offset: int  # bytes into the scope's device buffer (compute-dtype layout)
     device_leaf: torch.Tensor  # what ops see; shares the scope's device storage
@@ -255,9 +324,11 @@ class ParamSlot:
     copy_index: int = 0  # position in the scope's copy_order
     pending_step: StepFence | None = None  # a deferred optimizer step still has to write the master
     # data_parallel(shard_optimizer=True): the sharding, while the rank that owns this shared
-    # master may be stepping it; reading its values raises (Note [step fence] in distributed/shared_masters.py)
+    # master may be stepping it; reading its values raises (Note [barrier across ranks] in
+    # distributed/shared_masters.py)
     stepped_elsewhere: Any = None
-    grad_hooks: OrderedDict = field(default_factory=OrderedDict)  # register_hook hooks, see Note [user gradient hooks]
+    # register_hook hooks (Note [user gradient hooks] in dispatch/autograd.py)
+    grad_hooks: OrderedDict = field(default_factory=OrderedDict)
     # The master is kept apart from the parameter, `master` holds no values: compressed
     # (Policy(frozen_format), Note [compressed masters] in weights/compress.py) or in a file
     # (Policy(host_budget), Note [masters in files] in weights/file_masters.py)
@@ -307,7 +378,7 @@ class ParamSlot:
         return f"ParamSlot({self.name!r}, {tuple(self.param.shape)}, scope {self.scope.name!r})"
 
     def wait_for_step(self) -> None:
-        """Block until a deferred optimizer step has written this master (Note [step fences])."""
+        """Block until a deferred optimizer step has written this master (Note [deferred step fences])."""
         fence = self.pending_step
         if fence is not None and not on_optimizer_worker():
             fence.wait(self)
@@ -383,7 +454,7 @@ class ParamSlot:
     def graph_leaves(self) -> list[torch.Tensor]:
         """Every tensor that stands for this parameter in an autograd graph and can receive a
         gradient: its device copy, retired copies and temporary copies still alive (Note
-        [gradients with respect to a parameter] in dispatch/param.py)."""
+        [gradients with respect to a parameter] in dispatch/autograd.py)."""
         with _retired_lock: refs = list(self.retired)  # noqa: E701 (Note [interrupts])
         leaves = [self.device_leaf, *(r() for r in refs), *(r() for r in self.temporaries)]
         return [t for t in leaves if t is not None and t.requires_grad]

@@ -47,7 +47,7 @@ class WriteTracker:
     def note_copied(self, slots: Iterable[ParamSlot]) -> None:
         """The masters of `slots` are copied into their device copies now."""
         # Every scope, not only kept ones: no_offload() holds streamed scopes resident as the
-        # budget keeps kept ones, and their copies go stale the same way (Engine.outlives_calls).
+        # budget keeps kept ones, and their copies go stale the same way (MasterWrites.outlives_calls).
         for slot in slots:
             version = version_of(slot.param)
             if self.copied_versions.get(slot, version) != version:

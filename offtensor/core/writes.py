@@ -27,7 +27,7 @@ import torch
 
 from ..api import Residency, ScopeState
 from ..dispatch.masters import without_subclass_dispatch
-from .scope import Scope
+from .scope import Scope, scope_of
 from .slot import ParamSlot, on_optimizer_worker
 from .streams import Streams
 from .write_tracking import version_of
@@ -63,9 +63,9 @@ class MasterWrites:
         """Before an in-place op on a master: no copy may still be reading it, and a device copy
         made from the old value is stale. `written`: False for an offloaded argument that the op
         surely only reads (`h.add_(self.bias)`)."""
-        scope = slot.scope
-        scope.shadow_stale = True
-        scope.master_writes += 1  # a staged copy is stale (Note [staged loads] in weights/staging.py)
+        scope = scope_of(slot)
+        scope.masters.shadow_stale = True
+        scope.masters.master_writes += 1  # a staged copy is stale (Note [staged loads] in weights/staging.py)
         slot.retired_copies_written()  # also for the worker's steps (atomic version bumps)
         if on_optimizer_worker():
             # The optimizer worker: no copy reads this master (docs/design.md, Threads). A
@@ -77,7 +77,7 @@ class MasterWrites:
         if scope.running_calls == 0:
             scope.release(force=True)  # stale, also when the budget keeps it
         elif written:  # in the scope's own call: Note [writes during a scope's call] (core/write_tracking.py)
-            scope.written_in_call[slot] = None
+            scope.writes.in_call[slot] = None
 
     def master_handed_out(self, scope: Scope, slot: ParamSlot | None = None) -> None:
         """`p.data` of one of the scope's parameters (`slot`'s) was taken (or, for a kept scope,
@@ -89,19 +89,19 @@ class MasterWrites:
         graph] in core/slot.py). Streamed scopes load afresh, but under Policy(cast="host") from
         a shadow cast from the masters: it is re-cast at the next load. Writes through the alias
         after that load: Note [p.data aliases] (core/slot.py)."""
-        scope.shadow_stale = True
-        scope.master_writes += 1  # so is a staged copy (Note [staged loads] in weights/staging.py)
+        scope.masters.shadow_stale = True
+        scope.masters.master_writes += 1  # so is a staged copy (Note [staged loads] in weights/staging.py)
         if scope.state is ScopeState.OFFLOADED or on_optimizer_worker():
             return
         if scope.running_calls and slot is not None:
             # Written through `.data` in the scope's own call, perhaps: Note [writes during a
-            # scope's call] (core/scope.py).
-            scope.written_in_call[slot] = None
+            # scope's call] (core/write_tracking.py).
+            scope.writes.in_call[slot] = None
         if not self.outlives_calls(scope) and (scope.running_calls or self._in_backward()):
             # A streamed scope's next call loads afresh; one resident outside its calls (the last
             # scope of a forward, resident into its backward) goes now, unless a backward runs.
             return
-        if scope.running_calls > 1 or (scope.running_calls == 1 and not scope.written_since_copied()):
+        if scope.running_calls > 1 or (scope.running_calls == 1 and not scope.writes.written_since_copied()):
             return  # its own forward reads `.data`: no release under it
         self.streams.sync_master_reads()  # the write may follow at once: no copy may still read
         scope.release(force=True)
@@ -109,20 +109,20 @@ class MasterWrites:
     def forward_starts(self, scope: Scope) -> None:
         """The scope's first running call starts. A device copy that outlived its calls is stale
         if its masters were written since by writes no op on the parameter saw (through a view
-        or a detached alias: `Scope.written_since_copied`, Note [VRAM budget] in budget/vram.py)."""
-        if self.outlives_calls(scope) and scope.running_calls == 1 and scope.written_since_copied():
+        or a detached alias: `WriteTracker.written_since_copied`, Note [VRAM budget] in budget/vram.py)."""
+        if self.outlives_calls(scope) and scope.running_calls == 1 and scope.writes.written_since_copied():
             self.master_handed_out(scope)
 
     def call_ended(self, scope: Scope) -> None:
         """A call of the scope ended. Once none runs, what was written during the calls is
         refreshed in the device copy, which may outlive them (kept for backward, kept, held):
         Note [writes during a scope's call] (core/write_tracking.py)."""
-        if scope.running_calls == 0 and scope.written_in_call:
-            for slot in list(scope.written_in_call):
+        if scope.running_calls == 0 and scope.writes.in_call:
+            for slot in list(scope.writes.in_call):
                 scope.make_resident(upto=slot)
                 scope.refresh(slot)
 
-    def backward_starts(self, scope: Scope, handed: object) -> None:
+    def backward_starts(self, scope: Scope, handed: Callable[[ParamSlot], bool] | None) -> None:
         """The scope's backward is about to run. Resident since its forward (the last scope, a
         kept one) and written since by a write no op on the parameter saw, it is released for a
         reload: backward then differentiates with what the master holds, and a graph that saved
@@ -130,7 +130,7 @@ class MasterWrites:
         backward_and_step's worker steps in this backward (a scope whose hooks fire again after
         its first gradients were handed over), whose backward is done; None without one."""
         if (scope.state is not ScopeState.OFFLOADED and not on_optimizer_worker()
-                and scope.written_since_copied(skip=handed)):
+                and scope.writes.written_since_copied(skip=handed)):
             self.streams.sync_master_reads()
             scope.release(force=True)
 
@@ -174,9 +174,9 @@ class MasterWrites:
         eager write to the master would have made them. `leaf` holds them already, so it is not
         marked stale, nor are graphs that saved it (the compiled graph orders its own reads)."""
         slot.wait_for_step()
-        scope = slot.scope
-        scope.shadow_stale = True
-        scope.master_writes += 1  # a staged copy is stale (Note [staged loads] in weights/staging.py)
+        scope = scope_of(slot)
+        scope.masters.shadow_stale = True
+        scope.masters.master_writes += 1  # a staged copy is stale (Note [staged loads] in weights/staging.py)
         slot.retired_copies_written()
         self.streams.sync_master_reads()
         # On the current stream, which ran the forward; blocking, so the host waits for it.

@@ -127,9 +127,10 @@ def autograd_backward(offloaded: set[int], tensors: Any, grad_tensors: Any = Non
                             create_graph=create_graph, inputs=inputs, **kwargs)
 
 
-# Note [user gradient hooks]: the device copy, not the master, is what autograd differentiates,
-# so hooks registered on the master would never fire. We keep them on the ParamSlot and call them
-# from the gradient path (core/grads.py): `register_hook` hooks see each backward contribution (on
+# Note [user gradient hooks]
+# The device copy, not the master, is what autograd differentiates, so hooks registered on the
+# master would never fire. We keep them on the ParamSlot and call them from the gradient path
+# (core/grads.py): `register_hook` hooks see each backward contribution (on
 # the device, before accumulation), post-accumulate-grad hooks see the parameter once its host
 # `.grad` is complete, at the end of backward. `torch.autograd.grad` over an offloaded
 # parameter runs its `register_hook` hooks on the sum of its leaves' gradients and returns what

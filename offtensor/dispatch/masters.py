@@ -54,8 +54,8 @@ def master_values(p: torch.Tensor) -> torch.Tensor:
 
 def await_steps(params: Sequence[torch.Tensor], func: Any) -> None:
     """Wait for the deferred optimizer steps of the parameters an op or property access uses
-    (Note [step fences] in core/slot.py); nothing to do unless one is pending. A shared master that
-    another rank may be stepping is not read at all (Note [step fence] in distributed/shared_masters.py)."""
+    (Note [deferred step fences] in core/slot.py); nothing to do unless one is pending. A shared master that
+    another rank may be stepping is not read at all (Note [barrier across ranks] in distributed/shared_masters.py)."""
     for p in params:
         slot = getattr(p, "_ot", None)
         if slot is not None:
@@ -75,7 +75,7 @@ def _reads_values(func: Any) -> bool:
 
 
 def master_grad(p: torch.Tensor) -> torch.Tensor | None:
-    """`p.grad` of the master itself, once its deferred step is done (Note [step fences] in
+    """`p.grad` of the master itself, once its deferred step is done (Note [deferred step fences] in
     core/slot.py), without a round trip through `__torch_function__`: a property read on a tensor
     subclass dispatches it unless subclass dispatch is off, and the gradient path reads it for
     every gradient."""

@@ -1,5 +1,5 @@
 """What an op on offloaded parameters gets in place of each: the scope's device copy, a
-temporary copy (Engine.materialize), or the master (Note [dispatch of an offloaded parameter]
+temporary copy (OpAccess.materialize), or the master (Note [dispatch of an offloaded parameter]
 in dispatch/param.py).
 
 Code here is handed the offloaded parameters among an op's arguments by
@@ -85,9 +85,9 @@ def dispatch(func: Any, args: tuple, kwargs: dict, params: Sequence[torch.Tensor
         for p in params:
             slot = getattr(p, "_ot", None)
             if slot is not None and id(p) in writes:
-                slot.scope.engine.master_written(slot)
+                slot.scope.master_written(slot)
             elif slot is not None:
-                slot.scope.engine.before_master_write(slot, written=False)
+                slot.scope.before_master_write(slot, written=False)
         if on_optimizer_worker():  # the optimizer thread: masters only
             return func(*args, **kwargs)
         params = [p for p in params if id(p) not in writes]
@@ -130,7 +130,7 @@ def _compute_dtype_error(func: Any, params: Sequence[torch.Tensor], e: RuntimeEr
 
 def replacements(params: Sequence[torch.Tensor], op_device: torch.device | None) -> dict[int, torch.Tensor]:
     """What an op on `params` gets in place of each (by id): a device or temporary copy
-    (Engine.materialize); none where the op acts on the master."""
+    (OpAccess.materialize); none where the op acts on the master."""
     subs: dict[int, torch.Tensor] = {}
     tracing = _compile.tracing()
     for p in params:
@@ -145,7 +145,7 @@ def replacements(params: Sequence[torch.Tensor], op_device: torch.device | None)
                 "torch.func.functional_call(model, params, args) with the parameters passed in "
                 "as tensors on the compute device, or call offtensor.unwrap(model) first"
             )
-        replacement = slot.scope.engine.materialize(slot, op_device)
+        replacement = slot.scope.materialize(slot, op_device)
         if replacement is None and slot.packed is not None:
             replacement = slot.packed.unpack()  # the master's values (Note [compressed masters])
         if replacement is not None:

@@ -2,7 +2,7 @@
 
 # Note [dispatch of an offloaded parameter]
 Every torch op that receives an OffloadedParameter comes through `__torch_function__`. We decide,
-per parameter, which tensor the op really sees (Engine.materialize):
+per parameter, which tensor the op really sees (OpAccess.materialize):
 - inside its own scope's forward (or the recompute of it under checkpointing): the scope's device
   copy, one per scope, shared by all ops (`ParamSlot.device_leaf`);
 - anywhere else, when the op needs a gradient for it or runs on the compute device with device
@@ -136,7 +136,7 @@ def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
             return set_data(args[0], args[1])
         if name == "__get__" and prop == "data" and getattr(args[0], "_ot", None) is not None:
             slot = args[0]._ot
-            slot.scope.engine.master_handed_out(slot.scope, slot)  # Note [VRAM budget]
+            slot.scope.master_handed_out(slot)  # Note [VRAM budget]
             alias = func(*args, **kwargs)
             slot.data_handed_out(alias)  # Note [p.data aliases] (core/slot.py)
             return alias
@@ -194,7 +194,7 @@ def _repr(p: OffloadedParameter) -> str:
     where = "pinned cpu" if home is MasterHome.PINNED else "a file" if home is MasterHome.FILE else "cpu"
     return (
         f"OffloadedParameter(name={slot.name!r}, shape={tuple(p.shape)}, "
-        f"dtype={p.dtype}, master on {where}, computes on {slot.scope.engine.device}, "
+        f"dtype={p.dtype}, master on {where}, computes on {slot.scope.compute_device()}, "
         f"scope={slot.scope.name!r}, state={slot.scope.state.name}, "
         f"requires_grad={p.requires_grad})"
     )

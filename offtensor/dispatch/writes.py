@@ -32,7 +32,7 @@ def set_data(p: torch.Tensor, value: torch.Tensor, what: str = "set .data of") -
             f"{value.dtype}; offloaded masters keep their shape and dtype. Copy values with "
             "p.data.copy_(t), or call offtensor.unwrap(model) first"
         )
-    slot.scope.engine.master_written(slot)
+    slot.scope.master_written(slot)
     # Detached: autograd records nothing, without grad mode (Note [interrupts]); `p.detach()`
     # shares p's version counter, so the write bumps it as `p.copy_` under no_grad did.
     p.detach().copy_(value.detach())
@@ -91,9 +91,9 @@ def writes_by_name(func: Any) -> bool:
 # An op is taken for an in-place write by its name (`add_`, `__iadd__`), and such a write goes to
 # the master. Two kinds of write have no such name: `torch.add(a, b, out=p)` writes `p`, and an
 # aten overload called directly (`torch.ops.aten.add_.Tensor(p, t)`, `aten.copy_.default`) is
-# named `add_.Tensor`. Dispatched as reads, both wrote the scope's device copy (or a temporary
-# copy) inside a forward, and the write was lost at the next load: a step counter that never
-# counted. So an `out=` holding a parameter makes the op a write of the `out` tensors, and an
+# named `add_.Tensor`. Dispatched as reads, both would write the scope's device copy (or a
+# temporary copy) inside a forward, lost at the next load: a step counter that never counts. So
+# an `out=` holding a parameter makes the op a write of the `out` tensors, and an
 # overload is a write of the arguments its schema marks as written (`Tensor(a!)`).
 
 

@@ -22,10 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.engine import Engine
+from ..core.engine import Engine, engine_of, owning_engine
 from ..dispatch.param import OffloadedParameter
 from ..weights.quantized import weights_of
-from ..wrapping import _engine_of
 from .matching import wait_for_ranks
 from .sharded_loads import shardable
 from .shared_masters import new_job_id
@@ -110,9 +109,10 @@ def engines_in(model: nn.Module) -> list[Engine]:
     for p in model.parameters():
         slot = getattr(p, "_ot", None) if isinstance(p, OffloadedParameter) else None
         if slot is not None:
-            found.setdefault(id(slot.scope.engine), slot.scope.engine)
+            engine = owning_engine(slot)
+            found.setdefault(id(engine), engine)
     if not found:
-        _engine_of(model, "data_parallel")  # raises: not wrapped
+        engine_of(model, "data_parallel")  # raises: not wrapped
         raise RuntimeError(
             "offtensor.data_parallel: the model holds no offloaded parameter; call it on the "
             "model you wrapped"

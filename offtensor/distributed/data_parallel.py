@@ -155,7 +155,7 @@ def _shard_loads(engines: list[Engine], group: Any, ranks: list[int], job: str) 
     # not differ between the ranks: from here on their loads are collective.
     wait_for_steps()
     for engine in engines:
-        engine.release_all(force=True)
+        engine.live.release_all(force=True)
     loads = ShardedLoads(engines, ranks, group, job, store, store.timeout)
     loads.install()
     return loads

@@ -32,9 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.engine import Engine
+from ..core.engine import Engine, engine_of, owning_engine
 from ..core.slot import ParamSlot
-from ..wrapping import _engine_of
 from .matching import check_tag, ordinal
 from .sharded_loads import ShardedLoads
 from .shared_masters import Sharding, wait_on_d2h
@@ -94,7 +93,7 @@ class GradReducer:
         grad = (grad / self.world).contiguous()
         work = torch.distributed.all_reduce(grad, group=self.group, async_op=True)
         self.reductions += 1
-        wait_on_d2h(slot.scope.engine, work, grad.device)
+        wait_on_d2h(owning_engine(slot), work, grad.device)
         return grad
 
     def written(self, slot: ParamSlot, buf: torch.Tensor) -> None:
@@ -184,8 +183,8 @@ class no_sync:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        reducer = _engine_of(model, "no_sync").grads.reducer
-        if reducer is None:
+        reducer = engine_of(model, "no_sync").grads.reducer
+        if not isinstance(reducer, GradReducer):
             raise RuntimeError(
                 f"offtensor.no_sync: this {type(model).__name__} is not in data-parallel mode, so "
                 "there is no gradient averaging to skip; call offtensor.data_parallel(model) "

@@ -54,9 +54,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.engine import Engine, TrainingState
+from ..core.engine import Engine, TrainingState, engine_of, owning_engine
 from ..core.scope import ALIGN, Scope
-from ..wrapping import _engine_of
 from .matching import all_gather, check_tag, ordinal, wait_for_ranks
 
 _STORE_PREFIX = "offtensor/shard_loads"
@@ -78,7 +77,7 @@ def slice_bytes(nbytes: int, world: int) -> int:
 
 def shardable(scope: Scope) -> bool:
     """Whether the scope's load is a plain byte copy (Note [sharded loads])."""
-    return (not scope.casts and scope.host_shadow is None and scope.nbytes == scope.device_nbytes
+    return (not scope.casts and scope.masters.shadow is None and scope.nbytes == scope.device_nbytes
             and not any(s.packed is not None for s in scope.slots))
 
 
@@ -159,7 +158,7 @@ class ShardedLoads:
         after it all (None: the copy stream's next event follows it)."""
         plan = self.plans[scope]
         if self.holds:  # local_loads(): a pass of this rank alone
-            scope.device_flat.copy_(scope.host_flat, non_blocking=True)
+            scope.device.flat.copy_(scope.masters.flat, non_blocking=True)
             self.host_bytes += scope.nbytes
             return None
         try:
@@ -176,7 +175,7 @@ class ShardedLoads:
         count = self.counts[plan.index]
         if self.checked:
             self._check_tag(scope, plan, count)
-        dst, src = scope.device_flat, scope.host_flat
+        dst, src = scope.device.flat, scope.masters.flat
         lo, hi, gathered = plan.lo, plan.lo + plan.slice, plan.slice * self.world
         dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
         if gathered < scope.nbytes:  # the tail: every rank copies it
@@ -204,7 +203,7 @@ class ShardedLoads:
     def _check_tag(self, scope: Scope, plan: _Plan, count: int) -> None:
         """All-gather (scope index, count) first and compare: different loads raise the same
         error on every rank instead of mixing buffers."""
-        check_tag((plan.index, count), self.group, self.world, scope.device_flat.device, self.ranks,
+        check_tag((plan.index, count), self.group, self.world, scope.device.flat.device, self.ranks,
                   where=lambda: self._where(scope, count), theirs=self._load_of, differs="passes", fix=self._fix,
                   timeout=f" ({self.timeout.total_seconds():g} s)")
 
@@ -283,7 +282,7 @@ def _undo_load(scope: Scope) -> None:
     the device buffer it allocated, after the copies queued into it."""
     streams = scope.streams
     streams.wait(streams.compute(), streams.record(streams.h2d()))
-    scope.device_storage.resize_(0)
+    scope.device.storage.resize_(0)
     scope.loading = None
 
 
@@ -292,7 +291,7 @@ def sharded_loads_of(model: nn.Module) -> ShardedLoads | None:
     for p in model.parameters():
         slot = getattr(p, "_ot", None)
         if slot is not None:
-            reducer = slot.scope.engine.grads.reducer
+            reducer = owning_engine(slot).grads.reducer
             return getattr(reducer, "loads", None)
     return None
 
@@ -311,7 +310,7 @@ class local_loads:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        _engine_of(model, "local_loads")  # raises if not wrapped
+        engine_of(model, "local_loads")  # raises if not wrapped
         self._loads = sharded_loads_of(model)
         self._depth = 0
         self._saved: list[tuple[Engine, dict[str, Any]]] = []

@@ -22,7 +22,7 @@ node share one copy and each parameter is stepped by one rank:
   recorded after the copy (`Sharding.written`). A `no_sync` backward adding to such an averaged
   gradient would leave a sum that cannot be split later, and raises.
 
-# Note [step fence]
+# Note [barrier across ranks]
 A rank must not copy a master to its device while its owner, in another process, steps it, and
 every rank must see the stepped values from the next forward on. The owner's step cannot start
 before every rank's copy of the weights for that backward is done (it needs the reduced gradient,
@@ -56,7 +56,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..core.engine import Engine
+from ..core.engine import Engine, owning_engine
 from ..core.memory import _PAGE, HostBuffer, register_pinned
 from ..core.slot import ParamSlot, in_backward, on_optimizer_worker, weakly
 from ..dispatch.param import OffloadedParameter
@@ -126,7 +126,7 @@ def share_masters(engines: list[Engine], ranks: list[int], rank: int, job: str, 
     leader = ranks[0]
     wait_for_steps()  # a deferred optimizer step may still write the masters
     for engine in engines:
-        engine.release_all(force=True)  # device copies (kept by a VRAM budget too) come from the masters
+        engine.live.release_all(force=True)  # device copies (kept by a VRAM budget too) come from the masters
     try:
         if rank == leader:
             array = _create_filled(name, total, scopes, offsets, store, prefix)
@@ -152,7 +152,7 @@ def _create_filled(name: str, total: int, scopes: list[Any], offsets: list[int],
         array = _shm.create(name, total)
         for scope, offset in zip(scopes, offsets, strict=True):
             scope.take_back_masters()  # host_flat must hold them (Note [masters moved out of the host buffer])
-            torch.from_numpy(array[offset : offset + scope.nbytes]).copy_(scope.host_flat)
+            torch.from_numpy(array[offset : offset + scope.nbytes]).copy_(scope.masters.flat)
     except BaseException as e:
         _shm.unlink(name)
         store.set(f"{prefix}ready", f"error: {e}")
@@ -188,7 +188,7 @@ def _wait(store: Any, keys: list[str], timeout: Any, ranks: list[int], what: str
 
 class Sharding:
     """Who steps which offloaded parameter of one data-parallel model, and the fence after the
-    steps (Note [one host copy per node], Note [step fence])."""
+    steps (Note [one host copy per node], Note [barrier across ranks])."""
 
     def __init__(self, engines: list[Engine], group: Any, ranks: list[int], owners: dict[str, int],
                  job: str, store: Any) -> None:
@@ -257,7 +257,7 @@ class Sharding:
             if part.device.type != "cuda":
                 work.wait()  # gloo: the tensor must outlive the collective; NCCL records it
             return None
-        wait_on_d2h(slot.scope.engine, work, part.device)
+        wait_on_d2h(owning_engine(slot), work, part.device)
         return part
 
     def written(self, slot: ParamSlot, buf: torch.Tensor, syncing: bool) -> None:
@@ -275,7 +275,7 @@ class Sharding:
         tensor = record[0]()
         return tensor is not None and tensor._version == record[1] and tensor is slot.host_grad
 
-    # ---- the fence (Note [step fence]) ---------------------------------------------------------
+    # ---- the fence (Note [barrier across ranks]) ------------------------------------------------
 
     def install(self, model: nn.Module) -> None:
         """The fence after optimizer steps and before the forward that follows a synchronised
@@ -336,7 +336,7 @@ class Sharding:
         for slot, owner in self.owner.items():
             if owner != self.rank:
                 slot.stepped_elsewhere = None
-                slot.scope.engine.before_master_write(slot)
+                slot.scope.before_master_write(slot)
 
     def refuse_read(self, slot: ParamSlot) -> None:
         """A read of a master another rank owns, after a synchronised backward and before the
@@ -362,6 +362,6 @@ def sharding_of(model: nn.Module) -> Sharding | None:
     for p in model.parameters():
         slot = getattr(p, "_ot", None) if isinstance(p, OffloadedParameter) else None
         if slot is not None:
-            reducer = slot.scope.engine.grads.reducer
+            reducer = owning_engine(slot).grads.reducer
             return getattr(reducer, "sharding", None)
     return None

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..core.engine import Engine
+from ..core.engine import Engine, owning_engine
 from ..dispatch.param import OffloadedParameter
 
 
@@ -47,7 +47,7 @@ def engines_of(optimizer: torch.optim.Optimizer) -> list[Engine]:
     for g in optimizer.param_groups:
         for p in g["params"]:
             if isinstance(p, OffloadedParameter) and hasattr(p, "_ot"):
-                engine = p._ot.scope.engine
+                engine = owning_engine(p._ot)
                 found[id(engine)] = engine
     return list(found.values())
 

@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch.optim import optimizer as optim_module
 
+from ..core.engine import owning_engine
 from ..core.memory import HostBuffer
 from ..core.slot import ParamSlot
 from ..core.streams import Streams
@@ -116,14 +117,14 @@ class DeviceSteps:
         """Queue the step of a piece it took, on the worker, outside the lock (`updated`: as for
         step_subset); `add` it then. Its fence stays until its copies back have landed."""
         for slot in piece.slots:
-            slot.scope.engine.master_written(slot)
+            slot.scope.master_written(slot)
         ids = {id(s.param) for s in piece.slots}
 
         def run(copies: dict[int, torch.Tensor], state: Any) -> None:
             self._as_of.step(ids, updated, substitute=copies, state=state)
 
         return without_subclass_dispatch(step_on_device, piece.slots, self._as_of.state,
-                                         piece.slots[0].scope.engine.streams, self._counts_on_device, run)
+                                         owning_engine(piece.slots[0]).streams, self._counts_on_device, run)
 
     def add(self, piece: Piece, step: DeviceStep) -> None:
         self._queued.append((piece, step))
@@ -204,7 +205,7 @@ def step_on_device(slots: list[ParamSlot], state: Any, streams: Streams, counts_
     steps]). `state`: the optimizer's state dict the step writes; `counts_on_device`: ids of the
     parameters whose group keeps its step counts on the parameter's device (fused, capturable).
     Call with subclass dispatch off, on the optimizer worker; the masters must be free to write
-    (Engine.master_written)."""
+    (MasterWrites.master_written)."""
     stream = streams.step()
     device = streams.device
     pin = streams.is_cuda

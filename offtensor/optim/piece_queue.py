@@ -54,7 +54,7 @@ class PieceQueue:
         # interrupt between the two leaves no mark that nothing would clear.
         self._pieces.append(piece)
         for slot in piece.slots:
-            slot.pending_step = fence  # Note [step fences] in core/slot.py
+            slot.pending_step = fence  # Note [deferred step fences] in core/slot.py
 
     def close(self) -> None:
         self.closed = True

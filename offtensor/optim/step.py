@@ -15,7 +15,7 @@ used outside its scope, a scope called more than once since the last backward
 several, and these do not change between steps. Should a second contribution arrive anyway,
 backward raises rather than let it go missing, and the parameter is no longer handed over early
 (a late one for a parameter handed over at its scope's end makes the model's scopes wait for the
-end of backward: `Engine.late_gradients`). "Used outside its scope" (`ParamSlot.used_outside`,
+end of backward: `GradOffload.late_gradients`). "Used outside its scope" (`ParamSlot.used_outside`,
 checked at every handover) means a copy made for an op outside the scope with grad on is still
 alive, so a graph holds it (a tied embedding read by the head); a copy is dead once its graph is,
 so a norm of the weights logged once does not keep the parameter from the worker for good.
@@ -28,8 +28,9 @@ import threading
 from types import FrameType
 from typing import Any, NoReturn
 
+from ..core.engine import owning_engine
 from ..core.grads import publish
-from ..core.scope import Scope
+from ..core.scope import Scope, scope_of
 from ..core.slot import ParamSlot
 from . import calls
 from .clipping import BeforeStep, record_step
@@ -87,8 +88,8 @@ class OverlappedStep:
     def grad_final(self, slot: ParamSlot, landed: Any) -> None:
         """Called right after a parameter's gradient copy was enqueued, when that gradient is
         its only one in this backward (Note [early handover]); `landed`: the copy's event."""
-        scope = slot.scope
-        if (scope.grad_calls_since_backward > 1 or scope.engine.late_gradients or slot.used_outside
+        scope = scope_of(slot)
+        if (scope.grad_calls_since_backward > 1 or owning_engine(scope).grads.late_gradients or slot.used_outside
                 or id(slot.param) not in self._ids):
             return
         batch, nbytes = self._early.get(scope, ([], 0))
@@ -104,7 +105,7 @@ class OverlappedStep:
         """Called at a scope's post_backward, after its d2h copies were enqueued: hand over its
         parameters not handed yet."""
         self._early.pop(scope, None)
-        if scope.grad_calls_since_backward > 1 or scope.engine.late_gradients or id(scope) in self._ended:
+        if scope.grad_calls_since_backward > 1 or owning_engine(scope).grads.late_gradients or id(scope) in self._ended:
             return  # another call's backward may still add to these grads; or queued already
         self._ended.add(id(scope))
         order = scope.copy_order or scope.slots
@@ -126,7 +127,7 @@ class OverlappedStep:
             self._held.append((scope, pieces, landed, early))
             self._handed.update(id(slot.param) for slots, _ in pieces for slot in slots)
             return
-        rank = scope.engine.forward_position(scope)
+        rank = owning_engine(scope).schedule.forward_position(scope)
         self._timeline.handed(scope.name)
         for slots, nbytes in pieces:
             first = min(slot.copy_index for slot in slots)

@@ -21,7 +21,7 @@ still starts with the worker's count: a thread that trains a model of its own sh
 
 # Note [worker steps without subclass dispatch]
 On the worker, `__torch_function__` of an offloaded parameter only passes an op on to the master
-(`dispatch` in dispatch/ops.py, "masters only") after marking an in-place write (`Engine.master_written`): Python
+(`dispatch` in dispatch/ops.py, "masters only") after marking an in-place write (`MasterWrites.master_written`): Python
 per op, four per parameter in AdamW's `_init_group` alone and one per in-place update of a
 single-tensor optimizer. torch.optim's own optimizers do nothing to a parameter but read its
 metadata and `.grad` and update it in place, so for them the worker marks the piece's
@@ -139,7 +139,7 @@ class Worker:
             if self._as_of.is_torch_optim and all(slot.packed is None for slot in piece.slots):
                 # Note [worker steps without subclass dispatch]
                 for slot in piece.slots:
-                    slot.scope.engine.master_written(slot)
+                    slot.scope.master_written(slot)
                 without_subclass_dispatch(self._as_of.step, ids, updated)
             else:
                 self._as_of.step(ids, updated)

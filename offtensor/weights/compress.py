@@ -462,7 +462,7 @@ def _write(p: Any, write: Callable[[torch.Tensor], Any]) -> None:
     packed = packed_of(p)
     assert packed is not None
     packed.check_write()
-    p._ot.scope.engine.before_master_write(p._ot)  # no copy reads it; stale device copies go
+    p._ot.scope.before_master_write(p._ot)  # no copy reads it; stale device copies go
     values = packed.unpack()
     write(values)
     packed.pack(values)
@@ -476,7 +476,7 @@ def _write_op(func: Any, args: tuple, kwargs: dict, packed: list[Any], targets: 
     for p in targets:
         p._ot.packed.check_write()
     for p in targets:
-        p._ot.scope.engine.before_master_write(p._ot)
+        p._ot.scope.before_master_write(p._ot)
     subs = {id(p): p._ot.packed.unpack() for p in packed}
 
     def one(a: Any) -> Any:

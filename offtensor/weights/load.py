@@ -52,7 +52,8 @@ import torch
 from torch import nn
 
 from ..api import Policy
-from ..wrapping import _ENGINE_ATTR, Predicate, _find_engine, unwrap, wrap_filling
+from ..core.engine import ENGINE_ATTR, find_engine
+from ..wrapping import Predicate, unwrap, wrap_filling
 from .checkpoint import Checkpoint
 from .compress import RowReader, copy_rows
 from .files import FileStore
@@ -128,12 +129,12 @@ def load(model: nn.Module, weights: str | os.PathLike | None = None, predicate: 
     meta = _MetaTensors(model)
     try:
         wrap_filling(model, predicate, device, policy, source)  # undoes itself should it raise
-        engine = _find_engine(model)
+        engine = find_engine(model)
         assert engine is not None
         rest = torch.device(rest_device) if rest_device is not None else engine.device
         _load_rest(model, checkpoint, init, rest, strict)
     except BaseException:  # Note [a wrap that raised] in wrapping.py: as before the call, for a retry
-        if getattr(model, _ENGINE_ATTR, None) is not None:
+        if getattr(model, ENGINE_ATTR, None) is not None:
             unwrap(model)
         meta.put_back()
         raise

@@ -14,7 +14,7 @@ storage of its own, and both compute through their own dispatch), so `wrap` offl
   by views of those masters, so outside the forward it is the same quantized tensor on the CPU:
   `state_dict`, printing, deepcopy and `dequantize()` read the masters.
 - Forward hooks on the module holding the weight (`QuantizedModuleHooks`) materialize each part
-  before its forward as an op on a parameter would (Engine.materialize) and register a *device
+  before its forward as an op on a parameter would (OpAccess.materialize) and register a *device
   twin* in the module's `_parameters`: the same subclass rebuilt around the device views
   (`__tensor_unflatten__`; for bitsandbytes a `Params4bit` with a copied `quant_state`). After
   the forward, also when it raises, the host weight goes back. The hooks are on that module, not
@@ -120,7 +120,7 @@ class QuantizedWeight:
 
     def twin(self, op_device: torch.device | None) -> torch.Tensor:
         """What the module's forward gets: the device twin, or the host weight where an op on a
-        master would act on the master (Engine.materialize says None)."""
+        master would act on the master (OpAccess.materialize says None)."""
         got = without_subclass_dispatch(_materialize, self.parts, op_device)
         if any(t is None for t in got):
             return self.host
@@ -135,7 +135,7 @@ class QuantizedWeight:
 
 def _materialize(parts: list[Part], op_device: torch.device | None) -> list[torch.Tensor | None]:
     """Each part's tensor for an op on `op_device`, as for an op on an offloaded parameter."""
-    return [part.slot.scope.engine.materialize(part.slot, op_device) for part in parts]
+    return [part.slot.scope.materialize(part.slot, op_device) for part in parts]
 
 
 # id(host weight) -> its QuantizedWeight while offloaded; weak, as the model's hooks and hidden
@@ -286,7 +286,7 @@ def _before_load(held: list[tuple[str, QuantizedWeight]], module: nn.Module, sta
     are stale), and `assign=True` would replace the host weight: values are copied instead."""
     for _, qw in held:
         for part in qw.parts:
-            part.slot.scope.engine.before_master_write(part.slot)
+            part.slot.scope.before_master_write(part.slot)
     local_metadata["assign_to_params_buffers"] = False
 
 

@@ -353,11 +353,11 @@ class StagingRing:
         if scope.home is not MasterHome.FILE:
             dest = slot.flat[: scope.nbytes]
             if urgent:
-                dest.copy_(scope.host_flat)
+                dest.copy_(scope.masters.flat)
                 fill.done.set()
                 return
             fill.pending = 1
-            self._queue(priority, _Copy(dest, scope.host_flat, fill))
+            self._queue(priority, _Copy(dest, scope.masters.flat, fill))
             return
         reads = scope.files.reads()
         fill.pending = len(reads)

@@ -14,7 +14,7 @@ from torch import nn
 import offtensor
 from offtensor.core import loading as loading_module
 from offtensor.weights.compress import MIN_NUMEL, FusedDequantization, quantize_dequantize
-from offtensor.wrapping import _find_engine
+from offtensor.core.engine import find_engine as _find_engine
 
 HIDDEN = 64  # fc1 is 64 x 128: above MIN_NUMEL, compressible
 

@@ -67,7 +67,7 @@ def test_writes_bypassing_the_parameter_under_no_offload_reach_the_next_forward(
     next, as the VRAM budget keeps a kept scope's; a write through `p.data` or a detached alias
     (PEFT's merge writes `weight.data += delta`) bumps no version the copy was checked against
     for streamed scopes, so the next forward computed with the old weights (eager and compiled
-    alike). Engine.outlives_calls treats held scopes as kept ones."""
+    alike). MasterWrites.outlives_calls treats held scopes as kept ones."""
     model = mlp_of_blocks(n_blocks=3).eval()
     reference = reference_then_offload(model, device)
     if compiled:

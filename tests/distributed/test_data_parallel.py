@@ -288,9 +288,9 @@ def _poison_all_but_own_slices(model: nn.Module) -> None:
     this rank's sharded loads should not read (the other ranks' slices) with 0xFF (NaN)."""
     loader = model._offtensor_engine.grads.reducer.loads
     for scope, plan in loader.plans.items():
-        own = scope.host_flat[plan.lo : plan.lo + plan.slice].clone()
-        scope.host_flat[: plan.slice * WORLD].fill_(0xFF)
-        scope.host_flat[plan.lo : plan.lo + plan.slice].copy_(own)
+        own = scope.masters.flat[plan.lo : plan.lo + plan.slice].clone()
+        scope.masters.flat[: plan.slice * WORLD].fill_(0xFF)
+        scope.masters.flat[plan.lo : plan.lo + plan.slice].copy_(own)
 
 
 def _sharded_inference(rank: int, device: str) -> dict[str, Any]:
@@ -1121,7 +1121,7 @@ def test_one_rank_sharded_loads_train_like_the_plain_model(device_type, tmp_path
         engine = model._offtensor_engine
         # Every load of every scope (forward, and backward's reloads) was a sharded one.
         assert loader.gathers == sum(scope.loads for scope in engine.scopes) >= STEPS * len(model.blocks)
-        assert all(scope.device_storage.nbytes() == 0 for scope in engine.scopes)
+        assert all(scope.device.storage.nbytes() == 0 for scope in engine.scopes)
     finally:
         dist.destroy_process_group()
 

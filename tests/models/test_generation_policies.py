@@ -24,7 +24,7 @@ from conftest import assert_all_scopes_offloaded, device_layout_bytes, devices, 
 
 import offtensor
 from offtensor.weights.compress import quantize_dequantize
-from offtensor.wrapping import _find_engine
+from offtensor.core.engine import find_engine as _find_engine
 
 transformers = pytest.importorskip("transformers")
 

@@ -28,7 +28,7 @@ from torch import nn
 
 import offtensor
 from offtensor.weights.compress import MIN_NUMEL, quantize_dequantize
-from offtensor.wrapping import _find_engine
+from offtensor.core.engine import find_engine as _find_engine
 
 FORMATS = ["fp8", "int8"]
 HIDDEN = 64  # fc1 is 64 x 128: above MIN_NUMEL, compressed
@@ -184,7 +184,7 @@ def test_host_memory_of_a_large_compressed_scope_halves():
     compressed = copy.deepcopy(plain)
     offtensor.wrap(plain, device="cpu")
     offtensor.wrap(compressed, device="cpu", policy=offtensor.Policy(frozen_format="fp8"))
-    sizes = [_find_engine(m).scopes[0].host_flat.untyped_storage().nbytes() for m in (plain, compressed)]
+    sizes = [_find_engine(m).scopes[0].masters.flat.untyped_storage().nbytes() for m in (plain, compressed)]
     print(f"host buffer: bf16 {sizes[0] / 2**20:.1f} MiB, fp8 {sizes[1] / 2**20:.1f} MiB")
     assert sizes[1] <= 0.51 * sizes[0]
 

@@ -17,7 +17,7 @@ from conftest import assert_all_scopes_offloaded, devices, host, tolerances
 
 import offtensor
 from offtensor.weights.compress import MIN_NUMEL, quantize_dequantize
-from offtensor.wrapping import _find_engine
+from offtensor.core.engine import find_engine as _find_engine
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -145,7 +145,7 @@ def test_the_read_ahead_passes_over_file_scopes_kept_on_the_device(tmp_path):
     rows = offtensor.summary(model).scopes
     assert [s.name for s in rows if s.kept] == ["blocks.0", "blocks.3", "blocks.5", "blocks.7"]
     assert all(s.masters is offtensor.MasterHome.FILE for s in rows)
-    ring = offtensor.wrapping._find_engine(model).ring
+    ring = offtensor.core.engine.find_engine(model).ring
     x = torch.randn(2, h)
     with torch.no_grad():
         for _ in range(4):
@@ -452,7 +452,7 @@ def test_a_write_to_pageable_masters_read_ahead_into_the_ring_reaches_the_next_f
                   lambda m: m.blocks[1].norm.bias.add_(1), lambda m: aliases[id(m)].mul_(3),
                   lambda m: aliases[id(m)].add_(1)):
         model(x)  # leaves blocks 1 and 2 read ahead for the next pass
-        ring = offtensor.wrapping._find_engine(model).ring
+        ring = offtensor.core.engine.find_engine(model).ring
         assert ring._staged  # the test reaches what it is about
         for m in (model, reference):
             write(m)

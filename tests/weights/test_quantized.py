@@ -25,7 +25,7 @@ from master_guard import MasterGuard
 from torch import nn
 
 import offtensor
-from offtensor.wrapping import _find_engine
+from offtensor.core.engine import find_engine as _find_engine
 
 torchao_quant = pytest.importorskip("torchao.quantization")
 
@@ -136,7 +136,7 @@ def test_host_buffers_hold_the_packed_bytes_not_dequantized_values():
     scope = engine.scopes[0]
     fc1 = model.blocks[0].fc1.weight
     # The host weight's inner tensors are views of the scope's host buffer (the masters).
-    base, end = scope.host_flat.data_ptr(), scope.host_flat.data_ptr() + scope.host_flat.numel()
+    base, end = scope.masters.flat.data_ptr(), scope.masters.flat.data_ptr() + scope.masters.flat.numel()
     assert base <= fc1.qdata.data_ptr() < end and fc1.qdata.dtype == torch.int8
     # Host bytes: the packed weights plus the blocks' biases and norms, each aligned to 256.
     summary = offtensor.summary(model)
@@ -166,8 +166,8 @@ def test_unwrap_gives_the_plain_quantized_model_back():
     scope = _find_engine(model).scopes[0]
     offtensor.unwrap(model)
     w = model.blocks[0].fc1.weight
-    base = scope.host_flat.data_ptr()
-    assert not base <= w.qdata.data_ptr() < base + scope.host_flat.numel()  # own memory now
+    base = scope.masters.flat.data_ptr()
+    assert not base <= w.qdata.data_ptr() < base + scope.masters.flat.numel()  # own memory now
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
     _wrap(model, "cpu")  # and it can be wrapped again
@@ -474,7 +474,7 @@ def test_cuda_packed_bytes_are_offloaded_and_streamed(config):
     def device_bytes(module, args, output):
         engine = _find_engine(model)
         scope = next(s for s in engine.scopes if s.module is module)
-        seen.append((scope.device_storage.nbytes(), scope.device_nbytes, scope.nbytes))
+        seen.append((scope.device.storage.nbytes(), scope.device_nbytes, scope.nbytes))
 
     # prepend: before offtensor's own forward hook, which releases the scope.
     handles = [b.register_forward_hook(device_bytes, prepend=True) for b in model.blocks]

@@ -53,7 +53,7 @@ def test_each_master_has_its_own_storage_inside_the_scopes_host_buffer():
         scope = p._ot.scope
         assert storage.nbytes() == p.numel() * p.element_size(), name
         # The bulk host-to-device copy reads host_flat: it must be the masters' own memory.
-        assert storage.data_ptr() == scope.host_flat.data_ptr() + p._ot.offset, name
+        assert storage.data_ptr() == scope.masters.flat.data_ptr() + p._ot.offset, name
         assert p.storage_offset() == 0, name
 
 
