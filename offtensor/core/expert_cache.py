@@ -112,4 +112,4 @@ def _mark(slot: ParamSlot) -> tuple[Any, ...]:
     """The writes to the slot's master so far (Note [expert cache]); a pending step: unique."""
     if slot.step_pending:
         return (object(),)
-    return (slot.scope.master_writes, version_of(slot.param), slot.data_versions())
+    return (slot.scope.masters.master_writes, version_of(slot.param), slot.data_versions())

@@ -191,23 +191,15 @@ class GradOffload:
             self.reset_if_stale()
 
     def on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None:
-        if _compile.in_compiled_region():
-            # backward called from compiled code: Note [hooks outside dynamo] (dispatch/compile.py)
-            _compile.run_outside_dynamo(self._on_leaf_grad, (slot, leaf))
-            return
-        self._on_leaf_grad(slot, leaf)
+        if _compile.in_compiled_region():  # a backward from compiled code: Note [hooks outside dynamo]
+            return _compile.run_outside_dynamo(self._on_leaf_grad, (slot, leaf))
+        return self._on_leaf_grad(slot, leaf)
 
     def _on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None:
         grad = leaf.grad
         leaf.grad = None  # the device copy keeps no gradient: it lives on the host
         if grad is not None and grad.requires_grad:
-            raise RuntimeError(
-                f"offtensor: backward(create_graph=True) would give offloaded parameter "
-                f"{slot.name!r} a .grad that carries a graph, but its .grad lives on the host and "
-                "cannot. For a gradient penalty, take the gradients you differentiate with "
-                "torch.autograd.grad(y, inputs, create_graph=True) over tensors that are not "
-                "offloaded parameters (supported), then call backward() without create_graph"
-            )
+            raise _graph_grad_error(slot)
         if grad is not None:
             self.accumulate(slot, grad)
 
@@ -479,6 +471,15 @@ def new_host_grad(slot: ParamSlot) -> torch.Tensor:
     slot.grad_buffer = slot.scope.new_host_memory(p.numel() * p.element_size(), "gradients")
     slot.grad_buffer_uses = _storage_uses(slot.grad_buffer)
     return _typed(slot.grad_buffer, slot)
+
+
+def _graph_grad_error(slot: ParamSlot) -> RuntimeError:
+    return RuntimeError(
+        f"offtensor: backward(create_graph=True) would give offloaded parameter "
+        f"{slot.name!r} a .grad that carries a graph, but its .grad lives on the host and "
+        "cannot. For a gradient penalty, take the gradients you differentiate with "
+        "torch.autograd.grad(y, inputs, create_graph=True) over tensors that are not "
+        "offloaded parameters (supported), then call backward() without create_graph")
 
 
 def _typed(buffer: torch.Tensor, slot: ParamSlot) -> torch.Tensor:

@@ -64,7 +64,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from ..api import MasterHome, ScopeState
+from ..api import MasterHome, Residency, ScopeState
 from ..weights.compress import StoredMaster
 
 # ParamSlot.retired is written by the main thread (a retire) and by the optimizer worker (a
@@ -103,6 +103,12 @@ class RoutedRows(Protocol):
     def fill_all(self) -> None: ...
 
 
+class CountsWrites(Protocol):
+    """A scope's masters as a slot's readers see them: how often they were written."""
+
+    master_writes: int  # writes since wrap (a staged copy or a cached expert row is stale after one)
+
+
 class SlotScope(Protocol):
     """The scope a slot belongs to (Scope in core/scope.py, above), as the slot and the layers that
     reach it through a slot see it. What an op, a write or a gradient needs of the engine is asked
@@ -115,6 +121,11 @@ class SlotScope(Protocol):
     copy_order: list[ParamSlot] | None
     slots: list[ParamSlot]
     grads_offloaded: Any  # event on the d2h stream after this backward's gradients
+    loads: int  # loads since wrap (the expert cache ages its scores by them)
+
+    @property
+    def masters(self) -> CountsWrites: ...  # its HostMasters (core/host_masters.py, above)
+    residency: Residency  # streamed, kept or carried
 
     @property
     def home(self) -> MasterHome: ...  # where the masters live
