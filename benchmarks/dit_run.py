@@ -38,7 +38,7 @@ from .dit import (
 )
 from .dit_profile import describe, describe_host, host_calls, where_time_goes
 from .dit_report import format_dit_table, judge_dit_rows
-from .measure import GiB, PhaseClock, free_memory, measure_bandwidth, short_error, sync
+from .measure import GiB, PhaseClock, free_memory, measure_bandwidth, setup_failed, short_error, sync
 from .model import BuiltModel, materialize
 from .optimizer import make_adamw
 from .peers import PEER_SETUP, VRAM_PEERS, PeerOptions, peer_unavailable
@@ -289,9 +289,7 @@ def run_dit_peer(peer: str, scenarios: list[Scenario], shape: DitShape, device: 
         how = DIT_SETUP[peer](built, device, opts)
         sync(device)
     except Exception as exc:  # noqa: BLE001 - any failure of a peer is a result
-        for r in rows:
-            r.status, r.note = "error", f"setup failed: {short_error(exc)}"
-        print(f"  {peer}: setup failed: {short_error(exc)}", flush=True)
+        setup_failed(rows, peer, exc)
         del built
         free_memory(device)
         return

@@ -202,6 +202,13 @@ def short_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
+def setup_failed(rows: list[Any], peer: str, exc: BaseException) -> None:
+    """A peer could not be set up: each of its rows is an error row saying why."""
+    for r in rows:
+        r.status, r.note = "error", f"setup failed: {short_error(exc)}"
+    print(f"  {peer}: setup failed: {short_error(exc)}", flush=True)
+
+
 def version(module_name: str) -> str | None:
     try:
         module = __import__(module_name)

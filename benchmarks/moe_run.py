@@ -17,7 +17,7 @@ import torch
 
 import offtensor
 
-from .measure import GiB, free_memory, measure_bandwidth, short_error, sync, timed
+from .measure import GiB, free_memory, measure_bandwidth, setup_failed, short_error, sync, timed
 from .model import BuiltModel, enable_checkpointing
 from .moe import MOE_SHAPES, QUICK_MOE_SHAPES, ActiveBytes, MoeShape, build_moe, setup_moe_peer, with_cache
 from .optimizer import make_adamw
@@ -208,9 +208,7 @@ def run_moe_peer(peer: str, shape: MoeShape, scenarios: list[Scenario], device: 
         setups[peer] = setup_moe_peer(peer, built, device, args.offtensor_vram_budget_gib)
         print(f"  {setups[peer]}", flush=True)
     except Exception as exc:  # noqa: BLE001 - any failure of a peer is a result
-        for r in mine:
-            r.status, r.note = "error", f"setup failed: {short_error(exc)}"
-        print(f"  {peer}: setup failed: {short_error(exc)}", flush=True)
+        setup_failed(mine, peer, exc)
         del built
         free_memory(device)
         return

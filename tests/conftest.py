@@ -206,6 +206,40 @@ def seed() -> int:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny matrices: one intra-op thread is fastest, and far faster on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class WritingBlock(nn.Module):
+    """A Linear whose forward first writes its weight in place, under no_grad, one way per `form`
+    ("add_", "data", "data=", "copy_", "setitem"; "none" writes nothing), then reads it."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.form = form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.fc.weight
+        with torch.no_grad():
+            if self.form == "add_":
+                w.add_(1.0)
+            elif self.form == "data":
+                w.data.mul_(2)
+            elif self.form == "data=":
+                w.data = w.detach() * 0.5 + 0.25
+            elif self.form == "copy_":
+                w.copy_(w.clamp(-0.2, 0.2) + 0.1)  # changes the weight at every call
+            elif self.form == "setitem":
+                w[0] = w[0] * 2 + 1
+        return self.fc(x)
+
+
 class ResidualBlock(nn.Module):
     """Pre-norm residual MLP block: ``x + fc2(gelu(fc1(norm(x))))``."""
 

@@ -153,8 +153,8 @@ class ScopeHooks:
     # ---- eager calls of a loaded scope (Note [calls of a loaded scope]) -------------------------
 
     # Note [calls of a loaded scope]
-    # Every op on an OffloadedParameter pays its `__torch_function__`: 1-2 us for any Python
-    # override, several for ours, where a DiT block runs kernels of a few us. A scope already
+    # Every op on an OffloadedParameter pays its `__torch_function__`, a Python round trip that
+    # can take longer than the short kernels of a DiT block it launches. A scope already
     # RESIDENT when its call starts (kept, or loaded and waited for) needs no per-op decision:
     # every op would get its device copy (Note [ops in a resident scope] in dispatch/ops.py). So
     # for that call its modules' attributes are the device copies (instance attributes, found

@@ -22,14 +22,6 @@ from benchmarks.moe import MOE_PEER_NAMES, MOE_SHAPES, QUICK_MOE_SHAPES, build_m
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
 def test_quick_moe_run_is_exact_and_copies_the_active_bytes(shape, tmp_path, capsys, one_thread):
     out = tmp_path / "moe.json"

@@ -257,15 +257,6 @@ def _fuzz(variant: str) -> tuple[int, list[str]]:
     return len(points), failures
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny matrices: one intra-op thread is fastest, and far faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_interrupt_anywhere_in_a_training_step_leaves_no_state_changed(variant, one_thread):
     tried, failures = _fuzz(variant)

@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_all_scopes_offloaded, host
+from conftest import WritingBlock, assert_all_scopes_offloaded, host
 from torch import nn
 
 import offtensor
@@ -26,28 +26,6 @@ def fresh_dynamo():
     dynamo.reset()
     yield
     dynamo.reset()
-
-
-class WritingBlock(nn.Module):
-    """A Linear whose forward first writes its weight in place, under no_grad, one way per `form`."""
-
-    def __init__(self, form: str) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.form = form
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.fc.weight
-        with torch.no_grad():
-            if self.form == "add_":
-                w.add_(1.0)
-            elif self.form == "data":
-                w.data.mul_(2)
-            elif self.form == "copy_":
-                w.copy_(w.clamp(-0.2, 0.2) + 0.1)  # changes the weight at every call
-            else:
-                w[0] = w[0] * 2 + 1
-        return self.fc(x)
 
 
 class TwoBlocks(nn.Module):
