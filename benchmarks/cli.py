@@ -131,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
                         "offloaded bytes may be stepped on the device when the CPU optimizer falls behind "
                         "(default 1.0 here, the fastest measured, and 0 with several ranks, where data_parallel "
                         "models step on the host; the library's default is 0, off)")
+    p.add_argument("--overlap-max-grad-norm", type=float, default=None,
+                   help="offtensor-overlap: backward_and_step(max_grad_norm=X), clipping the step's "
+                        "gradients to that total norm as Trainer does by default (default: no clipping)")
     p.add_argument("--overlap-variants", nargs="+", default=[], metavar="SPARE:PIECE_MIB[:SHARE]",
                    help="offtensor-overlap: worker settings (spare threads:piece MiB[:device share, default "
                         "--overlap-device-share's]) to time in turn beside the plain optimizer step "
@@ -168,7 +171,8 @@ def _worker_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
     args.worker = WorkerSettings(
         default.spare_threads if args.overlap_spare_threads is None else args.overlap_spare_threads,
         default.piece_bytes if args.overlap_piece_mib is None else int(args.overlap_piece_mib * 2**20),
-        (0.0 if args.multi else 1.0) if args.overlap_device_share is None else args.overlap_device_share)
+        (0.0 if args.multi else 1.0) if args.overlap_device_share is None else args.overlap_device_share,
+        args.overlap_max_grad_norm)
     if args.worker.spare_threads < 0 or args.worker.piece_bytes < 1 or not 0 <= args.worker.device_share <= 1:
         p.error("--overlap-spare-threads must be >= 0, --overlap-piece-mib > 0 and --overlap-device-share "
                 "from 0 to 1")
@@ -177,7 +181,8 @@ def _worker_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
         try:
             spare, mib, *share = v.split(":")
             variants.append(WorkerSettings(int(spare), int(float(mib) * 2**20),
-                                           float(share[0]) if share else args.worker.device_share))
+                                           float(share[0]) if share else args.worker.device_share,
+                                           args.worker.max_grad_norm))
             if len(share) > 1 or not 0 <= variants[-1].device_share <= 1:
                 raise ValueError(v)
         except (ValueError, OverflowError):

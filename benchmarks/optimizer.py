@@ -27,6 +27,7 @@ class WorkerSettings:
     spare_threads: int = 1
     piece_bytes: int = 64 * 2**20
     device_share: float = 0.0
+    max_grad_norm: float | None = None  # clip inside the step (Trainer's default is 1.0)
 
 
 def make_adamw(params: list[torch.Tensor]) -> tuple[list[torch.optim.Optimizer], str]:
@@ -234,7 +235,7 @@ def measure_same_time(step: Callable[[WorkerSettings], None], drain: Callable[[]
                 beside_all_threads = m["threads"]
     return {"rounds": rounds, "steps": steps, "warmup_steps": 1,
             "variants": [{"spare_threads": v.spare_threads, "piece_mib": v.piece_bytes / 2**20,
-                          "device_share": v.device_share,
+                          "device_share": v.device_share, "max_grad_norm": v.max_grad_norm,
                           "times_ms": times, "median_ms": statistics.median(times),
                           "worker_busy_ms": b, "worker_busy_median_ms": statistics.median(b) if b else None}
                          for v, times, b in zip(variants, per_variant, busy, strict=True)],

@@ -176,6 +176,7 @@ def format_same_time(r: Row, fwd_bwd_ms: float | None) -> str:
         m = v["median_ms"]
         lines.append(f"    {v['spare_threads']} spare threads, {v['piece_mib']:.0f} MiB pieces"
                      + (f", device share {v['device_share']:g}" if v.get("device_share") else "")
+                     + (f", clipped to norm {v['max_grad_norm']:g}" if v.get("max_grad_norm") else "")
                      + f": {m:.1f} ms "
                      f"({listed(v['times_ms'])}) = {m / max(fb, alone):.2f}x max(fwd+bwd, AdamW alone)"
                      + (f", {m / max(fb, beside):.2f}x max(fwd+bwd, AdamW beside copies)" if beside else "")

@@ -52,7 +52,8 @@ def overlap_record(report: Any, worker: WorkerSettings) -> dict[str, Any]:
         "rest_params": report.rest_params, "pieces": report.pieces, "early_pieces": report.early_pieces,
         "worker_busy_ms": report.worker_busy_s * 1e3, "all_thread_pieces": report.all_thread_pieces,
         "spare_threads": worker.spare_threads, "piece_bytes": worker.piece_bytes,
-        "device_share": worker.device_share, "device_pieces": report.device_pieces,
+        "device_share": worker.device_share, "max_grad_norm": worker.max_grad_norm,
+        "device_pieces": report.device_pieces,
         "scopes": [{"scope": n, "queued_ms": q * 1e3, "started_ms": g * 1e3, "stepped_ms": d * 1e3}
                    for n, q, g, d in report.scopes],
     }

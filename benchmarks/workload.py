@@ -166,7 +166,8 @@ def _training_step(built: BuiltModel, scenario: Scenario, device: torch.device, 
             # waits for the last one (`drain`), so a step's time is the steady-state period.
             reports.append(offtensor.backward_and_step(
                 loss, optimizers[0], zero_grad=not check, spare_threads=settings.spare_threads,
-                piece_bytes=settings.piece_bytes, device_share=settings.device_share))
+                piece_bytes=settings.piece_bytes, device_share=settings.device_share,
+                max_grad_norm=settings.max_grad_norm))
             clock.mark("backward")
             for opt in optimizers[1:]:
                 opt.step()
