@@ -111,6 +111,12 @@ class Stepper(Protocol):
 
     def grad_final(self, slot: ParamSlot, landed: Any) -> None: ...  # landed: the copy's event
 
+    # The call clips: each gradient's norm is taken where it is computed (Note [clipping in the
+    # overlapped step] in optim/clipping.py). `grad`: the sum on the device; `host`: its copy.
+    measures_norms: bool
+
+    def grad_written(self, slot: ParamSlot, grad: torch.Tensor, host: torch.Tensor) -> None: ...
+
     def scope_done(self, scope: Scope, grads_offloaded: Any) -> None: ...
 
 
@@ -283,8 +289,12 @@ class GradOffload:
         if not slot.grad_written:
             self._written.append(slot)
         slot.grads_in_backward += 1
-        if self.stepper is not None and slot.single_grad:
-            self.stepper.grad_final(slot, slot.last_d2h if grad.device.type == "cuda" else None)
+        stepper = self.stepper
+        if stepper is not None:
+            if stepper.measures_norms:
+                stepper.grad_written(slot, grad, buf)
+            if slot.single_grad:
+                stepper.grad_final(slot, slot.last_d2h if grad.device.type == "cuda" else None)
 
     def _accumulate_sparse(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         """A sparse gradient, or one added to a sparse `p.grad`: summed on the host as

@@ -6,15 +6,31 @@ Global-norm clipping needs every gradient before any update, and a GradScaler's 
 know whether any gradient is inf or NaN; neither needs them before the next forward. With
 `max_grad_norm=` or `scaler=`, backward_and_step holds the pieces backward hands over (without
 fences: nothing changes a master meanwhile), and when backward has returned, on the calling
-thread: publishes their gradients, `scaler.unscale_(optimizer)`, and the total norm by torch's
-own `_get_total_norm` over the grads of `clip_parameters`, in their order (the order gives the
-bits of the norm of norms). Then the pieces go to the worker, which scales each piece's
-gradients by torch's `_clip_grads_with_norm_` on that piece right before stepping it (a product
-by one scalar: the same bits in any grouping); the rest is scaled and stepped on the calling
-thread. The steps overlap the next forward behind their fences; only the overlap with backward
-is given up. On inf or NaN nothing is handed over and `scaler.step(optimizer)` runs as in the
-plain recipe: it skips the step (a fused optimizer takes found_inf into its kernel). The caller
-then calls `scaler.update()`, as after `scaler.step`.
+thread: publishes their gradients, `scaler.unscale_(optimizer)`, and the total norm. Then the
+pieces go to the worker, which scales each piece's gradients by torch's `_clip_grads_with_norm_`
+right before stepping it (a product by one scalar: the same bits in any grouping); the rest is
+scaled and stepped on the calling thread. The steps overlap the next forward behind their
+fences; only the overlap with backward is given up. On inf or NaN nothing is handed over and
+`scaler.step(optimizer)` runs as in the plain recipe: it skips the step (a fused optimizer takes
+found_inf into its kernel). The caller then calls `scaler.update()`, as after `scaler.step`.
+
+The norm is `clip_grad_norm_`'s on the unwrapped model. Taken from the host gradients after
+backward, it was a pass over every offloaded gradient by the CPU on the calling thread, between
+backward and the first step (on an H200 host, longer than backward itself), and its bits were
+those of CPU reductions where the plain model reduces on the device. So each gradient's norm is
+taken where the plain model has that gradient: on the device, from the sum the gradient path
+copies to the host (`GradOffload._add`), by the kernel `_get_total_norm` uses there
+(`torch._foreach_norm`, whose result for one tensor does not depend on the others in its list).
+The norms are stacked in the order `_get_total_norm` gives the plain model's gradients, grouped
+by the device each would be on there and dtype (torch's own grouping, run on empty stand-ins).
+A norm is used only if that host gradient is still `p.grad`, unchanged (version) since its copy:
+a post-accumulate-grad hook that writes it, a scaler's unscale (with a scaler the norms are
+taken after it, on the host) or a gradient with no part in this backward (accumulated earlier)
+have theirs taken from the gradient itself, on its device. Each device's gradients are scaled
+with the total norm moved to that device once, before the steps: torch's clip moves the
+clamped factor for each call, and a move from the device on the worker would wait for the
+next forward's kernels queued meanwhile (the factor is computed from a copy of the same norm,
+by the same IEEE operations, on either device).
 
 # Note [a clip after the step]
 After `backward_and_step` the optimizer has used the gradients it was given, so a
@@ -38,8 +54,11 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 from torch.nn.utils.clip_grad import _get_total_norm
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
 from .. import patches
+from ..core.engine import owning_engine
+from ..dispatch.param import OffloadedParameter
 
 
 class BeforeStep:
@@ -56,7 +75,20 @@ class BeforeStep:
         self._scaler = scaler if scaler is not None and scaler.is_enabled() else None  # None: no unscale
         self._clipped: set[int] = set()  # ids of the parameters clipped
         self.total_norm: torch.Tensor | None = None
+        self._norm_on: dict[torch.device, torch.Tensor] = {}  # total_norm, on each gradient's device
         self.found_inf = False
+        # Norms taken on the device in backward (without a scaler, whose unscale comes after):
+        # id(param) -> (its host gradient, that tensor's version then, the norm).
+        self.measures_norms = max_norm is not None and self._scaler is None
+        self._measured: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def measure(self, param: torch.Tensor, grad: torch.Tensor, host: torch.Tensor) -> None:
+        """Backward summed `param`'s gradient `grad` on the device and enqueued its copy to
+        `host`: take its norm there (Note [clipping in the overlapped step])."""
+        if grad.is_contiguous() and _has_foreach_support([grad], grad.device):
+            self._measured[id(param)] = (host, host._version, torch._foreach_norm([grad], 2.0)[0])
+        else:  # the plain model's gradient is dense: a strided one is measured after backward
+            self._measured.pop(id(param), None)
 
     def prepare(self) -> bool:
         """Backward has returned, every gradient published: unscale and check them, take the
@@ -69,22 +101,56 @@ class BeforeStep:
                 params = [p for g in self._optimizer.param_groups for p in g["params"]]
             self._parameters = params
             self._clipped = {id(p) for p in params}
-            # clip_grad_norm_'s own first half, on the same list: the same bits
-            self.total_norm = _get_total_norm([p.grad for p in params if p.grad is not None], 2.0, False, None)
+            with_grads = [p for p in params if p.grad is not None]
+            self.total_norm = self._total_norm(with_grads)
+            self._measured = {}
+            devices = {p.grad.device for p in with_grads}  # type: ignore[union-attr]
+            self._norm_on = {device: self.total_norm.to(device) for device in devices}
         if self._scaler is not None:
             state = self._scaler._per_optimizer_states[id(self._optimizer)]
             # what scaler.step asks before it steps (GradScaler._maybe_opt_step)
             self.found_inf = bool(sum(v.item() for v in state["found_inf_per_device"].values()))
         return not self.found_inf
 
+    def _total_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """`_get_total_norm` of the params' gradients as the unwrapped model has them, from the
+        norms measured in backward where they are still good (Note [clipping in the overlapped
+        step])."""
+        grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]  # all have one
+        if not any(isinstance(p, OffloadedParameter) for p in params):
+            return _get_total_norm(grads, 2.0, False, None)  # clip_grad_norm_'s own first half
+        norms: list[torch.Tensor | None] = []
+        for p, g in zip(params, grads, strict=True):
+            entry = self._measured.get(id(p))
+            norms.append(entry[2] if entry is not None and entry[0] is g and entry[1] == g._version else None)
+        places = [_place(p, g, n) for p, g, n in zip(params, grads, norms, strict=True)]
+        ordered: list[torch.Tensor] = []
+        for (device, _), (_, indices) in _group_tensors_by_device_and_dtype(
+                [[torch.empty(0, dtype=g.dtype, device=d) for g, d in zip(grads, places, strict=True)]],
+                with_indices=True).items():
+            if _has_foreach_support([grads[i] for i in indices], device):
+                missing = [i for i in indices if norms[i] is None]
+                if missing:
+                    fresh = torch._foreach_norm([grads[i].to(device) for i in missing], 2.0)
+                    for i, n in zip(missing, fresh, strict=True):
+                        norms[i] = n
+                ordered.extend(norms[i] for i in indices)  # type: ignore[misc]
+            else:
+                ordered.extend(torch.linalg.vector_norm(grads[i].to(device), 2.0) for i in indices)
+        return torch.linalg.vector_norm(torch.stack([n.to(places[0]) for n in ordered]), 2.0)
+
     def clip(self, params: Iterable[torch.Tensor]) -> None:
         """clip_grad_norm_'s second half, on those of `params` it clips (any thread; on the
-        worker with subclass dispatch off)."""
+        worker with subclass dispatch off), each device's with the total norm on that device."""
         if self.total_norm is None:
             return
         assert self.max_norm is not None
-        chosen = [p for p in params if id(p) in self._clipped]
-        patches.PLAIN_CLIP_GRADS_WITH_NORM(chosen, self.max_norm, self.total_norm, None)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in params:
+            if id(p) in self._clipped and p.grad is not None:
+                by_device.setdefault(p.grad.device, []).append(p)
+        for device, chosen in by_device.items():
+            patches.PLAIN_CLIP_GRADS_WITH_NORM(chosen, self.max_norm, self._norm_on[device], None)
 
     def clip_all(self, not_in: set[int]) -> None:
         """Clip the parameters whose ids are not in `not_in`, on the calling thread."""
@@ -100,6 +166,16 @@ class BeforeStep:
         [clipping in the overlapped step]); after the call's worker has stopped."""
         assert self._scaler is not None
         self._scaler.step(self._optimizer)
+
+
+def _place(param: torch.Tensor, grad: torch.Tensor, norm: torch.Tensor | None) -> torch.device:
+    """The device the unwrapped model has this gradient on: an offloaded parameter's is its
+    compute device (where its norm was measured), any other's its own."""
+    if norm is not None:
+        return norm.device
+    if isinstance(param, OffloadedParameter):
+        return owning_engine(param._ot).device
+    return grad.device
 
 
 def check_scaler(scaler: Any, optimizer: torch.optim.Optimizer) -> None:

@@ -28,6 +28,8 @@ import threading
 from types import FrameType
 from typing import Any, NoReturn
 
+import torch
+
 from ..core.engine import owning_engine
 from ..core.grads import publish
 from ..core.scope import Scope, scope_of
@@ -66,6 +68,7 @@ class OverlappedStep:
         # With clipping or a scaler: the pieces handed over in backward, held until it has
         # returned (Note [clipping in the overlapped step] in optim/clipping.py).
         self._before = before
+        self.measures_norms = before is not None and before.measures_norms
         self._held: list[tuple[Scope, list[tuple[list[ParamSlot], int]], Any, bool]] = []
         # The backward_and_step call's frame and thread, until closed (close_if_abandoned).
         self._call: FrameType | None = call
@@ -100,6 +103,12 @@ class OverlappedStep:
             self._hand(scope, [(batch, nbytes)], landed, early=True)
         else:
             self._early[scope] = (batch, nbytes)
+
+    def grad_written(self, slot: ParamSlot, grad: torch.Tensor, host: torch.Tensor) -> None:
+        """A gradient of this backward, summed on the device and copied to `host`: its norm,
+        for the clip (Note [clipping in the overlapped step] in optim/clipping.py)."""
+        assert self._before is not None
+        self._before.measure(slot.param, grad, host)
 
     def scope_done(self, scope: Scope, grads_offloaded: Any) -> None:
         """Called at a scope's post_backward, after its d2h copies were enqueued: hand over its
