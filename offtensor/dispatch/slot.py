@@ -6,14 +6,14 @@ parameter's device copy (`device_leaf`) is a tensor created once, sharing the sc
 storage. Releasing resizes that storage to 0 bytes: the memory goes back to the allocator while
 the tensors autograd saved stay valid objects with an unchanged version counter. Before backward
 needs them, the scope is loaded again into the same storage object (see Note [backward
-triggers] in core/hooks.py). Reassigning `.data` or allocating new tensors would either keep the
+triggers] in engine/hooks.py). Reassigning `.data` or allocating new tensors would either keep the
 memory alive through autograd's references or break its saved-tensor checks.
 
 # Note [deferred step fences]
 `offtensor.backward_and_step` steps parameters on a worker thread while backward and the next
 forward go on (Note [deferred steps] in optim/overlap.py). Whatever reads or writes a master first
-waits for its pending step: the copy to the device (core/loading.py), an op or property access on the
-parameter (dispatch/param.py), the gradient path (core/grads.py). Those layers sit below the optimizer
+waits for its pending step: the copy to the device (scopes/loading.py), an op or property access on the
+parameter (dispatch/param.py), the gradient path (engine/grads.py). Those layers sit below the optimizer
 overlap, so they do not call it: the overlap hands each parameter it takes a fence
 (`ParamSlot.pending_step`, an object with `wait(slot)`), clears it once the step is done, and
 the lower layers wait on the fence they find (`ParamSlot.wait_for_step`).
@@ -33,7 +33,7 @@ in-place op that only reads it (`h.add_(self.bias)`) must not break the graph th
 A write that no op on the parameter carries out (`p.detach().mul_()`) bumps only the master's
 own version counter, which the detached alias shares. Each copy into a device copy compares
 the master's version with the one its last copy was made from (`WriteTracker.note_copied` in
-core/write_tracking.py) and bumps the device copies when it changed, before overwriting what a graph
+scopes/write_tracking.py) and bumps the device copies when it changed, before overwriting what a graph
 may have saved. A scope still resident when its backward starts (the last scope of the
 forward, a kept one) compares at `Engine.pre_backward` and reloads, so that the check runs.
 `p.data` has a version counter of its own, invisible to autograd: for it, as for a plain
@@ -65,7 +65,7 @@ import torch
 from torch import nn
 
 from ..api import MasterHome, Residency, ScopeState
-from ..weights.compress import StoredMaster
+from ..storage.compress import StoredMaster
 
 # ParamSlot.retired is written by the main thread (a retire) and by the optimizer worker (a
 # step of that master): both hold this lock.
@@ -90,7 +90,7 @@ class StepFence(Protocol):
 
 class RoutedRows(Protocol):
     """Which experts of a routed expert parameter its device copy holds (ExpertRows in
-    core/experts.py, above: Note [routed experts])."""
+    scopes/experts.py, above: Note [routed experts])."""
 
     whole: bool  # every expert is on the device: ops get the device copy as any other
 
@@ -110,7 +110,7 @@ class CountsWrites(Protocol):
 
 
 class SlotScope(Protocol):
-    """The scope a slot belongs to (Scope in core/scope.py, above), as the slot and the layers that
+    """The scope a slot belongs to (Scope in scopes/scope.py, above), as the slot and the layers that
     reach it through a slot see it. What an op, a write or a gradient needs of the engine is asked
     here too, so that nothing below the engine reaches the engine itself."""
 
@@ -124,7 +124,7 @@ class SlotScope(Protocol):
     loads: int  # loads since wrap (the expert cache ages its scores by them)
 
     @property
-    def masters(self) -> CountsWrites: ...  # its HostMasters (core/host_masters.py, above)
+    def masters(self) -> CountsWrites: ...  # its HostMasters (scopes/host_masters.py, above)
     residency: Residency  # streamed, kept or carried
 
     @property
@@ -162,7 +162,7 @@ class SlotScope(Protocol):
 
 
 class LoadingNow(Protocol):
-    """A scope's load in progress, as its slots' short path reads it (LoadProgress, core/loading.py)."""
+    """A scope's load in progress, as its slots' short path reads it (LoadProgress, scopes/loading.py)."""
 
     chunks_waited: int  # chunks the compute stream has waited for
 
@@ -171,14 +171,14 @@ class LoadingNow(Protocol):
 
 
 class LoadsHeldBack(Protocol):
-    """The model's loaded scopes (LiveScopes, core/scope.py)."""
+    """The model's loaded scopes (LiveScopes, scopes/scope.py)."""
 
     @property
     def holds_back(self) -> bool: ...
 
 
 class WrittenInCall(Protocol):
-    """A scope's writes its device copies have not seen (WriteTracker, core/write_tracking.py)."""
+    """A scope's writes its device copies have not seen (WriteTracker, scopes/write_tracking.py)."""
 
     def written_in_this_call(self, slot: ParamSlot) -> bool: ...
 
@@ -210,7 +210,7 @@ class DeviceCopy(torch.Tensor):
 
 class ExposedCopy(nn.Parameter):
     """A kept scope's device copy registered in place of its parameter for one eager call
-    (Note [calls of a loaded scope] in core/hooks.py): an nn.Parameter to module code, with no
+    (Note [calls of a loaded scope] in engine/hooks.py): an nn.Parameter to module code, with no
     `__torch_function__` of its own, whose `.data` aliases are noted so that a write through
     one (which bumps no version counter the call can compare) reaches the master too."""
 
@@ -314,7 +314,7 @@ class ParamSlot:
 
     param: nn.Parameter  # the OffloadedParameter (dispatch/param.py, the layer above)
     name: str  # qualified name in the wrapped model
-    scope: SlotScope  # its Scope (core/scope.py, above)
+    scope: SlotScope  # its Scope (scopes/scope.py, above)
     offset: int  # bytes into the scope's host buffer (master layout)
     device_offset: int  # bytes into the scope's device buffer (compute-dtype layout)
     device_leaf: torch.Tensor  # what ops see; shares the scope's device storage
@@ -323,7 +323,7 @@ class ParamSlot:
     master: torch.Tensor  # the master's bytes in host_flat as a plain tensor: what the loader
     # reads, with no subclass dispatch and nothing for autograd to record (Note [interrupts])
     host_grad: torch.Tensor | None = None  # `p.grad` after backward: on grad_buffer, or the user's
-    grad_buffer: torch.Tensor | None = None  # pinned bytes for host_grad, reused every step (core/grads.py)
+    grad_buffer: torch.Tensor | None = None  # pinned bytes for host_grad, reused every step (engine/grads.py)
     grad_buffer_uses: int = 0  # tensors on grad_buffer when only offtensor holds it
     grads_in_backward: int = 0  # contributions written to host_grad in the current backward
     single_grad: bool = False  # exactly one contribution in the last whole backward (Note [early handover])
@@ -341,8 +341,8 @@ class ParamSlot:
     # register_hook hooks (Note [user gradient hooks] in dispatch/autograd.py)
     grad_hooks: OrderedDict = field(default_factory=OrderedDict)
     # The master is kept apart from the parameter, `master` holds no values: compressed
-    # (Policy(frozen_format), Note [compressed masters] in weights/compress.py) or in a file
-    # (Policy(host_budget), Note [masters in files] in weights/file_masters.py)
+    # (Policy(frozen_format), Note [compressed masters] in storage/compress.py) or in a file
+    # (Policy(host_budget), Note [masters in files] in storage/file_masters.py)
     packed: StoredMaster | None = None
     post_hooks: OrderedDict = field(default_factory=OrderedDict)  # post-accumulate-grad hooks
     leaf_hooked: bool = False  # device_leaf has the post-accumulate-grad hook (hook_device_leaf)
@@ -354,7 +354,7 @@ class ParamSlot:
     # `p.data` tensors handed out, with their versions at the last look (Note [p.data aliases])
     data_aliases: list[tuple[weakref.ref, int]] = field(default_factory=list)
     data_alias_written: bool = False  # one of them was written (or dropped) since the last copy
-    # A routed expert parameter: the experts its device copy holds (Note [routed experts] in core/experts.py)
+    # A routed expert parameter: the experts its device copy holds (Note [routed experts] in scopes/experts.py)
     experts: RoutedRows | None = None
     meta: ParamMeta = field(init=False)  # shape, dtype, device: Note [metadata without dispatch]
 
@@ -418,7 +418,7 @@ class ParamSlot:
     def data_versions(self) -> tuple[int, ...]:
         """The versions of the `p.data` aliases handed out, -1 for one gone: two calls return the
         same only if no alias wrote in between (the staging ring's write_mark, Note [staged loads]
-        in weights/staging.py)."""
+        in storage/staging.py)."""
         return tuple(-1 if (alias := ref()) is None else alias._version for ref, _ in self.data_aliases)
 
     def data_copied(self) -> None:
@@ -427,7 +427,7 @@ class ParamSlot:
         self.data_alias_written = False
 
     def hook_device_leaf(self) -> None:
-        """Route the device copy's gradients to the host (Note [gradient path] in core/grads.py);
+        """Route the device copy's gradients to the host (Note [gradient path] in engine/grads.py);
         for a frozen parameter, once it is unfrozen (use_device_copy)."""
         self.leaf_hooked = self.device_leaf.requires_grad
         if self.leaf_hooked:
@@ -446,7 +446,7 @@ class ParamSlot:
 
     def retired_copies_written(self) -> None:
         """The master is about to change: graphs holding a retired device copy of it must see
-        it as modified in place (Note [higher-order gradients] in core/device_buffer.py)."""
+        it as modified in place (Note [higher-order gradients] in scopes/device_buffer.py)."""
         if not self.retired:
             return  # the common case, without the lock
         with _retired_lock: refs, self.retired = self.retired, []  # noqa: E701 (Note [interrupts])
@@ -471,12 +471,12 @@ class ParamSlot:
         return [t for t in leaves if t is not None and t.requires_grad]
 
     def ready_copy(self) -> torch.Tensor | None:
-        """The device copy an op gets (`OpAccess.materialize`, core/access.py) when that takes no
+        """The device copy an op gets (`OpAccess.materialize`, engine/access.py) when that takes no
         host work, else None: the scope computing, its copy order learned, no deferred step
         pending or shared step elsewhere, no write in this call, and the copy loaded or on its
         way (the scope resident, or every chunk of its load enqueued, nothing held back: the
         compute stream then waits for the chunk holding it, Note [progressive loads] in
-        core/loading.py). Note [ops in a resident scope] in dispatch/ops.py."""
+        scopes/loading.py). Note [ops in a resident scope] in dispatch/ops.py."""
         scope = self.scope
         if (scope.running_calls <= 0 or scope.copy_order is None or self.pending_step is not None
                 or self.stepped_elsewhere is not None or (self.experts is not None and not self.experts.whole)

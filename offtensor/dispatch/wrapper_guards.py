@@ -3,7 +3,7 @@
 # Note [data-parallel wrappers]
 DistributedDataParallel all-reduces gradients from hooks on each parameter's AccumulateGrad
 node. offtensor computes an offloaded parameter's gradient on the scope's device copy and writes
-it into the host `p.grad` itself (core/grads.py), so that hook never fires: DDP fails at the second
+it into the host `p.grad` itself (engine/grads.py), so that hook never fires: DDP fails at the second
 iteration with "Expected to have finished reduction", or, with `find_unused_parameters=True` or
 `static_graph=True`, the ranks' offloaded weights silently drift apart. FSDP2's `fully_shard`
 replaces each parameter on its module with a sharded DTensor, so applied after `wrap` it

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import torch
 
 from ..api import ScopeState
-from .scope import Scope, scope_of
-from .slot import ParamSlot, in_backward
+from ..dispatch.slot import ParamSlot, in_backward
+from ..scopes.scope import Scope, scope_of
 from .transforms import outside_transforms
 
 
@@ -38,7 +38,7 @@ class OpAccess:
         if scope.running_calls > 0 or scope is self.backward_scope:
             if scope.state is not ScopeState.RESIDENT:
                 scope.make_resident(upto=slot)
-            if scope.writes.written_in_this_call(slot):  # Note [writes during a scope's call] (core/write_tracking.py)
+            if scope.writes.written_in_this_call(slot):  # Note [writes during a scope's call] (write_tracking.py)
                 scope.refresh(slot)
             if scope.copy_order is None and not in_backward():
                 scope.first_uses.setdefault(slot, None)

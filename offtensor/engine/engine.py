@@ -1,12 +1,12 @@
 """The engine of one wrapped model: where its forward and backward passes are, and what each
 scope's hooks do.
 
-It composes the layers below: the scopes and their transitions (core/scope.py), the streams
-(core/streams.py), the learned orders and the prefetch (core/schedule.py), the VRAM budget
-(budget/vram.py), the gradient path (core/grads.py), the calls that can add to gradients
-(core/grad_calls.py), what an op on an offloaded parameter gets (core/access.py), writes to
-masters (core/writes.py) and the owning thread (core/threads.py). Module and tensor hooks
-(core/hooks.py) call its entry points.
+It composes the layers below: the scopes and their transitions (scopes/scope.py), the streams
+(scopes/streams.py), the learned orders and the prefetch (engine/schedule.py), the VRAM budget
+(budget/vram.py), the gradient path (engine/grads.py), the calls that can add to gradients
+(scopes/grad_calls.py), what an op on an offloaded parameter gets (engine/access.py), writes to
+masters (engine/writes.py) and the owning thread (engine/threads.py). Module and tensor hooks
+(engine/hooks.py) call its entry points.
 
 # Note [training state]
 Whether a backward will follow a forward is not announced: the engine infers it from the loop
@@ -31,19 +31,19 @@ from torch import nn
 from ..api import Policy, Residency, ScopeState
 from ..budget.shared import ModelCalls, SharedBudget
 from ..budget.vram import NoBudget, budget_for
+from ..dispatch import wrapper_guards as _distributed
 from ..dispatch.optimizer_step import watch_compiled_steps
 from ..dispatch.param import OffloadedParameter
-from ..distributed import wrappers as _distributed
-from ..weights.staging import StagingRing
+from ..dispatch.slot import ParamSlot, in_backward
+from ..scopes.expert_cache import ExpertCache
+from ..scopes.grad_calls import GradCalls, trainable
+from ..scopes.scope import LiveScopes, Scope, scope_of
+from ..scopes.streams import Streams
+from ..storage.memory import PinningFallback
+from ..storage.staging import StagingRing
 from .access import OpAccess
-from .expert_cache import ExpertCache
-from .grad_calls import GradCalls, trainable
 from .grads import GradOffload
-from .memory import PinningFallback
 from .schedule import Schedule
-from .scope import LiveScopes, Scope, scope_of
-from .slot import ParamSlot, in_backward
-from .streams import Streams
 from .threads import ThreadOwner
 from .transforms import outside_transforms
 from .writes import MasterWrites
@@ -57,7 +57,7 @@ engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 class ModelForward(enum.Enum):
     """Where the wrapped model's own forward is; its hooks delimit passes (Note [passes of the
-    model's forward] in core/schedule.py)."""
+    model's forward] in engine/schedule.py)."""
 
     OUTSIDE = "outside"  # not in the model's forward (or no hook: a ModuleList was wrapped)
     STARTING = "starting"  # in it, before any scope: the next scope's forward starts a pass
@@ -103,8 +103,8 @@ def engine_of(model: nn.Module, caller: str) -> Engine:
 
 def owning_engine(owner: Scope | ParamSlot) -> Engine:
     """The Engine of a scope or of a parameter's slot, for the layers above the engine; below
-    it, a slot's scope is a SlotScope (core/slot.py) and a scope's engine a ScopeEngine
-    (core/scope.py), which name what those layers may ask."""
+    it, a slot's scope is a SlotScope (dispatch/slot.py) and a scope's engine a ScopeEngine
+    (scopes/scope.py), which name what those layers may ask."""
     scope = owner if isinstance(owner, Scope) else scope_of(owner)
     return cast(Engine, scope.engine)
 
@@ -140,12 +140,12 @@ class Engine:
         self.grads = GradOffload(self.streams, self.scopes, self.end_backward, lambda: not self.thread.run_by_another())
         self.calls = GradCalls(self.scopes)
         self.budget = _budget(self, shared)
-        # Routed expert rows kept across loads (Note [expert cache] in core/expert_cache.py)
+        # Routed expert rows kept across loads (Note [expert cache] in scopes/expert_cache.py)
         self.expert_cache = ExpertCache(policy.expert_cache) if isinstance(policy.expert_cache, int) else None
         self.schedule = Schedule(self.scopes, policy, self.budget)
         self.thread = ThreadOwner(lambda: self._computing() or self.grads.in_backward())
         # What an op on an offloaded parameter gets, and what a write to a master does: asked
-        # through each scope (SlotScope in core/slot.py), by dispatch, weights and the optimizer.
+        # through each scope (SlotScope in dispatch/slot.py), by dispatch, weights and the optimizer.
         self.access = OpAccess(device, self._computing)
         self.writes = MasterWrites(self.streams, self.hold, self.grads.in_backward)
         self.holds: weakref.WeakSet[Any] = weakref.WeakSet()  # no_offload(model) for this model
@@ -156,12 +156,12 @@ class Engine:
         self.handles: list[torch.utils.hooks.RemovableHandle] = []  # hooks on the wrapped model
         self.scope_hooks: list[Any] = []  # each scope's _hooks.ScopeHooks, set by wrap
         # Set by wrap: the module it wrapped (weak: the model holds the engine) and the
-        # load_state_dict pre-hooks of Note [loading with assign=True] (guards.py).
+        # load_state_dict pre-hooks of Note [loading with assign=True] (model/guards.py).
         self.root: Callable[[], nn.Module | None] = lambda: None
         self.guard_handles: list[torch.utils.hooks.RemovableHandle] = []
         # Called by abort: loads collective with other ranks are out of step (Note [sharded loads]).
         self.on_abort: list[Callable[[], None]] = []
-        # Set by wrap: the staging ring (Note [staged loads] in weights/staging.py), or None.
+        # Set by wrap: the staging ring (Note [staged loads] in storage/staging.py), or None.
         self.ring: StagingRing | None = None
         self.pinning = PinningFallback()  # to the ring, when page-locking fails
         engines.add(self)
@@ -196,11 +196,11 @@ class Engine:
 
     def upcoming_loads(self, scope: Scope) -> list[Scope]:
         """The scopes expected to load after `scope`, nearest first, for the staging ring's
-        read-ahead (Note [staged loads] in weights/staging.py)."""
+        read-ahead (Note [staged loads] in storage/staging.py)."""
         return self.schedule.expected_after(
             scope, in_backward=in_backward(), backward_next=self.training is not TrainingState.INFERENCE)
 
-    # ---- forward (called by the hooks, core/hooks.py) ----------------------------------------
+    # ---- forward (called by the hooks, engine/hooks.py) ----------------------------------------
 
     @outside_transforms
     def pre_forward(self, scope: Scope, inputs: list[torch.Tensor]) -> None:
@@ -227,7 +227,7 @@ class Engine:
 
     def _advance(self, scope: Scope) -> None:
         """The scope's forward starts: move along the learned order; a new pass starts here
-        when the order says so (Note [prefetch order] in core/schedule.py)."""
+        when the order says so (Note [prefetch order] in engine/schedule.py)."""
         begins = self.model_forward is ModelForward.STARTING
         if begins:
             self.model_forward = ModelForward.IN_PASS
@@ -263,7 +263,7 @@ class Engine:
     @outside_transforms
     def begin_forward(self) -> None:
         """The wrapped model's forward starts a pass: load its likely first scope now, after
-        releasing what an earlier pass left (Note [passes of the model's forward] in core/schedule.py)."""
+        releasing what an earlier pass left (Note [passes of the model's forward] in engine/schedule.py)."""
         self.streams.restore()
         if in_backward():
             return
@@ -325,7 +325,7 @@ class Engine:
         if self.schedule.is_last(scope) and (backward_expected or expected):
             # Backward starts with this scope, kept resident, or (a split block recomputed under
             # checkpointing) with another one: prefetch that, weights only (the user may still
-            # write `p.grad`: Note [stale gradient fetches] in core/old_grads.py).
+            # write `p.grad`: Note [stale gradient fetches] in scopes/old_grads.py).
             self.schedule.prefetch(self.schedule.backward_starts_elsewhere(scope), scope, with_grads=False)
             return  # needed early in backward: no release and reload
         if backward_expected and scope.policy.keep_for_backward:
@@ -337,7 +337,7 @@ class Engine:
     @outside_transforms
     def pre_backward(self, scope: Scope, *, create_graph: bool = False) -> None:
         """The scope's backward is about to run; `create_graph`: the backward builds a graph of
-        its own (Note [higher-order gradients] in core/device_buffer.py)."""
+        its own (Note [higher-order gradients] in scopes/device_buffer.py)."""
         self.streams.restore()
         self.grads.enter_backward()
         self.calls.backward_starts(scope, create_graph)
@@ -379,7 +379,7 @@ class Engine:
     def end_backward(self, *, failed: bool = False) -> None:
         """End of the outermost backward: nothing stays resident (unless no_offload holds, or
         the backward built a graph that may be differentiated again); after one that raised
-        (`failed`, Note [a backward that raised] in core/grads.py), not even what it carried."""
+        (`failed`, Note [a backward that raised] in engine/grads.py), not even what it carried."""
         self._forget_backward()
         for scope in self.scopes:
             scope.running_calls = 0
@@ -390,7 +390,7 @@ class Engine:
             self.live.release_all(keep_carried=not failed)
             if self.grads.stepper is not None:  # its worker's steps release nothing
                 self.budget.release_stepped()
-        # Old gradients fetched and not taken (Note [stale gradient fetches] in core/old_grads.py).
+        # Old gradients fetched and not taken (Note [stale gradient fetches] in scopes/old_grads.py).
         for scope in self.scopes:
             if scope.state is not ScopeState.OFFLOADED:
                 scope.old_grads.drop()

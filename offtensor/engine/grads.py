@@ -20,7 +20,7 @@ queued per graph task and only the outermost one finalizes.
 A plain parameter's `register_hook` hooks run once per graph task, on the sum of every use's
 gradient (autograd sums them before the leaf's AccumulateGrad). A parameter used outside its
 scope (a tied embedding: the scope's device copy and temporary copies for the other ops), or
-with retired copies (Note [higher-order gradients] in core/device_buffer.py), has several leaves, whose
+with retired copies (Note [higher-order gradients] in scopes/device_buffer.py), has several leaves, whose
 gradients arrive here one by one: run on each, a hook that is not linear (`g.clamp()`,
 `g.sign()`, a norm it records) would change the result, and run once per leaf. So a hooked parameter
 with several leaves has its contributions summed on the device per graph task (`_hold`), and its
@@ -95,9 +95,9 @@ from torch.autograd import Variable
 from ..dispatch import compile as _compile
 from ..dispatch.autograd import run_grad_hooks
 from ..dispatch.masters import master_grad, master_requires_grad, without_subclass_dispatch
-from .scope import Scope, scope_of
-from .slot import ParamSlot
-from .streams import Streams
+from ..dispatch.slot import ParamSlot
+from ..scopes.scope import Scope, scope_of
+from ..scopes.streams import Streams
 
 
 class Stepper(Protocol):
@@ -467,7 +467,7 @@ def new_host_grad(slot: ParamSlot) -> torch.Tensor:
     """A new pinned gradient buffer for the slot (kept and reused while only offtensor holds a
     tensor on it); returns the tensor that becomes `p.grad`."""
     p = slot.param
-    # Pageable once page-locking failed (Note [page-locked memory as a bounded resource] in core/memory.py).
+    # Pageable once page-locking failed (Note [page-locked memory as a bounded resource] in storage/memory.py).
     slot.grad_buffer = slot.scope.new_host_memory(p.numel() * p.element_size(), "gradients")
     slot.grad_buffer_uses = _storage_uses(slot.grad_buffer)
     return _typed(slot.grad_buffer, slot)

@@ -8,7 +8,7 @@ ops run (pre_backward: load, prefetch the previous scopes). A hook on each forwa
 grad fires once the gradient w.r.t. that input is complete; the last of them marks the end of
 the module's backward (post_backward: release).
 Scopes whose inputs need no grad (the first block of a frozen-embedding model) are released
-by the end-of-backward callback (core/grads.py). Recompute under checkpointing runs the
+by the end-of-backward callback (engine/grads.py). Recompute under checkpointing runs the
 forward hooks again inside backward; the engine recognises it by the autograd graph task id
 and neither reloads nor releases.
 
@@ -23,7 +23,7 @@ host memory). Parameters and buffers that were not offloaded keep their
 device, as any deepcopy does. Module hooks cannot be left out of a copy, so offtensor registers
 them as `Hook` objects, which copy as inert hooks: without that, a copy would share the
 original's scopes, streams and buffers. Each master has a storage of its own (Note [one storage
-per master] in core/memory.py), so pickling saves each master's bytes once, as it would a
+per master] in storage/memory.py), so pickling saves each master's bytes once, as it would a
 plain parameter's, whatever dtypes its scope mixes.
 """
 
@@ -40,11 +40,11 @@ from torch import nn
 
 from ..api import ScopeState
 from ..dispatch import compile as _compile
-from ..distributed import wrappers as _distributed
+from ..dispatch import wrapper_guards as _distributed
+from ..dispatch.slot import ExposedCopy, ParamSlot, in_backward
+from ..scopes.experts import fill_all_experts
+from ..scopes.scope import Scope
 from .engine import Engine, ModelForward
-from .experts import fill_all_experts
-from .scope import Scope
-from .slot import ExposedCopy, ParamSlot, in_backward
 from .writes import DeviceVersions
 
 
@@ -58,7 +58,7 @@ class ScopeHooks:
         self.calls = FailureCheck()  # did the module's forward raise (in _post_forward)
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         # Where the scope's parameters are registered: (module._parameters, key, slot), to
-        # notice fully_shard replacing them (Note [data-parallel wrappers] in distributed/wrappers.py).
+        # notice fully_shard replacing them (Note [data-parallel wrappers] in dispatch/wrapper_guards.py).
         self._homes = _homes(scope)
         self._exposed: list[_Home] | None = None  # Note [torch.compile]
         self._versions: DeviceVersions = []  # of the exposed copies (Note [writes in compiled code])
@@ -235,7 +235,7 @@ class ScopeHooks:
     def compiled_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """The forward hook when compiled code calls the module: the parameters back, the writes
         to their device copies into the masters (Note [writes in compiled code] in
-        core/writes.py), then the eager hook (which may release the scope)."""
+        engine/writes.py), then the eager hook (which may release the scope)."""
         if self.scope.running_calls <= 1 and self._exposed is not None:
             self._hide()
             versions, self._versions = self._versions, []
@@ -295,7 +295,7 @@ class ScopeHooks:
     def _check_distributed(self) -> None:
         """A process group exists: refuse DDP around a scope called outside the wrapped model's
         forward (Engine.begin_forward checks inside it), and fully_shard having replaced the
-        scope's parameters (Note [data-parallel wrappers] in distributed/wrappers.py)."""
+        scope's parameters (Note [data-parallel wrappers] in dispatch/wrapper_guards.py)."""
         scope = self.scope
         if self.engine.model_forward is ModelForward.OUTSIDE:
             _distributed.check_ddp_forward(f"scope {scope.name!r}")

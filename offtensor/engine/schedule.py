@@ -40,7 +40,7 @@ from collections.abc import Iterable
 
 from ..api import Policy, Residency, ScopeState
 from ..budget.vram import NoBudget
-from .scope import Scope
+from ..scopes.scope import Scope
 
 logger = logging.getLogger("offtensor")
 
@@ -102,7 +102,7 @@ class Schedule:
             if scope is current:
                 continue
             if scope.state is ScopeState.OFFLOADED and scope.ring is not None and not scope.ring.ready(scope):
-                return  # its read is not done: its own forward loads it (Note [staged loads], weights/staging.py)
+                return  # its read is not done: its own forward loads it (Note [staged loads], storage/staging.py)
             if scope.residency is Residency.KEPT:  # its weights are in the budget's kept part; old gradients are not
                 if not with_grads and scope.state is not ScopeState.OFFLOADED:
                     continue  # loaded, nothing to fetch

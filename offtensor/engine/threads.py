@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from .slot import in_backward
+from ..dispatch.slot import in_backward
 
 
 class ThreadOwner:
@@ -35,7 +35,7 @@ class ThreadOwner:
 
     def run_by_another(self) -> bool:
         """The model's latest forward ran on another thread than the caller's, which owns what
-        it left on the device (Note [no_offload in several threads] in controls.py)."""
+        it left on the device (Note [no_offload in several threads] in model/controls.py)."""
         return self._thread is not None and self._thread != threading.get_ident()
 
     def foreign(self) -> bool:

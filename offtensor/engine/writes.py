@@ -27,10 +27,10 @@ import torch
 
 from ..api import Residency, ScopeState
 from ..dispatch.masters import without_subclass_dispatch
-from .scope import Scope, scope_of
-from .slot import ParamSlot, on_optimizer_worker
-from .streams import Streams
-from .write_tracking import version_of
+from ..dispatch.slot import ParamSlot, on_optimizer_worker
+from ..scopes.scope import Scope, scope_of
+from ..scopes.streams import Streams
+from ..scopes.write_tracking import version_of
 
 # A device copy and its version counter when a compiled call of its scope started.
 DeviceVersions = list[tuple[ParamSlot, torch.Tensor, int]]
@@ -55,7 +55,7 @@ class MasterWrites:
 
     def master_written(self, slot: ParamSlot) -> None:
         """`before_master_write`, then graphs that saved a copy of the master see it modified
-        (Note [writes under a saved graph] in core/slot.py)."""
+        (Note [writes under a saved graph] in dispatch/slot.py)."""
         self.before_master_write(slot)
         slot.device_copies_written()
 
@@ -65,7 +65,7 @@ class MasterWrites:
         surely only reads (`h.add_(self.bias)`)."""
         scope = scope_of(slot)
         scope.masters.shadow_stale = True
-        scope.masters.master_writes += 1  # a staged copy is stale (Note [staged loads] in weights/staging.py)
+        scope.masters.master_writes += 1  # a staged copy is stale (Note [staged loads] in storage/staging.py)
         slot.retired_copies_written()  # also for the worker's steps (atomic version bumps)
         if on_optimizer_worker():
             # The optimizer worker: no copy reads this master (docs/design.md, Threads). A
@@ -76,7 +76,7 @@ class MasterWrites:
             return
         if scope.running_calls == 0:
             scope.release(force=True)  # stale, also when the budget keeps it
-        elif written:  # in the scope's own call: Note [writes during a scope's call] (core/write_tracking.py)
+        elif written:  # in the scope's own call: Note [writes during a scope's call] (scopes/write_tracking.py)
             scope.writes.in_call[slot] = None
 
     def master_handed_out(self, scope: Scope, slot: ParamSlot | None = None) -> None:
@@ -86,16 +86,16 @@ class MasterWrites:
         held by no_offload()) would go stale, so it goes now; the next forward reloads it (Note
         [VRAM budget] in budget/vram.py). So does a streamed scope resident outside its calls
         (the last one of a forward, which its backward would use: Note [writes under a saved
-        graph] in core/slot.py). Streamed scopes load afresh, but under Policy(cast="host") from
+        graph] in dispatch/slot.py). Streamed scopes load afresh, but under Policy(cast="host") from
         a shadow cast from the masters: it is re-cast at the next load. Writes through the alias
-        after that load: Note [p.data aliases] (core/slot.py)."""
+        after that load: Note [p.data aliases] (dispatch/slot.py)."""
         scope.masters.shadow_stale = True
-        scope.masters.master_writes += 1  # so is a staged copy (Note [staged loads] in weights/staging.py)
+        scope.masters.master_writes += 1  # so is a staged copy (Note [staged loads] in storage/staging.py)
         if scope.state is ScopeState.OFFLOADED or on_optimizer_worker():
             return
         if scope.running_calls and slot is not None:
             # Written through `.data` in the scope's own call, perhaps: Note [writes during a
-            # scope's call] (core/write_tracking.py).
+            # scope's call] (scopes/write_tracking.py).
             scope.writes.in_call[slot] = None
         if not self.outlives_calls(scope) and (scope.running_calls or self._in_backward()):
             # A streamed scope's next call loads afresh; one resident outside its calls (the last
@@ -116,7 +116,7 @@ class MasterWrites:
     def call_ended(self, scope: Scope) -> None:
         """A call of the scope ended. Once none runs, what was written during the calls is
         refreshed in the device copy, which may outlive them (kept for backward, kept, held):
-        Note [writes during a scope's call] (core/write_tracking.py)."""
+        Note [writes during a scope's call] (scopes/write_tracking.py)."""
         if scope.running_calls == 0 and scope.writes.in_call:
             for slot in list(scope.writes.in_call):
                 scope.make_resident(upto=slot)
@@ -126,7 +126,7 @@ class MasterWrites:
         """The scope's backward is about to run. Resident since its forward (the last scope, a
         kept one) and written since by a write no op on the parameter saw, it is released for a
         reload: backward then differentiates with what the master holds, and a graph that saved
-        the old copy raises (Note [writes under a saved graph] in core/slot.py). `handed`: what
+        the old copy raises (Note [writes under a saved graph] in dispatch/slot.py). `handed`: what
         backward_and_step's worker steps in this backward (a scope whose hooks fire again after
         its first gradients were handed over), whose backward is done; None without one."""
         if (scope.state is not ScopeState.OFFLOADED and not on_optimizer_worker()
@@ -145,7 +145,7 @@ class MasterWrites:
 
     def exposed_call_ended(self, scope: Scope, versions: DeviceVersions, *, aliased: set[int]) -> None:
         """The last running eager call of `scope` with its device copies exposed ended (Note
-        [calls of a loaded scope] in core/hooks.py): as compiled_call_ended, the copies written
+        [calls of a loaded scope] in engine/hooks.py): as compiled_call_ended, the copies written
         being those whose version moved or whose `.data` aliases (ids in `aliased`) were written."""
         self._copy_back(scope, versions, compare=False, aliased=aliased, where="the forward")
 
@@ -176,7 +176,7 @@ class MasterWrites:
         slot.wait_for_step()
         scope = scope_of(slot)
         scope.masters.shadow_stale = True
-        scope.masters.master_writes += 1  # a staged copy is stale (Note [staged loads] in weights/staging.py)
+        scope.masters.master_writes += 1  # a staged copy is stale (Note [staged loads] in storage/staging.py)
         slot.retired_copies_written()
         self.streams.sync_master_reads()
         # On the current stream, which ran the forward; blocking, so the host waits for it.

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..api import Policy, Summary
+from ..budget.shared import SharedBudget
 from . import reporting, wrapping
-from .api import Policy, Summary
-from .budget.shared import SharedBudget
 from .planning import Predicate, resolve_device, select
 
 # Under the default predicate, a component is wrapped only when it holds at least 1/SMALL of the

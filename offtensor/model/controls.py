@@ -8,10 +8,10 @@ import weakref
 
 from torch import nn
 
-from .core import engine as _engine
-from .core.engine import Engine, engine_of
-from .core.scope import Scope
-from .core.slot import in_backward
+from ..dispatch.slot import in_backward
+from ..engine import engine as _engine
+from ..engine.engine import Engine, engine_of
+from ..scopes.scope import Scope
 
 
 def set_prefetch(model: nn.Module, module: nn.Module, *, forward: list[nn.Module] | None = None,

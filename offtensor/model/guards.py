@@ -55,12 +55,12 @@ import functools
 import torch
 from torch import nn
 
-from . import patches
-from .core.engine import Engine
-from .core.hooks import Hook
-from .dispatch.masters import without_subclass_dispatch
-from .dispatch.param import OffloadedParameter
-from .weights.quantized import offloaded_weight
+from .. import patches
+from ..dispatch.masters import without_subclass_dispatch
+from ..dispatch.param import OffloadedParameter
+from ..engine.engine import Engine
+from ..engine.hooks import Hook
+from .quantized import offloaded_weight
 
 
 def _refuse_replacing(module: nn.Module, name: str, param: nn.Parameter) -> None:

@@ -52,11 +52,11 @@ import torch
 from torch import nn
 
 from ..api import Policy
-from ..core.engine import ENGINE_ATTR, find_engine
-from ..wrapping import Predicate, unwrap, wrap_filling
-from .checkpoint import Checkpoint
-from .compress import RowReader, copy_rows
-from .files import FileStore
+from ..engine.engine import ENGINE_ATTR, find_engine
+from ..storage.checkpoint import Checkpoint
+from ..storage.compress import RowReader, copy_rows
+from ..storage.files import FileStore
+from .wrapping import Predicate, unwrap, wrap_filling
 
 InitFn = Callable[[str, nn.Module], None]
 
@@ -155,7 +155,7 @@ def _check_sources(weights: str | os.PathLike | None, init: InitFn | None) -> No
 def _file_store(policy: Policy | None, weights: str | os.PathLike | None,
                 cache_dir: str | os.PathLike | None) -> FileStore | None:
     """Under Policy(host_budget), the files masters stay in (Note [masters in files] in
-    weights/file_masters.py); the cache file goes beside the checkpoint unless `cache_dir`."""
+    storage/file_masters.py); the cache file goes beside the checkpoint unless `cache_dir`."""
     if policy is None or policy.host_budget is None:
         return None
     if cache_dir is None and weights is not None:

@@ -12,12 +12,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from .api import Policy
-from .budget.vram import streaming_bytes
-from .core.scope import ALIGN
-from .weights.compress import FrozenFormat, compresses, packed_nbytes
-from .weights.file_masters import plan_host_budget
-from .weights.quantized import quant_kind, quantized_parts
+from ..api import Policy
+from ..budget.vram import streaming_bytes
+from ..scopes.scope import ALIGN
+from ..storage.compress import FrozenFormat, compresses, packed_nbytes
+from ..storage.file_masters import plan_host_budget
+from .quantized import quant_kind, quantized_parts
 
 Predicate = Callable[[str, nn.Module], "bool | Policy"]
 # (name, module, policy, its parameters to offload, the selected module it comes from)
@@ -310,7 +310,7 @@ def _bytes_of(marks: torch.Tensor, t: torch.Tensor, start: int) -> torch.Tensor:
 
 def scopes_in_files(plans: list[Plan], policy: Policy) -> set[str]:
     """The scopes whose masters stay in files under Policy(host_budget) (Note [masters in
-    files] in weights/file_masters.py)."""
+    files] in storage/file_masters.py)."""
     if policy.host_budget is None:
         return set()
     scopes = [(name, layout(host_sizes(scope_policy, params)[1])[1],

@@ -42,10 +42,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..core.hooks import FailureCheck, Hook
-from ..core.scope import Scope
-from ..core.slot import ParamSlot
 from ..dispatch.masters import without_subclass_dispatch
+from ..dispatch.slot import ParamSlot
+from ..engine.hooks import FailureCheck, Hook
+from ..scopes.scope import Scope
 
 
 class QuantKind(enum.Enum):

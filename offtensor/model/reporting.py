@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .api import MasterHome, Residency, ScopeSummary, Summary, TensorsSummary
-from .core.engine import engine_of, find_engine
-from .dispatch.param import OffloadedParameter
-from .weights.quantized import offloaded_weight
+from ..api import MasterHome, Residency, ScopeSummary, Summary, TensorsSummary
+from ..dispatch.param import OffloadedParameter
+from ..engine.engine import engine_of, find_engine
+from .quantized import offloaded_weight
 
 
 def is_wrapped(model: nn.Module) -> bool:

@@ -22,22 +22,25 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from .api import MasterHome, Policy, ScopeState
-from .budget.shared import SharedBudget
-from .core.engine import ENGINE_ATTR, Engine, engine_of
-from .core.experts import route_experts
-from .core.grads import new_host_grad
-from .core.hooks import ModelHooks, ScopeHooks
-from .core.memory import HostBuffer, PinnedMemoryError, pinning_available
-from .core.progress import Progress
-from .core.scope import Scope
-from .core.slot import ParamSlot, device_copy
-from .dispatch.function_apply import intercept_function_apply
-from .dispatch.masters import master_values, without_subclass_dispatch
-from .dispatch.param import OffloadedParameter
-from .distributed.wrappers import check_model
+from ..api import MasterHome, Policy, ScopeState
+from ..budget.shared import SharedBudget
+from ..dispatch.function_apply import intercept_function_apply
+from ..dispatch.masters import master_values, without_subclass_dispatch
+from ..dispatch.param import OffloadedParameter
+from ..dispatch.slot import ParamSlot, device_copy
+from ..dispatch.wrapper_guards import check_model
+from ..engine.engine import ENGINE_ATTR, Engine, engine_of
+from ..engine.grads import new_host_grad
+from ..engine.hooks import ModelHooks, ScopeHooks
+from ..optim.overlap import wait_for_steps
+from ..scopes.experts import route_experts
+from ..scopes.scope import Scope
+from ..storage.compress import FrozenFormat, PackedMaster, RowReader, StoredMaster, copy_rows
+from ..storage.file_masters import FileScope
+from ..storage.files import FileStore
+from ..storage.memory import HostBuffer, PinnedMemoryError, pinning_available
+from ..storage.staging import StagingRing
 from .guards import guard, remove_guards
-from .optim.overlap import wait_for_steps
 from .planning import (
     Predicate,
     check_budget,
@@ -51,11 +54,8 @@ from .planning import (
     scopes_in_files,
     select,
 )
-from .weights.compress import FrozenFormat, PackedMaster, RowReader, StoredMaster, copy_rows
-from .weights.file_masters import FileScope
-from .weights.files import FileStore
-from .weights.quantized import attach, weights_of
-from .weights.staging import StagingRing
+from .progress import Progress
+from .quantized import attach, weights_of
 
 logger = logging.getLogger("offtensor")
 
@@ -69,11 +69,11 @@ def wrap(model: nn.Module, predicate: Predicate | None = None, *,
 
 class ScopeSource(Protocol):
     """Where the masters' values come from when they are not in the model (offtensor.load,
-    weights/load.py, hands one down): each scope in turn, `begin`, `value` per parameter, `end`."""
+    model/load.py, hands one down): each scope in turn, `begin`, `value` per parameter, `end`."""
 
     label: str  # for the progress line
     # The files a scope's masters may stay in under Policy(host_budget) (Note [masters in
-    # files] in weights/file_masters.py); None: every master goes to host RAM.
+    # files] in storage/file_masters.py); None: every master goes to host RAM.
     store: FileStore | None
 
     def begin(self, name: str, params: list[tuple[str, nn.Parameter]]) -> None: ...
@@ -86,7 +86,7 @@ class ScopeSource(Protocol):
 def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.device | str | None,
                  policy: Policy | None, source: ScopeSource | None, shared: SharedBudget | None = None) -> nn.Module:
     """`wrap`; with `source`, the masters' values come from it scope by scope, and parameters
-    on the meta device are accepted (Note [loading scope by scope] in weights/load.py); with
+    on the meta device are accepted (Note [loading scope by scope] in model/load.py); with
     `shared`, the VRAM budget is shared with other models (Note [one budget across models] in
     budget/shared.py), which lays out once all are wrapped."""
     policy = policy if policy is not None else Policy()
@@ -106,7 +106,7 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
     plans = plan_scopes(selected)
     check_memory_not_shared(model, plans)
     check_budget(plans, policy)
-    in_files = scopes_in_files(plans, policy)  # Note [masters in files] (weights/file_masters.py)
+    in_files = scopes_in_files(plans, policy)  # Note [masters in files] (storage/file_masters.py)
     engine = Engine(device, policy, shared)
     intercept_function_apply()  # Note [custom autograd Functions] (dispatch/function_apply.py)
     # Unpinned (a CPU device, pin_memory False or "ring"), the masters are only copied.
@@ -127,7 +127,7 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
                 source.begin(name, params)
                 _offload_params(scope, params, device, source.value)
                 source.end()
-            engine.handles.extend(route_experts(scope, engine.expert_cache))  # Note [routed experts] (core/experts.py)
+            engine.handles.extend(route_experts(scope, engine.expert_cache))  # Note [routed experts] (experts.py)
             progress.advance(sum(p.numel() * p.element_size() for _, p in params))
             hooks = ScopeHooks(scope, engine)
             engine.scope_hooks.append(hooks)
@@ -154,13 +154,13 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
 
 def _unpinned_home(policy: Policy) -> MasterHome:
     """Where pageable masters go: staged through the ring, unless cast="host" copies from its
-    host shadow (Note [page-locked memory as a bounded resource] in core/memory.py)."""
+    host shadow (Note [page-locked memory as a bounded resource] in storage/memory.py)."""
     return MasterHome.PAGEABLE if policy.cast == "host" else MasterHome.RING
 
 
 def _stage(engine: Engine, device: torch.device, policy: Policy) -> None:
     """Give the scopes that load through a staging ring theirs (Note [staged loads] in
-    weights/staging.py): one per model, holding the engine weakly."""
+    storage/staging.py): one per model, holding the engine weakly."""
     staged = [s for s in engine.scopes if s.home in (MasterHome.RING, MasterHome.FILE)]
     if not staged:
         return
@@ -189,7 +189,7 @@ def _check_arguments(model: nn.Module, predicate: Predicate | None, policy: Poli
         )
     if not isinstance(policy, Policy):
         raise TypeError(f"offtensor.wrap: policy must be an offtensor.Policy, got {type(policy).__name__}")
-    check_model(model)  # no DDP or FSDP: Note [data-parallel wrappers] in distributed/wrappers.py
+    check_model(model)  # no DDP or FSDP: Note [data-parallel wrappers] in dispatch/wrapper_guards.py
     if getattr(model, ENGINE_ATTR, None) is not None:
         raise RuntimeError(
             f"offtensor.wrap: this {type(model).__name__} is already wrapped "
@@ -286,7 +286,7 @@ def _restore_params(scope: Scope) -> None:
 def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device: torch.device,
                     values: Callable[[str, nn.Parameter], torch.Tensor | RowReader] | None = None) -> None:
     """Lay the scope's masters out in its host buffer (or, for a scope in files, `scope.files`:
-    Note [masters in files] in weights/file_masters.py) and make each parameter offloaded.
+    Note [masters in files] in storage/file_masters.py) and make each parameter offloaded.
     `values(qualified_name, p)` gives each master's values (offtensor.load reads them from a
     checkpoint); default: the parameter's own."""
     dtypes = compute_dtypes(scope.policy, params)
@@ -296,10 +296,10 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     dev_offsets, scope.device_nbytes = layout(
         [p.numel() * dt.itemsize for (_, p), dt in zip(params, dtypes, strict=True)]
     )
-    # A compressed master is dequantized on the device: loaded as a cast is (core/loading.py).
+    # A compressed master is dequantized on the device: loaded as a cast is (scopes/loading.py).
     scope.casts = any(packs) or any(dt != p.dtype for (_, p), dt in zip(params, dtypes, strict=True))
     # Each master gets a storage of its own in the scope's one host allocation (Note [one
-    # storage per master] in core/memory.py); host_flat spans them all for the bulk copy.
+    # storage per master] in storage/memory.py); host_flat spans them all for the bulk copy.
     files = scope.files
     masters = None if files is not None else _host_buffer(scope)
     if masters is not None:
@@ -314,7 +314,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     for (qual, p), offset, dev_offset, dt, pk in zip(params, offsets, dev_offsets, dtypes, packs, strict=True):
         value = p.detach() if values is None else values(qual, p)
         packed: StoredMaster | None = None
-        if files is not None:  # Note [masters in files] (weights/file_masters.py)
+        if files is not None:  # Note [masters in files] (storage/file_masters.py)
             packed = files.master(qual, p, offset, fmt if pk else None, value)
             host = packed.placeholder()
         elif pk:
@@ -352,7 +352,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
 
 def _host_buffer(scope: Scope) -> HostBuffer:
     """The scope's host allocation; pageable, staged through the ring, when pinning fails (Note
-    [page-locked memory as a bounded resource] in core/memory.py)."""
+    [page-locked memory as a bounded resource] in storage/memory.py)."""
     if scope.pinned:
         try:
             return HostBuffer(scope.nbytes, pin=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .slot import ParamSlot
+from ..dispatch.slot import ParamSlot
 from .streams import Streams
 
 
@@ -42,7 +42,7 @@ class DeviceBuffer:
 
     def allocate(self, streams: Streams) -> None:
         """Allocate the storage on the compute stream; the copy stream waits for that (Note
-        [ordering across streams] in core/streams.py)."""
+        [ordering across streams] in scopes/streams.py)."""
         self.storage.resize_(self.nbytes)
         streams.wait(streams.h2d(), streams.record(streams.compute()))  # alloc_done
 

@@ -13,7 +13,7 @@ pass for a streamed scope): each use adds 1 to a score halved every HALF_LIFE lo
 cache admits a row only over a lower-scored one, which it evicts (rows seen but not held keep
 their scores, so a row used often earns its place). Kept scopes keep their own rows and use
 no cache. A row is used only while its master is as copied: the scope's `master_writes` (every
-write through the parameter, an optimizer step on any thread, `p.data` handed out: core/
+write through the parameter, an optimizer step on any thread, `p.data` handed out: engine/
 writes.py), the master's version (detached aliases) and its `p.data` aliases' versions equal
 those at its copy, and no deferred step is pending; else it is dropped (Note [writes during a
 scope's call], the staging ring's write_mark). Rows live in their own device tensors, allocated
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .slot import ParamSlot
+from ..dispatch.slot import ParamSlot
 from .write_tracking import version_of
 
 HALF_LIFE = 8.0  # loads of the scope after which a row's score counts half

@@ -6,7 +6,7 @@ A decode token uses k of a layer's E experts (8 of 128 in Qwen3-30B-A3B), so cop
 scope moves about E/k times the bytes of experts the token needs. A routed expert parameter is
 laid out in its scope's buffers like any other (the device buffer has room for all E experts),
 but copy_order puts the routed parameters last, the load plan ends a chunk before them
-(core/loading.py), and a load in forward copies only the chunks before: the layer's other
+(scopes/loading.py), and a load in forward copies only the chunks before: the layer's other
 parameters prefetch as before. An op on a routed parameter inside its scope takes the general
 path of ops (`ParamSlot.ready_copy` refuses it until every expert is there), which, once the
 scope is resident, copies the experts that op reads (Note [which experts an op reads]) into
@@ -32,7 +32,7 @@ already does so at each expert (`expert_idx == num_experts`), grouped_mm's hint 
 
 # Note [routed experts in backward]
 The results are views of the device copy, the parameter's one leaf, so gradients reach the
-master by the usual path (Note [gradient path] in core/grads.py), exactly, trainable experts
+master by the usual path (Note [gradient path] in engine/grads.py), exactly, trainable experts
 included; experts no op read get zero gradients, as in plain autograd. Backward reads the views
 it saved without an op on the parameter, so a load in backward (`in_backward`) copies the routed
 experts whole, as do a scope's first load when it converts (it has no load plan yet), the staging
@@ -59,11 +59,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..api import Residency
-from ..weights.compress import PackedMaster, unpack_rows_into
+from ..dispatch.slot import ParamSlot
+from ..storage.compress import PackedMaster, unpack_rows_into
 from .expert_cache import ExpertCache
 from .loading import Traffic
 from .scope import Scope
-from .slot import ParamSlot
 from .streams import Streams
 
 logger = logging.getLogger("offtensor")

@@ -22,7 +22,7 @@ grad): reentrant checkpointing's CheckpointFunction, seen through offtensor's Fu
 A backward that builds a graph (create_graph=True: `torch.autograd.grad(d_real.sum(), real,
 create_graph=True)` for an R1 penalty) keeps the graph it differentiated, and the one it built
 reads the scopes' device copies of that forward, retired at release (Note [higher-order
-gradients] in core/device_buffer.py). The calls of that forward can thus still add to the gradients,
+gradients] in scopes/device_buffer.py). The calls of that forward can thus still add to the gradients,
 through leaves of their own, so its end leaves `grad_calls_since_backward` as it is: reset, a
 second forward before the loss's backward (`d_fake = m(fake)`) would count one call per scope,
 and backward_and_step would step each scope at its first contribution, before the penalty's
@@ -75,7 +75,7 @@ class GradCalls:
 
     def backward_starts(self, scope: Scope, create_graph: bool) -> None:
         """The scope's backward is about to run; `create_graph`: it builds a graph of its own
-        (Note [higher-order gradients] in core/device_buffer.py)."""
+        (Note [higher-order gradients] in scopes/device_buffer.py)."""
         if create_graph:
             self.create_graph = True
         if self.create_graph:

@@ -25,10 +25,10 @@ import torch
 
 from ..api import MasterHome
 from ..dispatch.masters import without_subclass_dispatch
-from ..weights.file_masters import FileScope
-from ..weights.staging import StagingRing
-from .memory import HostBuffer
-from .slot import ParamSlot
+from ..dispatch.slot import ParamSlot
+from ..storage.file_masters import FileScope
+from ..storage.memory import HostBuffer
+from ..storage.staging import StagingRing
 from .write_tracking import version_of
 
 
@@ -37,7 +37,7 @@ class HostMasters:
 
     def __init__(self, pinned: bool) -> None:
         # Where the masters live and how loads read them (Note [staged loads] in
-        # weights/staging.py); wrap sets FILE or RING, with `ring` (the engine's
+        # storage/staging.py); wrap sets FILE or RING, with `ring` (the engine's
         # StagingRing) and, for FILE, `files` (a FileScope: where in the files each master is).
         self.home = MasterHome.PINNED if pinned else MasterHome.PAGEABLE
         self.ring: StagingRing | None = None
@@ -65,9 +65,9 @@ class HostMasters:
 
     def write_mark(self, slots: list[ParamSlot]) -> tuple[Any, ...]:
         """The writes to the masters so far, as the staging ring compares them (Note [staged
-        loads] in weights/staging.py): through the parameters, their views and detached
+        loads] in storage/staging.py): through the parameters, their views and detached
         aliases (versions), and through `p.data` aliases (their own versions, Note [p.data
-        aliases] in core/slot.py); masters in files are never written."""
+        aliases] in dispatch/slot.py); masters in files are never written."""
         if self.home is MasterHome.FILE:
             return ()
         return (self.master_writes, *((version_of(slot.param), slot.data_versions()) for slot in slots))
@@ -91,7 +91,7 @@ class HostMasters:
     def rehome(self, slots: list[ParamSlot], buffer: HostBuffer) -> None:
         """Point the masters at `buffer` (a HostBuffer with this layout that already holds their
         values); each master keeps a storage of its own (Note [one storage per master] in
-        core/memory.py)."""
+        storage/memory.py)."""
         for slot in slots:
             p = slot.param
             master = buffer.tensor(slot.offset, p.dtype, p.shape)

@@ -15,7 +15,7 @@ master bytes of each chunk that need converting cross into a staging buffer on t
 device copies once the chunk's copy has landed; the chunk's event is
 recorded after its conversion. The conversions thus overlap the next chunks' copies instead of
 delaying them, and the first op waits for its own matrix's copy and conversion only (see Note
-[streams and events] in core/streams.py). The staging buffer (host layout, the scope's `nbytes`)
+[streams and events] in scopes/streams.py). The staging buffer (host layout, the scope's `nbytes`)
 lives until the last conversion is enqueued; the allocator holds its memory until the cast
 stream is past it.
 """
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ..weights.compress import FusedDequantization
-from .slot import ParamSlot
+from ..dispatch.slot import ParamSlot
+from ..storage.compress import FusedDequantization
 from .streams import Streams
 
 CHUNK_BYTES = 32 * 2**20  # see Note [progressive loads]
@@ -46,7 +46,7 @@ MERGE_GAP = 256 * 2**10
 # move its bytes: parameters next to each other in both buffers' layouts copy as one run; the
 # staged masters of a converting load copy as runs of the host buffer (over the small parameters
 # between them, MERGE_GAP); and the fp8 dequantizations of a chunk run as one kernel over a
-# table of the chunk's matrices (FusedDequantization in weights/compress.py, on CUDA), the
+# table of the chunk's matrices (FusedDequantization in storage/compress.py, on CUDA), the
 # others one conversion per parameter. Each chunk is enqueued whole, so a parameter's chunk is
 # fixed by the plan; copies held back by a deferred step stop at the first chunk that holds a
 # parameter waiting for one, unless the load needs that chunk now (then the host waits for its
@@ -72,7 +72,7 @@ class LoadPlan:
 
     def __init__(self, order: list[ParamSlot], staged: bool, device: torch.device, routed: int = 0) -> None:
         """`routed`: how many routed expert parameters end copy_order (Note [routed experts] in
-        core/experts.py); a chunk ends before them, so that a load can leave them out."""
+        scopes/experts.py); a chunk ends before them, so that a load can leave them out."""
         self.order = order
         self.chunk_bytes = CHUNK_BYTES
         layout = sorted(order, key=lambda s: s.offset)
@@ -130,7 +130,7 @@ def _chunk(lo: int, slots: list[ParamSlot], rank: dict[ParamSlot, int], converti
 
 class Traffic:
     """What one scope moved to the device since wrap, and how often its routed experts were
-    already there (Note [routed experts] in core/experts.py): `summary()` reports them."""
+    already there (Note [routed experts] in scopes/experts.py): `summary()` reports them."""
 
     __slots__ = ("bytes_to_device", "expert_hits", "expert_misses")
 
@@ -185,7 +185,7 @@ class LoadProgress:
 
     def follow(self, plan: LoadPlan, host: torch.Tensor, device_flat: torch.Tensor, routed: bool) -> None:
         """Make this a progressive load by `plan`, from the host buffer `host` into `device_flat`;
-        without `routed`, not the routed experts (Note [routed experts] in core/experts.py)."""
+        without `routed`, not the routed experts (Note [routed experts] in scopes/experts.py)."""
         self.plan, self.host, self.device_flat = plan, host, device_flat
         self.end = len(plan.order) if routed else plan.routed_from
         self.chunk_count = len(plan.chunks) if routed else plan.unrouted_chunks
@@ -193,7 +193,7 @@ class LoadProgress:
     def copy_more(self, need: int) -> None:
         """Enqueue the next chunks of a progressive load, each with its event (Note [load plans]).
         A chunk holding a parameter whose deferred optimizer step is pending (Note [deferred step fences]
-        in core/slot.py) stops the copies there, unless it starts at or before position `need`:
+        in dispatch/slot.py) stops the copies there, unless it starts at or before position `need`:
         then the host waits for its steps."""
         plan, host, device_flat, streams = self.plan, self.host, self.device_flat, self.streams
         assert plan is not None and host is not None and device_flat is not None
@@ -250,7 +250,7 @@ class LoadProgress:
         """Enqueue the whole scope at once (on the current stream): `source` into the device
         buffer, or, for a converting load, into staging, converted at the next mark_chunk;
         `only`: just those parameters (a load that converts nothing)."""
-        if only is not None:  # not the routed experts (Note [routed experts] in core/experts.py)
+        if only is not None:  # not the routed experts (Note [routed experts] in scopes/experts.py)
             for slot in only:
                 n = slot.device_view.nbytes
                 device_flat[slot.device_offset : slot.device_offset + n].copy_(
@@ -300,7 +300,7 @@ def _converts(slot: ParamSlot) -> bool:
 
 def _convert(slot: ParamSlot, staging: torch.Tensor) -> None:
     """Write a parameter's device copy from its master's bytes in `staging` (host layout):
-    dequantized (Policy(frozen_format), Note [compressed masters] in weights/compress.py) or cast
+    dequantized (Policy(frozen_format), Note [compressed masters] in storage/compress.py) or cast
     to the compute dtype (Policy(cast="device"))."""
     if slot.packed is not None:
         slot.packed.unpack_into(slot.device_view, staging[slot.offset :])

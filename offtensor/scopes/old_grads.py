@@ -17,7 +17,7 @@ fetch that no gradient takes (a parameter the forward did not use, or one unfroz
 freed at the end of the backward (`Engine.end_backward`, `OldGrads.drop`), not only at the
 release: a kept or carried scope outlives the backward and would hold it beyond the budget. A
 frozen parameter's `p.grad` is not fetched at all: the gradient path drops what such a parameter
-gets (Note [frozen since the forward] in core/grads.py).
+gets (Note [frozen since the forward] in engine/grads.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from ..dispatch.masters import master_grad, master_requires_grad
+from ..dispatch.slot import ParamSlot
 from .loading import Traffic
-from .slot import ParamSlot
 from .streams import Streams
 
 
@@ -44,7 +44,7 @@ class OldGrads:
     def to_fetch(self) -> list[tuple[ParamSlot, torch.Tensor]]:
         """(slot, its host `p.grad`) for each parameter whose existing gradient is not fetched
         yet and not already added to in this backward; not a sparse one, which is added to on
-        the host (Note [sparse gradients] in core/grads.py), nor one of a frozen parameter, which
+        the host (Note [sparse gradients] in engine/grads.py), nor one of a frozen parameter, which
         gets no gradient to add to it (Note [stale gradient fetches])."""
         # `.grad` first: after zero_grad(set_to_none=True), the common case, it alone decides.
         return [(slot, g) for slot in self.slots if slot.old_grad is None and not slot.grad_written

@@ -7,7 +7,7 @@ of the same layout. The state says which of them holds usable weights:
 - OFFLOADED: only the host buffer. The device buffer's storage is resized to 0 bytes.
 - LOADING: device storage allocated and a host-to-device copy enqueued on the copy stream;
   `weights_ready` is the event recorded after it. Compute has not yet waited for all of it: ops
-  wait for the part they use (Note [progressive loads] in core/loading.py). What the load has
+  wait for the part they use (Note [progressive loads] in scopes/loading.py). What the load has
   done so far is a `LoadProgress`, which exists only in this state (`Scope.loading`).
 - RESIDENT: the compute stream has waited on `weights_ready`; ops may use the device copy.
 The transitions are Scope.load (OFFLOADED -> LOADING), make_resident (-> RESIDENT) and release
@@ -16,15 +16,15 @@ per-scope enums are `Residency`, how long a copy outlives its calls (streamed: u
 end; kept or carried under a VRAM budget: Note [VRAM budget] in budget/vram.py), and
 `MasterHome`, where the masters live and how a load reads them (pinned or pageable RAM, or
 staged through the staging ring from pageable RAM or a file: Note [staged loads] in
-weights/staging.py). The scopes of one model that are not OFFLOADED are listed, in load
+storage/staging.py). The scopes of one model that are not OFFLOADED are listed, in load
 order, in their `LiveScopes`.
 
 A scope delegates to its parts, each in a module of its own with its Notes: the host side
-(`HostMasters`, core/host_masters.py: Note [masters moved out of the host buffer]), the device
-buffer (`DeviceBuffer`, core/device_buffer.py: Note [higher-order gradients]), a load in flight
-(`LoadProgress`, core/loading.py: Note [progressive loads]), the writes its device copies have
-not seen (`WriteTracker`, core/write_tracking.py: Note [writes during a scope's call]) and the fetches
-of old gradients (`OldGrads`, core/old_grads.py: Note [stale gradient fetches]).
+(`HostMasters`, scopes/host_masters.py: Note [masters moved out of the host buffer]), the device
+buffer (`DeviceBuffer`, scopes/device_buffer.py: Note [higher-order gradients]), a load in flight
+(`LoadProgress`, scopes/loading.py: Note [progressive loads]), the writes its device copies have
+not seen (`WriteTracker`, scopes/write_tracking.py: Note [writes during a scope's call]) and the fetches
+of old gradients (`OldGrads`, scopes/old_grads.py: Note [stale gradient fetches]).
 
 # Note [autocast's cast cache]
 Autocast caches the reduced-precision cast of every leaf that requires grad (a device copy is
@@ -48,12 +48,12 @@ from torch import nn
 
 from ..api import Policy, Residency, ScopeState
 from ..dispatch.masters import master_requires_grad
+from ..dispatch.slot import ParamSlot, alive, in_backward, weakly
+from ..storage.memory import HostBuffer, PinningFallback
 from .device_buffer import DeviceBuffer
 from .host_masters import HostMasters
 from .loading import LoadPlan, LoadProgress, Traffic
-from .memory import HostBuffer, PinningFallback
 from .old_grads import OldGrads
-from .slot import ParamSlot, alive, in_backward, weakly
 from .streams import Streams
 from .write_tracking import WriteTracker
 
@@ -64,19 +64,19 @@ ALIGN = 256
 
 
 class GradSink(Protocol):
-    """Where device copies' gradients go (GradOffload in core/grads.py, above)."""
+    """Where device copies' gradients go (GradOffload in engine/grads.py, above)."""
 
     def on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None: ...
 
 
 class OpCopies(Protocol):
-    """What an op on a parameter computes with (OpAccess in core/access.py, above)."""
+    """What an op on a parameter computes with (OpAccess in engine/access.py, above)."""
 
     def materialize(self, slot: ParamSlot, op_device: torch.device | None) -> torch.Tensor | None: ...
 
 
 class WritesToMasters(Protocol):
-    """What a write to a master does to the device copies (MasterWrites in core/writes.py, above)."""
+    """What a write to a master does to the device copies (MasterWrites in engine/writes.py, above)."""
 
     def master_written(self, slot: ParamSlot) -> None: ...
 
@@ -86,8 +86,8 @@ class WritesToMasters(Protocol):
 
 
 class ScopeEngine(Protocol):
-    """The engine as its scopes see it (Engine in core/engine.py, above): what a scope is built
-    from, and what it asks for its slots (SlotScope in core/slot.py)."""
+    """The engine as its scopes see it (Engine in engine/engine.py, above): what a scope is built
+    from, and what it asks for its slots (SlotScope in dispatch/slot.py)."""
 
     streams: Streams
     live: LiveScopes
@@ -188,9 +188,9 @@ class Scope:
         self.engine = engine
         self.streams: Streams = engine.streams
         self.live: LiveScopes = engine.live
-        self.grad_sink = engine.grads.on_leaf_grad  # where device copies' gradients go (core/grads.py)
+        self.grad_sink = engine.grads.on_leaf_grad  # where device copies' gradients go (engine/grads.py)
         self.slots: list[ParamSlot] = []
-        self.routed: list[ParamSlot] = []  # Note [routed experts] (core/experts.py)
+        self.routed: list[ParamSlot] = []  # Note [routed experts] (scopes/experts.py)
         self.masters = HostMasters(pinned)
         self.device = DeviceBuffer()
         self.writes = WriteTracker(self.streams)
@@ -265,7 +265,7 @@ class Scope:
             self.first_uses.clear()
 
     def set_copy_order(self, order: list[ParamSlot]) -> None:
-        """Copy in `order`, routed experts last (Note [routed experts] in core/experts.py)."""
+        """Copy in `order`, routed experts last (Note [routed experts] in scopes/experts.py)."""
         self.copy_order = sorted(order, key=lambda s: s.experts is not None)  # stable
         for i, slot in enumerate(self.copy_order):
             slot.copy_index = i
@@ -304,7 +304,7 @@ class Scope:
 
     def take_back_masters(self) -> None:
         """Masters moved out of the host buffer go back into it (Note [masters moved out of the
-        host buffer] in core/host_masters.py)."""
+        host buffer] in scopes/host_masters.py)."""
         self.masters.take_back(self.slots)
 
     # ---- writes the device copies have not seen (Note [writes during a scope's call]) --------
@@ -345,21 +345,21 @@ class Scope:
         host = masters.flat
         if masters.ring is not None and self.loader is None:
             # A staged scope's bytes come from the staging ring (Note [staged loads] in
-            # weights/staging.py): read from its files, or copied from pageable masters.
+            # storage/staging.py): read from its files, or copied from pageable masters.
             try:
                 host = masters.ring.acquire(self)
             except BaseException:  # a failed read: nothing is loading
                 self.loading = None
                 self.device.storage.resize_(0)
                 raise
-        whole = _routed_loaded(self, progressive)  # Note [routed experts] (core/experts.py)
+        whole = _routed_loaded(self, progressive)  # Note [routed experts] (scopes/experts.py)
         with streams.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
             if self.casts and masters.shadow is None:
                 loading.stage(masters.nbytes, self.device.flat.device)
             if progressive:
                 assert self.copy_order is not None
                 plan = self.load_plan
-                if plan is None or not plan.current(self.copy_order):  # Note [load plans] (core/loading.py)
+                if plan is None or not plan.current(self.copy_order):  # Note [load plans] (scopes/loading.py)
                     plan = self.load_plan = LoadPlan(self.copy_order, self.casts, self.device.flat.device,
                                                      routed=len(self.routed))
                 loading.follow(plan, host, self.device.flat, routed=whole)
@@ -395,7 +395,7 @@ class Scope:
     def make_resident(self, upto: ParamSlot | None = None) -> None:
         """-> RESIDENT: the compute stream waits (device side) for the weights' copy; with
         `upto`, only for the chunks up to the one holding that parameter (Note [progressive
-        loads] in core/loading.py). Copies still held back by deferred optimizer steps are
+        loads] in scopes/loading.py). Copies still held back by deferred optimizer steps are
         enqueued first, the host waiting for the steps they need."""
         if self.state is ScopeState.RESIDENT:
             return
@@ -439,13 +439,13 @@ class Scope:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("release %s%s", self.name, streams.memory())
 
-    # ---- what its slots ask of the engine (SlotScope in core/slot.py) -------------------------
+    # ---- what its slots ask of the engine (SlotScope in dispatch/slot.py) -------------------------
 
     def compute_device(self) -> torch.device:
         return self.engine.device
 
     def materialize(self, slot: ParamSlot, op_device: torch.device | None) -> torch.Tensor | None:
-        """The tensor an op on `slot`'s parameter computes with; None: the master (core/access.py)."""
+        """The tensor an op on `slot`'s parameter computes with; None: the master (engine/access.py)."""
         return self.engine.access.materialize(slot, op_device)
 
     def master_written(self, slot: ParamSlot) -> None:
@@ -458,7 +458,7 @@ class Scope:
         self.engine.writes.master_handed_out(self, slot)
 
     def new_host_memory(self, nbytes: int, what: str) -> torch.Tensor:
-        """Host memory of the scope's kind (page-locked unless pinning failed, core/memory.py)."""
+        """Host memory of the scope's kind (page-locked unless pinning failed, storage/memory.py)."""
         return self.engine.pinning.empty(nbytes, pin=self.pinned, what=what)
 
     # ---- old gradients for accumulation (Note [stale gradient fetches]) ---------------------
@@ -475,7 +475,7 @@ def scope_of(slot: ParamSlot) -> Scope:
 def _routed_loaded(scope: Scope, progressive: bool) -> bool:
     """Whether a load starting now copies the scope's routed experts whole: in backward, or
     when it converts or is not the scope's own copy; else ops copy theirs (Note [routed
-    experts] in core/experts.py)."""
+    experts] in scopes/experts.py)."""
     masters = scope.masters
     plain = scope.loader is None and masters.ring is None and masters.shadow is None and not scope.casts
     whole = not scope.routed or in_backward() or not (progressive or plain)

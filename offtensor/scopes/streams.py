@@ -12,7 +12,7 @@ One `Streams` object per wrapped model owns every stream and event (created lazi
   of `Policy(frozen_format)`). They are kernels: on the copy stream they would hold back the
   next copy until they finish (the copy stream runs in order), so the PCIe link would idle
   while they run. On a stream of their own, each chunk's conversion waits only for that
-  chunk's copy, and the copies go on back to back (Note [progressive loads] in core/loading.py).
+  chunk's copy, and the copies go on back to back (Note [progressive loads] in scopes/loading.py).
 - step: the copies and kernels of optimizer steps run on the device during backward_and_step
   (Note [device steps] in optim/device_steps.py), issued by the optimizer worker: on a stream of
   their own they neither wait behind the next forward's loads nor hold them back.

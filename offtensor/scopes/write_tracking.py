@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ..dispatch.masters import without_subclass_dispatch
-from .slot import ParamSlot
+from ..dispatch.slot import ParamSlot
 from .streams import Streams
 
 
@@ -53,7 +53,7 @@ class WriteTracker:
             if self.copied_versions.get(slot, version) != version:
                 # Written since its last copy by a write no op on the parameter saw
                 # (`p.detach().mul_()`): this copy overwrites the storage a graph may have saved
-                # (Note [writes under a saved graph] in core/slot.py).
+                # (Note [writes under a saved graph] in dispatch/slot.py).
                 slot.device_copies_written()
             self.copied_versions[slot] = version
             slot.data_copied()
@@ -75,7 +75,7 @@ class WriteTracker:
     def written_since_copied(self, skip: Callable[[ParamSlot], bool] | None = None) -> bool:
         """A kept (or held) scope's masters changed since their copies were enqueued, by writes
         that did not go through an op on the parameter (Note [VRAM budget] in budget/vram.py),
-        `p.data` aliases' included (Note [p.data aliases] in core/slot.py); not counting the
+        `p.data` aliases' included (Note [p.data aliases] in dispatch/slot.py); not counting the
         slots for which `skip(slot)` is true."""
         return any(version_of(slot.param) != v or slot.data_written() for slot, v in self.copied_versions.items()
                    if skip is None or not skip(slot))

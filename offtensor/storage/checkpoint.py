@@ -122,7 +122,7 @@ class Checkpoint:
 
     def in_file(self, key: str, qual: str, like: torch.Tensor, store: FileStore) -> FileTensor | _Rows:
         """Where the tensor `key` is in its file, checked against `like` (parameter `qual`), to be
-        read there (Note [masters in files] in weights/file_masters.py); its RowReader for a dtype
+        read there (Note [masters in files] in storage/file_masters.py); its RowReader for a dtype
         safetensors names that torch lacks."""
         file = self.files[key]
         start, header = self._header(file)
@@ -169,7 +169,7 @@ class _SafeRows:
 
 
 class _Rows:
-    """Reads one checkpoint tensor a block of rows at a time (a RowReader, weights/compress.py),
+    """Reads one checkpoint tensor a block of rows at a time (a RowReader, storage/compress.py),
     in `like`'s dtype: preads of the file, or through safetensors for a dtype torch lacks
     (`safe`). `read_into` reads the whole tensor straight into its destination when that has the
     file's dtype (Note [loading at the disk's speed])."""

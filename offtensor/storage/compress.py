@@ -6,7 +6,7 @@ a model wrapped for inference) is only ever read. With `Policy.frozen_format` it
 on the host as 1-byte values (fp8 e4m3 or int8) and one scale per output row (row-wise absmax,
 the scale stored in the parameter's dtype), about half the bytes of bf16. A load moves those
 bytes into a staging buffer and dequantizes them on the cast stream into the scope's device
-buffer (`unpack_into`, from `LoadProgress.mark_chunk` in core/loading.py), chunk by chunk as
+buffer (`unpack_into`, from `LoadProgress.mark_chunk` in scopes/loading.py), chunk by chunk as
 they land, so ops see an ordinary tensor of the compute dtype, and the PCIe bytes halve too.
 
 The compressed values ARE the parameter's values from then on. What the parameter reports is
@@ -95,7 +95,7 @@ def _scale_offset(shape: torch.Size) -> int:
 
 class StoredMaster(Protocol):
     """A master kept apart from its parameter's own tensor, which is a placeholder: compressed
-    on the host (PackedMaster) or in a file (weights/file_masters.py, FileMaster).
+    on the host (PackedMaster) or in a file (storage/file_masters.py, FileMaster).
 
     This protocol is the one seam through which compression plugs into the core: a slot holds a
     `StoredMaster | None` (`ParamSlot.packed`), and the core (the scope's loads, the dispatch of
@@ -231,7 +231,7 @@ def unpack_rows_into(fmt: FrozenFormat, values: torch.Tensor, scale: torch.Tenso
     """Dequantize rows of a compressed master on `target`'s device: `values` (rows, cols) of
     `fmt`'s dtype and `scale` (rows,) of the master's dtype, on that device; `target` (rows,
     cols) of the compute dtype. Each row alone: the rows of one expert give the bytes the whole
-    master's unpacking gives them (Note [routed experts] in core/experts.py)."""
+    master's unpacking gives them (Note [routed experts] in scopes/experts.py)."""
     dtype, out, rows = scale.dtype, target, values.shape[0]
     scale = scale[:, None]
     if out.dtype == dtype and fmt is FrozenFormat.INT8:
@@ -248,7 +248,7 @@ def unpack_rows_into(fmt: FrozenFormat, values: torch.Tensor, scale: torch.Tenso
 
 @functools.cache
 def _fused_dequantize() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
-    """The one-kernel fp8 dequantization (Note [fused fp8 dequantization] in weights/kernels.py), or
+    """The one-kernel fp8 dequantization (Note [fused fp8 dequantization] in storage/kernels.py), or
     None where Triton is not installed: then two PyTorch kernels do it."""
     try:
         from .kernels import dequantize_rows
@@ -259,7 +259,7 @@ def _fused_dequantize() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], 
 
 class FusedDequantization:
     """The fp8 dequantizations of a scope's progressive load, one kernel per chunk (Note [load
-    plans] in core/loading.py): a table on the device of each matrix's offsets (its values and
+    plans] in scopes/loading.py): a table on the device of each matrix's offsets (its values and
     scales in staging, its device copy in the scope's device buffer), rows' length and size, in
     chunk order; each chunk's kernel reads its rows of the table."""
 
@@ -316,7 +316,7 @@ class FusedDequantization:
 
 
 # Reads rows [start, stop) of a tensor (dim 0), in increasing order, each once: a tensor not in
-# memory, read a block at a time (offtensor.load, Note [loading scope by scope] in weights/load.py).
+# memory, read a block at a time (offtensor.load, Note [loading scope by scope] in model/load.py).
 RowReader = Callable[[int, int], torch.Tensor]
 
 
@@ -329,7 +329,7 @@ def _reader(value: torch.Tensor | RowReader) -> RowReader:
 def copy_rows(dest: torch.Tensor, value: torch.Tensor | RowReader) -> None:
     """`dest.copy_(value)`, a block of rows at a time when `value` is a RowReader (small
     temporaries); a reader with `read_into(dest)` (a checkpoint's tensor) may read into `dest`
-    whole instead, returning True (Note [loading at the disk's speed] in weights/load.py)."""
+    whole instead, returning True (Note [loading at the disk's speed] in model/load.py)."""
     read_into = None if isinstance(value, torch.Tensor) else getattr(value, "read_into", None)
     if read_into is not None and read_into(dest):
         return

@@ -1,6 +1,6 @@
 """Masters read from files on demand (`Policy(host_budget=...)`). The loads of their scopes go
-through the staging ring (weights/staging.py, Note [staged loads]); the files themselves are
-weights/files.py.
+through the staging ring (storage/staging.py, Note [staged loads]); the files themselves are
+storage/files.py.
 
 # Note [masters in files]
 A model larger than host RAM can still be loaded from safetensors files: `offtensor.load` with
@@ -13,7 +13,7 @@ of the file scopes after it go on, so the disk rarely idles.
 A file scope's parameters hold a placeholder; each master is a `FileMaster` (a StoredMaster, as
 compressed masters are, so every read through the parameter — `p.data`, `state_dict()`, an op
 outside its scope, `unwrap` — reads its bytes from the file, Note [compressed masters] in
-weights/compress.py). Writes raise instead (`check_write`, before anything changes): a master that lives
+storage/compress.py). Writes raise instead (`check_write`, before anything changes): a master that lives
 in a file stays as the file has it. A checkpoint tensor in the parameter's dtype is read where
 the checkpoint holds it; the others (compressed by `frozen_format`, converted to the model's
 dtype, filled by `init=`) are written once, at load, to a cache file beside the checkpoint
@@ -29,9 +29,9 @@ from typing import NoReturn
 
 import torch
 
-from ..core.memory import HostBuffer
 from .compress import FrozenFormat, PackedMaster, RowReader, copy_rows, packed_nbytes, unpack_bytes_into
 from .files import FileHandle, FileStore, FileTensor
+from .memory import HostBuffer
 
 READ_CHUNK = 16 * 2**20  # bytes per read, so one scope's read spreads over the staging ring's readers
 

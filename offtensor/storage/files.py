@@ -1,6 +1,6 @@
 """The files that masters are read from: checkpoint files opened once and read with pread from any
 thread, where a checkpoint holds a tensor, and the cache file for the masters no checkpoint holds
-as they are kept (Note [masters in files] in weights/file_masters.py).
+as they are kept (Note [masters in files] in storage/file_masters.py).
 
 # Note [checkpoints that change]
 A file scope reads its masters from the checkpoint at every load, so new bytes written into the
@@ -95,7 +95,7 @@ _MAP_AT_LEAST = 2**20  # bytes: smaller reads are one pread
 
 def copy_from_file(handle: FileHandle, offset: int, dest: np.ndarray) -> None:
     """Fill `dest` (uint8, contiguous) with the file's bytes from `offset` on, through a mapping
-    of that range closed after the copy (Note [loading at the disk's speed] in weights/load.py)."""
+    of that range closed after the copy (Note [loading at the disk's speed] in model/load.py)."""
     nbytes = dest.size
     if nbytes == 0:
         return

@@ -24,7 +24,7 @@ slices keep the allocation (and its registration) alive until the last master is
 Page-locking can fail: a low `ulimit -l`, WSL and Windows cap it well below the RAM. A failed
 registration raises `PinnedMemoryError`; `wrap` then keeps the masters not pinned yet in pageable
 memory and stages their loads through the staging ring (`Policy(pin_memory="ring")`, Note [staged
-loads] in weights/staging.py), gradients in pageable memory, and logs one warning per wrapped
+loads] in storage/staging.py), gradients in pageable memory, and logs one warning per wrapped
 model (`PinningFallback`): nothing is lost, loads are slower. `OFFTENSOR_MAX_PINNED_BYTES=N`
 caps what offtensor page-locks at N bytes (registrations past it fail as a real one would), to
 test that path; on a machine without CUDA it also lets `Policy(pin_memory=True)` run, pinning
@@ -88,7 +88,7 @@ class HostBuffer:
 
     @classmethod
     def over(cls, array: np.ndarray) -> HostBuffer:
-        """A buffer over existing uint8 memory (shared memory: distributed/shm.py), pinned or not by its
+        """A buffer over existing uint8 memory (shared memory: storage/shm.py), pinned or not by its
         maker; its slices keep `array` (and what it maps) alive."""
         buffer = cls.__new__(cls)
         buffer._array = array

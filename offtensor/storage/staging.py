@@ -20,8 +20,8 @@ disk for a scope it does not need yet. A kept scope on the device (Policy(vram_b
 no place in the window: it loads nowhere. Pageable masters are read ahead only while no
 parameter of the scope is trainable or waits for a step; a fill is stale, and read again, when
 the scope's `write_mark` (writes through its parameters, versions of their masters and of the
-`p.data` aliases handed out: Note [p.data aliases] in core/slot.py) changed while it was read or
-staged. File scopes are never written (Note [masters in files] in weights/file_masters.py).
+`p.data` aliases handed out: Note [p.data aliases] in dispatch/slot.py) changed while it was read or
+staged. File scopes are never written (Note [masters in files] in storage/file_masters.py).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from ..api import MasterHome, Residency
-from ..core.memory import HostBuffer, PinnedMemoryError, PinningFallback
 from .files import FileHandle
+from .memory import HostBuffer, PinnedMemoryError, PinningFallback
 
 READERS = 4  # threads reading files into the ring: several reads in flight keep an NVMe drive busy
 _PAGE = 4096
@@ -204,7 +204,7 @@ class StagingRing:
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._threads: list[threading.Thread] = []
         # The checkpoint files the file scopes read, checked once per pass (Note [checkpoints that
-        # change] in weights/files.py): when a scope acquired since the last check comes again.
+        # change] in storage/files.py): when a scope acquired since the last check comes again.
         self._stores = list({id(s.files.store): s.files.store for s in scopes if s.home is MasterHome.FILE}.values())
         self._since_check: set[Any] = set()
         self._pid = os.getpid()
