@@ -196,7 +196,7 @@ def attention_backends(device: torch.device) -> Iterator[None]:
         yield
 
 
-# ---- the fp8 reference (Note [compressed masters] in weights/compress.py, as documented) ----
+# ---- the fp8 reference (Note [compressed masters] in storage/compress.py, as documented) ----
 
 FP8_MAX = 448.0  # float8 e4m3's largest finite value
 _ROWS_NUMEL = 2**24  # elements rounded at a time: the fp32 temporaries stay small

@@ -7,7 +7,7 @@
   page-locked in place, and the same with transparent huge pages (CUDA).
 
 offtensor's kind of host memory is rebuilt here from its description (Note [pinned host memory
-without the caching allocator] in offtensor/core/memory.py): the benchmark uses only public API.
+without the caching allocator] in offtensor/storage/memory.py): the benchmark uses only public API.
 """
 
 from __future__ import annotations

@@ -9,14 +9,14 @@ See README.md and docs/design.md.
 """
 
 from .api import Layout, MasterHome, Policy, Residency, ScopeState, ScopeSummary, Summary, TensorsSummary, frozen_only
-from .components import is_wrapped, summary, unwrap, wrap
-from .controls import no_offload, set_prefetch
 from .dispatch.param import OffloadedParameter
 from .distributed.data_parallel import data_parallel, sync_masters
 from .distributed.reducer import no_sync
 from .distributed.sharded_loads import local_loads
+from .model.components import is_wrapped, summary, unwrap, wrap
+from .model.controls import no_offload, set_prefetch
+from .model.load import load
 from .optim.overlap import OverlapReport, backward_and_step, last_stepped, wait_for_steps
-from .weights.load import load
 
 __all__ = [
     "Layout",

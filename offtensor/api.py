@@ -140,7 +140,7 @@ class Policy:
             load in forward leaves them out and an op copies in only the experts it reads
             (`w[idx]`; for whole-tensor ops such as grouped_mm, the experts the router chose),
             so a decode token moves the experts it uses, not the layer's all (Note [routed
-            experts] in core/experts.py). `"auto"` (default): the parameters of a module named
+            experts] in scopes/experts.py). `"auto"` (default): the parameters of a module named
             `experts` that are stacked per expert (transformers' MoE models: `gate_up_proj`,
             `down_proj`, their biases). A callable `experts(qualified_name, param) -> bool`
             marks them (a module of your own indexing a stacked weight). `None`: none, every
@@ -149,7 +149,7 @@ class Policy:
             that stream (kept scopes keep their own): a row an op needs is copied from there,
             device to device, instead of from the host; rows are kept by how often and how
             recently they were used, and dropped when their master is written (Note [expert
-            cache] in core/expert_cache.py; `summary()` shows the hit rate and the bytes held).
+            cache] in scopes/expert_cache.py; `summary()` shows the hit rate and the bytes held).
             Under a `vram_budget` in bytes the cache is carved from the budget: kept scopes are
             chosen within `vram_budget - expert_cache`, which must still hold the streaming
             room; not with `vram_budget="auto"`. `None` (default): no cache. Model-wide.

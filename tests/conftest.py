@@ -601,7 +601,7 @@ def assert_all_scopes_offloaded(model: nn.Module) -> None:
     hold exactly their weights, equal to the masters (a stale copy would be a silent wrong
     answer at the next forward)."""
     import offtensor
-    from offtensor.core.engine import find_engine as _find_engine
+    from offtensor.engine.engine import find_engine as _find_engine
 
     scopes = offtensor.summary(model).scopes
     assert scopes, "summary() lists no scope"
@@ -640,7 +640,7 @@ def most_device_bytes(monkeypatch):
     """The largest sum of the scopes' device weights seen right after any load starts (the
     budget bounds weights; old gradients fetched for accumulation come on top)."""
     seen = [0]
-    from offtensor.core import scope as _scope
+    from offtensor.scopes import scope as _scope
 
     real = _scope.Scope._start_load
 

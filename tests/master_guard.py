@@ -37,10 +37,10 @@ one of those ranges; the message maps the address to the slot's qualified name.
   (``device.flat.copy_(masters.flat)``, ``device_view.copy_(param)``) and its CUDA temporary
   copies. A master as the *destination* (a write) inside forward/backward is flagged.
 - ``aten.slice`` of a scope's ``masters.flat`` itself (the tensor object, not a parameter): a run
-  of the host buffer that a load copies from (Note [load plans] in offtensor/core/loading.py);
+  of the host buffer that a load copies from (Note [load plans] in offtensor/scopes/loading.py);
   ``aten.select`` and ``aten.slice`` of a slot's ``master`` (offtensor's plain tensor over the
   master's bytes, not the parameter): the rows of a routed expert a load copies (Note [routed
-  experts] in offtensor/core/experts.py).
+  experts] in offtensor/scopes/experts.py).
 - ``aten._to_copy``: offtensor's CPU temporary copy (``master.detach().to(copy=True)``). When the
   guarded engine computes on CUDA, a ``_to_copy`` whose result stays on the CPU is flagged (that
   is a user's ``w.T.float()``; offtensor copies to the device with ``copy_``).
@@ -117,7 +117,7 @@ def _kind_of(func) -> int:
 
 def _worker_state() -> Any:
     try:
-        from offtensor.core.slot import worker_state
+        from offtensor.dispatch.slot import worker_state
     except ImportError:  # the core moved it: then optimizer steps on this thread are checked too
         return None
     return worker_state

@@ -1,5 +1,5 @@
 """Every `Note [name]` reference resolves: to exactly one Note of that name, and, where the
-reference names a file ("Note [x] in core/hooks.py", "Note [x] (rooflines.py)"), to that file.
+reference names a file ("Note [x] in engine/hooks.py", "Note [x] (rooflines.py)"), to that file.
 
 A Note is defined by a heading alone on its line followed by its text:
 - in a comment, `# Note [name]` and then comment lines (`#`) that continue it;

@@ -1,1 +1,2 @@
-"""The VRAM budget: which scopes stay on the device, laid out by measured time."""
+"""Layer 4, the VRAM budget: which scopes stay on the device, laid out by measured time. Imports scopes/
+and below."""

@@ -19,7 +19,7 @@ Under `Policy(host_budget)` a scope whose masters are in files copies no faster 
 reads it into the staging ring: its copy costs its bytes at the slower of the link and the
 drive's time per byte over the measured pass's reads (`StagingRing.read_stats`), so the layout
 keeps file scopes first, each read once and then resident; the link is timed from a ring slot
-when the largest scope is staged (Note [staged loads] in weights/staging.py).
+when the largest scope is staged (Note [staged loads] in storage/staging.py).
 """
 
 from __future__ import annotations

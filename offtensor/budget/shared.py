@@ -1,6 +1,6 @@
 """One VRAM budget across several wrapped models that run one at a time: the components of a
 diffusers pipeline wrapped by `offtensor.wrap(pipe, policy=Policy(vram_budget=...))`
-(components.py). Each model keeps its own engine and schedule; its budget is a `MemberBudget`
+(model/components.py). Each model keeps its own engine and schedule; its budget is a `MemberBudget`
 of one `SharedBudget`, which chooses what every member keeps.
 
 # Note [one budget across models]
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from ..api import Layout, Policy, Residency, ScopeState
-from ..core.scope import LiveScopes, Scope
-from ..core.streams import Streams
-from ..weights.staging import StagingRing
+from ..scopes.scope import LiveScopes, Scope
+from ..scopes.streams import Streams
+from ..storage.staging import StagingRing
 from .layout import Measuring, Member, Prediction, choose_across
 from .timed import TimedLayout
 from .vram import VramBudget, keep_within, streaming_bytes

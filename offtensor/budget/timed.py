@@ -8,10 +8,10 @@ from collections.abc import Callable
 import torch
 
 from ..api import MasterHome, Policy
-from ..core.grad_calls import trainable
-from ..core.scope import Scope
-from ..core.streams import Streams
-from ..weights.staging import StagingRing
+from ..scopes.grad_calls import trainable
+from ..scopes.scope import Scope
+from ..scopes.streams import Streams
+from ..storage.staging import StagingRing
 from .layout import (
     Measuring,
     PassTimer,

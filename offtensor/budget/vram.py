@@ -67,10 +67,10 @@ from collections.abc import Callable
 import torch
 
 from ..api import Layout, Policy, Residency, ScopeState
-from ..core.grad_calls import trainable
-from ..core.scope import LiveScopes, Scope
-from ..core.streams import Streams
-from ..weights.staging import StagingRing
+from ..scopes.grad_calls import trainable
+from ..scopes.scope import LiveScopes, Scope
+from ..scopes.streams import Streams
+from ..storage.staging import StagingRing
 from .layout import Prediction
 from .timed import TimedLayout
 

@@ -1,1 +1,3 @@
-"""The parameter subclass: how an op on an offloaded parameter gets its device copy, and torch.compile."""
+"""Layer 2, the parameter: its slot (`ParamSlot`), the subclass (`OffloadedParameter`) and how an op on it
+gets its device copy, writes to masters, gradients, torch.compile, and the guards against DDP and FSDP.
+Imports storage/ and below."""

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..core.slot import ParamSlot
 from .masters import without_subclass_dispatch
+from .slot import ParamSlot
 
 # Note [gradients with respect to a parameter]
 # `torch.autograd.grad(loss, params)` and `loss.backward(inputs=params)` name the parameters
@@ -29,7 +29,7 @@ from .masters import without_subclass_dispatch
 #   and returns it as `p.grad` is, on the host in the master's dtype (differentiable under
 #   create_graph); an input no leaf of which got a gradient is unused, as torch treats it.
 # - `backward(inputs=...)` accumulates into the leaves, whose gradients take the usual path to
-#   the host `p.grad` (Note [gradient path] in core/grads.py); other parameters' are left alone.
+#   the host `p.grad` (Note [gradient path] in engine/grads.py); other parameters' are left alone.
 # A parameter with no such leaf (frozen, or in no graph yet) is passed as a plain alias of its
 # master. These two run with subclass dispatch on: a checkpoint's recompute runs the model's
 # forward inside them, and its ops must get device copies. Nothing offloaded is left among the
@@ -130,7 +130,7 @@ def autograd_backward(offloaded: set[int], tensors: Any, grad_tensors: Any = Non
 # Note [user gradient hooks]
 # The device copy, not the master, is what autograd differentiates, so hooks registered on the
 # master would never fire. We keep them on the ParamSlot and call them from the gradient path
-# (core/grads.py): `register_hook` hooks see each backward contribution (on
+# (engine/grads.py): `register_hook` hooks see each backward contribution (on
 # the device, before accumulation), post-accumulate-grad hooks see the parameter once its host
 # `.grad` is complete, at the end of backward. `torch.autograd.grad` over an offloaded
 # parameter runs its `register_hook` hooks on the sum of its leaves' gradients and returns what

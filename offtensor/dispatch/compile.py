@@ -14,7 +14,7 @@ which to wait for a chunk of a copy or a deferred optimizer step. So the two are
 - the compiled backward reads the scope's storage, loaded again before it (Note [a compiled
   backward]);
 - a write to a parameter there writes its device copy, which the post-hook copies into the
-  master (Note [writes in compiled code] in core/writes.py);
+  master (Note [writes in compiled code] in engine/writes.py);
 - an op on a parameter outside its own scope breaks the graph and runs eagerly (Note [an op in
   compiled code] in dispatch/param.py);
 - `backward_and_step` and `wait_for_steps` (optim/overlap.py) call themselves outside dynamo,
@@ -36,7 +36,7 @@ def _call(fn: Any, args: tuple) -> Any:
 
 
 # Note [hooks outside dynamo]
-# `Hook.__call__` (core/hooks.py) calls its hook through `run_outside_dynamo` when
+# `Hook.__call__` (engine/hooks.py) calls its hook through `run_outside_dynamo` when
 # `in_compiled_region()`. Traced, `torch.compiler.is_compiling()` is a constant True; run natively
 # by compiled code (dynamo compiles or skips the hook's frame after the graph break, or runs it
 # eagerly past the recompile limit), dynamo's frame-evaluation callback is installed on the
@@ -58,7 +58,7 @@ def in_compiled_region() -> bool:
 
 # Note [device copies as graph inputs]
 # In a compiled region a scope's hooks are `ScopeHooks.compiled_pre_forward` and
-# `compiled_post_forward` (core/hooks.py). The first runs the eager hook, makes the whole scope
+# `compiled_post_forward` (engine/hooks.py). The first runs the eager hook, makes the whole scope
 # resident (waiting for every chunk of its copy and every deferred optimizer step, which
 # `__torch_function__` would do op by op) and registers each parameter's device copy
 # (`ParamSlot.use_device_copy`, the leaf the eager path hands to ops) in its module's
@@ -75,11 +75,11 @@ def in_compiled_region() -> bool:
 # Note [a compiled backward]
 # Gradients take the eager path: autograd accumulates into the device copy, a leaf whose
 # post-accumulate-grad hook sends the gradient to the host `.grad` (Note [gradient path] in
-# core/grads.py). The compiled backward reads what the forward saved: the device copies or views
+# engine/grads.py). The compiled backward reads what the forward saved: the device copies or views
 # of them (AOTAutograd saves graph inputs as they are), which share the scope's device storage.
 # The scope is loaded again into that storage before its backward runs (the output-gradient hook
-# of Note [backward triggers] in core/hooks.py), as in eager mode (Note [why storage is resized
-# instead of reassigned] in core/slot.py), and released after the input gradients, which the
+# of Note [backward triggers] in engine/hooks.py), as in eager mode (Note [why storage is resized
+# instead of reassigned] in dispatch/slot.py), and released after the input gradients, which the
 # compiled backward computes in the same node as the weight gradients. Tensors the forward
 # computed from the weights (a transposed or cast copy) are the graph's own buffers. A checkpoint
 # traced into a block's graph (transformers checkpoints a layer's `forward`, inside its hooks)

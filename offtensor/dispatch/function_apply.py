@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from .. import patches
-from ..core.slot import on_optimizer_worker
 from .masters import await_steps, without_subclass_dispatch
 from .ops import op_device, replacements, substitute
 from .param import OffloadedParameter, find_params
+from .slot import on_optimizer_worker
 
 # Note [custom autograd Functions]
 # `torch.autograd.Function.apply` is no op: it does not reach `__torch_function__`, so a custom
@@ -21,7 +21,7 @@ from .param import OffloadedParameter, find_params
 # Liger's fused linear cross-entropy and unsloth's LoRA kernels are called) would get the
 # OffloadedParameter itself. Autograd would then record the master as the Function's input and
 # accumulate the Function's gradient into it by its own AccumulateGrad, past the gradient path
-# (Note [gradient path] in core/grads.py): the parameter's `register_hook` hooks, data_parallel's
+# (Note [gradient path] in engine/grads.py): the parameter's `register_hook` hooks, data_parallel's
 # averaging and backward_and_step's worker would not see it, and on CUDA autograd refuses a
 # device gradient for a host parameter; `ctx.save_for_backward(weight)` would save the master,
 # which a non-reentrant checkpoint's recompute hands to backward as a plain alias. So `wrap`
@@ -35,7 +35,7 @@ from .param import OffloadedParameter, find_params
 def _function_apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
     """`torch.autograd.Function.apply` with offloaded arguments replaced (Note [custom autograd
     Functions]); counted in `recorded_functions` while its forward runs, when autograd records
-    it (Note [calls inside a checkpointed region] in core/grad_calls.py)."""
+    it (Note [calls inside a checkpointed region] in scopes/grad_calls.py)."""
     params = find_params(args, kwargs)
     if params and not on_optimizer_worker():
         args, kwargs = without_subclass_dispatch(_materialized_arguments, args, kwargs, params)

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..core.slot import in_backward, on_optimizer_worker
-from ..weights.compress import packed_of
+from ..storage.compress import packed_of
+from .slot import in_backward, on_optimizer_worker
 
 _disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 _TensorBase = torch._C.TensorBase
@@ -47,14 +47,14 @@ def without_subclass_dispatch(fn: Any, *args: Any) -> Any:
 
 def master_values(p: torch.Tensor) -> torch.Tensor:
     """A copy of the master's values, with subclass dispatch off: a compressed master's are
-    unpacked (Note [compressed masters] in weights/compress.py)."""
+    unpacked (Note [compressed masters] in storage/compress.py)."""
     packed = packed_of(p)
     return packed.unpack() if packed is not None else p.detach().clone()
 
 
 def await_steps(params: Sequence[torch.Tensor], func: Any) -> None:
     """Wait for the deferred optimizer steps of the parameters an op or property access uses
-    (Note [deferred step fences] in core/slot.py); nothing to do unless one is pending. A shared master that
+    (Note [deferred step fences] in dispatch/slot.py); nothing to do unless one is pending. A shared master that
     another rank may be stepping is not read at all (Note [barrier across ranks] in distributed/shared_masters.py)."""
     for p in params:
         slot = getattr(p, "_ot", None)
@@ -76,7 +76,7 @@ def _reads_values(func: Any) -> bool:
 
 def master_grad(p: torch.Tensor) -> torch.Tensor | None:
     """`p.grad` of the master itself, once its deferred step is done (Note [deferred step fences] in
-    core/slot.py), without a round trip through `__torch_function__`: a property read on a tensor
+    dispatch/slot.py), without a round trip through `__torch_function__`: a property read on a tensor
     subclass dispatches it unless subclass dispatch is off, and the gradient path reads it for
     every gradient."""
     slot = getattr(p, "_ot", None)

@@ -10,7 +10,7 @@ itself, which `__torch_function__` would hand them (Note [dispatch of an offload
 in dispatch/param.py): so OffloadedParameter defines them as Python properties, found before
 TensorBase's own. Shape, dtype, device and numel cannot change after wrap (a dtype change or
 a new shape is refused, the master never leaves its host buffer): the slot holds them
-(`ParamMeta`, core/slot.py). `requires_grad` and `.grad` are read from the master with subclass dispatch off.
+(`ParamMeta`, dispatch/slot.py). `requires_grad` and `.grad` are read from the master with subclass dispatch off.
 A `.grad` read or write still waits for a pending optimizer step (the worker reads and may
 write it): with a fence pending, or a shared master another rank steps, these take the
 dispatched path. Writes to `requires_grad` (refused on compressed masters) always do.

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ..core.slot import on_optimizer_worker
 from . import compile as _compile
 from .masters import MASTER_ONLY
+from .slot import on_optimizer_worker
 from .writes import is_inplace, written
 
 # Note [ops in a resident scope]
@@ -28,7 +28,7 @@ from .writes import is_inplace, written
 # per op was the gap between a kept model and the resident one. So `resident_copies` answers
 # this case first: an op that only reads (`reads_only`, decided once per function by the
 # caller), no tracing or torch.func transform, not the optimizer worker, and each parameter in
-# the top-level arguments with a copy that `ParamSlot.ready_copy` (core/slot.py) gives without
+# the top-level arguments with a copy that `ParamSlot.ready_copy` (dispatch/slot.py) gives without
 # host work, which is also where `OpAccess.materialize` starts. Anything else goes the general way.
 
 
@@ -98,7 +98,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict, params: Sequence[torch.Tensor
     subs = replacements(params, op_device(args, kwargs, offloaded))
     if not subs:
         return func(*args, **kwargs)
-    for p in params:  # routed experts: the rows the op reads (Note [routed experts] in core/experts.py)
+    for p in params:  # routed experts: the rows the op reads (Note [routed experts] in scopes/experts.py)
         slot = getattr(p, "_ot", None)
         if slot is not None and slot.experts is not None and subs.get(id(p)) is slot.device_leaf:
             slot.experts.before_op(func, args, p)

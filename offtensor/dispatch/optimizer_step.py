@@ -9,10 +9,10 @@ from typing import Any
 import torch
 
 from .. import patches
-from ..core.slot import on_optimizer_worker
 from . import compile as _compile
 from .masters import master_grad
 from .param import OffloadedParameter
+from .slot import on_optimizer_worker
 
 # Note [a compiled optimizer step]
 # An eager `optimizer.step()` writes each master through an in-place op on the parameter, which

@@ -28,14 +28,14 @@ import torch
 from torch import nn
 
 from ..api import MasterHome
-from ..core.slot import ParamSlot, on_optimizer_worker
-from ..distributed import wrappers as _distributed
-from ..weights.compress import AS_PLAIN, compressed_special, packed_of, packed_property, packed_torch_function
+from ..storage.compress import AS_PLAIN, compressed_special, packed_of, packed_property, packed_torch_function
 from . import compile as _compile
 from . import metadata as _metadata
+from . import wrapper_guards as _distributed
 from .autograd import AUTOGRAD_ENTRIES, REGISTRARS
 from .masters import DERIVED_PROPERTIES, MASTER_ONLY, await_steps, master_values, without_subclass_dispatch
 from .ops import dispatch, resident_copies, run_op
+from .slot import ParamSlot, on_optimizer_worker
 from .writes import is_inplace, set_data, set_master, writes_by_name, written
 
 
@@ -47,7 +47,7 @@ class OffloadedParameter(nn.Parameter):
     parameter objects in place (their identity, and any optimizer built on them, is kept).
     """
 
-    _ot: ParamSlot  # its bookkeeping (core/slot.py)
+    _ot: ParamSlot  # its bookkeeping (dispatch/slot.py)
 
     # Read without __torch_function__: Note [metadata without dispatch] (dispatch/metadata.py)
     shape = _metadata.shape  # type: ignore[assignment]
@@ -94,7 +94,7 @@ class OffloadedParameter(nn.Parameter):
 
     def __reduce_ex__(self, proto):  # type: ignore[override]
         # Pickle (torch.save) as a plain Parameter: the offloading is a runtime arrangement
-        # (Note [copies of a wrapped model] in core/hooks.py).
+        # (Note [copies of a wrapped model] in engine/hooks.py).
         await_steps([self], torch.Tensor.clone)  # pickling reads the values
         return without_subclass_dispatch(_reduce, self)
 
@@ -128,7 +128,7 @@ def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__", "__delete__"):
         prop = getattr(func.__self__, "__name__", "")
-        if packed_of(args[0]) is not None:  # Note [compressed masters] (weights/compress.py)
+        if packed_of(args[0]) is not None:  # Note [compressed masters] (storage/compress.py)
             result = packed_property(name, prop, args)
             if result is not AS_PLAIN:
                 return result
@@ -138,12 +138,12 @@ def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
             slot = args[0]._ot
             slot.scope.master_handed_out(slot)  # Note [VRAM budget]
             alias = func(*args, **kwargs)
-            slot.data_handed_out(alias)  # Note [p.data aliases] (core/slot.py)
+            slot.data_handed_out(alias)  # Note [p.data aliases] (dispatch/slot.py)
             return alias
         if name == "__get__" and prop in DERIVED_PROPERTIES:
             return dispatch(func, args, kwargs, params)  # `w.T` is an op on w
         return func(*args, **kwargs)  # `p.grad`, `p.shape`: the parameter itself
-    if any(packed_of(p) is not None for p in params):  # Note [compressed masters] (weights/compress.py)
+    if any(packed_of(p) is not None for p in params):  # Note [compressed masters] (storage/compress.py)
         offloaded = {id(p) for p in params}
         writes = written(func, args, kwargs, offloaded) if is_inplace(func, args, kwargs, offloaded) else set()
         return packed_torch_function(func, args, kwargs, params, writes, MASTER_ONLY,
@@ -190,7 +190,7 @@ def _repr(p: OffloadedParameter) -> str:
     slot = getattr(p, "_ot", None)
     if slot is None:
         return f"OffloadedParameter(detached from offtensor, shape={tuple(p.shape)})"
-    home = slot.scope.home  # Note [staged loads] in weights/staging.py
+    home = slot.scope.home  # Note [staged loads] in storage/staging.py
     where = "pinned cpu" if home is MasterHome.PINNED else "a file" if home is MasterHome.FILE else "cpu"
     return (
         f"OffloadedParameter(name={slot.name!r}, shape={tuple(p.shape)}, "
@@ -201,7 +201,7 @@ def _repr(p: OffloadedParameter) -> str:
 
 
 def _reduce(p: OffloadedParameter) -> tuple:
-    packed = packed_of(p)  # Note [compressed masters] (weights/compress.py): its values, unpacked
+    packed = packed_of(p)  # Note [compressed masters] (storage/compress.py): its values, unpacked
     values = packed.unpack() if packed else p.detach()
     attributes = _attributes(p)
     if not attributes:
@@ -217,7 +217,7 @@ def _attributes(p: OffloadedParameter) -> dict[str, Any]:
 
 def _detach(p: OffloadedParameter) -> torch.Tensor:
     """`p.detach()`: the master. DistributedDataParallel's constructor detaches every parameter;
-    refused for offloaded ones (Note [data-parallel wrappers] in distributed/wrappers.py)."""
+    refused for offloaded ones (Note [data-parallel wrappers] in dispatch/wrapper_guards.py)."""
     slot = getattr(p, "_ot", None)
     if _distributed.active():
         _distributed.check_ddp_init(slot.name if slot is not None else "?")
@@ -258,7 +258,7 @@ _PARAMETER_NEW = nn.Parameter.__new__.__code__
 # would step unnormalized weights. So the renormalization is an op of its own on the parameter,
 # an in-place write of the master (with the indices on the master's device: a host sync, only
 # with max_norm), which marks the device copy for a refresh before the lookup (Note [writes
-# during a scope's call] in core/write_tracking.py); the lookup then runs without max_norm.
+# during a scope's call] in scopes/write_tracking.py); the lookup then runs without max_norm.
 def _renormalizing(func: Any) -> Any:
     signature = inspect.signature(func)
 

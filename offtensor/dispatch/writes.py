@@ -18,7 +18,7 @@ _SETITEM = torch.Tensor.__setitem__
 
 def set_data(p: torch.Tensor, value: torch.Tensor, what: str = "set .data of") -> None:
     """`p.data = t` copies into the host master instead of rebinding it (the master must stay in
-    the scope's pinned buffer). `model.cuda()` never gets here: see Note [moving a wrapped model] in guards.py."""
+    the scope's pinned buffer). `model.cuda()` never gets here: see Note [moving a wrapped model] in model/guards.py."""
     slot = getattr(p, "_ot", None)
     if slot is None:
         _TensorBase.data.__set__(p, value)  # type: ignore[attr-defined]
@@ -56,7 +56,7 @@ def set_master(p: torch.Tensor, *args: Any) -> torch.Tensor:
     if torch.is_grad_enabled() and p.requires_grad:
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     if slot.packed is not None:
-        slot.packed.check_write()  # a master in a file (Note [masters in files] in weights/file_masters.py)
+        slot.packed.check_write()  # a master in a file (Note [masters in files] in storage/file_masters.py)
     set_data(p, source, "set_()")
     return p
 

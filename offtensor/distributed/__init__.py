@@ -1,1 +1,2 @@
-"""Data parallel: one host copy per node, sharded loads, and the wrappers of DDP and FSDP."""
+"""Layer 8, data parallel: one host copy per node, sharded loads, gradient averaging and the ranks'
+agreement. Imports model/ and below."""

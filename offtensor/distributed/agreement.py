@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.engine import Engine, engine_of, owning_engine
 from ..dispatch.param import OffloadedParameter
-from ..weights.quantized import weights_of
+from ..engine.engine import Engine, engine_of, owning_engine
+from ..model.quantized import weights_of
 from .matching import wait_for_ranks
 from .sharded_loads import shardable
 from .shared_masters import new_job_id

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.engine import Engine
-from ..core.slot import weakly
+from ..dispatch.slot import weakly
+from ..engine.engine import Engine
 from ..optim.overlap import wait_for_steps
 from .agreement import agree, check_arguments, check_backend, check_engines, engines_in, group_ranks, resident, supports
 from .reducer import GradReducer

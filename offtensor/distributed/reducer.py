@@ -3,10 +3,10 @@ and `no_sync`.
 
 # Note [data parallel]
 DistributedDataParallel cannot reduce offloaded gradients (Note [data-parallel wrappers] in
-distributed/wrappers.py), so offtensor has a data-parallel mode of its own on torch.distributed:
+dispatch/wrapper_guards.py), so offtensor has a data-parallel mode of its own on torch.distributed:
 every rank holds the whole wrapped model and runs it on its slice of the batch, and each backward
 averages the gradients over the ranks, so every rank steps the same and the weights stay equal.
-- Offloaded parameters: in the gradient path (Note [gradient path] in core/grads.py), on the
+- Offloaded parameters: in the gradient path (Note [gradient path] in engine/grads.py), on the
   device, after the contribution is added to the old gradient and before the device-to-host copy
   (`GradReducer.reduce`, called by `GradOffload.accumulate`). The host `p.grad` only ever holds
   averaged values (outside `no_sync`), and so does what backward_and_step's worker steps; nothing
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.engine import Engine, engine_of, owning_engine
-from ..core.slot import ParamSlot
+from ..dispatch.slot import ParamSlot
+from ..engine.engine import Engine, engine_of, owning_engine
 from .matching import check_tag, ordinal
 from .sharded_loads import ShardedLoads
 from .shared_masters import Sharding, wait_on_d2h

@@ -10,7 +10,7 @@ of its device buffer, and an all-gather fills the other slices from the other ra
 much faster than PCIe: PCIe bytes per rank drop N-fold.
 - *Where.* `Scope._start_load` calls `Scope.loader` (None: the plain copy) on the copy stream in
   place of the whole-scope copy; a sharded load is never progressive (Note [progressive loads]
-  in core/loading.py), so the scope first waits for its deferred steps. The slice is
+  in scopes/loading.py), so the scope first waits for its deferred steps. The slice is
   `slice_bytes(nbytes, N)`, an alignment multiple; every rank copies the tail after N slices. On
   CUDA the all-gather is in place and NCCL's stream waits for the copy stream; the `gathered`
   stream waits for NCCL and records the load's `weights_ready`, which so follows the whole scope:
@@ -54,8 +54,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.engine import Engine, TrainingState, engine_of, owning_engine
-from ..core.scope import ALIGN, Scope
+from ..engine.engine import Engine, TrainingState, engine_of, owning_engine
+from ..scopes.scope import ALIGN, Scope
 from .matching import all_gather, check_tag, ordinal, wait_for_ranks
 
 _STORE_PREFIX = "offtensor/shard_loads"

@@ -6,7 +6,7 @@ Plain data parallel (Note [data parallel] in distributed/reducer.py) gives every
 copy of the masters and its own full optimizer step. With `shard_optimizer=True` the ranks of the
 node share one copy and each parameter is stepped by one rank:
 - *One copy.* After the agreement check the node's first rank copies its masters into a file in
-  /dev/shm, every rank maps it (Note [shared host memory] in distributed/shm.py) and re-points
+  /dev/shm, every rank maps it (Note [shared host memory] in storage/shm.py) and re-points
   each scope's masters at the mapping (`Scope.rehome_masters`): the parameter objects stay. On
   CUDA each process page-locks the mapping, so every GPU copies from the same pinned pages.
 - *Owners.* Every trainable offloaded parameter gets an owner rank, computed by every rank from
@@ -56,12 +56,12 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..core.engine import Engine, owning_engine
-from ..core.memory import _PAGE, HostBuffer, register_pinned
-from ..core.slot import ParamSlot, in_backward, on_optimizer_worker, weakly
 from ..dispatch.param import OffloadedParameter
+from ..dispatch.slot import ParamSlot, in_backward, on_optimizer_worker, weakly
+from ..engine.engine import Engine, owning_engine
 from ..optim.overlap import wait_for_steps
-from . import shm as _shm
+from ..storage import shm as _shm
+from ..storage.memory import _PAGE, HostBuffer, register_pinned
 from .matching import wait_for_ranks
 
 _STORE_PREFIX = "offtensor/shard_optimizer"
@@ -115,7 +115,7 @@ def share_masters(engines: list[Engine], ranks: list[int], rank: int, job: str, 
                   timeout: Any) -> None:
     """Move every scope's masters into one shared-memory file of the node: the first rank
     creates it with its values, the others map it; unlinked once all have (Note [one host copy
-    per node], Note [shared host memory] in distributed/shm.py)."""
+    per node], Note [shared host memory] in storage/shm.py)."""
     scopes = [scope for engine in engines for scope in engine.scopes]
     offsets, total = [], 0
     for scope in scopes:
@@ -283,7 +283,7 @@ class Sharding:
         if not self.owner:
             return
         # Global to torch.optim: weakly, and removed with this object, or it would keep the
-        # engines and the model alive (Note [hooks that keep a model alive] in core/slot.py).
+        # engines and the model alive (Note [hooks that keep a model alive] in dispatch/slot.py).
         handle = register_optimizer_step_post_hook(weakly(self._after_step))
         self.handles.append(handle)
         weakref.finalize(self, handle.remove)

@@ -1,1 +1,1 @@
-"""Optimizer steps overlapped with backward, on the host and on the device."""
+"""Layer 6, optimizer steps overlapped with backward, on the host and on the device. Imports engine/ and below."""

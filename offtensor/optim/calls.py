@@ -50,8 +50,8 @@ from typing import Any, NoReturn, Protocol
 import torch
 
 from .. import patches
-from ..core.slot import on_optimizer_worker
 from ..dispatch.compile import in_compiled_region, run_outside_dynamo
+from ..dispatch.slot import on_optimizer_worker
 
 
 class PendingCall(Protocol):

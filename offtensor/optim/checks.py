@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ..core.engine import Engine, owning_engine
 from ..dispatch.param import OffloadedParameter
+from ..engine.engine import Engine, owning_engine
 
 
 def check_call(loss: torch.Tensor, optimizer: Any, spare_threads: Any, piece_bytes: Any, device_share: Any, *,

@@ -56,12 +56,12 @@ from typing import Any
 import torch
 from torch.optim import optimizer as optim_module
 
-from ..core.engine import owning_engine
-from ..core.memory import HostBuffer
-from ..core.slot import ParamSlot
-from ..core.streams import Streams
 from ..dispatch.masters import master_grad, without_subclass_dispatch
 from ..dispatch.param import OffloadedParameter
+from ..dispatch.slot import ParamSlot
+from ..engine.engine import owning_engine
+from ..scopes.streams import Streams
+from ..storage.memory import HostBuffer
 from .pieces import Piece, slot_bytes
 from .views import OptimizerAsOfCall
 

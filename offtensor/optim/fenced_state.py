@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from ..core.slot import on_optimizer_worker
 from ..dispatch.param import OffloadedParameter
+from ..dispatch.slot import on_optimizer_worker
 from .calls import pending, wait_for_steps
 
 _hooked_optimizers: weakref.WeakSet = weakref.WeakSet()

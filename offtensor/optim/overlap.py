@@ -26,7 +26,7 @@ Even so the step cannot end before backward plus the optimizer time of the scope
 gradients come last, and that is the model's first block, which the next forward needs first.
 So `backward_and_step` returns as soon as backward has, and the worker finishes in the
 background while the next forward begins. Every parameter handed to the worker carries a
-fence, `ParamSlot.pending_step` (Note [deferred step fences] in core/slot.py), until its step is done, and
+fence, `ParamSlot.pending_step` (Note [deferred step fences] in dispatch/slot.py), until its step is done, and
 whatever needs its master waits on it, host side: the scope's copy to the device (parameter by
 parameter, so the next forward's first matrices go as soon as they are stepped, see
 `Scope.copy_more`), any op or property access on the parameter (`p.grad`, `p.data`,
@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from ..core.engine import Engine
 from ..dispatch.compile import in_compiled_region, run_outside_dynamo
+from ..engine.engine import Engine
 from . import calls
 from .calls import last_stepped, wait_for_steps
 from .checks import check_call, check_engines, engines_of

@@ -7,7 +7,7 @@ import enum
 import threading
 from typing import Any
 
-from ..core.slot import ParamSlot, StepFence
+from ..dispatch.slot import ParamSlot, StepFence
 from .device_steps import DeviceStep, DeviceSteps
 from .pieces import Piece
 
@@ -54,7 +54,7 @@ class PieceQueue:
         # interrupt between the two leaves no mark that nothing would clear.
         self._pieces.append(piece)
         for slot in piece.slots:
-            slot.pending_step = fence  # Note [deferred step fences] in core/slot.py
+            slot.pending_step = fence  # Note [deferred step fences] in dispatch/slot.py
 
     def close(self) -> None:
         self.closed = True

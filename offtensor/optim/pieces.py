@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.slot import ParamSlot
+from ..dispatch.slot import ParamSlot
 
 
 @dataclass(eq=False)

@@ -30,10 +30,10 @@ from typing import Any, NoReturn
 
 import torch
 
-from ..core.engine import owning_engine
-from ..core.grads import publish
-from ..core.scope import Scope, scope_of
-from ..core.slot import ParamSlot
+from ..dispatch.slot import ParamSlot
+from ..engine.engine import owning_engine
+from ..engine.grads import publish
+from ..scopes.scope import Scope, scope_of
 from . import calls
 from .clipping import BeforeStep, record_step
 from .device_steps import DeviceStep, DeviceSteps

@@ -40,10 +40,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..core.grads import publish, set_grads
-from ..core.slot import worker_state
 from ..dispatch.compile import not_compiling
 from ..dispatch.masters import without_subclass_dispatch
+from ..dispatch.slot import worker_state
+from ..engine.grads import publish, set_grads
 from .clipping import BeforeStep, record_step
 from .device_steps import DeviceStep
 from .piece_queue import PieceQueue, Run

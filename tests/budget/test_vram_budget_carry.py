@@ -521,7 +521,7 @@ def test_carried_compressed_scopes_hold_dequantized_copies_across_steps(device, 
     block 2's norm (released, reloaded and dequantized afresh), not block 1 (carried on). The
     reference is the resident model with the same compressed weights: a carried copy packed,
     stale or dequantized from the wrong rows is a wrong loss."""
-    from offtensor.weights.compress import MIN_NUMEL, quantize_dequantize
+    from offtensor.storage.compress import MIN_NUMEL, quantize_dequantize
 
     model = mlp_of_blocks(n_blocks=N_BLOCKS, hidden=64)
     model.blocks.requires_grad_(False)
@@ -608,7 +608,7 @@ def test_an_interrupt_with_carried_scopes_leaks_nothing_and_training_goes_on(dev
     with pytest.raises(KeyboardInterrupt, match="injected"):
         F.mse_loss(model(x), y).backward()
     handle.remove()
-    # A KeyboardInterrupt runs no hook (FailureCheck in core/hooks.py): what the pass held stays
+    # A KeyboardInterrupt runs no hook (FailureCheck in engine/hooks.py): what the pass held stays
     # until the model's next call (its weights within the budget: most_device_bytes below).
     if where.startswith("forward"):
         # Step on the gradients of the backward before, equal on both sides: it writes the

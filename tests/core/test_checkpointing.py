@@ -151,7 +151,7 @@ def test_a_late_gradient_after_a_handover_at_a_scopes_end_steps_the_scope_after_
     # call, is handed over at the end of the second forward's backward, and the first's
     # contribution arrives later (so for fc1's scopes too). The error's remedy must hold from the
     # next step on, with the same miscount: the model's scopes are stepped after backward.
-    from offtensor.core import grad_calls
+    from offtensor.scopes import grad_calls
 
     monkeypatch.setattr(grad_calls.GradCalls, "pass_counted", property(lambda self: False, lambda self, value: None),
                         raising=False)

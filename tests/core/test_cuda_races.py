@@ -93,8 +93,8 @@ def test_compressed_inference_matches_when_one_stream_lags(slow, monkeypatch):
     """Converting loads (Policy(frozen_format)) dequantize chunk by chunk on the cast stream:
     compute must wait for each chunk's conversion, the conversion for its chunk's copy."""
     import offtensor
-    import offtensor.core.loading as loading_module
-    from offtensor.weights.compress import quantize_dequantize
+    import offtensor.scopes.loading as loading_module
+    from offtensor.storage.compress import quantize_dequantize
 
     monkeypatch.setattr(loading_module, "CHUNK_BYTES", 64 * 1024)  # several chunks per block
     model = mlp_of_blocks(n_blocks=5, hidden=256, dtype=torch.bfloat16).requires_grad_(False)
@@ -125,7 +125,7 @@ def test_cast_training_with_deferred_steps_matches_when_one_stream_lags(slow, mo
     from torch.func import functional_call
 
     import offtensor
-    import offtensor.core.loading as loading_module
+    import offtensor.scopes.loading as loading_module
 
     monkeypatch.setattr(loading_module, "CHUNK_BYTES", 64 * 1024)
     model = mlp_of_blocks(n_blocks=5, hidden=256)

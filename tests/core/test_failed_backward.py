@@ -6,7 +6,7 @@ LOADING (every scope with keep_for_backward=True), surviving gc.collect() until 
 and the fresh gradients of the blocks whose backward had run were lost (`.grad` None where plain
 autograd had set it). Now the autograd engine's drop of the failed graph task releases them,
 before the exception reaches the caller, and publishes those gradients (Note [a backward that
-raised], Note [gradients of a backward that raised] in core/grads.py).
+raised], Note [gradients of a backward that raised] in engine/grads.py).
 
 Each test runs the unwrapped model (a copy made before wrap) under the same failure and
 compares exactly (rtol=atol=0, on the CPU).

@@ -39,7 +39,7 @@ from conftest import (
 )
 
 import offtensor
-from offtensor.core import slot as _slot
+from offtensor.dispatch import slot as _slot
 from offtensor.dispatch.function_apply import recorded_functions
 
 OFFTENSOR_DIR = os.path.dirname(os.path.abspath(offtensor.__file__)) + os.sep
@@ -159,7 +159,7 @@ VARIANTS = {
 
 
 def _build(split: bool = False, checkpoint: str | None = None, fp8: bool = False, budget: bool = False):
-    if fp8:  # matrices of 64 x 128: above offtensor.weights.compress.MIN_NUMEL, so compressed
+    if fp8:  # matrices of 64 x 128: above offtensor.storage.compress.MIN_NUMEL, so compressed
         model = mlp_of_blocks(n_blocks=3, hidden=64, checkpoint=checkpoint)
         model.blocks.requires_grad_(False)
         offtensor.wrap(model, device="cpu", policy=offtensor.Policy(frozen_format="fp8"))

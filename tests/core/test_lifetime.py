@@ -213,7 +213,7 @@ def test_a_backward_after_one_that_raised_without_a_forward_between_gives_every_
     """A gradient hook raises in one backward; the next backward runs on a graph made before it
     (a retained one, or a second forward's). Its gradients were lost: the failed backward's
     graph task, never ended, kept every later backward from finishing (Note [a backward that
-    raised] in core/grads.py)."""
+    raised] in engine/grads.py)."""
     model, reference = mlp_and_reference(device, checkpoint=checkpoint)
     x, y = random_batch(device)
     for m in (reference, model):  # learn the orders

@@ -1,4 +1,4 @@
-"""A progressive load's plan (Note [load plans] in core/loading.py): chunks that cover the copy
+"""A progressive load's plan (Note [load plans] in scopes/loading.py): chunks that cover the copy
 order once and in order, the fewest copies per chunk, and on CUDA one dequantization kernel per
 chunk of an fp8 load; the results are the unwrapped model's (or the resident compressed one's)."""
 
@@ -12,9 +12,9 @@ from conftest import BlockStack, ResidualBlock, devices, host, requires_cuda, to
 from torch import nn
 
 import offtensor
-from offtensor.core import loading as loading_module
-from offtensor.weights.compress import MIN_NUMEL, FusedDequantization, quantize_dequantize
-from offtensor.core.engine import find_engine as _find_engine
+from offtensor.engine.engine import find_engine as _find_engine
+from offtensor.scopes import loading as loading_module
+from offtensor.storage.compress import MIN_NUMEL, FusedDequantization, quantize_dequantize
 
 HIDDEN = 64  # fc1 is 64 x 128: above MIN_NUMEL, compressible
 
@@ -202,7 +202,7 @@ def test_cuda_segment_dequantization_matches_the_one_matrix_kernel_and_writes_no
     """dequantize_segments over a table of matrices at offsets in shared buffers: each output
     bit-identical to dequantize_rows of that matrix; the bytes between outputs untouched."""
     pytest.importorskip("triton")
-    from offtensor.weights.kernels import dequantize_rows, dequantize_segments
+    from offtensor.storage.kernels import dequantize_rows, dequantize_segments
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(1, 1), (3, 2049), (513, 4096), (7, 33), (2, 5000)]

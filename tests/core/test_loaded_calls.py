@@ -1,7 +1,7 @@
 """Eager calls of a scope whose copy is loaded before the call (a kept scope): its device copies
 stand in for its parameters in the modules for the call, so its ops take no
 `__torch_function__`, and writes to them in the forward reach the masters (Note [calls of a
-loaded scope] in core/hooks.py). Each case against the plain, unwrapped model."""
+loaded scope] in engine/hooks.py). Each case against the plain, unwrapped model."""
 
 from __future__ import annotations
 

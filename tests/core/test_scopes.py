@@ -25,7 +25,7 @@ from conftest import (
 
 import offtensor
 from offtensor import ScopeState
-from offtensor.core.scope import Scope
+from offtensor.scopes.scope import Scope
 
 
 class ReusesItsWeight(nn.Module):
@@ -53,7 +53,7 @@ def test_every_op_in_a_scope_sees_the_same_single_device_copy(device, monkeypatc
     monkeypatch.setattr(Scope, "temporary_copy",
                         lambda self, *a: (temporaries.append(a[0].name), real_temp(self, *a))[1])
     seen: dict[str, set[int]] = {}
-    from offtensor.core.slot import ParamSlot
+    from offtensor.dispatch.slot import ParamSlot
     real_use = ParamSlot.use_device_copy
 
     def spy(slot):

@@ -33,7 +33,7 @@ from conftest import (
 from torch import nn
 
 import offtensor
-from offtensor.core.scope import Scope
+from offtensor.scopes.scope import Scope
 
 dynamo = pytest.importorskip("torch._dynamo")
 

@@ -1,5 +1,5 @@
 """Writes to a parameter inside a compiled forward (Note [writes in compiled code] in
-core/writes.py).
+engine/writes.py).
 
 Compiled code computes with the scopes' device copies, so a write there reached only the device
 copy (issue 41): streamed scopes' outputs diverged from the second call on, kept scopes' masters

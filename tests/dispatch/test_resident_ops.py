@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import offtensor
-from offtensor.core import loading as loading_module
 from offtensor.dispatch import param as param_module
+from offtensor.scopes import loading as loading_module
 
 
 class Block(nn.Module):

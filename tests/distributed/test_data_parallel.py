@@ -34,8 +34,8 @@ from conftest import ResidualBlock, host, mlp_of_blocks, only_blocks
 from torch import nn
 
 import offtensor
-from offtensor.distributed import shm as _shm
 from offtensor.distributed.shared_masters import MastersState, plan_owners
+from offtensor.storage import shm as _shm
 
 pytestmark = [
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),

@@ -2,7 +2,7 @@
 
 DistributedDataParallel never sees the gradients of offloaded parameters (offtensor writes the
 host `p.grad` itself), and FSDP2's `fully_shard` replaces the parameters offtensor offloads
-(Note [data-parallel wrappers] in distributed/wrappers.py). Each combination raises, pointing
+(Note [data-parallel wrappers] in dispatch/wrapper_guards.py). Each combination raises, pointing
 to `offtensor.data_parallel` (tests/test_data_parallel.py); averaging `p.grad` across ranks by
 hand also works, and is checked against a single process training on the whole batch.
 Everything runs on the CPU with gloo: a one-process group for the errors, two spawned processes

@@ -23,8 +23,8 @@ import torch
 from conftest import assert_all_scopes_offloaded, device_layout_bytes, devices, host, tolerances
 
 import offtensor
-from offtensor.weights.compress import quantize_dequantize
-from offtensor.core.engine import find_engine as _find_engine
+from offtensor.engine.engine import find_engine as _find_engine
+from offtensor.storage.compress import quantize_dequantize
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,5 +1,5 @@
 """Mixture-of-experts models: only the experts the router picks cross to the device (Note
-[routed experts] in core/experts.py), and the model computes exactly as the plain one.
+[routed experts] in scopes/experts.py), and the model computes exactly as the plain one.
 
 Tiny transformers models from config objects (random weights, nothing downloaded), their
 decoder layers offloaded, in the eager (`w[expert_idx]` per expert) and grouped_mm (the whole
@@ -258,7 +258,7 @@ def test_kept_scopes_keep_their_experts_across_tokens():
         assert s.bytes_to_device <= s.host_bytes  # each expert crossed at most once
 
 
-# ---- the expert cache (Note [expert cache] in core/expert_cache.py) -------------------------------
+# ---- the expert cache (Note [expert cache] in scopes/expert_cache.py) -------------------------------
 
 
 def _layer_bytes(model: torch.nn.Module) -> tuple[int, int]:

@@ -29,7 +29,7 @@ from conftest import (
 from torch.func import functional_call
 
 import offtensor
-from offtensor.core.scope import Scope
+from offtensor.scopes.scope import Scope
 
 
 def _batches(device: str, n: int, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -60,7 +60,7 @@ def test_compute_dtype_matches_a_reference_that_casts_by_hand(device, cast, over
     """With backward_and_step, cast="device" loads convert chunk by chunk (Note [progressive
     loads]) while deferred optimizer steps hold copies back: every load still reads the
     stepped masters."""
-    import offtensor.core.loading as loading_module
+    import offtensor.scopes.loading as loading_module
 
     monkeypatch.setattr(loading_module, "CHUNK_BYTES", 512)  # a chunk per matrix or two
     model = mlp_of_blocks()
@@ -812,7 +812,7 @@ def test_a_copy_taken_right_after_backward_and_step_has_the_stepped_weights():
 def test_a_block_looped_more_often_than_the_order_limit_is_still_prefetched(checkpoint):
     """Recurrent-depth models call the same blocks dozens of times per forward: with the
     model's forward hooks delimiting passes, the learned order may be that long."""
-    from offtensor.core.schedule import ORDER_LIMIT
+    from offtensor.engine.schedule import ORDER_LIMIT
 
     class Looped(nn.Module):
         def __init__(self, loops: int) -> None:

@@ -127,7 +127,7 @@ def test_sparse_embedding_gradients_train_like_unwrapped_with_accumulation(optim
 def test_error_if_a_sparse_gradient_would_be_averaged_by_data_parallel():
     """data_parallel does not average sparse gradients: the gradient path raises, naming the
     parameter, instead of leaving it unaveraged (the reducer stands in for data_parallel's)."""
-    from offtensor.core.engine import find_engine as _find_engine
+    from offtensor.engine.engine import find_engine as _find_engine
 
     model = SparseModel()
     model.blocks[0].fc.requires_grad_(False)  # the first offloaded gradient is a sparse one

@@ -83,7 +83,7 @@ def main(path: str, n: int, h: int, budget: int, steps: int, out: str) -> None:
     results = train(model, steps, h)
     peak = _kib("VmHWM:")
     summary = offtensor.summary(model)
-    engine = offtensor.core.engine.find_engine(model)
+    engine = offtensor.engine.engine.find_engine(model)
     torch.save(results, out)
     print(json.dumps({
         "growth": peak - before, "host": summary.host_bytes, "staging": summary.staging_bytes,

@@ -1,5 +1,5 @@
 """Policy(frozen_format="fp8" | "int8"): frozen masters compressed on the host, dequantized on
-the device (Note [compressed masters] in weights/compress.py).
+the device (Note [compressed masters] in storage/compress.py).
 
 The reference is the same model with its frozen matrices quantized and dequantized the same way
 (`quantize_dequantize`), computed resident: the offloaded model must match it exactly on the
@@ -27,8 +27,8 @@ from conftest import (
 from torch import nn
 
 import offtensor
-from offtensor.weights.compress import MIN_NUMEL, quantize_dequantize
-from offtensor.core.engine import find_engine as _find_engine
+from offtensor.engine.engine import find_engine as _find_engine
+from offtensor.storage.compress import MIN_NUMEL, quantize_dequantize
 
 FORMATS = ["fp8", "int8"]
 HIDDEN = 64  # fc1 is 64 x 128: above MIN_NUMEL, compressed
@@ -311,8 +311,8 @@ def test_a_compressed_scope_loads_progressively_in_chunks(device, monkeypatch):
     """After the first forward a compressed scope's load goes chunk by chunk (its dequantization
     per chunk, Note [progressive loads]); the staging buffer is gone once every chunk is
     enqueued, and the results are those of the resident compressed model."""
-    import offtensor.core.loading as loading_module
-    import offtensor.core.scope as scope_module
+    import offtensor.scopes.loading as loading_module
+    import offtensor.scopes.scope as scope_module
 
     monkeypatch.setattr(loading_module, "CHUNK_BYTES", 4096)  # fc1 alone is 8 KiB of fp8
     model = _model(torch.bfloat16).requires_grad_(False).eval()
@@ -342,7 +342,7 @@ def test_steady_state_training_never_dequantizes_on_the_host(device, monkeypatch
     parameter's metadata (`p.grad`, read for every parameter by the backward's accumulation
     check; `p.shape`, `p.requires_grad`) must not unpack the values on the host, which at a 70B
     layer's size costs a second per backward."""
-    from offtensor.weights.compress import PackedMaster
+    from offtensor.storage.compress import PackedMaster
 
     model = _lora_model(torch.bfloat16)
     _wrap(model, device, frozen_format="fp8")
@@ -365,8 +365,8 @@ def test_cuda_fused_fp8_dequantization_is_bit_identical_to_the_two_kernels(dtype
     """Note [fused fp8 dequantization]: the one-kernel path that CUDA loads use gives exactly the
     bits of `values.to(dtype) * scale[:, None]`, on shapes that end mid-block and mid-row."""
     pytest.importorskip("triton")
-    from offtensor.weights.compress import _fused_dequantize
-    from offtensor.weights.kernels import dequantize_rows
+    from offtensor.storage.compress import _fused_dequantize
+    from offtensor.storage.kernels import dequantize_rows
 
     assert _fused_dequantize() is dequantize_rows  # CUDA loads take the fused path here
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -510,7 +510,7 @@ def test_an_exception_in_a_compressed_model_leaves_no_device_copy_and_the_next_s
     on the cast stream), in the recompute of a checkpointed block, or in backward: no device copy
     or staging buffer is left once the next forward starts, and that step matches the resident
     model with the same compressed weights."""
-    import offtensor.core.loading as loading_module
+    import offtensor.scopes.loading as loading_module
 
     monkeypatch.setattr(loading_module, "CHUNK_BYTES", 4096)  # several chunks per compressed scope
     model = _lora_model(torch.float32)

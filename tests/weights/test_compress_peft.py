@@ -1,5 +1,5 @@
 """PEFT LoRA on a compressed Hugging Face base (Policy(frozen_format=...), Note [compressed
-masters] in offtensor/weights/compress.py): training, and merging adapters into compressed weights.
+masters] in offtensor/storage/compress.py): training, and merging adapters into compressed weights.
 
 The reference is the same PEFT model, resident and unwrapped, whose frozen base matrices hold
 their compressed values (`quantize_dequantize`): on the CPU the wrapped model must match it
@@ -16,8 +16,8 @@ import torch
 from conftest import assert_all_scopes_offloaded, devices, host, tolerances
 
 import offtensor
-from offtensor.weights.compress import MIN_NUMEL, quantize_dequantize
-from offtensor.core.engine import find_engine as _find_engine
+from offtensor.engine.engine import find_engine as _find_engine
+from offtensor.storage.compress import MIN_NUMEL, quantize_dequantize
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

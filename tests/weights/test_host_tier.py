@@ -1,8 +1,8 @@
 """Host memory as a tier with a budget: `Policy(host_budget=...)` leaves the frozen scopes that do
 not fit in their safetensors files, read into the staging ring on demand (Note [masters in
-files] in offtensor/weights/file_masters.py), and page-locked memory is a bounded resource:
+files] in offtensor/storage/file_masters.py), and page-locked memory is a bounded resource:
 `Policy(pin_memory="ring")` and the fallback when pinning fails (Note [page-locked memory as a
-bounded resource] in offtensor/core/memory.py). Everything is compared with the plain model."""
+bounded resource] in offtensor/storage/memory.py). Everything is compared with the plain model."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from torch import nn
 import offtensor
 from offtensor.budget import timed as _timed
 from offtensor.budget.layout import choose
-from offtensor.core.memory import MAX_PINNED_ENV
-from offtensor.weights.compress import quantize_dequantize
-from offtensor.weights.staging import StagingRing
+from offtensor.storage.compress import quantize_dequantize
+from offtensor.storage.memory import MAX_PINNED_ENV
+from offtensor.storage.staging import StagingRing
 
 EXACT = {"rtol": 0.0, "atol": 0.0}  # the same CPU kernels on the same weights
 CHILD = Path(__file__).resolve().parent / "host_tier_child.py"
@@ -145,7 +145,7 @@ def test_the_read_ahead_passes_over_file_scopes_kept_on_the_device(tmp_path):
     rows = offtensor.summary(model).scopes
     assert [s.name for s in rows if s.kept] == ["blocks.0", "blocks.3", "blocks.5", "blocks.7"]
     assert all(s.masters is offtensor.MasterHome.FILE for s in rows)
-    ring = offtensor.core.engine.find_engine(model).ring
+    ring = offtensor.engine.engine.find_engine(model).ring
     x = torch.randn(2, h)
     with torch.no_grad():
         for _ in range(4):
@@ -419,7 +419,7 @@ def test_a_handler_that_keeps_the_pinning_warning_does_not_keep_the_model_alive(
 
 
 def offtensor_pinned_now() -> int:
-    from offtensor.core import memory as _host_memory
+    from offtensor.storage import memory as _host_memory
 
     # Earlier tests' wrapped models sit in reference cycles until a collection frees their pinned
     # masters: collected now, not in the middle of the wrap that the cap is computed for.
@@ -452,7 +452,7 @@ def test_a_write_to_pageable_masters_read_ahead_into_the_ring_reaches_the_next_f
                   lambda m: m.blocks[1].norm.bias.add_(1), lambda m: aliases[id(m)].mul_(3),
                   lambda m: aliases[id(m)].add_(1)):
         model(x)  # leaves blocks 1 and 2 read ahead for the next pass
-        ring = offtensor.core.engine.find_engine(model).ring
+        ring = offtensor.engine.engine.find_engine(model).ring
         assert ring._staged  # the test reaches what it is about
         for m in (model, reference):
             write(m)

@@ -1,6 +1,6 @@
 """offtensor.load: a model built on the meta device, its masters filled scope by scope from a
 safetensors checkpoint (sharded or not) or an init function (Note [loading scope by scope] in
-weights/load.py), compared with the same model loaded normally."""
+model/load.py), compared with the same model loaded normally."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from conftest import devices, tolerances
 
 import offtensor
-from offtensor.weights.compress import MIN_NUMEL, quantize_dequantize
+from offtensor.storage.compress import MIN_NUMEL, quantize_dequantize
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
@@ -374,7 +374,7 @@ _RSS_SCRIPT = textwrap.dedent("""
     policy = offtensor.Policy(frozen_format=None if fmt == "none" else fmt)
     offtensor.load(model, path, device="cpu", policy=policy)
     peak = rss("VmHWM:")
-    device_scope = max(s.device_nbytes for s in offtensor.core.engine.find_engine(model).scopes)
+    device_scope = max(s.device_nbytes for s in offtensor.engine.engine.find_engine(model).scopes)
     print(json.dumps({"growth": peak - before, "host": offtensor.summary(model).host_bytes,
                       "device_scope": device_scope}))
 """)
@@ -539,7 +539,7 @@ def test_load_reads_each_tensor_bit_for_bit_mapped_read_or_converted(tmp_path, m
     """A master of the file's dtype is copied straight into the host buffer, from a mapping of
     its bytes when it has 4 KiB or more (here; 1 MiB by default), else with a pread; one of
     another dtype is read a block of rows at a time and converted as `tensor.to` converts it."""
-    from offtensor.weights import files
+    from offtensor.storage import files
 
     monkeypatch.setattr(files, "_MAP_AT_LEAST", 4096)
     path, tensors = _mixed_checkpoint(tmp_path)
@@ -574,7 +574,7 @@ class _FakeTerminal:
                          ids=["terminal", "not-a-terminal", "OFFTENSOR_PROGRESS=0"])
 def test_a_progress_bar_shows_on_a_terminal_unless_turned_off(tmp_path, monkeypatch, capsys, terminal, setting,
                                                               shown):
-    from offtensor.core import progress
+    from offtensor.model import progress
 
     monkeypatch.setattr(progress, "SHOW_AFTER_S", 0.0)  # as if each scope took long
     if setting is None:

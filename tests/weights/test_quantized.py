@@ -1,5 +1,5 @@
 """Already-quantized models (torchao tensor subclasses, bitsandbytes 4-bit) offloaded as their
-packed storage (Note [quantized weights] in weights/quantized.py).
+packed storage (Note [quantized weights] in model/quantized.py).
 
 The reference is the same quantized model, deep-copied before `wrap` and kept resident on the
 compute device: the offloaded model runs the same quantized kernels on the same packed bytes,
@@ -25,7 +25,7 @@ from master_guard import MasterGuard
 from torch import nn
 
 import offtensor
-from offtensor.core.engine import find_engine as _find_engine
+from offtensor.engine.engine import find_engine as _find_engine
 
 torchao_quant = pytest.importorskip("torchao.quantization")
 

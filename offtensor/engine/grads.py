@@ -1,0 +1,507 @@
+"""Gradient offload: device gradients to host `.grad`, accumulation, end-of-backward.
+
+# Note [gradient path]
+Autograd differentiates the device copies (ParamSlot.device_leaf, or a temporary copy made for
+one op), never the host master, so the master's own AccumulateGrad does not run. Each device copy
+has a post-accumulate-grad hook that hands its gradient here (`on_leaf_grad`):
+1. user `register_hook` hooks run on the device gradient;
+2. if the parameter already has a host gradient (accumulation over micro-batches, or a second
+   contribution in this backward), it is added on the device: the old host gradient was fetched
+   by the copy stream with the scope's weights (Scope.load with_grads), or is copied now;
+3. the sum is copied device-to-host on the d2h stream into the parameter's pinned gradient
+   buffer (allocated once, reused every step), keeping the device tensor alive next to the
+   copy's event until compute has waited on it (`flush`).
+At the end of the outermost backward (an autograd engine callback) the host waits once for the
+last copy, points `p.grad` at the buffer, runs user post-accumulate-grad hooks and releases
+whatever is still resident. Reentrant checkpointing runs nested backward calls: callbacks are
+queued per graph task and only the outermost one finalizes.
+
+# Note [hooks on the sum]
+A plain parameter's `register_hook` hooks run once per graph task, on the sum of every use's
+gradient (autograd sums them before the leaf's AccumulateGrad). A parameter used outside its
+scope (a tied embedding: the scope's device copy and temporary copies for the other ops), or
+with retired copies (Note [higher-order gradients] in scopes/device_buffer.py), has several leaves, whose
+gradients arrive here one by one: run on each, a hook that is not linear (`g.clamp()`,
+`g.sign()`, a norm it records) would change the result, and run once per leaf. So a hooked parameter
+with several leaves has its contributions summed on the device per graph task (`_hold`), and its
+hooks run on the sum at the end of that task (`_on_task_end`, before the end of backward),
+after which the sum takes the usual path. Such a parameter is never handed to the optimizer
+worker early (`used_outside`), so holding it back changes no step. A parameter with one leaf
+gets its hooks at once, as a plain parameter does.
+
+# Note [frozen since the forward]
+A parameter frozen between the forward that used it and the backward (`requires_grad_(False)`
+on a layer in between) still has a device copy in the graph that requires grad: autograd
+computes its gradient. A plain parameter's AccumulateGrad then drops it: a parameter that no
+longer requires grad gets none (an older `.grad` stays as it is), while its `register_hook` and
+post-accumulate-grad hooks still run. `_add` does the same with the master's flag, after the
+`register_hook` hooks, and the end of backward runs the post-accumulate-grad hooks of such
+parameters. Without it the frozen parameter got the gradient and the optimizer stepped it.
+
+# Note [a backward that raised]
+A backward that raises (a user's hook, an out-of-memory error, a failed recompute) never runs
+its graph task's end callback, and nothing else of autograd reports the error: a callback
+queued with the engine runs only on success, tensor and multi-grad hooks only on gradients. But
+the engine drops a failed task's callbacks with the task, as its `backward()` or `grad()` call
+unwinds, before the exception reaches the caller. So `_tasks` refers to each queued callback
+weakly, with a finalizer (`_task_dropped`): a task dropped while still listed raised. When it
+was the outermost, the gradients it completed become `.grad` (Note [gradients of a backward
+that raised]) and the engine releases what the backward left on the device, as after a forward
+that raised (kept scopes stay, as always). This sees every way into the engine
+(`loss.backward()`, `torch.autograd.grad`, a checkpoint's reentrant backward), costs nothing
+per op (nor on success: the reference goes with its entry first), and unlike a patch of
+`torch.autograd.backward` cannot be bypassed by a reference taken before the patch. The
+finalizer acts only on the thread that owns the model: on CUDA an autograd device thread may
+drop the task last, while the caller's thread may already run the next forward. There, and if a
+finalizer is interrupted, the dead reference stays: the next backward's first hook (and
+`in_backward`) forgets it, the next forward releases what is left, and a backward_and_step that
+raised does all of it at once. A failed task left listed would otherwise stay the outermost, so
+a later backward (through a retained graph) would never end its own.
+
+# Note [gradients of a backward that raised]
+Plain autograd accumulates each leaf's gradient as soon as it is computed, so a backward that
+raises leaves `.grad` set on the parameters whose gradients came before the failure. Here they
+go to the host buffers of `_written`, and `p.grad` points at them only at the end of backward,
+which a failed one never reaches: so they are published when it fails, with the
+post-accumulate-grad hooks, as at a normal end, or they would be lost. (Accumulating into an
+existing `.grad` writes it in place either way.) A parameter with several leaves (Note [hooks on the sum]) may have
+had only some of its contributions added; autograd would leave none: a partial gradient is
+what accumulation into `.grad` gives as well. Held sums (hooked, several leaves) are dropped:
+their hooks run at the task's end, which never came.
+
+# Note [sparse gradients]
+`nn.Embedding(sparse=True)` and `nn.EmbeddingBag(sparse=True)` give a sparse COO gradient, and
+a plain parameter's `p.grad` is then sparse (SparseAdam requires it; SGD and Adagrad step only
+its rows). A pinned dense buffer cannot hold one (`copy_` from sparse to dense is not
+implemented; densifying would change what optimizers do), so such a gradient, or any gradient
+added to a sparse `p.grad`, takes another path (`_accumulate_sparse`): it is copied to the host
+(a blocking copy: its number of entries is known only once computed) and summed there with the
+host `p.grad` the way autograd's AccumulateGrad does: kept as it is when there is none, added in
+place to a dense or sparse `p.grad`, and a dense gradient added to a sparse `p.grad` makes a new
+dense one. The result becomes `p.grad` at the end of backward as on the dense path. The old
+gradient is never fetched to the device for it (`OldGrads.to_fetch` skips sparse ones).
+Not supported with `data_parallel` (raises): sparse gradients are not averaged.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.autograd import Variable
+
+from ..dispatch import compile as _compile
+from ..dispatch.autograd import run_grad_hooks
+from ..dispatch.masters import master_grad, master_requires_grad, without_subclass_dispatch
+from ..dispatch.slot import ParamSlot
+from ..scopes.scope import Scope, scope_of
+from ..scopes.streams import Streams
+
+
+class Stepper(Protocol):
+    """The overlapped optimizer step of a backward_and_step call, as the gradient path hands it
+    gradients (OverlappedStep in optim/step.py, above: Note [early handover])."""
+
+    @property
+    def closed(self) -> bool: ...  # its call has ended
+
+    def handed(self, slot: ParamSlot) -> bool: ...  # the parameter was handed to its worker
+
+    def grad_final(self, slot: ParamSlot, landed: Any) -> None: ...  # landed: the copy's event
+
+    # The call clips: each gradient's norm is taken where it is computed (Note [clipping in the
+    # overlapped step] in optim/clipping.py). `grad`: the sum on the device; `host`: its copy.
+    measures_norms: bool
+
+    def grad_written(self, slot: ParamSlot, grad: torch.Tensor, host: torch.Tensor) -> None: ...
+
+    def scope_done(self, scope: Scope, grads_offloaded: Any) -> None: ...
+
+
+class Reducer(Protocol):
+    """Averages gradients over the ranks (GradReducer in distributed/reducer.py, above: Note
+    [data parallel])."""
+
+    def keeps(self, slot: ParamSlot) -> bool: ...  # this rank steps the parameter
+
+    def reduce(self, slot: ParamSlot, grad: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor | None: ...
+
+    def written(self, slot: ParamSlot, buf: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class GradOffload:
+    """Moves gradients of offloaded parameters to their host `.grad` (one per engine)."""
+
+    def __init__(self, streams: Streams, scopes: list[Scope], end_backward: Callable[..., None],
+                 owns: Callable[[], bool]) -> None:
+        self._streams = streams
+        self._scopes = scopes
+        # The engine's: releases what is still resident; `failed=True` after a backward that raised.
+        self._end_backward = end_backward
+        self._owns = owns  # this thread owns the model (Note [a backward that raised])
+        # graph tasks with a queued end callback, outermost first -> that callback, weakly
+        # (dead: the task raised; Note [a backward that raised])
+        self._tasks: dict[int, weakref.ref[Callable[[], None]]] = {}
+        self._written: list[ParamSlot] = []  # slots whose host_grad changed in this backward
+        self._inflight: list[tuple[Scope, Any, torch.Tensor]] = []  # (scope, d2h event, device grad)
+        self._last_d2h: Any = None
+        # graph task -> id(slot) -> (slot, the sum of its contributions in that task so far),
+        # for hooked parameters with several leaves (Note [hooks on the sum])
+        self._held: dict[int, dict[int, tuple[ParamSlot, torch.Tensor]]] = {}
+        # hooked parameters frozen since the forward that reached them (Note [frozen since the forward])
+        self._frozen: list[ParamSlot] = []
+        # A gradient came after a handover: backward_and_step steps after backward (`accumulate`).
+        self.late_gradients = False
+        self.stepper: Stepper | None = None  # during backward_and_step
+        self.reducer: Reducer | None = None  # in data-parallel mode
+
+    def in_backward(self) -> bool:
+        """A backward through the wrapped model is running (from its first hook to its end)."""
+        self._forget_failed_tasks()
+        return bool(self._tasks)
+
+    def enter_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task in self._tasks:
+            return
+        self._forget_failed_tasks()
+        end = lambda: self._on_task_end(task)  # noqa: E731  (weakly referenced below)
+        self._tasks[task] = weakref.ref(end, lambda ref: self._task_dropped(task, ref))
+        Variable._execution_engine.queue_callback(end)
+
+    def _task_dropped(self, task: int, ref: weakref.ref) -> None:
+        """The autograd engine dropped a graph task's end callback: after it ran, or because the
+        task raised, if it is still listed (Note [a backward that raised])."""
+        if self._tasks.get(task) is not ref or not self._owns():
+            return
+        if any(end() is not None for end in self._tasks.values()):  # an inner task: the outer goes on
+            del self._tasks[task]
+            self._held.pop(task, None)
+            return
+        self.backward_raised()  # the outermost task raised (forgets every task listed)
+
+    def _forget_failed_tasks(self) -> None:
+        """Drop the graph tasks that raised (Note [a backward that raised]); if the outermost
+        one did, forget what it wrote, as the next forward would."""
+        failed = [task for task, end in self._tasks.items() if end() is None]
+        if not failed:
+            return
+        for task in failed:
+            del self._tasks[task]
+            self._held.pop(task, None)
+        if not self._tasks:
+            self.reset_if_stale()
+
+    def on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None:
+        if _compile.in_compiled_region():  # a backward from compiled code: Note [hooks outside dynamo]
+            return _compile.run_outside_dynamo(self._on_leaf_grad, (slot, leaf))
+        return self._on_leaf_grad(slot, leaf)
+
+    def _on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None:
+        grad = leaf.grad
+        leaf.grad = None  # the device copy keeps no gradient: it lives on the host
+        if grad is not None and grad.requires_grad:
+            raise _graph_grad_error(slot)
+        if grad is not None:
+            self.accumulate(slot, grad)
+
+    def accumulate(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        self.enter_backward()
+        if self.stepper is not None and self.stepper.handed(slot):
+            if slot.single_grad:  # handed on its own gradient: the next ones wait for the scope's end
+                for other in slot.scope.slots:
+                    other.single_grad = False
+                later = "hands it over once its whole scope's backward is done"
+            else:  # handed at its scope's end: calls were miscounted, maybe in other scopes too
+                self.late_gradients = True
+                later = "steps this model's offloaded parameters after backward, without overlap"
+            raise RuntimeError(
+                f"offtensor.backward_and_step: parameter {slot.name!r} received another gradient "
+                "contribution after it was handed to the optimizer, which may already have "
+                "stepped it on the partial gradient: this step's update of it is wrong. Its "
+                "gradient came in one piece in the last backward and in several now (a module "
+                "whose use changed, or reentrant checkpointing of parts of one scope). The next "
+                f"backward_and_step {later}; or use loss.backward() then optimizer.step()."
+            )
+        if slot.grad_hooks:
+            if slot.used_outside or slot.retired:  # several leaves: Note [hooks on the sum]
+                self._hold(slot, grad)
+                return
+            grad = run_grad_hooks(slot, grad)
+        self._add(slot, grad)
+
+    def _hold(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """Sum a hooked parameter's contributions within this graph task, for its hooks to
+        see the sum at the task's end (Note [hooks on the sum])."""
+        held = self._held.setdefault(torch._C._current_graph_task_id(), {})
+        entry = held.get(id(slot))
+        held[id(slot)] = (slot, grad if entry is None else entry[1] + grad)
+
+    def _add(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """Add one gradient, after the user's hooks, to the host gradient."""
+        if not master_requires_grad(slot.param):  # Note [frozen since the forward]
+            if slot.post_hooks and slot not in self._frozen:
+                self._frozen.append(slot)
+            return
+        streams = self._streams
+        reducer = self.reducer
+        if grad.layout != torch.strided or _host_grad_is_sparse(slot):
+            self._accumulate_sparse(slot, grad)
+            return
+        if reducer is not None and not reducer.keeps(slot):
+            _send_to_owner(reducer, slot, grad)  # another rank steps it (data_parallel, shard_optimizer)
+            return
+        # Add to what the host gradient holds: this backward's earlier contributions, or the
+        # `p.grad` of earlier backward calls (accumulation).
+        accumulate = slot.grad_written
+        if not slot.grad_written:
+            slot.host_grad, accumulate = self._destination(slot)
+        buf = slot.host_grad
+        assert buf is not None
+        grad = grad.to(buf.dtype)  # Policy.compute_dtype: cast up on the device
+        old = None if slot.grad_written else slot.scope.take_old_grad(slot)
+        if old is None and accumulate:
+            if slot.grad_written and grad.device.type == "cuda":
+                streams.wait(streams.compute(), slot.last_d2h)
+            old = buf.to(grad.device, non_blocking=True)
+        if reducer is not None:  # averaged over the ranks, old included (Note [data parallel])
+            reduced = reducer.reduce(slot, grad, old)
+            assert reduced is not None  # keeps(slot): this rank steps it
+            grad = reduced
+        elif old is not None:
+            grad = grad + old
+        if grad.device.type == "cuda":
+            d2h = streams.d2h()
+            streams.wait(d2h, streams.record(torch.cuda.current_stream(grad.device)))
+            with streams.on(d2h):
+                buf.copy_(grad, non_blocking=True)
+            slot.last_d2h = self._last_d2h = streams.record(d2h)
+            slot.scope.grads_offloaded = slot.last_d2h  # the d2h stream is in order
+            self._inflight.append((scope_of(slot), slot.last_d2h, grad))
+        else:
+            buf.copy_(grad)
+        if reducer is not None:
+            reducer.written(slot, buf)
+        if not slot.grad_written:
+            self._written.append(slot)
+        slot.grads_in_backward += 1
+        stepper = self.stepper
+        if stepper is not None:
+            if stepper.measures_norms:
+                stepper.grad_written(slot, grad, buf)
+            if slot.single_grad:
+                stepper.grad_final(slot, slot.last_d2h if grad.device.type == "cuda" else None)
+
+    def _accumulate_sparse(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """A sparse gradient, or one added to a sparse `p.grad`: summed on the host as
+        autograd's AccumulateGrad sums it (Note [sparse gradients])."""
+        if self.reducer is not None:
+            raise RuntimeError(
+                f"offtensor.data_parallel: offloaded parameter {slot.name!r} got a sparse gradient "
+                "(nn.Embedding(sparse=True) or nn.EmbeddingBag(sparse=True)), which is not "
+                "averaged over the ranks. Use sparse=False for modules of a data-parallel model"
+            )
+        if slot.grad_written:
+            current = slot.host_grad
+        else:
+            slot.wait_for_step()  # a deferred step still reads p.grad (Note [deferred steps])
+            slot.scope.take_old_grad(slot)  # a dense fetch is not used: the sum is made here
+            current = master_grad(slot.param)
+        # A blocking copy: the sparse tensor's size (its nnz) is known only once it is computed.
+        grad = grad.to(device="cpu", dtype=slot.param.dtype, copy=True)
+        if current is None:
+            current = grad
+        elif current.layout != torch.strided and grad.layout == torch.strided:
+            current = grad + current  # a dense sum; autograd's order of the operands
+        else:
+            current += grad  # into p.grad in place, dense or sparse, as autograd does
+        slot.host_grad = current
+        if not slot.grad_written:
+            self._written.append(slot)
+        slot.grads_in_backward += 1
+        if self.stepper is not None and slot.single_grad:
+            self.stepper.grad_final(slot, None)  # already on the host
+
+    def _destination(self, slot: ParamSlot) -> tuple[torch.Tensor, bool]:
+        """Where this backward's gradient for the slot goes, and whether it adds to what is
+        there: into `p.grad` when it exists (accumulation, in place, as PyTorch does), else the
+        slot's pinned buffer from earlier steps, unless the user still holds a tensor on it
+        (after `zero_grad(set_to_none=True)` a kept gradient must keep its values): then a new one."""
+        slot.wait_for_step()  # a deferred step still reads p.grad (Note [deferred steps])
+        current = master_grad(slot.param)
+        if current is not None:
+            return current, True
+        # `p.grad` is None: a fetched old gradient is stale, and its reference to the previous
+        # `p.grad` must not count as the user's below.
+        slot.scope.take_old_grad(slot)
+        slot.host_grad = None  # ours: a `p.grad` the user kept is now held by the user only
+        if slot.grad_buffer is None or _storage_uses(slot.grad_buffer) != slot.grad_buffer_uses:
+            return new_host_grad(slot), False
+        return _typed(slot.grad_buffer, slot), False
+
+    def scope_done(self, scope: Scope) -> None:
+        """A scope's backward is over: its gradients are final once its copies land."""
+        self.flush(keep=scope)
+        if self.stepper is not None:
+            self.stepper.scope_done(scope, scope.grads_offloaded)
+
+    def flush(self, keep: Scope | None = None) -> None:
+        """Let compute wait for finished scopes' d2h copies, then drop the device grads (their
+        memory returns to the allocator, ordered after the copies)."""
+        if not self._inflight:
+            return
+        compute = self._streams.compute()
+        kept = []
+        for scope, event, grad in self._inflight:
+            if scope is keep:
+                kept.append((scope, event, grad))
+            else:
+                self._streams.wait(compute, event)
+        self._inflight = kept
+
+    def _on_task_end(self, task: int) -> None:
+        for slot, grad in self._held.pop(task, {}).values():
+            self._add(slot, run_grad_hooks(slot, grad))
+        self._tasks.pop(task, None)
+        if not self._tasks:
+            self.finalize()
+
+    def backward_raised(self) -> None:
+        """The outermost backward raised: release what it left on the device, publish what it
+        completed and forget the rest (Note [gradients of a backward that raised])."""
+        if self._last_d2h is not None:
+            self._last_d2h.synchronize()
+        stepper = self.stepper  # the slots handed to its worker are published there
+        written = [s for s in self._written if stepper is None or not stepper.handed(s)]
+        frozen = list(self._frozen)
+        self.reset_if_stale()
+        self._end_backward(failed=True)
+        self.stepper = None  # as in finalize
+        publish(written)
+        for slot in frozen:
+            for hook in slot.post_hooks.values():
+                hook(slot.param)
+
+    def finalize(self) -> None:
+        """End of the outermost backward: host grads complete, `p.grad` set, hooks fired."""
+        if self._last_d2h is not None:
+            self._last_d2h.synchronize()
+        if self.stepper is not None:  # the worker publishes and steps the slots handed to it
+            written = [s for s in self._written if not self.stepper.handed(s)]
+        else:
+            written = self._written
+        for slot in self._written:
+            slot.single_grad = slot.grads_in_backward == 1
+            slot.grads_in_backward = 0
+            slot.scope.grads_offloaded = None
+        self._written = []
+        self._inflight.clear()
+        self._last_d2h = None
+        publish(written)
+        frozen, self._frozen = self._frozen, []
+        for slot in frozen:
+            for hook in slot.post_hooks.values():
+                hook(slot.param)
+        self._end_backward()
+        # backward_and_step clears this too once loss.backward() returns; an interrupt can land
+        # before that (Note [interrupts]), and a later plain backward must not hand its
+        # gradients to that call's optimizer worker.
+        self.stepper = None
+
+    def reset_if_stale(self) -> None:
+        """A new forward pass began while a backward was unfinished (it raised): forget it."""
+        if self._tasks or self._written or self._held or self._frozen:
+            if self._last_d2h is not None:
+                self._last_d2h.synchronize()
+            self._tasks.clear()
+            self._held.clear()
+            self._frozen.clear()
+            for slot in self._written:
+                if slot.grads_in_backward > 1:
+                    slot.single_grad = False
+                slot.grads_in_backward = 0
+            self._written.clear()
+            self._inflight.clear()
+            self._last_d2h = None
+            # A KeyboardInterrupt in on_leaf_grad can leave a gradient on a device copy, which
+            # the next backward would add to (Note [interrupts]).
+            for scope in self._scopes:
+                for slot in scope.slots:
+                    slot.device_leaf.grad = None
+
+
+def _send_to_owner(reducer: Reducer, slot: ParamSlot, grad: torch.Tensor) -> None:
+    """Data parallel with a sharded optimizer: another rank owns this parameter's gradient.
+    Send this rank's part, with what it accumulated under no_sync, and keep none: `p.grad`
+    becomes None (Note [one host copy per node] in distributed/shared_masters.py)."""
+    grad = grad.to(slot.param.dtype)
+    current = master_grad(slot.param)
+    old = slot.scope.take_old_grad(slot)
+    if old is None and current is not None:
+        slot.wait_for_step()
+        old = current.to(grad.device)  # not non_blocking: `current` may be freed below
+    reducer.reduce(slot, grad, old)
+    if current is not None:
+        without_subclass_dispatch(set_grads, [slot], [None])
+    slot.host_grad = None
+
+
+def _host_grad_is_sparse(slot: ParamSlot) -> bool:
+    """The gradient this backward adds to is sparse: the host `p.grad` (a
+    `zero_grad(set_to_none=False)` of a sparse gradient leaves it sparse), or what this backward
+    has already summed."""
+    current = slot.host_grad if slot.grad_written else master_grad(slot.param)
+    return current is not None and current.layout != torch.strided
+
+
+def publish(slots: list[ParamSlot]) -> None:
+    """Point each parameter's `.grad` at its completed host gradient, then run the user's
+    post-accumulate-grad hooks (all grads first, as autograd would have them)."""
+    without_subclass_dispatch(set_grads, slots, [slot.host_grad for slot in slots])
+    for slot in slots:
+        for hook in slot.post_hooks.values():
+            hook(slot.param)
+
+
+def set_grads(slots: list[ParamSlot], grads: list[torch.Tensor | None]) -> None:
+    """`slot.param.grad = grad` on the masters; call with subclass dispatch off."""
+    for slot, grad in zip(slots, grads, strict=True):
+        slot.param.grad = grad
+
+
+def new_host_grad(slot: ParamSlot) -> torch.Tensor:
+    """A new pinned gradient buffer for the slot (kept and reused while only offtensor holds a
+    tensor on it); returns the tensor that becomes `p.grad`."""
+    p = slot.param
+    # Pageable once page-locking failed (Note [page-locked memory as a bounded resource] in storage/memory.py).
+    slot.grad_buffer = slot.scope.new_host_memory(p.numel() * p.element_size(), "gradients")
+    slot.grad_buffer_uses = _storage_uses(slot.grad_buffer)
+    return _typed(slot.grad_buffer, slot)
+
+
+def _graph_grad_error(slot: ParamSlot) -> RuntimeError:
+    return RuntimeError(
+        f"offtensor: backward(create_graph=True) would give offloaded parameter "
+        f"{slot.name!r} a .grad that carries a graph, but its .grad lives on the host and "
+        "cannot. For a gradient penalty, take the gradients you differentiate with "
+        "torch.autograd.grad(y, inputs, create_graph=True) over tensors that are not "
+        "offloaded parameters (supported), then call backward() without create_graph")
+
+
+def _typed(buffer: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+    """A new tensor on the buffer's bytes with the parameter's dtype and shape."""
+    meta = slot.meta  # not the parameter's own properties (Note [metadata without dispatch])
+    # Sliced to the gradient's bytes: a zero-size parameter's buffer still has one byte
+    # (host_empty allocates at least one), which no dtype wider than a byte can view.
+    return buffer[: meta.numel * meta.dtype.itemsize].view(meta.dtype).view(meta.shape)
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    """How many tensors share `t`'s storage. Counted exactly by the storage itself (not a
+    Python reference count): while it equals the count taken when the buffer was allocated,
+    no tensor on the buffer exists outside offtensor (`p.grad` the user kept, a view of it)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)

@@ -1,0 +1,504 @@
+"""Module and tensor hooks: where a wrapped model's forward and backward reach the engine.
+
+# Note [backward triggers]
+Backward of a scope is bracketed by tensor hooks, not module backward hooks (which break
+under checkpointing and in-place ops): a hook on each forward output that requires grad
+fires when the first output gradient is computed, i.e. just before the module's backward
+ops run (pre_backward: load, prefetch the previous scopes). A hook on each forward input that requires
+grad fires once the gradient w.r.t. that input is complete; the last of them marks the end of
+the module's backward (post_backward: release).
+Scopes whose inputs need no grad (the first block of a frozen-embedding model) are released
+by the end-of-backward callback (engine/grads.py). Recompute under checkpointing runs the
+forward hooks again inside backward; the engine recognises it by the autograd graph task id
+and neither reloads nor releases.
+
+# Note [copies of a wrapped model]
+`copy.deepcopy` and pickling (`torch.save(model)`) of a wrapped model, or of part of one, give
+a plain model: each offloaded parameter copies as an `nn.Parameter` holding (a copy of) its
+master, on the CPU, once its deferred optimizer step is done (OffloadedParameter.__deepcopy__,
+__reduce_ex__), with the attributes set on it (`p.no_decay = True`) but not offtensor's `_ot`
+(a plain Parameter's deepcopy drops them; kept here, as its pickling keeps them), and the
+engine attribute as None, so the copy is not wrapped (an EMA copy of a large model stays in
+host memory). Parameters and buffers that were not offloaded keep their
+device, as any deepcopy does. Module hooks cannot be left out of a copy, so offtensor registers
+them as `Hook` objects, which copy as inert hooks: without that, a copy would share the
+original's scopes, streams and buffers. Each master has a storage of its own (Note [one storage
+per master] in storage/memory.py), so pickling saves each master's bytes once, as it would a
+plain parameter's, whatever dtypes its scope mixes.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.utils._pytree as _pytree
+from torch import nn
+
+from ..api import ScopeState
+from ..dispatch import compile as _compile
+from ..dispatch import wrapper_guards as _distributed
+from ..dispatch.slot import ExposedCopy, ParamSlot, in_backward
+from ..scopes.experts import fill_all_experts
+from ..scopes.scope import Scope
+from .engine import Engine, ModelForward
+from .writes import DeviceVersions
+
+
+class ScopeHooks:
+    """The forward hooks of one scope's module and the tensor hooks they place on its inputs
+    and outputs (Note [backward triggers])."""
+
+    def __init__(self, scope: Scope, engine: Engine) -> None:
+        self.scope = scope
+        self.engine = engine
+        self.calls = FailureCheck()  # did the module's forward raise (in _post_forward)
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        # Where the scope's parameters are registered: (module._parameters, key, slot), to
+        # notice fully_shard replacing them (Note [data-parallel wrappers] in dispatch/wrapper_guards.py).
+        self._homes = _homes(scope)
+        self._exposed: list[_Home] | None = None  # Note [torch.compile]
+        self._versions: DeviceVersions = []  # of the exposed copies (Note [writes in compiled code])
+        self._compared = False  # a compiled call compared the copies with the masters
+        self._places: list[_Home] | None = None  # cache of _current_homes
+        # `.data` aliases of the exposed copies and their versions, while an eager call has them
+        # exposed (Note [calls of a loaded scope])
+        self._aliases: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
+        self._attrs: list[_Home] | None = None  # where they are exposed
+        self._attr_places: tuple[list[_Home], list[_Home]] | None = None  # cache of _attribute_homes
+
+    def install(self) -> None:
+        module = self.scope.module
+        # Called from compiled code, the hooks also expose the device copies (Note [torch.compile]).
+        pre = Hook(self._eager_pre_forward, self.compiled_pre_forward)
+        post = Hook(self._eager_post_forward, self.compiled_post_forward)
+        self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        self.handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def drop_interrupted(self) -> None:
+        """Forget the calls a KeyboardInterrupt left (FailureCheck)."""
+        interrupted = self.calls.drop_interrupted()
+        if interrupted:
+            _forget_calls(self.scope, interrupted)
+            if self.scope.running_calls == 0:
+                self._unexpose_loaded()
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        scope, engine = self.scope, self.engine
+        if not in_backward():
+            engine.thread.check(f"scope {scope.name!r}")
+        interrupted = self.calls.enter()
+        if interrupted:
+            _forget_calls(scope, interrupted)
+        if scope.running_calls == 0:
+            self._hide()  # an interrupted compiled call left its device copies exposed
+            self._unexpose_loaded()  # likewise an eager one
+        tensors = _tensors(args, kwargs)
+        if not in_backward():
+            if _distributed.active():
+                self._check_distributed()
+            self._check_inputs(tensors)
+        engine.pre_forward(scope, tensors)
+        if torch.is_grad_enabled():
+            inputs = [t for t in tensors if t.requires_grad]
+            if inputs:
+                done = _AllInputGrads(self, len(inputs))
+                for t in inputs:
+                    t.register_hook(done)
+
+    def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        engine = self.engine
+        if engine.thread.foreign():
+            return  # refused by ThreadOwner.check: this call changed nothing
+        failed = self.calls.failed()
+        outputs = [] if failed or not torch.is_grad_enabled() else [
+            t for t in _tensors(output) if t.requires_grad
+        ]
+        for t in outputs:
+            t.register_hook(self._on_output_grad)
+        engine.post_forward(self.scope, failed=failed, backward_expected=bool(outputs))
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        # Autograd runs a backward with grad mode set to its create_graph flag.
+        self.engine.pre_backward(self.scope, create_graph=torch.is_grad_enabled())
+
+    # ---- torch.compile (Note [torch.compile] in dispatch/compile.py) -------------------------------
+
+    def _eager_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The forward pre-hook run by eager code; the compiled path for a module whose own
+        `forward` is compiled (Note [a compiled forward method] in dispatch/compile.py)."""
+        if _compile.compiled_function(module.forward):
+            self.compiled_pre_forward(module, args, kwargs)
+        else:
+            self._pre_forward(module, args, kwargs)
+            if self.scope.state is ScopeState.RESIDENT and self._exposed is None and self._aliases is None:
+                self._expose_loaded()
+
+    def _eager_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._aliases is not None:  # exposed by _expose_loaded
+            self._end_loaded_call(module, args, kwargs, output)
+        elif self._exposed is not None:  # exposed by _eager_pre_forward or a compiled caller
+            self.compiled_post_forward(module, args, kwargs, output)
+        else:
+            self._post_forward(module, args, kwargs, output)
+
+    # ---- eager calls of a loaded scope (Note [calls of a loaded scope]) -------------------------
+
+    # Note [calls of a loaded scope]
+    # Every op on an OffloadedParameter pays its `__torch_function__`, a Python round trip that
+    # can take longer than the short kernels of a DiT block it launches. A scope already
+    # RESIDENT when its call starts (kept, or loaded and waited for) needs no per-op decision:
+    # every op would get its device copy (Note [ops in a resident scope] in dispatch/ops.py). So
+    # for that call its modules' attributes are the device copies (instance attributes, found
+    # before nn.Module.__getattr__ reaches `_parameters`, which keeps the parameters: an
+    # interrupt leaves `parameters()` and `state_dict()` as they are), and ops see plain
+    # tensors. A scope still LOADING keeps the per-op path, which waits for each op's chunk
+    # only. The copies are `ExposedCopy`s, nn.Parameters whose `.data` aliases are noted: a
+    # write in the forward changes the copy, as it changes a plain parameter at once, and at the
+    # call's end each copy whose version moved, or whose alias's did, is copied into its master
+    # (MasterWrites.exposed_call_ended). Not exposed: a compute dtype, compressed or file
+    # masters (a write could not be copied back exactly), a recompute in backward, torch.func
+    # transforms and make_fx traces. A write in a call that an interrupt ends is lost.
+
+    def _expose_loaded(self) -> None:
+        """Put the device copies where the scope's modules' attribute lookups find them first,
+        for this call, when each is ready as it is (ParamSlot.ready_copy) and can be written
+        back as it is (no compute dtype, no compressed or file master, no transform or trace)."""
+        scope = self.scope
+        if (scope.casts or in_backward() or self.engine.thread.foreign() or _compile.tracing()
+                or torch._C._functorch.peek_interpreter_stack() is not None):
+            return
+        slots = scope.slots
+        for slot in slots:
+            if slot.packed is not None or slot.ready_copy() is None:
+                return
+        aliases: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        attrs = self._attribute_homes()
+        for namespace, key, slot in attrs:
+            leaf = slot.device_leaf
+            if type(leaf) is not ExposedCopy:
+                leaf.__class__ = ExposedCopy
+            leaf.__dict__["_ot_aliases"] = aliases
+            namespace[key] = leaf
+        self._versions = [(slot, slot.device_leaf, slot.device_leaf._version) for slot in slots]
+        self._aliases = aliases
+        self._attrs = attrs
+
+    def _unexpose_loaded(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """Take the device copies back out of the modules' attributes; the `.data` aliases
+        noted while they were there."""
+        attrs, aliases = self._attrs, self._aliases
+        self._attrs, self._aliases = None, None
+        for namespace, key, slot in attrs or ():
+            if namespace.get(key) is slot.device_leaf:
+                del namespace[key]
+            slot.device_leaf.__dict__.pop("_ot_aliases", None)
+        return aliases or []
+
+    def _end_loaded_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """The copies taken back, their writes into the masters, then the eager hook (which may
+        release the scope)."""
+        if self.scope.running_calls <= 1:
+            aliases = self._unexpose_loaded()
+            versions, self._versions = self._versions, []
+            aliased = {id(leaf) for leaf, alias, v in aliases if alias._version != v}
+            try:
+                self.engine.writes.exposed_call_ended(self.scope, versions, aliased=aliased)
+            except RuntimeError:
+                self._post_forward(module, args, kwargs, output)  # sees the error: a failed call
+                raise
+        self._post_forward(module, args, kwargs, output)
+
+    def _attribute_homes(self) -> list[_Home]:
+        """(module.__dict__, name, slot) for each place a parameter of the scope is registered:
+        an instance attribute there is found before nn.Module.__getattr__ reaches _parameters."""
+        places = self._current_homes()
+        if self._attr_places is None or self._attr_places[0] is not places:
+            names = {id(m._parameters): m.__dict__ for m in self.scope.module.modules()}
+            self._attr_places = (places, [(names[id(params)], key, slot) for params, key, slot in places])
+        return self._attr_places[1]
+
+    def compiled_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The forward pre-hook when compiled code calls the module: the eager hook, then the
+        whole scope resident and its device copies in place of the parameters."""
+        self._pre_forward(module, args, kwargs)
+        self._expose()
+
+    def compiled_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """The forward hook when compiled code calls the module: the parameters back, the writes
+        to their device copies into the masters (Note [writes in compiled code] in
+        engine/writes.py), then the eager hook (which may release the scope)."""
+        if self.scope.running_calls <= 1 and self._exposed is not None:
+            self._hide()
+            versions, self._versions = self._versions, []
+            try:
+                # Not under torch.export's trace, whose modes would record the comparison.
+                compare = not (self._compared or _compile.tracing() or torch._C._len_torch_function_stack())
+                self.engine.writes.compiled_call_ended(self.scope, versions, compare=compare)
+            except RuntimeError:
+                self._post_forward(module, args, kwargs, output)  # sees the error: a failed call
+                raise
+            self._compared = True  # not after a refusal: the next call compares again
+        self._post_forward(module, args, kwargs, output)
+
+    def _expose(self) -> None:
+        """Make the scope resident and register its device copies where its parameters are."""
+        scope = self.scope
+        if self.engine.thread.foreign():
+            return
+        scope.make_resident()
+        fill_all_experts(scope)  # compiled code reads every expert's rows (Note [routed experts in backward])
+        if scope.copy_order is None:
+            # No op reports its first use in compiled code (Note [progressive loads]): copy in
+            # the parameters' order. Later loads are then progressive, so a prefetch enqueues
+            # what no deferred optimizer step holds back instead of waiting for every step.
+            scope.set_copy_order(list(scope.slots))
+        if self._exposed is not None:
+            return  # a nested call of the same scope
+        self._exposed = places = self._current_homes()
+        for params, key, slot in places:
+            leaf = slot.use_device_copy()
+            if type(leaf) is not nn.Parameter:
+                # A DeviceCopy (whose repr guards against printing released storage) becomes an
+                # nn.Parameter for good: parts of torch.compile refuse other tensor subclasses
+                # among the graph inputs (aot_eager's analysis of the first run), and module
+                # code may check `isinstance(self.weight, nn.Parameter)`. Same object and hooks.
+                leaf.__class__ = nn.Parameter
+            params[key] = leaf
+        self._versions = [(slot, slot.device_leaf, slot.device_leaf._version) for slot in self.scope.slots]
+
+    def _hide(self) -> None:
+        """Put the OffloadedParameters back where `_expose` put device copies."""
+        places, self._exposed = self._exposed, None
+        for params, key, slot in places or ():
+            params[key] = slot.param
+
+    def _current_homes(self) -> list[_Home]:
+        """Where the scope's parameters are registered now (a parameter shared by several
+        modules of the scope once per module)."""
+        # Not self._homes: the DDP/fully_shard check compares against where they were at wrap.
+        if self._places is None or any(params.get(key) is not slot.param for params, key, slot in self._places):
+            self._places = _homes(self.scope)
+        return self._places
+
+    def inputs_done(self) -> None:
+        self.engine.post_backward(self.scope)
+
+    def _check_distributed(self) -> None:
+        """A process group exists: refuse DDP around a scope called outside the wrapped model's
+        forward (Engine.begin_forward checks inside it), and fully_shard having replaced the
+        scope's parameters (Note [data-parallel wrappers] in dispatch/wrapper_guards.py)."""
+        scope = self.scope
+        if self.engine.model_forward is ModelForward.OUTSIDE:
+            _distributed.check_ddp_forward(f"scope {scope.name!r}")
+        for params, key, slot in self._homes:
+            if params.get(key) is not slot.param:
+                raise _distributed.replaced_error(slot.name, scope.name, params.get(key))
+
+    def _check_inputs(self, inputs: list[torch.Tensor]) -> None:
+        device = self.engine.device
+        for i, t in enumerate(inputs):
+            if t.device != device and not (t.device.type == "cpu" and t.dim() == 0):
+                raise RuntimeError(
+                    f"offtensor: input tensor {i} of scope {self.scope.name!r} "
+                    f"(shape {tuple(t.shape)}, {t.dtype}) is on {t.device}, but the scope "
+                    f"computes on {device}; move inputs with .to({str(device)!r}) (and "
+                    "the model's unwrapped parts with model.to(...); offloaded parameters stay "
+                    "on the host)"
+                )
+
+
+class _AllInputGrads:
+    """Counts the input gradients of one forward call; the last one ends the scope's backward.
+    (Not `torch.autograd.graph.register_multi_grad_hook(mode="all")`, which asks autograd
+    whether it will run each input's node: unsupported for a leaf input inside
+    `torch.autograd.grad`, which gradient penalties call.)"""
+
+    def __init__(self, hooks: ScopeHooks, n: int) -> None:
+        self.hooks = hooks
+        self.remaining = n
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.hooks.inputs_done()
+
+
+class ModelHooks:
+    """The hooks on the wrapped model's own forward: it starts the first scope's load
+    (Engine.begin_forward) and, if it raises, releases every scope."""
+
+    def __init__(self, engine: Engine, scope_hooks: list[ScopeHooks]) -> None:
+        self.engine = engine
+        self.scope_hooks = scope_hooks
+        self.calls = FailureCheck()
+
+    def install(self, model: nn.Module) -> None:
+        self.engine.handles.append(model.register_forward_pre_hook(Hook(self._pre)))
+        self.engine.handles.append(model.register_forward_hook(Hook(self._post), always_call=True))
+
+    def _pre(self, module: nn.Module, args: tuple) -> None:
+        engine = self.engine
+        engine.thread.check("the model's forward")
+        if self.calls.enter():
+            engine.abort()  # an earlier forward was interrupted (KeyboardInterrupt): as if it raised
+        for hooks in self.scope_hooks:  # before anything else runs: FailureCheck.drop_interrupted
+            hooks.drop_interrupted()
+        engine.begin_forward()
+
+    def _post(self, module: nn.Module, args: tuple, output: object) -> None:
+        if not self.engine.thread.foreign():  # a call refused by ThreadOwner.check: nothing to undo
+            self.engine.end_forward(failed=self.calls.failed())
+
+
+class Hook:
+    """A module hook calling `fn`, or `compiled_fn` outside dynamo when compiled code calls it
+    (Note [torch.compile] in dispatch/compile.py); its copies do nothing (Note [copies of a wrapped model])."""
+
+    def __init__(self, fn: Any, compiled_fn: Any = None) -> None:
+        self.fn = fn
+        self.compiled_fn = fn if compiled_fn is None else compiled_fn
+
+    def __call__(self, *args: Any) -> Any:
+        if _compile.in_compiled_region():
+            return _compile.run_outside_dynamo(self.compiled_fn, args)
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo: dict) -> _InertHook:
+        return _InertHook()
+
+    def __reduce__(self) -> tuple:
+        return (_InertHook, ())
+
+
+class _InertHook:
+    """What a copy of a wrapped model has where the original has offtensor's hooks."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+class FailureCheck:
+    """Tells a forward hook registered with `always_call=True` whether the forward raised, and
+    a forward pre-hook whether earlier calls never ended.
+
+    PyTorch runs such a hook inside its `except` block when the forward raises, but
+    `sys.exc_info()` alone cannot tell: a module called while its caller handles an exception
+    (a retry after an out-of-memory error, inside `except`) sees that exception there too. So
+    the forward pre-hook records the exception being handled when the call starts (`enter`),
+    and the call failed if another one is being handled when it ends (`failed`).
+
+    PyTorch catches only `Exception` there: a call left by a `KeyboardInterrupt` (Ctrl-C in a
+    notebook) or `SystemExit` runs no hook, and its record stays. So each record also holds the
+    frame of the module call running the hooks (the first frame outside offtensor: PyTorch's
+    `_call_impl`), which lives exactly as long as the call; `enter` drops the records of this
+    thread whose frame is not on the stack any more, and says how many. (A record kept this way
+    keeps that frame, and the tensors it refers to, until the module's next call; the
+    interrupt's own traceback holds them as well.)"""
+
+    def __init__(self) -> None:
+        # One per call in progress: (thread, frame of the call, exception handled at entry).
+        self._calls: list[tuple[int, FrameType | None, BaseException | None]] = []
+
+    def enter(self) -> int:
+        """Record a call; return how many earlier calls were found to have been interrupted."""
+        frame = _outside_offtensor(sys._getframe(1))
+        interrupted = self.drop_interrupted(frame)
+        self._calls.append((threading.get_ident(), frame, sys.exc_info()[1]))
+        return interrupted
+
+    def drop_interrupted(self, frame: FrameType | None = None) -> int:
+        """Forget this thread's calls whose frame is no longer on the stack (seen from `frame`,
+        default the caller's); return how many. Dropping a record lets its frame go, and with
+        it whatever that frame still holds: torch.utils.checkpoint's suspended generator keeps
+        its saved-tensor hooks pushed until it is collected, and collected inside the next
+        checkpointed call it would pop that call's hooks instead (the model's forward therefore
+        drops every scope's interrupted calls before anything else runs)."""
+        thread = threading.get_ident()
+        if not any(c[0] == thread for c in self._calls):  # nothing to check: no stack walk
+            return 0
+        if frame is None:
+            frame = _outside_offtensor(sys._getframe(1))
+        on_stack, f = set(), frame
+        while f is not None:
+            on_stack.add(id(f))
+            f = f.f_back
+        live = [c for c in self._calls if c[0] != thread or id(c[1]) in on_stack]
+        interrupted = len(self._calls) - len(live)
+        self._calls = live
+        return interrupted
+
+    def failed(self) -> bool:
+        thread = threading.get_ident()
+        at_entry = None
+        for i in range(len(self._calls) - 1, -1, -1):
+            if self._calls[i][0] == thread:
+                at_entry = self._calls.pop(i)[2]
+                break
+        current = sys.exc_info()[1]
+        return current is not None and current is not at_entry
+
+
+def _forget_calls(scope: Scope, n: int) -> None:
+    """`n` calls of the scope never ended: a KeyboardInterrupt (or SystemExit) left them, which
+    runs no hook (FailureCheck). Forget them; the device copy they kept resident is released
+    unless another call uses it, also under no_offload(): while the scope counted as called,
+    writes to its masters (an optimizer step) did not release it, so it may be older than they
+    are. (Its count may have been reset since, by Engine.abort or a new pass, without a release
+    under no_offload(); the copy goes all the same.)"""
+    scope.running_calls = max(0, scope.running_calls - n)
+    if scope.running_calls == 0:
+        scope.release(force=True)
+
+
+def _outside_offtensor(frame: FrameType | None) -> FrameType | None:
+    """The first frame, from `frame` outwards, that is not offtensor's: the module call's."""
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("offtensor."):
+        frame = frame.f_back
+    return frame
+
+
+_Home = tuple[dict[str, Any], str, ParamSlot]
+
+
+def _homes(scope: Scope) -> list[_Home]:
+    """Where the scope's offloaded parameters are registered now: (module._parameters, key,
+    slot), a parameter shared by several modules of the scope once per module."""
+    ours = {id(slot.param): slot for slot in scope.slots}
+    return [(m._parameters, k, ours[id(p)]) for m in scope.module.modules()
+            for k, p in m._parameters.items() if p is not None and id(p) in ours]
+
+
+def _tensors(*trees: Any) -> list[torch.Tensor]:
+    """The tensors in `trees`, as pytree finds them: a module's inputs or outputs. Tuples,
+    lists and dicts are walked here (a decoder layer's kwargs: a few dozen objects at each call,
+    where tree_flatten costs ~20 us); other containers pytree knows (ModelOutput) by pytree."""
+    found: list[torch.Tensor] = []
+    _collect(trees, found)
+    return found
+
+
+def _collect(tree: Any, found: list[torch.Tensor]) -> None:
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        for x in tree:
+            _collect(x, found)
+    elif kind is dict:
+        for x in tree.values():
+            _collect(x, found)
+    elif isinstance(tree, torch.Tensor):
+        found.append(tree)
+    elif isinstance(tree, tuple):  # a namedtuple, torch.return_types: pytree takes their fields
+        for x in tree:
+            _collect(x, found)
+    elif kind in _pytree.SUPPORTED_NODES:
+        leaves, _ = _pytree.tree_flatten(tree)
+        found.extend(t for t in leaves if isinstance(t, torch.Tensor))

@@ -1,0 +1,44 @@
+"""Which thread a wrapped model's forward belongs to: one forward at a time per wrapped model."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from ..dispatch.slot import in_backward
+
+
+class ThreadOwner:
+    """The thread of a wrapped model's latest forward, which owns its engine while a forward or
+    backward runs: the scopes' device copies, call counts and learned order are shared, so a
+    second thread's forward would corrupt the first's."""
+
+    def __init__(self, busy: Callable[[], bool]) -> None:
+        self._busy = busy  # a forward or backward of the model is in progress
+        self._thread: int | None = None  # the thread of the latest forward
+
+    def check(self, where: str) -> None:
+        """Take the engine for this thread; refuse, before any state changes, while another
+        thread's forward or backward is in progress (its post-forward hooks then do nothing:
+        `foreign`)."""
+        thread = threading.get_ident()
+        if self._thread == thread:
+            return
+        if self._thread is not None and self._busy():
+            raise RuntimeError(
+                f"offtensor: {where} was called from thread {thread} while thread {self._thread} "
+                "is in a forward or backward of the same wrapped model. A wrapped model runs one forward (and "
+                "backward) at a time: use one wrapped model per thread, or serialize the calls "
+                "with a lock"
+            )
+        self._thread = thread
+
+    def run_by_another(self) -> bool:
+        """The model's latest forward ran on another thread than the caller's, which owns what
+        it left on the device (Note [no_offload in several threads] in model/controls.py)."""
+        return self._thread is not None and self._thread != threading.get_ident()
+
+    def foreign(self) -> bool:
+        """A forward hook runs on another thread than the forward in progress (`check` refused
+        its call). Backward runs on autograd's threads: never foreign."""
+        return self._thread is not None and threading.get_ident() != self._thread and not in_backward()

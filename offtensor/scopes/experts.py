@@ -1,0 +1,259 @@
+"""Routed experts: an expert-stacked parameter ([E, ...]) of a mixture-of-experts layer whose
+device copy holds only the experts that ops index (ExpertRows), and how wrap finds them.
+
+# Note [routed experts]
+A decode token uses k of a layer's E experts (8 of 128 in Qwen3-30B-A3B), so copying the whole
+scope moves about E/k times the bytes of experts the token needs. A routed expert parameter is
+laid out in its scope's buffers like any other (the device buffer has room for all E experts),
+but copy_order puts the routed parameters last, the load plan ends a chunk before them
+(scopes/loading.py), and a load in forward copies only the chunks before: the layer's other
+parameters prefetch as before. An op on a routed parameter inside its scope takes the general
+path of ops (`ParamSlot.ready_copy` refuses it until every expert is there), which, once the
+scope is resident, copies the experts that op reads (Note [which experts an op reads]) into
+their rows of the device copy and gives the op the device copy itself. The copies run on the
+copy stream, after the load's allocation by the stream's order; compute waits for their event,
+device side, and master writes for their reads (`Streams.reads_masters`). Converting masters (a
+compute_dtype, Policy(frozen_format)) cross as their bytes and are converted on the compute
+stream after that event, row by row, so an expert's rows are the bytes the whole master's
+conversion gives (a compressed master has one scale per expert). While the scope stays resident
+(kept under a VRAM budget, the last scope kept for backward) copied experts stay and later ops
+find them (`Traffic.expert_hits`); the budget counts the room for all E. A release forgets them.
+
+# Note [which experts an op reads]
+- `w[i]`, `w[idx]` (an int, an integer tensor, a list; or a tuple starting with one): those
+  experts. transformers' eager experts index `gate_up_proj[expert_idx]` per expert that received
+  tokens, its batched_mm implementation `gate_up_proj[expert_ids]`.
+- any other op (`w.transpose(-2, -1)`, `grouped_mm(x, w, offs)`): the experts the router chose
+  for the experts module's call running now, when its forward takes `top_k_index` or
+  `router_indices` (transformers' MoE experts: a forward pre-hook reads it), else every expert.
+  grouped_mm reads only the groups its offsets give tokens, which are those experts.
+Reading an index tensor's values syncs the host with the device; transformers' eager loop
+already does so at each expert (`expert_idx == num_experts`), grouped_mm's hint once per layer.
+
+# Note [routed experts in backward]
+The results are views of the device copy, the parameter's one leaf, so gradients reach the
+master by the usual path (Note [gradient path] in engine/grads.py), exactly, trainable experts
+included; experts no op read get zero gradients, as in plain autograd. Backward reads the views
+it saved without an op on the parameter, so a load in backward (`in_backward`) copies the routed
+experts whole, as do a scope's first load when it converts (it has no load plan yet), the staging
+ring's, sharded and cast="host" loads, the refresh of a write during the call, and compiled code
+(`fill_all`).
+
+# Note [recognising experts]
+`Policy(experts="auto")` (default) routes the parameters of a module named `experts` of at least
+2 dimensions whose first is the E of a 3-D parameter among them (transformers 5's fused
+`gate_up_proj`, `down_proj` and their biases). `Policy(experts=fn)` routes those `fn(name, p)`
+marks; `Policy(experts=None)` none. A module named `experts` with no stacked parameter of its
+own (a ModuleList of expert modules) streams whole, with one log line saying why.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ..api import Residency
+from ..dispatch.slot import ParamSlot
+from ..storage.compress import PackedMaster, unpack_rows_into
+from .expert_cache import ExpertCache
+from .loading import Traffic
+from .scope import Scope
+from .streams import Streams
+
+logger = logging.getLogger("offtensor")
+
+# The argument of an experts module's forward that holds the router's choice (transformers 5).
+ROUTER_CHOICE = ("top_k_index", "router_indices")
+
+
+class ExpertRows:
+    """Which experts of one routed parameter its device copy holds, and the copies of the others
+    (Note [routed experts])."""
+
+    def __init__(self, slot: ParamSlot, streams: Streams, traffic: Traffic, cache: ExpertCache | None = None) -> None:
+        self.slot = slot
+        self.cache = cache  # the model's, under Policy(expert_cache) (Note [expert cache])
+        self.streams = streams
+        self.traffic = traffic  # the scope's counters
+        self.count = slot.meta.shape[0]  # E
+        self.loaded = [False] * self.count  # expert e's rows are on the device (or on their way)
+        self.whole = False
+        self.hint: list[int] | None = None  # the router's experts for the running call
+
+    def forget(self) -> None:
+        """No expert is on the device (released, or a load that leaves them to ops)."""
+        self.loaded = [False] * self.count
+        self.whole = False
+
+    def all_there(self) -> None:
+        """A load or refresh copied the whole parameter."""
+        self.loaded = [True] * self.count
+        self.whole = True
+
+    def fill_all(self) -> None:
+        self.fill(range(self.count))
+
+
+    def before_op(self, func: Any, args: tuple, param: torch.Tensor) -> None:
+        """Copy the experts the op `func(*args)` reads onto the device."""
+        if self.whole:
+            return
+        indexed = None
+        if func is torch.Tensor.__getitem__ and len(args) == 2 and args[0] is param:
+            indexed = _indexed(args[1], self.count)
+        if indexed is not None:
+            self.fill(indexed)
+        else:
+            self.fill(self.hint if self.hint is not None else range(self.count))
+
+    def fill(self, experts: Iterable[int]) -> None:
+        loaded, wanted = self.loaded, set(experts)
+        todo = sorted(e for e in wanted if not loaded[e])
+        cache = self.cache if self.slot.scope.residency is not Residency.KEPT else None
+        if cache is not None and todo:  # Note [expert cache]
+            found = [(e, rows) for e in todo if (rows := cache.use(self.slot, e)) is not None]
+            view = self.slot.device_view
+            for e, rows in found:  # on compute, the current stream: nothing crosses the link
+                view[e].copy_(rows)
+                loaded[e] = True
+            todo = [e for e in todo if not loaded[e]]
+        self.traffic.expert_misses += len(todo)
+        self.traffic.expert_hits += len(wanted) - len(todo)
+        if todo:
+            self._copy(todo)
+            for e in todo:
+                loaded[e] = True
+            if cache is not None:  # after the copy's event, on compute
+                for e in todo:
+                    cache.offer(self.slot, e, self.slot.device_view[e])
+        self.whole = all(loaded)
+
+    def _copy(self, experts: list[int]) -> None:
+        """Copy the experts' rows into the device copy: on the copy stream, compute waiting for
+        them; a converting master's bytes are converted on compute after that."""
+        slot, streams = self.slot, self.streams
+        view, master, packed = slot.device_view, slot.master, slot.packed
+        h2d = streams.h2d()
+        staged: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+        with streams.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
+            for e in experts:
+                if isinstance(packed, PackedMaster):
+                    values = packed.values[e : e + 1].to(view.device, non_blocking=True)
+                    scale = packed.scale[e : e + 1].to(view.device, non_blocking=True)
+                    staged.append((e, values, scale))
+                    self.traffic.bytes_to_device += values.nbytes + scale.nbytes
+                elif master.dtype != view.dtype:
+                    staged.append((e, master[e].to(view.device, non_blocking=True), None))
+                    self.traffic.bytes_to_device += master[e].nbytes
+                else:
+                    view[e].copy_(master[e], non_blocking=True)
+                    self.traffic.bytes_to_device += master[e].nbytes
+            copied = streams.record(h2d)
+        streams.reads_masters(copied)
+        compute = streams.compute()
+        streams.wait(compute, copied)
+        for e, rows, scales in staged:  # on compute, the current stream
+            if compute is not None:  # allocated on the copy stream, read here
+                rows.record_stream(compute)
+                if scales is not None:
+                    scales.record_stream(compute)
+            if scales is None:
+                view[e].copy_(rows)
+            else:
+                assert isinstance(packed, PackedMaster)
+                unpack_rows_into(packed.format, rows.view(1, -1), scales, view[e].view(1, -1))
+
+
+def fill_all_experts(scope: Scope) -> None:
+    """Every routed expert of a resident scope onto the device: for code that reads device
+    copies without ops on the parameters (compiled code, Note [routed experts in backward])."""
+    for slot in scope.routed:
+        if slot.experts is not None:
+            slot.experts.fill_all()
+
+
+def _indexed(index: Any, count: int) -> list[int] | None:
+    """The experts `w[index]` reads along the first dimension; None: not known (all)."""
+    if isinstance(index, tuple):
+        index = index[0] if index else None
+    if isinstance(index, bool):
+        return None
+    if isinstance(index, int):
+        return [index % count]
+    if isinstance(index, torch.Tensor) and not index.is_floating_point() and index.dtype != torch.bool:
+        if index.dim() == 0:
+            return [int(index) % count]
+        return [int(e) % count for e in torch.unique(index).tolist()]
+    if isinstance(index, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in index):
+        return [e % count for e in index]
+    return None
+
+
+def route_experts(scope: Scope, cache: ExpertCache | None = None) -> list[RemovableHandle]:
+    """Find the scope's routed expert parameters (Note [recognising experts]) and give each its
+    ExpertRows, sharing the model's `cache` (Note [expert cache]); the handles of the hooks that
+    read the router's choice."""
+    choice = scope.policy.experts
+    if choice is None:
+        return []
+    by_name = {slot.name: slot for slot in scope.slots}
+    if callable(choice):
+        marked = [slot for slot in scope.slots if slot.meta.ndim >= 1 and choice(slot.name, slot.param)]
+        _install(scope, marked, cache)
+        return []
+    handles: list[RemovableHandle] = []
+    for name, module in scope.module.named_modules():
+        if name.rsplit(".", 1)[-1] != "experts":
+            continue
+        qual = f"{scope.name}.{name}" if scope.name else name
+        own = [by_name[f"{qual}.{n}"] for n, _ in module.named_parameters(recurse=False) if f"{qual}.{n}" in by_name]
+        stacked = [slot for slot in own if slot.meta.ndim == 3]
+        if not stacked:
+            if any(True for _ in module.parameters()):
+                logger.info("offtensor: %r holds no expert-stacked (3-D) parameter of its own (separate "
+                            "expert modules?): its experts are not routed, scope %r loads them whole",
+                            qual, scope.name)
+            continue
+        count = stacked[0].meta.shape[0]
+        routed = [slot for slot in own if slot.meta.ndim >= 2 and slot.meta.shape[0] == count]
+        _install(scope, routed, cache)
+        names = list(inspect.signature(module.forward).parameters)
+        chosen = next((n for n in ROUTER_CHOICE if n in names), None)
+        if chosen is not None:
+            handles.extend(_hint_hooks(module, routed, chosen, names.index(chosen)))
+    return handles
+
+
+def _install(scope: Scope, slots: list[ParamSlot], cache: ExpertCache | None) -> None:
+    for slot in slots:
+        if slot.experts is None:
+            rows = ExpertRows(slot, scope.streams, scope.traffic, cache)
+            slot.experts = rows
+            scope.routed.append(slot)
+
+
+def _hint_hooks(module: nn.Module, slots: list[ParamSlot], name: str, position: int) -> list[RemovableHandle]:
+    """Hooks that tell the slots which experts the router chose for the module's call: its
+    argument `name`, at `position`."""
+    rows = [r for slot in slots if isinstance(r := slot.experts, ExpertRows)]
+
+    def chosen(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        index = kwargs.get(name, args[position] if len(args) > position else None)
+        experts = None
+        if isinstance(index, torch.Tensor):
+            experts = [e for e in torch.unique(index).tolist() if 0 <= e < rows[0].count] if rows else []
+        for r in rows:
+            r.hint = experts
+
+    def done(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        for r in rows:
+            r.hint = None
+
+    return [module.register_forward_pre_hook(chosen, with_kwargs=True),
+            module.register_forward_hook(done, with_kwargs=True, always_call=True)]

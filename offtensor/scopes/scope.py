@@ -1,0 +1,494 @@
+"""A scope: the parameters of one selected module, moved to the device together, and the
+transitions of its state.
+
+# Note [scope states]
+A scope's parameters share one flat host buffer (the masters, pinned) and one flat device buffer
+of the same layout. The state says which of them holds usable weights:
+- OFFLOADED: only the host buffer. The device buffer's storage is resized to 0 bytes.
+- LOADING: device storage allocated and a host-to-device copy enqueued on the copy stream;
+  `weights_ready` is the event recorded after it. Compute has not yet waited for all of it: ops
+  wait for the part they use (Note [progressive loads] in scopes/loading.py). What the load has
+  done so far is a `LoadProgress`, which exists only in this state (`Scope.loading`).
+- RESIDENT: the compute stream has waited on `weights_ready`; ops may use the device copy.
+The transitions are Scope.load (OFFLOADED -> LOADING), make_resident (-> RESIDENT) and release
+(-> OFFLOADED). What a parameter "is" follows from its scope's state; the only other
+per-scope enums are `Residency`, how long a copy outlives its calls (streamed: until they
+end; kept or carried under a VRAM budget: Note [VRAM budget] in budget/vram.py), and
+`MasterHome`, where the masters live and how a load reads them (pinned or pageable RAM, or
+staged through the staging ring from pageable RAM or a file: Note [staged loads] in
+storage/staging.py). The scopes of one model that are not OFFLOADED are listed, in load
+order, in their `LiveScopes`.
+
+A scope delegates to its parts, each in a module of its own with its Notes: the host side
+(`HostMasters`, scopes/host_masters.py: Note [masters moved out of the host buffer]), the device
+buffer (`DeviceBuffer`, scopes/device_buffer.py: Note [higher-order gradients]), a load in flight
+(`LoadProgress`, scopes/loading.py: Note [progressive loads]), the writes its device copies have
+not seen (`WriteTracker`, scopes/write_tracking.py: Note [writes during a scope's call]) and the fetches
+of old gradients (`OldGrads`, scopes/old_grads.py: Note [stale gradient fetches]).
+
+# Note [autocast's cast cache]
+Autocast caches the reduced-precision cast of every leaf that requires grad (a device copy is
+one) until the outermost autocast region exits, to cast a weight once however often it is used.
+Left so, a forward under autocast would keep a cast of every scope it released on the device: a
+reduced-precision copy of the whole offloaded model, also in inference and under checkpointing,
+where no graph holds them. A release therefore clears the cache (it is per thread and cannot
+drop one entry): casts of resident weights are made again at their next use, with the same
+values. A cast still in use by a graph stays alive through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from operator import attrgetter
+from typing import Any, Protocol, cast
+
+import torch
+from torch import nn
+
+from ..api import Policy, Residency, ScopeState
+from ..dispatch.masters import master_requires_grad
+from ..dispatch.slot import ParamSlot, alive, in_backward, weakly
+from ..storage.memory import HostBuffer, PinningFallback
+from .device_buffer import DeviceBuffer
+from .host_masters import HostMasters
+from .loading import LoadPlan, LoadProgress, Traffic
+from .old_grads import OldGrads
+from .streams import Streams
+from .write_tracking import WriteTracker
+
+logger = logging.getLogger("offtensor")
+
+# Each parameter starts at a multiple of this many bytes in the flat buffers (aligned loads).
+ALIGN = 256
+
+
+class GradSink(Protocol):
+    """Where device copies' gradients go (GradOffload in engine/grads.py, above)."""
+
+    def on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None: ...
+
+
+class OpCopies(Protocol):
+    """What an op on a parameter computes with (OpAccess in engine/access.py, above)."""
+
+    def materialize(self, slot: ParamSlot, op_device: torch.device | None) -> torch.Tensor | None: ...
+
+
+class WritesToMasters(Protocol):
+    """What a write to a master does to the device copies (MasterWrites in engine/writes.py, above)."""
+
+    def master_written(self, slot: ParamSlot) -> None: ...
+
+    def before_master_write(self, slot: ParamSlot, *, written: bool = True) -> None: ...
+
+    def master_handed_out(self, scope: Scope, slot: ParamSlot | None = None) -> None: ...
+
+
+class ScopeEngine(Protocol):
+    """The engine as its scopes see it (Engine in engine/engine.py, above): what a scope is built
+    from, and what it asks for its slots (SlotScope in dispatch/slot.py)."""
+
+    streams: Streams
+    live: LiveScopes
+    device: torch.device  # the compute device
+    pinning: PinningFallback
+
+    @property
+    def grads(self) -> GradSink: ...
+
+    @property
+    def access(self) -> OpCopies: ...
+
+    @property
+    def writes(self) -> WritesToMasters: ...
+
+
+class ScopeLoader(Protocol):
+    """Fills a scope's device buffer in place of its whole-scope copy (ShardedLoads in
+    distributed/sharded_loads.py, above: Note [sharded loads])."""
+
+    def copy(self, scope: Scope) -> Any: ...  # on the copy stream; an event after its work, or None
+
+
+class LiveScopes:
+    """The scopes of one wrapped model that are not OFFLOADED, in load order."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[Scope, None] = {}
+        self._held_back: dict[Scope, None] = {}  # LOADING with copies held back by steps
+
+    def __iter__(self) -> Any:
+        return iter(list(self._loaded))
+
+    def __len__(self) -> int:
+        return len(self._loaded)
+
+    def loaded(self, scope: Scope) -> None:
+        self._loaded[scope] = None
+
+    def released(self, scope: Scope) -> None:
+        self._loaded.pop(scope, None)
+        self._held_back.pop(scope, None)
+
+    def holding_back(self, scope: Scope, held: bool) -> None:
+        if held:
+            self._held_back[scope] = None
+        else:
+            self._held_back.pop(scope, None)
+
+    @property
+    def holds_back(self) -> bool:
+        """Some scope's copies wait for deferred steps (`pump` has work)."""
+        return bool(self._held_back)
+
+    def pump(self) -> None:
+        """Enqueue the copies that waited for deferred steps now done (no host wait). Called at
+        each op that waits for a chunk (make_resident): nothing held back costs no allocation."""
+        if not self._held_back:
+            return
+        for scope in list(self._held_back):
+            scope.copy_more(need=-1)
+
+    def release_all(self, *, force: bool = False, keep_carried: bool = False) -> None:
+        """Release every scope on the device; `force`: kept ones too; `keep_carried`: not the
+        ones a backward carries into the next forward."""
+        for scope in list(self._loaded):
+            if not (keep_carried and scope.residency is Residency.CARRIED):
+                scope.release(force=force)
+
+
+def _part(part: str, name: str) -> Any:
+    """An attribute of one of a scope's parts, read and set through the scope under the name the
+    layers above use (`scope.nbytes` is `scope.masters.nbytes`). Read without a Python call."""
+
+    def assign(scope: Scope, value: Any) -> None:
+        setattr(getattr(scope, part), name, value)
+
+    return property(attrgetter(f"{part}.{name}"), assign)
+
+
+class Scope:
+    """One selected module (or, split by Policy.max_scope_bytes, part of one): its state, the
+    transitions between states, and its parts."""
+
+    # What the layers above read and set (wrap lays the buffers out, the engine marks writes).
+    home = _part("masters", "home")
+    ring = _part("masters", "ring")
+    files = _part("masters", "files")
+    nbytes = _part("masters", "nbytes")
+    device_nbytes = _part("device", "nbytes")
+
+    def __init__(self, name: str, module: nn.Module, policy: Policy, engine: ScopeEngine,
+                 pinned: bool, block: str | None = None) -> None:
+        self.name = name
+        self.block = name if block is None else block  # the selected module (Policy.max_scope_bytes)
+        self.module = module
+        self.policy = policy
+        self.engine = engine
+        self.streams: Streams = engine.streams
+        self.live: LiveScopes = engine.live
+        self.grad_sink = engine.grads.on_leaf_grad  # where device copies' gradients go (engine/grads.py)
+        self.slots: list[ParamSlot] = []
+        self.routed: list[ParamSlot] = []  # Note [routed experts] (scopes/experts.py)
+        self.masters = HostMasters(pinned)
+        self.device = DeviceBuffer()
+        self.writes = WriteTracker(self.streams)
+        self.traffic = Traffic()  # bytes to the device since wrap; routed experts' hits
+        self.old_grads = OldGrads(self.streams, self.slots, self.traffic)
+        # Policy.compute_dtype differs from a master's dtype: the load casts (Policy.cast).
+        self.casts = False
+        self.state = ScopeState.OFFLOADED
+        self.loading: LoadProgress | None = None  # while LOADING
+        self.first_uses: dict[ParamSlot, None] = {}  # first forward: parameters in order of use
+        self.copy_order: list[ParamSlot] | None = None  # learned from first_uses
+        self.load_plan: LoadPlan | None = None  # a progressive load's copies, from copy_order
+        self.grads_offloaded: Any = None  # event on the d2h stream after this backward's grads
+        # Calls of the module's forward, counted four ways (the engine keeps them):
+        self.running_calls = 0  # in progress now (a recompute in backward included)
+        self.calls_this_pass = 0  # in the current forward pass (a shared module: several)
+        # Calls that can add to a gradient (grad mode on, or an input requiring grad) since the
+        # last backward ended: above 1, a backward may see several contributions per parameter
+        # (shared modules; several forwards before one backward). Note [early handover].
+        self.grad_calls_since_backward = 0
+        self.grad_calls_this_pass = 0  # of those, the ones in the current pass
+        self.loads = 0  # host-to-device loads of the weights, since wrap
+        self.loads_on_demand = 0  # of which not prefetched: offloaded when the scope needed them
+        # STREAMED, or KEPT by Policy.vram_budget (only a forced release offloads it), or
+        # CARRIED: streamed, left resident by a backward's end for the next forward, which
+        # computes it first (Note [carried into the next forward] in budget/vram.py).
+        self.residency = Residency.STREAMED
+        # Set by data_parallel(shard_loads=True): fills device_flat from host_flat in place of
+        # the whole-scope copy (`loader.copy(scope)`, on the copy stream; it may return the
+        # event that follows its work; Note [sharded loads] in distributed/sharded_loads.py).
+        # None: the plain copy.
+        self.loader: ScopeLoader | None = None
+
+    @property
+    def weights_ready(self) -> Any:
+        """The event after the whole weights' copy (the copy stream runs in order), or None when
+        no copy is pending."""
+        loading = self.loading
+        return loading.weights_ready if loading is not None else None
+
+    @property
+    def pinned(self) -> bool:
+        return self.masters.pinned
+
+    def host_bytes(self) -> int:
+        """Host RAM of the masters (and host shadow); none for masters in files."""
+        return self.masters.host_bytes()
+
+    def offloaded(self) -> bool:
+        return self.state is ScopeState.OFFLOADED
+
+    def frozen_now(self) -> bool:
+        """No parameter requires grad or waits for a deferred step: only a write through a
+        parameter (or an alias) can change the masters, which write_mark sees."""
+        return not any(master_requires_grad(slot.param) or slot.step_pending for slot in self.slots)
+
+    def write_mark(self) -> tuple[Any, ...]:
+        """The writes to the masters so far, as the staging ring compares them (HostMasters.write_mark)."""
+        return self.masters.write_mark(self.slots)
+
+    def device_bytes(self) -> int:
+        return self.device.storage.nbytes() + self.old_grads.held_bytes()
+
+    def num_params(self) -> int:
+        return sum(s.param.numel() for s in self.slots)
+
+    def learn_copy_order(self) -> None:
+        """After the first forward: copy parameters in the order it first used them."""
+        if self.copy_order is None and self.first_uses:
+            used = list(self.first_uses)
+            self.set_copy_order(used + [s for s in self.slots if s not in self.first_uses])
+            self.first_uses.clear()
+
+    def set_copy_order(self, order: list[ParamSlot]) -> None:
+        """Copy in `order`, routed experts last (Note [routed experts] in scopes/experts.py)."""
+        self.copy_order = sorted(order, key=lambda s: s.experts is not None)  # stable
+        for i, slot in enumerate(self.copy_order):
+            slot.copy_index = i
+
+    def temporary_copy(self, slot: ParamSlot, op_device: torch.device | None,
+                       needs_grad: bool) -> torch.Tensor:
+        """A copy of the master for one op outside the parameter's scope (tied weights,
+        functional calls). Its gradient takes the same path as the scope's device copy."""
+        master = slot.param
+        dtype = slot.device_view.dtype
+        # A compressed master's values, unpacked on the host (Note [compressed masters]).
+        values = slot.packed.unpack() if slot.packed is not None else slot.master
+        if op_device is None or op_device.type == "cpu":
+            copy = values.to(dtype=dtype, copy=True)
+        else:
+            copy = torch.empty(master.shape, dtype=dtype, device=op_device)
+            # slot.master is detached: the copy is a leaf of its own, not a CopyBackwards of
+            # the master, without grad mode (Note [interrupts]).
+            copy.copy_(values, non_blocking=True)  # current stream: ordered with its use
+            if op_device.type == "cuda":
+                self.streams.reads_masters(self.streams.record(torch.cuda.current_stream(op_device)))
+        self.traffic.bytes_to_device += copy.nbytes
+        if needs_grad:
+            copy.requires_grad_(True)
+            copy.register_post_accumulate_grad_hook(weakly(self.grad_sink, slot))
+            slot.temporaries = alive(slot.temporaries) + [weakref.ref(copy)]
+        return copy
+
+    def rehome_masters(self, buffer: HostBuffer) -> None:
+        """Point the masters at `buffer` (a HostBuffer with this scope's layout that already
+        holds their values: shared memory, Note [one host copy per node] in
+        distributed/shared_masters.py). The parameter objects stay; their data moves. Only while
+        OFFLOADED with no deferred step pending."""
+        assert self.state is ScopeState.OFFLOADED and not any(s.step_pending for s in self.slots)
+        self.masters.rehome(self.slots, buffer)
+
+    def take_back_masters(self) -> None:
+        """Masters moved out of the host buffer go back into it (Note [masters moved out of the
+        host buffer] in scopes/host_masters.py)."""
+        self.masters.take_back(self.slots)
+
+    # ---- writes the device copies have not seen (Note [writes during a scope's call]) --------
+
+    def refresh(self, slot: ParamSlot) -> None:
+        self.writes.refresh(slot)
+        if slot.experts is not None:
+            slot.experts.all_there()
+
+    # ---- transitions (Note [scope states]) -----------------------------------------------
+
+    def load(self, *, with_grads: bool) -> None:
+        """OFFLOADED -> LOADING: allocate on compute, copy host->device on the copy stream;
+        `with_grads`: also fetch the existing host gradients (accumulation)."""
+        if self.state is ScopeState.OFFLOADED:
+            self._start_load()
+        if with_grads:
+            self.old_grads.fetch(self.device.flat.device)
+
+    def _start_load(self) -> None:
+        self.take_back_masters()
+        streams, masters = self.streams, self.masters
+        h2d = streams.h2d()
+        self.device.allocate(streams)
+        self.loading = loading = LoadProgress(streams, self.writes.note_copied, self.traffic)
+        progressive = (self.copy_order is not None and masters.shadow is None and self.loader is None
+                       and masters.ring is None)
+        if not progressive:
+            for slot in self.slots:
+                slot.wait_for_step()
+            if masters.shadow is not None and self.writes.written_since_copied():
+                # Policy(cast="host"): a write no op on the parameter saw (`p[0].fill_()`,
+                # `p.detach().mul_()`) left the shadow cast from the old masters.
+                masters.shadow_stale = True
+            self.writes.note_copied(self.slots)
+        if masters.shadow is not None:  # Policy(cast="host")
+            masters.refresh_shadow(self.slots)
+        host = masters.flat
+        if masters.ring is not None and self.loader is None:
+            # A staged scope's bytes come from the staging ring (Note [staged loads] in
+            # storage/staging.py): read from its files, or copied from pageable masters.
+            try:
+                host = masters.ring.acquire(self)
+            except BaseException:  # a failed read: nothing is loading
+                self.loading = None
+                self.device.storage.resize_(0)
+                raise
+        whole = _routed_loaded(self, progressive)  # Note [routed experts] (scopes/experts.py)
+        with streams.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
+            if self.casts and masters.shadow is None:
+                loading.stage(masters.nbytes, self.device.flat.device)
+            if progressive:
+                assert self.copy_order is not None
+                plan = self.load_plan
+                if plan is None or not plan.current(self.copy_order):  # Note [load plans] (scopes/loading.py)
+                    plan = self.load_plan = LoadPlan(self.copy_order, self.casts, self.device.flat.device,
+                                                     routed=len(self.routed))
+                loading.follow(plan, host, self.device.flat, routed=whole)
+                self.copy_more(need=-1)
+            elif self.loader is not None:  # data_parallel(shard_loads=True), whole-scope
+                ready = self.loader.copy(self)  # an event after its copy (CUDA), else None
+                loading.chunk_ready = [ready if ready is not None else streams.record(h2d)]
+            else:
+                loading.copy_all(host if masters.shadow is None else masters.shadow, self.device.flat, self.slots,
+                                 only=None if whole else [s for s in self.slots if s.experts is None])
+                if masters.ring is not None:
+                    masters.ring.copied(self, streams.record(h2d))
+                loading.mark_chunk(h2d)
+                loading.staging = None
+            if not progressive:
+                streams.reads_masters(loading.weights_ready)
+        if masters.shadow is not None:
+            masters.shadow_read = loading.weights_ready
+        self.state = ScopeState.LOADING
+        self.loads += 1
+        self.live.loaded(self)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("load %s (%.1f MiB)%s", self.name, masters.nbytes / 2**20, streams.memory())
+
+    def copy_more(self, need: int) -> None:
+        """Enqueue the next copies of a progressive load (LoadProgress.copy_more): those up to
+        position `need` in copy_order even if the host must wait for their deferred steps."""
+        loading = self.loading
+        assert loading is not None
+        loading.copy_more(need)
+        self.live.holding_back(self, loading.held_back)
+
+    def make_resident(self, upto: ParamSlot | None = None) -> None:
+        """-> RESIDENT: the compute stream waits (device side) for the weights' copy; with
+        `upto`, only for the chunks up to the one holding that parameter (Note [progressive
+        loads] in scopes/loading.py). Copies still held back by deferred optimizer steps are
+        enqueued first, the host waiting for the steps they need."""
+        if self.state is ScopeState.RESIDENT:
+            return
+        if self.state is ScopeState.OFFLOADED:
+            self.load(with_grads=False)
+        self.live.pump()
+        loading = self.loading
+        assert loading is not None
+        if loading.held_back:
+            need = loading.end - 1 if upto is None else upto.copy_index
+            if need >= loading.cursor:
+                self.copy_more(need)
+        self.compute_waits(None if upto is None else upto.chunk)
+
+    def compute_waits(self, chunk: int | None) -> None:
+        """The compute stream waits (device side) for the load's chunks up to `chunk` (None:
+        every chunk enqueued); -> RESIDENT once it has waited for the whole load."""
+        loading = self.loading
+        assert loading is not None
+        if loading.compute_waits(chunk):
+            self.loading = None
+            self.state = ScopeState.RESIDENT
+
+    def release(self, *, force: bool = False) -> None:
+        """-> OFFLOADED: free the device copy, ordered after every queued use of it. A scope
+        kept by the VRAM budget stays, unless `force` (its masters changed, or unwrap)."""
+        if self.state is ScopeState.OFFLOADED or (self.residency is Residency.KEPT and not force):
+            return
+        streams = self.streams
+        streams.wait(streams.compute(), self.weights_ready)  # a prefetch nobody used: the free must follow it
+        self.old_grads.drop()
+        self.loading = None
+        self.writes.in_call.clear()  # the next load copies the masters as they are
+        self.device.free(self.slots)  # retired instead under a saved graph (Note [higher-order gradients])
+        _forget_routed(self)
+        torch.clear_autocast_cache()  # Note [autocast's cast cache]
+        self.state = ScopeState.OFFLOADED
+        if self.residency is Residency.CARRIED:
+            self.residency = Residency.STREAMED
+        self.live.released(self)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("release %s%s", self.name, streams.memory())
+
+    # ---- what its slots ask of the engine (SlotScope in dispatch/slot.py) -------------------------
+
+    def compute_device(self) -> torch.device:
+        return self.engine.device
+
+    def materialize(self, slot: ParamSlot, op_device: torch.device | None) -> torch.Tensor | None:
+        """The tensor an op on `slot`'s parameter computes with; None: the master (engine/access.py)."""
+        return self.engine.access.materialize(slot, op_device)
+
+    def master_written(self, slot: ParamSlot) -> None:
+        self.engine.writes.master_written(slot)
+
+    def before_master_write(self, slot: ParamSlot, *, written: bool = True) -> None:
+        self.engine.writes.before_master_write(slot, written=written)
+
+    def master_handed_out(self, slot: ParamSlot) -> None:
+        self.engine.writes.master_handed_out(self, slot)
+
+    def new_host_memory(self, nbytes: int, what: str) -> torch.Tensor:
+        """Host memory of the scope's kind (page-locked unless pinning failed, storage/memory.py)."""
+        return self.engine.pinning.empty(nbytes, pin=self.pinned, what=what)
+
+    # ---- old gradients for accumulation (Note [stale gradient fetches]) ---------------------
+
+    def take_old_grad(self, slot: ParamSlot) -> torch.Tensor | None:
+        return self.old_grads.take(slot)
+
+
+def scope_of(slot: ParamSlot) -> Scope:
+    """The Scope a slot belongs to, for the layers from here up (below, it is a SlotScope)."""
+    return cast(Scope, slot.scope)
+
+
+def _routed_loaded(scope: Scope, progressive: bool) -> bool:
+    """Whether a load starting now copies the scope's routed experts whole: in backward, or
+    when it converts or is not the scope's own copy; else ops copy theirs (Note [routed
+    experts] in scopes/experts.py)."""
+    masters = scope.masters
+    plain = scope.loader is None and masters.ring is None and masters.shadow is None and not scope.casts
+    whole = not scope.routed or in_backward() or not (progressive or plain)
+    if not whole:
+        _forget_routed(scope)
+        scope.writes.note_copied(scope.routed)  # what an op copies later is current then
+        return False
+    for slot in scope.routed:
+        if slot.experts is not None:
+            slot.experts.all_there()
+    return True
+
+def _forget_routed(scope: Scope) -> None:
+    for slot in scope.routed:
+        if slot.experts is not None:
+            slot.experts.forget()

@@ -1,0 +1,148 @@
+"""The streams and events of one wrapped model (CUDA only; no-ops on the CPU).
+
+# Note [streams and events]
+One `Streams` object per wrapped model owns every stream and event (created lazily, CUDA only):
+- compute: the current stream when a hook runs (usually the default stream); all ops and all
+  device allocations and frees of scope buffers happen on it, so the caching allocator's
+  stream-ordered reuse is always safe.
+- h2d ("copy stream"): host-to-device copies of weights (and of existing grads when
+  accumulating), so the next scope loads while the current one computes.
+- d2h: device-to-host copies of gradients, on their own stream so both PCIe directions are used.
+- cast: the conversions of loads that change dtype (`Policy(cast="device")`, the dequantization
+  of `Policy(frozen_format)`). They are kernels: on the copy stream they would hold back the
+  next copy until they finish (the copy stream runs in order), so the PCIe link would idle
+  while they run. On a stream of their own, each chunk's conversion waits only for that
+  chunk's copy, and the copies go on back to back (Note [progressive loads] in scopes/loading.py).
+- step: the copies and kernels of optimizer steps run on the device during backward_and_step
+  (Note [device steps] in optim/device_steps.py), issued by the optimizer worker: on a stream of
+  their own they neither wait behind the next forward's loads nor hold them back.
+- gathered: waits for the all-gathers of sharded loads (`data_parallel(shard_loads=True)`, Note
+  [sharded loads] in distributed/sharded_loads.py); a load's `weights_ready` is recorded there, so the copy
+  stream goes on with the next scope's slice while NCCL gathers this one.
+
+# Note [ordering across streams]
+A device buffer is allocated on compute, then the copy stream waits on an event recorded there
+(`alloc_done`): the memory may have just been freed by compute and still be read by queued
+kernels. Compute waits on `weights_ready` before the first use, and the release (resize to 0) is
+issued on compute after the last use, so it is ordered after every kernel that reads the scope.
+Gradients read by a d2h copy are kept alive by holding a reference next to the copy's event
+(no `record_stream`) until compute has waited on that event. The host never waits, except once at
+the end of backward so that `p.grad` is complete when `backward()` returns, and before the first
+write to a master while a copy from it may still be in flight (`sync_master_reads`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+
+class Streams:
+    """The compute stream and the side streams (copy-in, copy-out, cast, gathered, step) of one
+    wrapped model, and the events of the copies that may still read host masters."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self._side: dict[str, Any] = {}  # the side streams by name, created on first use
+        self._unsynced_h2d: list[Any] = []  # events of copies that may still read host masters
+        # The current stream before `on()` made a side stream current; None when none is
+        # (Note [interrupts]).
+        self.switched_from: Any = None
+
+    def compute(self) -> Any:
+        return torch.cuda.current_stream(self.device) if self.is_cuda else None
+
+    def h2d(self) -> Any:
+        return self._side_stream("h2d")
+
+    def d2h(self) -> Any:
+        return self._side_stream("d2h")
+
+    def cast(self) -> Any:
+        return self._side_stream("cast")
+
+    def gathered(self) -> Any:
+        return self._side_stream("gathered")
+
+    def step(self) -> Any:
+        return self._side_stream("step")
+
+    def _side_stream(self, name: str) -> Any:
+        """The side stream `name` (see the Note), created on first use; None on the CPU."""
+        stream = self._side.get(name)
+        if stream is None and self.is_cuda:
+            stream = self._side[name] = torch.cuda.Stream(self.device)
+        return stream
+
+    @staticmethod
+    def record(stream: Any) -> Any:
+        if stream is None:
+            return None
+        # blocking: a host that does wait on it (end of backward, the optimizer worker) sleeps
+        # instead of spinning on a core the CPU optimizer could use.
+        event = torch.cuda.Event(blocking=True)
+        event.record(stream)
+        return event
+
+    @staticmethod
+    def wait(stream: Any, event: Any) -> None:
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager:
+        """`with streams.on(stream):` enqueues the block's work on `stream` (nothing on the CPU)."""
+        return _OnStream(self, stream) if stream is not None else contextlib.nullcontext()
+
+    def restore(self) -> None:
+        """Make the stream that was current before `on()` switched current again, if an
+        interrupt skipped `_OnStream.__exit__` (Note [interrupts]); called at the entry points."""
+        previous = self.switched_from
+        if previous is not None:
+            torch.cuda.set_stream(previous)
+            self.switched_from = None
+
+    def reads_masters(self, event: Any) -> None:
+        """`event` follows a copy that reads host masters (sync_master_reads waits for it)."""
+        if event is not None:
+            self._unsynced_h2d.append(event)
+            if len(self._unsynced_h2d) > 64:
+                self._unsynced_h2d = [e for e in self._unsynced_h2d if not e.query()]
+
+    def sync_master_reads(self) -> None:
+        """Before a master is written: wait (host side) for every copy that may still read one."""
+        if self._unsynced_h2d:
+            for event in self._unsynced_h2d:
+                event.synchronize()
+            self._unsynced_h2d.clear()
+
+    def memory(self) -> str:
+        """For debug logs: the device memory allocated now."""
+        if not self.is_cuda:
+            return ""
+        return f"; device memory allocated {torch.cuda.memory_allocated(self.device) / 2**20:.1f} MiB"
+
+
+class _OnStream:
+    """What `Streams.on(stream)` returns on CUDA: makes `stream` current in the block. It
+    records the stream to go back to before switching, so that the next entry point switches
+    back if an interrupt skipped `__exit__` (Note [interrupts])."""
+
+    def __init__(self, streams: Streams, stream: Any) -> None:
+        self.streams = streams
+        self.stream = stream
+        self.previous: Any = None
+
+    def __enter__(self) -> None:
+        streams = self.streams
+        self.previous = torch.cuda.current_stream(streams.device)
+        if streams.switched_from is None:  # the outermost switch: what to go back to
+            streams.switched_from = self.previous
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_stream(self.previous)
+        if self.previous is self.streams.switched_from:
+            self.streams.switched_from = None

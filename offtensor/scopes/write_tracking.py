@@ -1,0 +1,91 @@
+"""Which of a scope's masters were written since their device copies were made: by an op on the
+parameter, `.data`, or a detached alias (the master's version counter).
+
+# Note [writes during a scope's call]
+A frozen parameter used as state (a step counter, an EMA codebook) may be written in its own
+module's forward and read after: `self.count.add_(1)`, `self.codebook.copy_(...)` under
+no_grad, `self.codebook.data.mul_(d)`, `p[i] = v`. Every such write goes to the master, but the
+scope's device copy was loaded before it and is not released under a running call: later ops of
+that call would read the old values (and `p[i] = v`, dispatched as an op, would write the device
+copy only, lost at the next load). So a write to a master during a call of its scope marks the
+parameter (`WriteTracker.in_call`: an in-place op by `before_master_write`, `.data` when it is
+taken, since the write through it follows unseen), and the next op that gets the device copy
+first copies the master into it, on the compute stream (`refresh`); a write through a detached
+alias (`p.detach().mul_()`) is seen there by the master's version counter. The end of the call
+refreshes what is still marked, since the copy may outlive the call (the last scope kept for
+backward, a kept or held scope): backward then differentiates with the master's values, as for
+a plain parameter. A refresh bumps the device copy's version when the master's changed
+(`note_copied`), so a graph that saved the copy before an in-place write raises autograd's
+in-place error. An offloaded argument that an in-place op only reads (`h.add_(self.bias)`) is
+not marked. Writes through a view taken in the forward (`p[0].fill_()`) act on the device copy
+itself and do not reach the master (docs/design.md, Limits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from ..dispatch.masters import without_subclass_dispatch
+from ..dispatch.slot import ParamSlot
+from .streams import Streams
+
+
+class WriteTracker:
+    """The writes to one scope's masters that its device copies may not hold yet."""
+
+    def __init__(self, streams: Streams) -> None:
+        self.streams = streams
+        # Each parameter's version counter when its copy was last enqueued, to tell writes no op
+        # of ours saw (`p[0].fill_()`, `p.detach().copy_()`; Note [VRAM budget] in budget/vram.py).
+        self.copied_versions: dict[ParamSlot, int] = {}
+        # Parameters whose masters were written during a call of the scope, after its load: their
+        # device copies are refreshed (Note [writes during a scope's call]).
+        self.in_call: dict[ParamSlot, None] = {}
+
+    def note_copied(self, slots: Iterable[ParamSlot]) -> None:
+        """The masters of `slots` are copied into their device copies now."""
+        # Every scope, not only kept ones: no_offload() holds streamed scopes resident as the
+        # budget keeps kept ones, and their copies go stale the same way (MasterWrites.outlives_calls).
+        for slot in slots:
+            version = version_of(slot.param)
+            if self.copied_versions.get(slot, version) != version:
+                # Written since its last copy by a write no op on the parameter saw
+                # (`p.detach().mul_()`): this copy overwrites the storage a graph may have saved
+                # (Note [writes under a saved graph] in dispatch/slot.py).
+                slot.device_copies_written()
+            self.copied_versions[slot] = version
+            slot.data_copied()
+
+    def written_in_this_call(self, slot: ParamSlot) -> bool:
+        """The master changed since its device copy was made, in this call of the scope: by an
+        op on the parameter or `.data` (marked), or through a detached alias (its version)."""
+        return slot in self.in_call or self.copied_versions.get(slot) != version_of(slot.param)
+
+    def refresh(self, slot: ParamSlot) -> None:
+        """Copy a master written during the scope's call into its device copy, on the compute
+        stream, before the next op that uses it (Note [writes during a scope's call])."""
+        self.in_call.pop(slot, None)
+        values = slot.packed.unpack() if slot.packed is not None else slot.master
+        slot.device_view.copy_(values, non_blocking=True)  # cast to the compute dtype if need be
+        self.streams.reads_masters(self.streams.record(self.streams.compute()))
+        self.note_copied((slot,))
+
+    def written_since_copied(self, skip: Callable[[ParamSlot], bool] | None = None) -> bool:
+        """A kept (or held) scope's masters changed since their copies were enqueued, by writes
+        that did not go through an op on the parameter (Note [VRAM budget] in budget/vram.py),
+        `p.data` aliases' included (Note [p.data aliases] in dispatch/slot.py); not counting the
+        slots for which `skip(slot)` is true."""
+        return any(version_of(slot.param) != v or slot.data_written() for slot, v in self.copied_versions.items()
+                   if skip is None or not skip(slot))
+
+
+def version_of(p: torch.Tensor) -> int:
+    """`p._version` without `__torch_function__` (subclass dispatch off: a property read on a
+    tensor subclass dispatches it otherwise): bumped by in-place writes to p and to its views
+    and detached aliases. Read at every load and every op inside a scope."""
+    return without_subclass_dispatch(_VERSION_OF, p)
+
+
+_VERSION_OF = torch._C.TensorBase._version.__get__  # type: ignore[attr-defined]
