@@ -19,10 +19,19 @@ those at its copy, and no deferred step is pending; else it is dropped (Note [wr
 scope's call], the staging ring's write_mark). Rows live in their own device tensors, allocated
 and read on the compute stream, outside the scopes' buffers; a VRAM budget is reduced by B
 before it chooses kept scopes (Note [VRAM budget] in budget/vram.py).
+
+# Note [cache bookkeeping per fill]
+Lookups and offers take a fill's experts together (Note [one copy per run] in core/experts.py):
+the master's write mark is computed once per slot and fill, and an offer into a full cache ranks
+the held rows once (a heap: stale rows first, then by score, ties to the oldest, the order the
+scan over `self.rows` chose) and pops victims from it. Scanning every row, with its mark, for
+each evicted row cost O(rows) per miss: a prefill misses on most experts, a decode step on some
+in each layer, and a cache of some hundred rows made decode slower than no cache.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +53,7 @@ class _Score:
 class _Row:
     rows: torch.Tensor  # on the compute device, the device copy's dtype
     mark: tuple[Any, ...]  # the master's writes when it was copied
+    order: int  # rows held before it (ties in eviction go to the oldest)
 
 
 class ExpertCache:
@@ -55,49 +65,82 @@ class ExpertCache:
         self.used = 0  # bytes held now
         self.rows: dict[tuple[ParamSlot, int], _Row] = {}
         self.scores: dict[tuple[ParamSlot, int], _Score] = {}
+        self._order = 0  # rows admitted so far
 
-    def use(self, slot: ParamSlot, expert: int) -> torch.Tensor | None:
-        """Count a use of the expert's rows; its cached rows if current, else None (dropped)."""
-        key = (slot, expert)
-        score = self.scores.setdefault(key, _Score())
-        now = slot.scope.loads
-        if score.at != now or score.value == 0.0:
-            score.value = _aged(score, now) + 1.0
-            score.at = now
-        row = self.rows.get(key)
-        if row is None:
-            return None
-        if row.mark != _mark(slot):
-            self._drop(key)
-            return None
-        return row.rows
+    def take(self, slot: ParamSlot, experts: list[int]) -> dict[int, torch.Tensor]:
+        """Count a use of each expert's rows; the cached rows of those current (the others are
+        dropped), by expert (Note [cache bookkeeping per fill])."""
+        now, scores, rows = slot.scope.loads, self.scores, self.rows
+        found: dict[int, torch.Tensor] = {}
+        mark: tuple[Any, ...] | None = None
+        for e in experts:
+            key = (slot, e)
+            score = scores.get(key)
+            if score is None:
+                score = scores[key] = _Score()
+            if score.at != now or score.value == 0.0:
+                score.value = _aged(score, now) + 1.0
+                score.at = now
+            row = rows.get(key)
+            if row is None:
+                continue
+            if mark is None:
+                mark = _mark(slot)
+            if row.mark != mark:
+                self._drop(key)
+            else:
+                found[e] = row.rows
+        return found
 
-    def offer(self, slot: ParamSlot, expert: int, rows: torch.Tensor) -> None:
-        """The expert's rows were copied into `rows` (the device copy's, on the compute stream's
-        order): keep a copy if it fits or outscores what it would evict."""
-        key = (slot, expert)
-        nbytes = rows.numel() * rows.element_size()
-        if key in self.rows or nbytes > self.capacity:
+    def offer(self, slot: ParamSlot, experts: list[int], view: torch.Tensor) -> None:
+        """The experts' rows were copied into `view` (the device copy, on the compute stream's
+        order): keep a copy of each that fits or outscores what it would evict, in the order
+        given (Note [cache bookkeeping per fill])."""
+        nbytes = view[0].numel() * view.element_size()
+        if nbytes > self.capacity:
             return
-        now = slot.scope.loads
-        mine = _aged(self.scores.get(key, _Score()), now)
-        while self.used + nbytes > self.capacity:
-            victim = min(self.rows, key=lambda k: self._standing(k))
-            if self._standing(victim) >= mine:
-                return
-            self._drop(victim)
-        self.rows[key] = _Row(rows.detach().clone(), _mark(slot))
-        self.used += nbytes
+        now, mark = slot.scope.loads, _mark(slot)
+        ranked: list[tuple[float, int, tuple[ParamSlot, int]]] | None = None  # lowest first
+        for e in experts:
+            key = (slot, e)
+            if key in self.rows:
+                continue
+            mine = _aged(self.scores.get(key, _Score()), now)
+            if self.used + nbytes > self.capacity and ranked is None:
+                ranked = self._ranked()
+            while self.used + nbytes > self.capacity:
+                assert ranked
+                standing, _, victim = ranked[0]
+                if standing >= mine:
+                    break
+                heapq.heappop(ranked)
+                self._drop(victim)
+            if self.used + nbytes > self.capacity:
+                continue
+            row = self.rows[key] = _Row(view[e].detach().clone(), mark, self._order)
+            self._order += 1
+            self.used += nbytes
+            if ranked is not None:
+                heapq.heappush(ranked, (mine, row.order, key))
 
     def clear(self) -> None:
         for key in list(self.rows):
             self._drop(key)
 
-    def _standing(self, key: tuple[ParamSlot, int]) -> float:
-        """A held row's score now; -1 for a stale one, evicted first."""
-        if self.rows[key].mark != _mark(key[0]):
-            return -1.0
-        return _aged(self.scores.get(key, _Score()), key[0].scope.loads)
+    def _ranked(self) -> list[tuple[float, int, tuple[ParamSlot, int]]]:
+        """The held rows as a heap of (score now, age order, key), stale rows at -1 so that they
+        go first; ties evict the oldest row."""
+        marks: dict[ParamSlot, tuple[Any, ...]] = {}
+        ranked = []
+        for key, row in self.rows.items():
+            slot = key[0]
+            mark = marks.get(slot)
+            if mark is None:
+                mark = marks[slot] = _mark(slot)
+            standing = -1.0 if row.mark != mark else _aged(self.scores.get(key, _Score()), slot.scope.loads)
+            ranked.append((standing, row.order, key))
+        heapq.heapify(ranked)
+        return ranked
 
     def _drop(self, key: tuple[ParamSlot, int]) -> None:
         row = self.rows.pop(key)
