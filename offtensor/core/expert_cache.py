@@ -21,17 +21,21 @@ and read on the compute stream, outside the scopes' buffers; a VRAM budget is re
 before it chooses kept scopes (Note [VRAM budget] in budget/vram.py).
 
 # Note [cache bookkeeping per fill]
-Lookups and offers take a fill's experts together (Note [one copy per run] in core/experts.py):
-the master's write mark is computed once per slot and fill, and an offer into a full cache ranks
-the held rows once (a heap: stale rows first, then by score, ties to the oldest, the order the
-scan over `self.rows` chose) and pops victims from it. Scanning every row, with its mark, for
+Lookups and offers take a fill's experts together (Note [one copy per run] in core/experts.py),
+and the master's write mark is computed once per slot and fill. Each slot keeps its rows in a
+heap by log2(value) + at / HALF_LIFE, an order aging does not change (the log of the score aged
+to any time t, plus t / HALF_LIFE); an eviction compares the slots' lowest rows, each less its
+scope's loads now / HALF_LIFE, and evicts the lowest, ties to the oldest, as a scan over all rows
+would. A slot's rows share the mark they were copied at; once its master is written they are
+dropped together, before a current row is evicted. A scan over every row, with its mark, for
 each evicted row cost O(rows) per miss: a prefill misses on most experts, a decode step on some
-in each layer, and a cache of some hundred rows made decode slower than no cache.
+in each layer, and with some hundred rows held decode ran slower than without the cache.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +51,13 @@ HALF_LIFE = 8.0  # loads of the scope after which a row's score counts half
 class _Score:
     value: float = 0.0
     at: int = 0  # the scope's loads when last used
+    log: float = -math.inf  # log2(value) + at / HALF_LIFE: its rank at any one time (Note [cache bookkeeping per fill])
+
+    def use(self, now: int) -> None:
+        if self.at != now or self.value == 0.0:
+            self.value = _aged(self, now) + 1.0
+            self.at = now
+            self.log = math.log2(self.value) + now / HALF_LIFE
 
 
 @dataclass
@@ -54,6 +65,7 @@ class _Row:
     rows: torch.Tensor  # on the compute device, the device copy's dtype
     mark: tuple[Any, ...]  # the master's writes when it was copied
     order: int  # rows held before it (ties in eviction go to the oldest)
+    score: _Score  # its entry in ExpertCache.scores
 
 
 class ExpertCache:
@@ -66,30 +78,31 @@ class ExpertCache:
         self.rows: dict[tuple[ParamSlot, int], _Row] = {}
         self.scores: dict[tuple[ParamSlot, int], _Score] = {}
         self._order = 0  # rows admitted so far
+        # Per slot: the experts held, the mark they were copied at (all alike), and a heap of
+        # (score.log, order, expert), entries stale once the row left or was used again
+        self._held: dict[ParamSlot, set[int]] = {}
+        self._marks: dict[ParamSlot, tuple[Any, ...]] = {}
+        self._heaps: dict[ParamSlot, list[tuple[float, int, int]]] = {}
 
     def take(self, slot: ParamSlot, experts: list[int]) -> dict[int, torch.Tensor]:
         """Count a use of each expert's rows; the cached rows of those current (the others are
         dropped), by expert (Note [cache bookkeeping per fill])."""
         now, scores, rows = slot.scope.loads, self.scores, self.rows
+        if self._held.get(slot):
+            self._drop_stale(slot, _mark(slot))
         found: dict[int, torch.Tensor] = {}
-        mark: tuple[Any, ...] | None = None
         for e in experts:
             key = (slot, e)
             score = scores.get(key)
             if score is None:
                 score = scores[key] = _Score()
-            if score.at != now or score.value == 0.0:
-                score.value = _aged(score, now) + 1.0
-                score.at = now
+            before = score.log
+            score.use(now)
             row = rows.get(key)
-            if row is None:
-                continue
-            if mark is None:
-                mark = _mark(slot)
-            if row.mark != mark:
-                self._drop(key)
-            else:
+            if row is not None:
                 found[e] = row.rows
+                if score.log != before:
+                    self._push(slot, score.log, row.order, e)
         return found
 
     def offer(self, slot: ParamSlot, experts: list[int], view: torch.Tensor) -> None:
@@ -100,51 +113,82 @@ class ExpertCache:
         if nbytes > self.capacity:
             return
         now, mark = slot.scope.loads, _mark(slot)
-        ranked: list[tuple[float, int, tuple[ParamSlot, int]]] | None = None  # lowest first
+        if self._held.get(slot):
+            self._drop_stale(slot, mark)
+        self._marks[slot] = mark
+        lowest: list[tuple[float, int, ParamSlot, int]] | None = None  # each slot's lowest row
         for e in experts:
             key = (slot, e)
             if key in self.rows:
                 continue
-            mine = _aged(self.scores.get(key, _Score()), now)
-            if self.used + nbytes > self.capacity and ranked is None:
-                ranked = self._ranked()
-            while self.used + nbytes > self.capacity:
-                assert ranked
-                standing, _, victim = ranked[0]
-                if standing >= mine:
-                    break
-                heapq.heappop(ranked)
-                self._drop(victim)
+            score = self.scores.get(key)
+            if score is None:
+                score = self.scores[key] = _Score()
+            mine = score.log - now / HALF_LIFE
+            if self.used + nbytes > self.capacity and lowest is None:
+                lowest = self._lowest()
+            while self.used + nbytes > self.capacity and lowest and lowest[0][0] < mine:
+                _, order, owner, victim = heapq.heappop(lowest)
+                row = self.rows.get((owner, victim))
+                if row is not None and row.order == order:  # else pushed twice, evicted already
+                    self._drop((owner, victim))
+                    self._push_lowest(lowest, owner)
             if self.used + nbytes > self.capacity:
                 continue
-            row = self.rows[key] = _Row(view[e].detach().clone(), mark, self._order)
+            row = self.rows[key] = _Row(view[e].detach().clone(), mark, self._order, score)
             self._order += 1
             self.used += nbytes
-            if ranked is not None:
-                heapq.heappush(ranked, (mine, row.order, key))
+            self._held.setdefault(slot, set()).add(e)
+            self._push(slot, score.log, row.order, e)
+            if lowest is not None:
+                heapq.heappush(lowest, (mine, row.order, slot, e))
 
     def clear(self) -> None:
         for key in list(self.rows):
             self._drop(key)
 
-    def _ranked(self) -> list[tuple[float, int, tuple[ParamSlot, int]]]:
-        """The held rows as a heap of (score now, age order, key), stale rows at -1 so that they
-        go first; ties evict the oldest row."""
-        marks: dict[ParamSlot, tuple[Any, ...]] = {}
-        ranked = []
-        for key, row in self.rows.items():
-            slot = key[0]
-            mark = marks.get(slot)
-            if mark is None:
-                mark = marks[slot] = _mark(slot)
-            standing = -1.0 if row.mark != mark else _aged(self.scores.get(key, _Score()), slot.scope.loads)
-            ranked.append((standing, row.order, key))
-        heapq.heapify(ranked)
-        return ranked
+    def _lowest(self) -> list[tuple[float, int, ParamSlot, int]]:
+        """A heap of each slot's lowest row (log2 of its score now, its order, slot, expert), stale
+        rows dropped first: its top is the row to evict."""
+        for slot in [s for s, held in self._held.items() if held]:
+            self._drop_stale(slot, _mark(slot))
+        lowest: list[tuple[float, int, ParamSlot, int]] = []
+        for slot in self._heaps:
+            self._push_lowest(lowest, slot)
+        heapq.heapify(lowest)
+        return lowest
+
+    def _push_lowest(self, lowest: list[tuple[float, int, ParamSlot, int]], slot: ParamSlot) -> None:
+        """Push the slot's lowest row onto `lowest`, its entries of rows gone or used since
+        popped first."""
+        heap = self._heaps[slot]
+        while heap:
+            log, order, e = heap[0]
+            row = self.rows.get((slot, e))
+            if row is not None and row.order == order and row.score.log == log:
+                heapq.heappush(lowest, (log - slot.scope.loads / HALF_LIFE, order, slot, e))
+                return
+            heapq.heappop(heap)
+
+    def _push(self, slot: ParamSlot, log: float, order: int, expert: int) -> None:
+        heap = self._heaps.setdefault(slot, [])
+        heapq.heappush(heap, (log, order, expert))
+        held = self._held.get(slot, ())
+        if len(heap) > 4 * len(held) + 64:  # mostly stale entries: rebuild
+            rows = [(e, self.rows[(slot, e)]) for e in held]
+            heap[:] = [(row.score.log, row.order, e) for e, row in rows]
+            heapq.heapify(heap)
+
+    def _drop_stale(self, slot: ParamSlot, mark: tuple[Any, ...]) -> None:
+        """Drop the slot's rows if its master was written since they were copied."""
+        if self._marks.get(slot) != mark:
+            for e in list(self._held.get(slot, ())):
+                self._drop((slot, e))
 
     def _drop(self, key: tuple[ParamSlot, int]) -> None:
         row = self.rows.pop(key)
         self.used -= row.rows.numel() * row.rows.element_size()
+        self._held[key[0]].discard(key[1])
 
 
 def _aged(score: _Score, now: int) -> float:
