@@ -39,8 +39,10 @@ its output on the host). An index tensor of an op is read the same way; a 0-d in
 indexing reads itself too.
 
 # Note [one copy per run]
-Copies are issued per layer, not per expert: the first op of an experts call copies the router's
-whole choice for its parameter (an eager loop's `w[e]` then finds its rows there), in one section
+Copies are issued per layer, not per expert: the pre-hook that reads the router's choice copies
+it for each routed parameter at once, while the scope is resident (else the call's first op does,
+by the usual path), before transformers' own preparation (sorting tokens by expert), so that the
+link does not idle through it; an eager loop's `w[e]` then finds its rows there. One section
 of the copy stream with one event for compute to wait on, one `copy_` per run of consecutive
 experts; rows the expert cache holds are copied in one `_foreach_copy_`. Each later op checks
 only the rows it reads. Hits and misses count once per expert and call, as an op loop reading
@@ -75,11 +77,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..api import Residency
+from ..api import Residency, ScopeState
 from ..weights.compress import PackedMaster, unpack_rows_into
 from .expert_cache import ExpertCache
 from .loading import Traffic
-from .scope import Scope
+from .scope import Scope, scope_of
 from .slot import ParamSlot
 from .streams import Streams
 
@@ -123,6 +125,18 @@ class ExpertRows:
     def fill_all(self) -> None:
         self.fill(range(self.count))
 
+    def start(self) -> None:
+        """At the experts call's start, right after the router's choice was read: copy it now if
+        an op on the parameter would get the device copy as it is (Note [one copy per run])."""
+        slot, scope = self.slot, scope_of(self.slot)
+        if (self.whole or self.hint is None or scope.running_calls <= 0 or scope.state is not ScopeState.RESIDENT
+                or scope.copy_order is None or slot.pending_step is not None or slot.stepped_elsewhere is not None
+                or scope.writes.written_in_this_call(slot) or torch.compiler.is_compiling()):
+            return  # the first op decides, by the usual path (OpAccess.materialize)
+        self.hinted = True
+        with torch.no_grad():  # into the device buffer, as an op's fill
+            self.fill(self.hint)
+
     def before_op(self, func: Any, args: tuple, param: torch.Tensor) -> None:
         """Copy the experts the op `func(*args)` reads onto the device: the router's whole
         choice at the call's first op, so that a loop over experts copies once (Note [one copy
@@ -136,15 +150,15 @@ class ExpertRows:
         if hint is None:
             self.fill(indexed if indexed is not None else range(self.count))
             return
-        if not self.hinted:
+        if not self.hinted:  # the call's first op, or a release in the call forgot them
             self.hinted = True
             self.fill(hint)
-        loaded = self.loaded
-        if indexed is None:
-            if not all(loaded[e] for e in hint):  # a release in the call forgot them
-                self.fill(hint)
-        elif not all(loaded[e] for e in indexed):  # beyond the router's choice, or forgotten
-            self.fill(indexed)
+        if indexed is not None:
+            loaded = self.loaded
+            for e in indexed:
+                if not loaded[e]:  # beyond the router's choice
+                    self.fill(indexed)
+                    break
 
     def fill(self, experts: Iterable[int]) -> None:
         loaded = self.loaded
@@ -318,6 +332,8 @@ def _hint_hooks(module: nn.Module, slots: list[ParamSlot], name: str, position: 
             experts = _distinct(index, rows[0].count, wrap=False)
         for r in rows:
             r.set_hint(experts)
+        for r in rows:
+            r.start()
 
     def done(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         for r in rows:
