@@ -166,7 +166,8 @@ class ActiveBytes:
     def __init__(self, built: BuiltModel) -> None:
         self.fixed = 0  # the decoder layers' parameters outside the routed experts
         self.per_expert: dict[int, int] = {}  # id(router) -> bytes of one expert's rows
-        self.picked: dict[int, set[int]] = {}
+        self.chosen: list[tuple[int, torch.Tensor]] = []  # (id(router), its top-k indices) in this step
+        self.counting = False
         self.steps = self.total = 0
         self.handles = []
         routed = 0
@@ -179,15 +180,23 @@ class ActiveBytes:
         self.expert_bytes = routed
 
     def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.picked.setdefault(id(module), set()).update(int(e) for e in output[2].unique().tolist())
+        if self.counting:  # read after the step: a read here would wait for the device mid-step
+            self.chosen.append((id(module), output[2].detach()))
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """Count one decode step's experts."""
-        self.picked = {}
-        yield
+        """Count one decode step's experts (after it: the step's timing has no read of its own)."""
+        self.chosen, self.counting = [], True
+        try:
+            yield
+        finally:
+            self.counting = False
+        picked: dict[int, set[int]] = {}
+        for router, index in self.chosen:
+            picked.setdefault(router, set()).update(int(e) for e in index.unique().tolist())
+        self.chosen = []
         self.steps += 1
-        self.total += self.fixed + sum(self.per_expert[r] * len(e) for r, e in self.picked.items())
+        self.total += self.fixed + sum(self.per_expert[r] * len(e) for r, e in picked.items())
 
     def per_step(self) -> int | None:
         return self.total // self.steps if self.steps else None

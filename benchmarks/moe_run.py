@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,9 @@ class MoeRow:
     peak_vram_bytes: int | None = None
     exact: bool | None = None  # outputs equal the resident model's, bit for bit
     max_abs_diff: float | None = None
+    host_calls_per_step: int | None = None  # decode: Note [host work per step]
+    host_reads_per_step: int | None = None
+    host_copies_per_step: int | None = None
 
     @property
     def x_active(self) -> float | None:
@@ -99,9 +103,44 @@ def _decode(built: BuiltModel, s: Scenario, device: torch.device, args: argparse
             with active.step():
                 row.times_ms.append(timed(device, one) * 1e3)
         _count_since(model, before, row)
+        row.host_calls_per_step, row.host_reads_per_step, row.host_copies_per_step = _host_work(one)
     row.active_bytes = active.per_step()
     active.steps = active.total = 0
     return out
+
+
+# Note [host work per step]
+# A decode step of a routed model is short on the device, so its host work decides its time: the
+# Python calls, the reads of device values (each waits for the device to reach that value) and the
+# copies issued from Python. Counted with a profile hook over one untimed step, after the timed
+# ones, they are the same on the CPU as on CUDA, so a CPU run shows what a change saves there.
+# READS and COPIES name the builtins counted.
+
+READS = frozenset({"item", "tolist", "nonzero", "_unique2", "unique_dim"})  # torch.unique calls the latter two
+COPIES = frozenset({"copy_", "_foreach_copy_", "index_copy_"})
+
+
+def _host_work(one: Callable[[], None]) -> tuple[int, int, int]:
+    """(Python and builtin calls, reads of device values, copies) of one call of `one` on this
+    thread (Note [host work per step])."""
+    counts = [0, 0, 0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            counts[0] += 1
+        elif event == "c_call":
+            counts[0] += 1
+            name = getattr(arg, "__name__", "")
+            counts[1] += name in READS
+            counts[2] += name in COPIES
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        one()
+    finally:
+        sys.setprofile(previous)
+    return counts[0], counts[1], counts[2]
 
 
 def _prefill(built: BuiltModel, s: Scenario, device: torch.device, args: argparse.Namespace,
@@ -186,7 +225,9 @@ def _scenario(built: BuiltModel, s: Scenario, device: torch.device, args: argpar
     print(f"  {row.peer}/{row.scenario}: median {row.median_ms:.1f} ms, {row.tokens_per_s:.1f} tokens/s"
           + (f", {row.bytes_per_step / 1e6:.3g} MB copied per step" if row.bytes_per_step is not None else "")
           + (f" ({row.x_active:.2f}x the active bytes)" if row.x_active is not None else "")
-          + (f", output {'equal to' if row.exact else 'differs from'} resident" if row.exact is not None else ""),
+          + (f", output {'equal to' if row.exact else 'differs from'} resident" if row.exact is not None else "")
+          + (f"; host per step: {row.host_calls_per_step} Python calls, {row.host_reads_per_step} device reads, "
+             f"{row.host_copies_per_step} copies" if row.host_calls_per_step is not None else ""),
           flush=True)
 
 
@@ -226,10 +267,12 @@ def run_moe_peer(peer: str, shape: MoeShape, scenarios: list[Scenario], device: 
 
 def format_moe_table(rows: list[MoeRow], head: str) -> str:
     """One line per peer: each scenario's tokens/s (the LoRA step's ms), decode bytes per step
-    against the active bytes, the expert hit rate, and whether the outputs equal resident's."""
+    against the active bytes, the expert hit rate, decode-1's host work (Note [host work per
+    step]) and whether the outputs equal resident's."""
     names = list(dict.fromkeys(r.scenario for r in rows))
-    lines = [head, "", "| peer | " + " | ".join(names) + " | decode-1 GB/step | x active | hit rate | = resident |",
-             "| --- | " + " | ".join("---:" for _ in names) + " | ---: | ---: | ---: | --- |"]
+    lines = [head, "", "| peer | " + " | ".join(names) + " | decode-1 GB/step | x active | hit rate "
+             "| decode-1 calls / reads / copies | = resident |",
+             "| --- | " + " | ".join("---:" for _ in names) + " | ---: | ---: | ---: | ---: | --- |"]
     for peer in dict.fromkeys(r.peer for r in rows):
         mine = {r.scenario: r for r in rows if r.peer == peer}
         cells = []
@@ -244,8 +287,10 @@ def format_moe_table(rows: list[MoeRow], head: str) -> str:
         ratio = f"{b1.x_active:.2f}" if b1 and b1.x_active is not None else "-"
         hits = [b1.expert_hit_rate] if b1 and b1.expert_hit_rate is not None else []
         exact = [r.exact for r in mine.values() if r.exact is not None]
+        host = (f"{b1.host_calls_per_step} / {b1.host_reads_per_step} / {b1.host_copies_per_step}"
+                if b1 and b1.host_calls_per_step is not None else "-")
         lines.append(f"| {peer} | " + " | ".join(cells) + f" | {moved} | {ratio} | "
-                     + (f"{hits[-1]:.2f}" if hits else "-") + " | "
+                     + (f"{hits[-1]:.2f}" if hits else "-") + f" | {host} | "
                      + (("yes" if all(exact) else "no") if exact else "-") + " |")
     return "\n".join(lines)
 

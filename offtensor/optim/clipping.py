@@ -57,8 +57,8 @@ from torch.nn.utils.clip_grad import _get_total_norm
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
 from .. import patches
-from ..engine.engine import owning_engine
 from ..dispatch.param import OffloadedParameter
+from ..engine.engine import owning_engine
 
 
 class BeforeStep:

@@ -19,10 +19,23 @@ those at its copy, and no deferred step is pending; else it is dropped (Note [wr
 scope's call], the staging ring's write_mark). Rows live in their own device tensors, allocated
 and read on the compute stream, outside the scopes' buffers; a VRAM budget is reduced by B
 before it chooses kept scopes (Note [VRAM budget] in budget/vram.py).
+
+# Note [cache bookkeeping per fill]
+Lookups and offers take a fill's experts together (Note [one copy per run] in scopes/experts.py),
+and the master's write mark is computed once per slot and fill. Each slot keeps its rows in a
+heap by log2(value) + at / HALF_LIFE, an order aging does not change (the log of the score aged
+to any time t, plus t / HALF_LIFE); an eviction compares the slots' lowest rows, each less its
+scope's loads now / HALF_LIFE, and evicts the lowest, ties to the oldest, as a scan over all rows
+would. A slot's rows share the mark they were copied at; once its master is written they are
+dropped together, before a current row is evicted. A scan over every row, with its mark, for
+each evicted row cost O(rows) per miss: a prefill misses on most experts, a decode step on some
+in each layer, and with some hundred rows held decode ran slower than without the cache.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +51,21 @@ HALF_LIFE = 8.0  # loads of the scope after which a row's score counts half
 class _Score:
     value: float = 0.0
     at: int = 0  # the scope's loads when last used
+    log: float = -math.inf  # log2(value) + at / HALF_LIFE: its rank at any one time (Note [cache bookkeeping per fill])
+
+    def use(self, now: int) -> None:
+        if self.at != now or self.value == 0.0:
+            self.value = _aged(self, now) + 1.0
+            self.at = now
+            self.log = math.log2(self.value) + now / HALF_LIFE
 
 
 @dataclass
 class _Row:
     rows: torch.Tensor  # on the compute device, the device copy's dtype
     mark: tuple[Any, ...]  # the master's writes when it was copied
+    order: int  # rows held before it (ties in eviction go to the oldest)
+    score: _Score  # its entry in ExpertCache.scores
 
 
 class ExpertCache:
@@ -55,53 +77,118 @@ class ExpertCache:
         self.used = 0  # bytes held now
         self.rows: dict[tuple[ParamSlot, int], _Row] = {}
         self.scores: dict[tuple[ParamSlot, int], _Score] = {}
+        self._order = 0  # rows admitted so far
+        # Per slot: the experts held, the mark they were copied at (all alike), and a heap of
+        # (score.log, order, expert), entries stale once the row left or was used again
+        self._held: dict[ParamSlot, set[int]] = {}
+        self._marks: dict[ParamSlot, tuple[Any, ...]] = {}
+        self._heaps: dict[ParamSlot, list[tuple[float, int, int]]] = {}
 
-    def use(self, slot: ParamSlot, expert: int) -> torch.Tensor | None:
-        """Count a use of the expert's rows; its cached rows if current, else None (dropped)."""
-        key = (slot, expert)
-        score = self.scores.setdefault(key, _Score())
-        now = slot.scope.loads
-        if score.at != now or score.value == 0.0:
-            score.value = _aged(score, now) + 1.0
-            score.at = now
-        row = self.rows.get(key)
-        if row is None:
-            return None
-        if row.mark != _mark(slot):
-            self._drop(key)
-            return None
-        return row.rows
+    def take(self, slot: ParamSlot, experts: list[int]) -> dict[int, torch.Tensor]:
+        """Count a use of each expert's rows; the cached rows of those current (the others are
+        dropped), by expert (Note [cache bookkeeping per fill])."""
+        now, scores, rows = slot.scope.loads, self.scores, self.rows
+        if self._held.get(slot):
+            self._drop_stale(slot, _mark(slot))
+        found: dict[int, torch.Tensor] = {}
+        for e in experts:
+            key = (slot, e)
+            score = scores.get(key)
+            if score is None:
+                score = scores[key] = _Score()
+            before = score.log
+            score.use(now)
+            row = rows.get(key)
+            if row is not None:
+                found[e] = row.rows
+                if score.log != before:
+                    self._push(slot, score.log, row.order, e)
+        return found
 
-    def offer(self, slot: ParamSlot, expert: int, rows: torch.Tensor) -> None:
-        """The expert's rows were copied into `rows` (the device copy's, on the compute stream's
-        order): keep a copy if it fits or outscores what it would evict."""
-        key = (slot, expert)
-        nbytes = rows.numel() * rows.element_size()
-        if key in self.rows or nbytes > self.capacity:
+    def offer(self, slot: ParamSlot, experts: list[int], view: torch.Tensor) -> None:
+        """The experts' rows were copied into `view` (the device copy, on the compute stream's
+        order): keep a copy of each that fits or outscores what it would evict, in the order
+        given (Note [cache bookkeeping per fill])."""
+        nbytes = view[0].numel() * view.element_size()
+        if nbytes > self.capacity:
             return
-        now = slot.scope.loads
-        mine = _aged(self.scores.get(key, _Score()), now)
-        while self.used + nbytes > self.capacity:
-            victim = min(self.rows, key=lambda k: self._standing(k))
-            if self._standing(victim) >= mine:
-                return
-            self._drop(victim)
-        self.rows[key] = _Row(rows.detach().clone(), _mark(slot))
-        self.used += nbytes
+        now, mark = slot.scope.loads, _mark(slot)
+        if self._held.get(slot):
+            self._drop_stale(slot, mark)
+        self._marks[slot] = mark
+        lowest: list[tuple[float, int, ParamSlot, int]] | None = None  # each slot's lowest row
+        for e in experts:
+            key = (slot, e)
+            if key in self.rows:
+                continue
+            score = self.scores.get(key)
+            if score is None:
+                score = self.scores[key] = _Score()
+            mine = score.log - now / HALF_LIFE
+            if self.used + nbytes > self.capacity and lowest is None:
+                lowest = self._lowest()
+            while self.used + nbytes > self.capacity and lowest and lowest[0][0] < mine:
+                _, order, owner, victim = heapq.heappop(lowest)
+                row = self.rows.get((owner, victim))
+                if row is not None and row.order == order:  # else pushed twice, evicted already
+                    self._drop((owner, victim))
+                    self._push_lowest(lowest, owner)
+            if self.used + nbytes > self.capacity:
+                continue
+            row = self.rows[key] = _Row(view[e].detach().clone(), mark, self._order, score)
+            self._order += 1
+            self.used += nbytes
+            self._held.setdefault(slot, set()).add(e)
+            self._push(slot, score.log, row.order, e)
+            if lowest is not None:
+                heapq.heappush(lowest, (mine, row.order, slot, e))
 
     def clear(self) -> None:
         for key in list(self.rows):
             self._drop(key)
 
-    def _standing(self, key: tuple[ParamSlot, int]) -> float:
-        """A held row's score now; -1 for a stale one, evicted first."""
-        if self.rows[key].mark != _mark(key[0]):
-            return -1.0
-        return _aged(self.scores.get(key, _Score()), key[0].scope.loads)
+    def _lowest(self) -> list[tuple[float, int, ParamSlot, int]]:
+        """A heap of each slot's lowest row (log2 of its score now, its order, slot, expert), stale
+        rows dropped first: its top is the row to evict."""
+        for slot in [s for s, held in self._held.items() if held]:
+            self._drop_stale(slot, _mark(slot))
+        lowest: list[tuple[float, int, ParamSlot, int]] = []
+        for slot in self._heaps:
+            self._push_lowest(lowest, slot)
+        heapq.heapify(lowest)
+        return lowest
+
+    def _push_lowest(self, lowest: list[tuple[float, int, ParamSlot, int]], slot: ParamSlot) -> None:
+        """Push the slot's lowest row onto `lowest`, its entries of rows gone or used since
+        popped first."""
+        heap = self._heaps[slot]
+        while heap:
+            log, order, e = heap[0]
+            row = self.rows.get((slot, e))
+            if row is not None and row.order == order and row.score.log == log:
+                heapq.heappush(lowest, (log - slot.scope.loads / HALF_LIFE, order, slot, e))
+                return
+            heapq.heappop(heap)
+
+    def _push(self, slot: ParamSlot, log: float, order: int, expert: int) -> None:
+        heap = self._heaps.setdefault(slot, [])
+        heapq.heappush(heap, (log, order, expert))
+        held = self._held.get(slot, ())
+        if len(heap) > 4 * len(held) + 64:  # mostly stale entries: rebuild
+            rows = [(e, self.rows[(slot, e)]) for e in held]
+            heap[:] = [(row.score.log, row.order, e) for e, row in rows]
+            heapq.heapify(heap)
+
+    def _drop_stale(self, slot: ParamSlot, mark: tuple[Any, ...]) -> None:
+        """Drop the slot's rows if its master was written since they were copied."""
+        if self._marks.get(slot) != mark:
+            for e in list(self._held.get(slot, ())):
+                self._drop((slot, e))
 
     def _drop(self, key: tuple[ParamSlot, int]) -> None:
         row = self.rows.pop(key)
         self.used -= row.rows.numel() * row.rows.element_size()
+        self._held[key[0]].discard(key[1])
 
 
 def _aged(score: _Score, now: int) -> float:

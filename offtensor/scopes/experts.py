@@ -30,6 +30,25 @@ find them (`Traffic.expert_hits`); the budget counts the room for all E. A relea
 Reading an index tensor's values syncs the host with the device; transformers' eager loop
 already does so at each expert (`expert_idx == num_experts`), grouped_mm's hint once per layer.
 
+# Note [one host read per layer]
+The router's choice lives on the device, and each read of it from the host waits for the device
+to reach the router. The pre-hook reads it once per experts call: `_distinct` copies the index
+back when it holds at most E values (a decode step's k per token), else E marks set on the device
+(a prefill's tokens), one copy either way; `torch.unique(i).tolist()` waited twice (unique sizes
+its output on the host). An index tensor of an op is read the same way; a 0-d index PyTorch's
+indexing reads itself too.
+
+# Note [one copy per run]
+Copies are issued per layer, not per expert: the pre-hook that reads the router's choice copies
+it for each routed parameter at once, while the scope is resident (else the call's first op does,
+by the usual path), before transformers' own preparation (sorting tokens by expert), so that the
+link does not idle through it; an eager loop's `w[e]` then finds its rows there. One section
+of the copy stream with one event for compute to wait on, one `copy_` per run of consecutive
+experts; rows the expert cache holds are copied in one `_foreach_copy_`. Each later op checks
+only the rows it reads. Hits and misses count once per expert and call, as an op loop reading
+each expert once counted them. On CUDA a per-expert `fill` was a stream switch, an event and a
+wait each, and the eager loop's own read of `expert_idx` waited for each expert's copy in turn.
+
 # Note [routed experts in backward]
 The results are views of the device copy, the parameter's one leaf, so gradients reach the
 master by the usual path (Note [gradient path] in engine/grads.py), exactly, trainable experts
@@ -58,12 +77,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..api import Residency
+from ..api import Residency, ScopeState
 from ..dispatch.slot import ParamSlot
 from ..storage.compress import PackedMaster, unpack_rows_into
 from .expert_cache import ExpertCache
 from .loading import Traffic
-from .scope import Scope
+from .scope import Scope, scope_of
 from .streams import Streams
 
 logger = logging.getLogger("offtensor")
@@ -83,91 +102,136 @@ class ExpertRows:
         self.traffic = traffic  # the scope's counters
         self.count = slot.meta.shape[0]  # E
         self.loaded = [False] * self.count  # expert e's rows are on the device (or on their way)
+        self.held = 0  # how many are
         self.whole = False
         self.hint: list[int] | None = None  # the router's experts for the running call
+        self.hinted = False  # the hint's experts were filled in this call (Note [one copy per run])
 
     def forget(self) -> None:
         """No expert is on the device (released, or a load that leaves them to ops)."""
         self.loaded = [False] * self.count
-        self.whole = False
+        self.held = 0
+        self.whole = self.hinted = False
 
     def all_there(self) -> None:
         """A load or refresh copied the whole parameter."""
         self.loaded = [True] * self.count
+        self.held = self.count
         self.whole = True
+
+    def set_hint(self, experts: list[int] | None) -> None:
+        self.hint, self.hinted = experts, False
 
     def fill_all(self) -> None:
         self.fill(range(self.count))
 
+    def start(self) -> None:
+        """At the experts call's start, right after the router's choice was read: copy it now if
+        an op on the parameter would get the device copy as it is (Note [one copy per run])."""
+        slot, scope = self.slot, scope_of(self.slot)
+        if (self.whole or self.hint is None or scope.running_calls <= 0 or scope.state is not ScopeState.RESIDENT
+                or scope.copy_order is None or slot.pending_step is not None or slot.stepped_elsewhere is not None
+                or scope.writes.written_in_this_call(slot) or torch.compiler.is_compiling()):
+            return  # the first op decides, by the usual path (OpAccess.materialize)
+        self.hinted = True
+        with torch.no_grad():  # into the device buffer, as an op's fill
+            self.fill(self.hint)
 
     def before_op(self, func: Any, args: tuple, param: torch.Tensor) -> None:
-        """Copy the experts the op `func(*args)` reads onto the device."""
+        """Copy the experts the op `func(*args)` reads onto the device: the router's whole
+        choice at the call's first op, so that a loop over experts copies once (Note [one copy
+        per run])."""
         if self.whole:
             return
         indexed = None
         if func is torch.Tensor.__getitem__ and len(args) == 2 and args[0] is param:
             indexed = _indexed(args[1], self.count)
+        hint = self.hint
+        if hint is None:
+            self.fill(indexed if indexed is not None else range(self.count))
+            return
+        if not self.hinted:  # the call's first op, or a release in the call forgot them
+            self.hinted = True
+            self.fill(hint)
         if indexed is not None:
-            self.fill(indexed)
-        else:
-            self.fill(self.hint if self.hint is not None else range(self.count))
+            loaded = self.loaded
+            for e in indexed:
+                if not loaded[e]:  # beyond the router's choice
+                    self.fill(indexed)
+                    break
 
     def fill(self, experts: Iterable[int]) -> None:
-        loaded, wanted = self.loaded, set(experts)
-        todo = sorted(e for e in wanted if not loaded[e])
+        loaded = self.loaded
+        wanted = experts if isinstance(experts, range) else sorted(set(experts))
+        new = [e for e in wanted if not loaded[e]]
+        todo = new
         cache = self.cache if self.slot.scope.residency is not Residency.KEPT else None
         if cache is not None and todo:  # Note [expert cache]
-            found = [(e, rows) for e in todo if (rows := cache.use(self.slot, e)) is not None]
-            view = self.slot.device_view
-            for e, rows in found:  # on compute, the current stream: nothing crosses the link
-                view[e].copy_(rows)
-                loaded[e] = True
-            todo = [e for e in todo if not loaded[e]]
+            found = cache.take(self.slot, todo)
+            if found:  # on compute, the current stream: nothing crosses the link
+                view = self.slot.device_view
+                torch._foreach_copy_([view[e] for e in found], list(found.values()))
+                todo = [e for e in todo if e not in found]
         self.traffic.expert_misses += len(todo)
         self.traffic.expert_hits += len(wanted) - len(todo)
         if todo:
             self._copy(todo)
-            for e in todo:
-                loaded[e] = True
             if cache is not None:  # after the copy's event, on compute
-                for e in todo:
-                    cache.offer(self.slot, e, self.slot.device_view[e])
-        self.whole = all(loaded)
+                cache.offer(self.slot, todo, self.slot.device_view)
+        for e in new:
+            loaded[e] = True
+        self.held += len(new)
+        self.whole = self.held == self.count
 
     def _copy(self, experts: list[int]) -> None:
-        """Copy the experts' rows into the device copy: on the copy stream, compute waiting for
-        them; a converting master's bytes are converted on compute after that."""
+        """Copy the experts' rows into the device copy, one copy per run of consecutive experts
+        (Note [one copy per run]): on the copy stream, compute waiting for them; a converting
+        master's bytes are converted on compute after that."""
         slot, streams = self.slot, self.streams
         view, master, packed = slot.device_view, slot.master, slot.packed
         h2d = streams.h2d()
-        staged: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+        staged: list[tuple[slice, torch.Tensor, torch.Tensor | None]] = []
         with streams.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
-            for e in experts:
+            for run in _runs(experts):
                 if isinstance(packed, PackedMaster):
-                    values = packed.values[e : e + 1].to(view.device, non_blocking=True)
-                    scale = packed.scale[e : e + 1].to(view.device, non_blocking=True)
-                    staged.append((e, values, scale))
+                    values = packed.values[run].to(view.device, non_blocking=True)
+                    scale = packed.scale[run].to(view.device, non_blocking=True)
+                    staged.append((run, values, scale))
                     self.traffic.bytes_to_device += values.nbytes + scale.nbytes
                 elif master.dtype != view.dtype:
-                    staged.append((e, master[e].to(view.device, non_blocking=True), None))
-                    self.traffic.bytes_to_device += master[e].nbytes
+                    staged.append((run, master[run].to(view.device, non_blocking=True), None))
+                    self.traffic.bytes_to_device += master[run].nbytes
                 else:
-                    view[e].copy_(master[e], non_blocking=True)
-                    self.traffic.bytes_to_device += master[e].nbytes
+                    view[run].copy_(master[run], non_blocking=True)
+                    self.traffic.bytes_to_device += master[run].nbytes
             copied = streams.record(h2d)
         streams.reads_masters(copied)
         compute = streams.compute()
         streams.wait(compute, copied)
-        for e, rows, scales in staged:  # on compute, the current stream
+        for run, rows, scales in staged:  # on compute, the current stream
             if compute is not None:  # allocated on the copy stream, read here
                 rows.record_stream(compute)
                 if scales is not None:
                     scales.record_stream(compute)
             if scales is None:
-                view[e].copy_(rows)
+                view[run].copy_(rows)
             else:
                 assert isinstance(packed, PackedMaster)
-                unpack_rows_into(packed.format, rows.view(1, -1), scales, view[e].view(1, -1))
+                n = run.stop - run.start
+                unpack_rows_into(packed.format, rows.view(n, -1), scales.view(n), view[run].view(n, -1))
+
+
+def _runs(experts: list[int]) -> list[slice]:
+    """Sorted experts as slices of consecutive ones."""
+    runs: list[slice] = []
+    start = prev = experts[0]
+    for e in experts[1:]:
+        if e != prev + 1:
+            runs.append(slice(start, prev + 1))
+            start = e
+        prev = e
+    runs.append(slice(start, prev + 1))
+    return runs
 
 
 def fill_all_experts(scope: Scope) -> None:
@@ -189,10 +253,28 @@ def _indexed(index: Any, count: int) -> list[int] | None:
     if isinstance(index, torch.Tensor) and not index.is_floating_point() and index.dtype != torch.bool:
         if index.dim() == 0:
             return [int(index) % count]
-        return [int(e) % count for e in torch.unique(index).tolist()]
+        return _distinct(index, count, wrap=True)
     if isinstance(index, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in index):
         return [e % count for e in index]
     return None
+
+
+def _distinct(index: torch.Tensor, count: int, *, wrap: bool) -> list[int]:
+    """The experts an integer tensor names, sorted, read with one device-to-host copy (Note [one
+    host read per layer]): `wrap`, negative ones count from the end (indexing); else values
+    outside [0, count) are left out (a router's sentinel)."""
+    flat = index.reshape(-1)
+    if flat.numel() <= count:
+        values = flat.tolist()
+        return sorted({e % count for e in values} if wrap else {e for e in values if 0 <= e < count})
+    # Marks on the device, so that a prefill's many tokens read back `count` values, not one each
+    if wrap:
+        slots, offset = (flat % count).long(), 0
+    else:  # [0, count) to 1..count; the rest to 0 or count + 1, dropped
+        slots, offset = flat.clamp(-1, count).long() + 1, 1
+    seen = torch.zeros(count + 2 * offset, dtype=torch.uint8, device=flat.device).index_fill_(0, slots, 1)
+    marks = seen.tolist()
+    return [e for e in range(count) if marks[e + offset]]
 
 
 def route_experts(scope: Scope, cache: ExpertCache | None = None) -> list[RemovableHandle]:
@@ -246,14 +328,16 @@ def _hint_hooks(module: nn.Module, slots: list[ParamSlot], name: str, position: 
     def chosen(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         index = kwargs.get(name, args[position] if len(args) > position else None)
         experts = None
-        if isinstance(index, torch.Tensor):
-            experts = [e for e in torch.unique(index).tolist() if 0 <= e < rows[0].count] if rows else []
+        if isinstance(index, torch.Tensor) and rows:
+            experts = _distinct(index, rows[0].count, wrap=False)
         for r in rows:
-            r.hint = experts
+            r.set_hint(experts)
+        for r in rows:
+            r.start()
 
     def done(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         for r in rows:
-            r.hint = None
+            r.set_hint(None)
 
     return [module.register_forward_pre_hook(chosen, with_kwargs=True),
             module.register_forward_hook(done, with_kwargs=True, always_call=True)]

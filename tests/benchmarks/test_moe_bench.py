@@ -39,6 +39,12 @@ def test_quick_moe_run_is_exact_and_copies_the_active_bytes(shape, tmp_path, cap
         assert routed["bytes_per_step"] <= 1.10 * routed["active_bytes"], routed
         assert whole["bytes_per_step"] > routed["bytes_per_step"]
         assert whole["x_active"] > 1.5  # the whole layers: every expert
+    # Note [one host read per layer]: the router's choice, and gpt-oss's biases indexed by sorted ids
+    reads = 2 * (3 if shape == "gpt-oss-20b" else 1)  # 2 layers
+    for peer in ("offtensor-routed", "offtensor-routed-cache"):
+        for batch in (1, 8):
+            r = rows[(f"decode-{batch}", peer)]
+            assert r["host_reads_per_step"] <= reads and r["host_calls_per_step"] > 0, r
     kept, streamed = rows[("decode-1", "offtensor-routed-vram")], rows[("decode-1", "offtensor-routed")]
     assert kept["expert_hit_rate"] > 0 and kept["bytes_per_step"] < streamed["bytes_per_step"]
     assert result["model"]["shape"]["layers"] == 2
