@@ -502,6 +502,9 @@ class ParamSlot:
                 return None
             if self.chunk >= loading.chunks_waited:
                 scope.compute_waits(self.chunk)
+        leaf = self.device_leaf
+        if leaf.requires_grad == _disabled(_REQUIRES_GRAD, (), (self.param,)):  # type: ignore[call-arg]
+            return leaf  # what use_device_copy returns, without the call: asked per parameter and call
         return self.use_device_copy()
 
     def use_device_copy(self) -> torch.Tensor:
