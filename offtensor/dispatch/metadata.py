@@ -65,16 +65,26 @@ def element_size(self: Any) -> int:
 # and each optimizer step read or write it for every parameter.
 
 
+# (`self._ot`, not `self.__dict__`: dynamo traces these in a compiled optimizer step.)
+
+
 def _get_grad(self: Any) -> torch.Tensor | None:
-    slot = self.__dict__.get("_ot")
-    if slot is not None and slot.pending_step is None and slot.stepped_elsewhere is None:
+    try:
+        slot = self._ot
+    except AttributeError:  # detached from offtensor (unwrap)
+        return _GET_GRAD(self)
+    if slot.pending_step is None and slot.stepped_elsewhere is None:
         return _disabled(_GET_GRAD, (), (self,))  # type: ignore[call-arg]
     return _GET_GRAD(self)  # through __torch_function__: waits for the step
 
 
 def _set_grad(self: Any, value: torch.Tensor | None) -> None:
-    slot = self.__dict__.get("_ot")
-    if slot is not None and slot.pending_step is None and slot.stepped_elsewhere is None:
+    try:
+        slot = self._ot
+    except AttributeError:
+        _SET_GRAD(self, value)
+        return
+    if slot.pending_step is None and slot.stepped_elsewhere is None:
         _disabled(_SET_GRAD, (), (self, value))  # type: ignore[call-arg]
     else:
         _SET_GRAD(self, value)
