@@ -120,6 +120,10 @@ def _no_callback() -> None:
 
 
 _eval_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", _no_callback)
+# For a hook that autograd calls, never dynamo: `in_compiled_region` inlined there (Note [one
+# gradient's host work] in engine/grads.py) reads this and `torch.compiler._is_compiling_flag`,
+# what `torch.compiler.is_compiling()` returns outside TorchScript.
+eval_frame_callback = _eval_frame_callback
 
 
 def compiling() -> bool:

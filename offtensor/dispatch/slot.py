@@ -252,14 +252,24 @@ def weakly(method: Any, *bound: Any) -> Any:
     through C++ (device copy -> hook -> sink -> engine -> scopes -> slot -> device copy) that no
     collection breaks: a wrapped model that went out of scope kept its pinned masters, gradients
     and device buffers for the rest of the process. Held weakly, the model (which holds the
-    engine and, through each parameter's `_ot`, the slots) is their only owner."""
-    ref = weakref.WeakMethod(method)
+    engine and, through each parameter's `_ot`, the slots) is their only owner. (The function is
+    held, not its object: a weakref.WeakMethod would cost a Python call per gradient.)"""
+    func, owner = method.__func__, weakref.ref(method.__self__)
     refs = [weakref.ref(b) for b in bound]
+    if len(refs) == 1:  # a device copy's gradient hook: one call per parameter and backward
+        (ref,) = refs
+
+        def one(*args: Any) -> None:
+            obj, b = owner(), ref()
+            if obj is not None and b is not None:
+                func(obj, b, *args)
+
+        return one
 
     def hook(*args: Any) -> None:
-        fn, objs = ref(), [r() for r in refs]
-        if fn is not None and all(o is not None for o in objs):
-            fn(*objs, *args)
+        obj, objs = owner(), [r() for r in refs]
+        if obj is not None and all(o is not None for o in objs):
+            func(obj, *objs, *args)
 
     return hook
 
@@ -299,6 +309,8 @@ class ParamMeta(NamedTuple):
 
 _disabled = torch._C._disabled_torch_function_impl
 _TensorBase = torch._C.TensorBase
+# `p.requires_grad` of the master, read in C (Note [metadata without dispatch] in dispatch/metadata.py)
+_REQUIRES_GRAD = _TensorBase.requires_grad.__get__  # type: ignore[attr-defined]
 
 
 def meta_of(p: torch.Tensor) -> ParamMeta:
@@ -323,7 +335,8 @@ class ParamSlot:
     master: torch.Tensor  # the master's bytes in host_flat as a plain tensor: what the loader
     # reads, with no subclass dispatch and nothing for autograd to record (Note [interrupts])
     host_grad: torch.Tensor | None = None  # `p.grad` after backward: on grad_buffer, or the user's
-    grad_buffer: torch.Tensor | None = None  # pinned bytes for host_grad, reused every step (engine/grads.py)
+    # pinned, flat, in the master's dtype: what host_grad views, reused every step (engine/grads.py)
+    grad_buffer: torch.Tensor | None = None
     grad_buffer_uses: int = 0  # tensors on grad_buffer when only offtensor holds it
     grads_in_backward: int = 0  # contributions written to host_grad in the current backward
     single_grad: bool = False  # exactly one contribution in the last whole backward (Note [early handover])
@@ -489,11 +502,14 @@ class ParamSlot:
                 return None
             if self.chunk >= loading.chunks_waited:
                 scope.compute_waits(self.chunk)
+        leaf = self.device_leaf
+        if leaf.requires_grad == _disabled(_REQUIRES_GRAD, (), (self.param,)):  # type: ignore[call-arg]
+            return leaf  # what use_device_copy returns, without the call: asked per parameter and call
         return self.use_device_copy()
 
     def use_device_copy(self) -> torch.Tensor:
         leaf = self.device_leaf
-        wants = self.param.requires_grad
+        wants = _disabled(_REQUIRES_GRAD, (), (self.param,))  # type: ignore[call-arg]
         if leaf.requires_grad != wants:  # the user froze or unfroze the parameter after wrap
             leaf.requires_grad_(wants)
             if wants and not self.leaf_hooked:

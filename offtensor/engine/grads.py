@@ -90,14 +90,29 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+import torch.compiler as _compiler
 from torch.autograd import Variable
 
 from ..dispatch import compile as _compile
 from ..dispatch.autograd import run_grad_hooks
-from ..dispatch.masters import master_grad, master_requires_grad, without_subclass_dispatch
+from ..dispatch.masters import master_grad, without_subclass_dispatch
 from ..dispatch.slot import ParamSlot
 from ..scopes.scope import Scope, scope_of
 from ..scopes.streams import Streams
+
+# Note [one gradient's host work]
+# The gradient path runs once per parameter and backward, so its Python cost grows with the
+# model: in a host-bound training step (short kernels) it was a third of what offtensor added.
+# So it reads what it needs of the master with TensorBase's own getters under subclass dispatch
+# off (`_disabled(_GRAD_OF, ...)`: `master_grad` and the parameter's Python properties would each
+# cost a call or two), reads `p.grad` once (after a deferred step, as `master_grad` would wait),
+# and calls the helpers (old gradient, compiled region, graph task) only when there is something
+# for them to do. Each branch does what it did before; only calls that could not change the
+# result are skipped.
+_disabled: Any = torch._C._disabled_torch_function_impl  # (fn, types, args), typed loosely
+_GRAD_OF = torch._C.TensorBase.grad.__get__  # type: ignore[union-attr]
+_SET_GRAD = torch._C.TensorBase.grad.__set__  # type: ignore[union-attr]
+_REQUIRES_GRAD_OF = torch._C.TensorBase.requires_grad.__get__  # type: ignore[attr-defined]
 
 
 class Stepper(Protocol):
@@ -197,7 +212,9 @@ class GradOffload:
             self.reset_if_stale()
 
     def on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None:
-        if _compile.in_compiled_region():  # a backward from compiled code: Note [hooks outside dynamo]
+        # A backward from compiled code: Note [hooks outside dynamo]. What in_compiled_region
+        # reads, read here (Note [one gradient's host work]).
+        if _compiler._is_compiling_flag or _compile.eval_frame_callback() is not None:
             return _compile.run_outside_dynamo(self._on_leaf_grad, (slot, leaf))
         return self._on_leaf_grad(slot, leaf)
 
@@ -210,7 +227,9 @@ class GradOffload:
             self.accumulate(slot, grad)
 
     def accumulate(self, slot: ParamSlot, grad: torch.Tensor) -> None:
-        self.enter_backward()
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task not in self._tasks:
+            self.enter_backward()
         if self.stepper is not None and self.stepper.handed(slot):
             if slot.single_grad:  # handed on its own gradient: the next ones wait for the scope's end
                 for other in slot.scope.slots:
@@ -243,29 +262,39 @@ class GradOffload:
 
     def _add(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         """Add one gradient, after the user's hooks, to the host gradient."""
-        if not master_requires_grad(slot.param):  # Note [frozen since the forward]
+        param = slot.param
+        if not _disabled(_REQUIRES_GRAD_OF, (), (param,)):  # Note [frozen since the forward]
             if slot.post_hooks and slot not in self._frozen:
                 self._frozen.append(slot)
             return
-        streams = self._streams
-        reducer = self.reducer
-        if grad.layout != torch.strided or _host_grad_is_sparse(slot):
+        # What the host gradient holds: this backward's earlier contributions, or the `p.grad`
+        # of earlier backward calls (accumulation), once a deferred step no longer reads it.
+        written = slot.grads_in_backward > 0
+        if written:
+            current = slot.host_grad
+        else:
+            if slot.pending_step is not None:
+                slot.wait_for_step()
+            current = _disabled(_GRAD_OF, (), (param,))
+        if grad.layout != torch.strided or (current is not None and current.layout != torch.strided):
             self._accumulate_sparse(slot, grad)
             return
+        reducer = self.reducer
         if reducer is not None and not reducer.keeps(slot):
             _send_to_owner(reducer, slot, grad)  # another rank steps it (data_parallel, shard_optimizer)
             return
-        # Add to what the host gradient holds: this backward's earlier contributions, or the
-        # `p.grad` of earlier backward calls (accumulation).
-        accumulate = slot.grad_written
-        if not slot.grad_written:
-            slot.host_grad, accumulate = self._destination(slot)
-        buf = slot.host_grad
+        if written:
+            buf, accumulate, old = current, True, None
+        else:
+            buf, accumulate = _destination(slot, current)
+            slot.host_grad = buf
+            old = slot.scope.take_old_grad(slot) if slot.old_grad is not None else None
         assert buf is not None
-        grad = grad.to(buf.dtype)  # Policy.compute_dtype: cast up on the device
-        old = None if slot.grad_written else slot.scope.take_old_grad(slot)
+        if grad.dtype != buf.dtype:
+            grad = grad.to(buf.dtype)  # Policy.compute_dtype: cast up on the device
+        streams, cuda = self._streams, grad.is_cuda
         if old is None and accumulate:
-            if slot.grad_written and grad.device.type == "cuda":
+            if written and cuda:
                 streams.wait(streams.compute(), slot.last_d2h)
             old = buf.to(grad.device, non_blocking=True)
         if reducer is not None:  # averaged over the ranks, old included (Note [data parallel])
@@ -274,7 +303,7 @@ class GradOffload:
             grad = reduced
         elif old is not None:
             grad = grad + old
-        if grad.device.type == "cuda":
+        if cuda:
             d2h = streams.d2h()
             streams.wait(d2h, streams.record(torch.cuda.current_stream(grad.device)))
             with streams.on(d2h):
@@ -286,7 +315,7 @@ class GradOffload:
             buf.copy_(grad)
         if reducer is not None:
             reducer.written(slot, buf)
-        if not slot.grad_written:
+        if not written:
             self._written.append(slot)
         slot.grads_in_backward += 1
         stepper = self.stepper
@@ -294,7 +323,7 @@ class GradOffload:
             if stepper.measures_norms:
                 stepper.grad_written(slot, grad, buf)
             if slot.single_grad:
-                stepper.grad_final(slot, slot.last_d2h if grad.device.type == "cuda" else None)
+                stepper.grad_final(slot, slot.last_d2h if cuda else None)
 
     def _accumulate_sparse(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         """A sparse gradient, or one added to a sparse `p.grad`: summed on the host as
@@ -325,23 +354,6 @@ class GradOffload:
         slot.grads_in_backward += 1
         if self.stepper is not None and slot.single_grad:
             self.stepper.grad_final(slot, None)  # already on the host
-
-    def _destination(self, slot: ParamSlot) -> tuple[torch.Tensor, bool]:
-        """Where this backward's gradient for the slot goes, and whether it adds to what is
-        there: into `p.grad` when it exists (accumulation, in place, as PyTorch does), else the
-        slot's pinned buffer from earlier steps, unless the user still holds a tensor on it
-        (after `zero_grad(set_to_none=True)` a kept gradient must keep its values): then a new one."""
-        slot.wait_for_step()  # a deferred step still reads p.grad (Note [deferred steps])
-        current = master_grad(slot.param)
-        if current is not None:
-            return current, True
-        # `p.grad` is None: a fetched old gradient is stale, and its reference to the previous
-        # `p.grad` must not count as the user's below.
-        slot.scope.take_old_grad(slot)
-        slot.host_grad = None  # ours: a `p.grad` the user kept is now held by the user only
-        if slot.grad_buffer is None or _storage_uses(slot.grad_buffer) != slot.grad_buffer_uses:
-            return new_host_grad(slot), False
-        return _typed(slot.grad_buffer, slot), False
 
     def scope_done(self, scope: Scope) -> None:
         """A scope's backward is over: its gradients are final once its copies land."""
@@ -434,6 +446,25 @@ class GradOffload:
                     slot.device_leaf.grad = None
 
 
+def _destination(slot: ParamSlot, current: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """Where this backward's gradient for the slot goes, and whether it adds to what is
+    there: into `p.grad` (`current`, read once its deferred step was done: Note [deferred
+    steps]) when it exists (accumulation, in place, as PyTorch does), else the slot's pinned
+    buffer from earlier steps, unless the user still holds a tensor on it (after
+    `zero_grad(set_to_none=True)` a kept gradient must keep its values): then a new one."""
+    if current is not None:
+        return current, True
+    # `p.grad` is None: a fetched old gradient is stale, and its reference to the previous
+    # `p.grad` must not count as the user's below.
+    if slot.old_grad is not None:
+        slot.scope.take_old_grad(slot)
+    slot.host_grad = None  # ours: a `p.grad` the user kept is now held by the user only
+    buffer = slot.grad_buffer
+    if buffer is None or _storage_uses(buffer) != slot.grad_buffer_uses:
+        return new_host_grad(slot), False
+    return buffer.view(slot.meta.shape), False  # shape: not the parameter's own (Note [metadata without dispatch])
+
+
 def _send_to_owner(reducer: Reducer, slot: ParamSlot, grad: torch.Tensor) -> None:
     """Data parallel with a sharded optimizer: another rank owns this parameter's gradient.
     Send this rank's part, with what it accumulated under no_sync, and keep none: `p.grad`
@@ -450,14 +481,6 @@ def _send_to_owner(reducer: Reducer, slot: ParamSlot, grad: torch.Tensor) -> Non
     slot.host_grad = None
 
 
-def _host_grad_is_sparse(slot: ParamSlot) -> bool:
-    """The gradient this backward adds to is sparse: the host `p.grad` (a
-    `zero_grad(set_to_none=False)` of a sparse gradient leaves it sparse), or what this backward
-    has already summed."""
-    current = slot.host_grad if slot.grad_written else master_grad(slot.param)
-    return current is not None and current.layout != torch.strided
-
-
 def publish(slots: list[ParamSlot]) -> None:
     """Point each parameter's `.grad` at its completed host gradient, then run the user's
     post-accumulate-grad hooks (all grads first, as autograd would have them)."""
@@ -468,19 +491,26 @@ def publish(slots: list[ParamSlot]) -> None:
 
 
 def set_grads(slots: list[ParamSlot], grads: list[torch.Tensor | None]) -> None:
-    """`slot.param.grad = grad` on the masters; call with subclass dispatch off."""
+    """`slot.param.grad = grad` on the masters; call with subclass dispatch off. (TensorBase's
+    setter, not OffloadedParameter's Python property, which would call it.)"""
     for slot, grad in zip(slots, grads, strict=True):
-        slot.param.grad = grad
+        _SET_GRAD(slot.param, grad)
 
 
 def new_host_grad(slot: ParamSlot) -> torch.Tensor:
     """A new pinned gradient buffer for the slot (kept and reused while only offtensor holds a
     tensor on it); returns the tensor that becomes `p.grad`."""
-    p = slot.param
+    meta = slot.meta  # not the parameter's own properties (Note [metadata without dispatch])
+    nbytes = meta.numel * meta.dtype.itemsize
     # Pageable once page-locking failed (Note [page-locked memory as a bounded resource] in storage/memory.py).
-    slot.grad_buffer = slot.scope.new_host_memory(p.numel() * p.element_size(), "gradients")
+    raw = slot.scope.new_host_memory(nbytes, "gradients")
+    # Kept flat and typed, so that each backward views it with one op. Sliced to the gradient's
+    # bytes: a zero-size parameter's buffer still has one byte (host_empty allocates at least
+    # one), which no dtype wider than a byte can view.
+    slot.grad_buffer = raw[:nbytes].view(meta.dtype)
+    del raw  # counted without it: only the buffer stays
     slot.grad_buffer_uses = _storage_uses(slot.grad_buffer)
-    return _typed(slot.grad_buffer, slot)
+    return slot.grad_buffer.view(meta.shape)
 
 
 def _graph_grad_error(slot: ParamSlot) -> RuntimeError:
@@ -490,14 +520,6 @@ def _graph_grad_error(slot: ParamSlot) -> RuntimeError:
         "cannot. For a gradient penalty, take the gradients you differentiate with "
         "torch.autograd.grad(y, inputs, create_graph=True) over tensors that are not "
         "offloaded parameters (supported), then call backward() without create_graph")
-
-
-def _typed(buffer: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
-    """A new tensor on the buffer's bytes with the parameter's dtype and shape."""
-    meta = slot.meta  # not the parameter's own properties (Note [metadata without dispatch])
-    # Sliced to the gradient's bytes: a zero-size parameter's buffer still has one byte
-    # (host_empty allocates at least one), which no dtype wider than a byte can view.
-    return buffer[: meta.numel * meta.dtype.itemsize].view(meta.dtype).view(meta.shape)
 
 
 def _storage_uses(t: torch.Tensor) -> int:

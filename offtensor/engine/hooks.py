@@ -93,8 +93,9 @@ class ScopeHooks:
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         scope, engine = self.scope, self.engine
-        if not in_backward():
-            engine.thread.check(f"scope {scope.name!r}")
+        backward = in_backward()
+        if not backward:
+            engine.thread.check("scope", scope.name)
         interrupted = self.calls.enter()
         if interrupted:
             _forget_calls(scope, interrupted)
@@ -102,7 +103,7 @@ class ScopeHooks:
             self._hide()  # an interrupted compiled call left its device copies exposed
             self._unexpose_loaded()  # likewise an eager one
         tensors = _tensors(args, kwargs)
-        if not in_backward():
+        if not backward:
             if _distributed.active():
                 self._check_distributed()
             self._check_inputs(tensors)
@@ -285,8 +286,14 @@ class ScopeHooks:
         """Where the scope's parameters are registered now (a parameter shared by several
         modules of the scope once per module)."""
         # Not self._homes: the DDP/fully_shard check compares against where they were at wrap.
-        if self._places is None or any(params.get(key) is not slot.param for params, key, slot in self._places):
-            self._places = _homes(self.scope)
+        places = self._places
+        if places is not None:
+            for params, key, slot in places:  # a loop, not any(): asked at each call of a kept scope
+                if params.get(key) is not slot.param:
+                    break
+            else:
+                return places
+        self._places = _homes(self.scope)
         return self._places
 
     def inputs_done(self) -> None:

@@ -17,13 +17,15 @@ class ThreadOwner:
         self._busy = busy  # a forward or backward of the model is in progress
         self._thread: int | None = None  # the thread of the latest forward
 
-    def check(self, where: str) -> None:
+    def check(self, where: str, name: str | None = None) -> None:
         """Take the engine for this thread; refuse, before any state changes, while another
         thread's forward or backward is in progress (its post-forward hooks then do nothing:
-        `foreign`)."""
+        `foreign`). The error names `where`, followed by `name` quoted (formatted only then)."""
         thread = threading.get_ident()
         if self._thread == thread:
             return
+        if name is not None:
+            where = f"{where} {name!r}"
         if self._thread is not None and self._busy():
             raise RuntimeError(
                 f"offtensor: {where} was called from thread {thread} while thread {self._thread} "

@@ -31,6 +31,9 @@ from ..dispatch.slot import ParamSlot
 from .loading import Traffic
 from .streams import Streams
 
+_disabled: Any = torch._C._disabled_torch_function_impl  # (fn, types, args), typed loosely
+_GRAD_OF = torch._C.TensorBase.grad.__get__  # type: ignore[union-attr]
+
 
 class OldGrads:
     """The fetches of one scope's existing host gradients and the event that follows them."""
@@ -47,9 +50,17 @@ class OldGrads:
         the host (Note [sparse gradients] in engine/grads.py), nor one of a frozen parameter, which
         gets no gradient to add to it (Note [stale gradient fetches])."""
         # `.grad` first: after zero_grad(set_to_none=True), the common case, it alone decides.
-        return [(slot, g) for slot in self.slots if slot.old_grad is None and not slot.grad_written
-                and (g := master_grad(slot.param)) is not None and master_requires_grad(slot.param)
-                and g.layout == torch.strided]
+        # Asked at each backward of each scope and for the kept scopes a prefetch looks at: the
+        # master's `.grad` is read in C unless a deferred step must be waited for first.
+        todo = []
+        for slot in self.slots:
+            if slot.old_grad is not None or slot.grads_in_backward:
+                continue
+            p = slot.param
+            g = _disabled(_GRAD_OF, (), (p,)) if slot.pending_step is None else master_grad(p)
+            if g is not None and master_requires_grad(p) and g.layout == torch.strided:
+                todo.append((slot, g))
+        return todo
 
     def nbytes(self) -> int:
         """Bytes a fetch would copy now."""

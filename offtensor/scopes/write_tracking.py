@@ -24,10 +24,10 @@ itself and do not reach the master (docs/design.md, Limits).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
-from ..dispatch.masters import without_subclass_dispatch
 from ..dispatch.slot import ParamSlot
 from .streams import Streams
 
@@ -61,7 +61,7 @@ class WriteTracker:
     def written_in_this_call(self, slot: ParamSlot) -> bool:
         """The master changed since its device copy was made, in this call of the scope: by an
         op on the parameter or `.data` (marked), or through a detached alias (its version)."""
-        return slot in self.in_call or self.copied_versions.get(slot) != version_of(slot.param)
+        return slot in self.in_call or self.copied_versions.get(slot) != _disabled(_VERSION_OF, (), (slot.param,))
 
     def refresh(self, slot: ParamSlot) -> None:
         """Copy a master written during the scope's call into its device copy, on the compute
@@ -77,15 +77,24 @@ class WriteTracker:
         that did not go through an op on the parameter (Note [VRAM budget] in budget/vram.py),
         `p.data` aliases' included (Note [p.data aliases] in dispatch/slot.py); not counting the
         slots for which `skip(slot)` is true."""
-        return any(version_of(slot.param) != v or slot.data_written() for slot, v in self.copied_versions.items()
-                   if skip is None or not skip(slot))
+        # A loop with the reads inlined, not `any()` over version_of: asked of a kept scope at
+        # each call and backward, for each of its parameters.
+        for slot, v in self.copied_versions.items():
+            if skip is not None and skip(slot):
+                continue
+            if _disabled(_VERSION_OF, (), (slot.param,)) != v:
+                return True
+            if (slot.data_aliases or slot.data_alias_written) and slot.data_written():
+                return True
+        return False
 
 
 def version_of(p: torch.Tensor) -> int:
     """`p._version` without `__torch_function__` (subclass dispatch off: a property read on a
     tensor subclass dispatches it otherwise): bumped by in-place writes to p and to its views
     and detached aliases. Read at every load and every op inside a scope."""
-    return without_subclass_dispatch(_VERSION_OF, p)
+    return _disabled(_VERSION_OF, (), (p,))  # without_subclass_dispatch, one Python call less
 
 
 _VERSION_OF = torch._C.TensorBase._version.__get__  # type: ignore[attr-defined]
+_disabled: Any = torch._C._disabled_torch_function_impl  # (fn, types, args), typed loosely
