@@ -22,7 +22,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from .api import MasterHome, Policy, ScopeState
+from .api import MasterHome, Policy
 from .budget.shared import SharedBudget
 from .core.engine import ENGINE_ATTR, Engine, engine_of
 from .core.experts import route_experts
@@ -347,7 +347,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
             p.grad = slot.host_grad
         scope.slots.append(slot)
     scope.device.storage.resize_(0)
-    scope.state = ScopeState.OFFLOADED
+    assert scope.offloaded()
 
 
 def _host_buffer(scope: Scope) -> HostBuffer:

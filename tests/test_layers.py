@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "offtensor"
 # Bottom to top. A module may import any module before it in this list, none after it.
 LAYERS = ["api", "patches", "weights.kernels", "weights.compress", "weights.files", "weights.checkpoint", "core.memory",
           "core.progress", "weights.file_masters", "weights.staging", "distributed.shm", "distributed.matching",
-          "distributed.wrappers", "dispatch.compile", "core.slot", "dispatch.masters", "dispatch.metadata", "dispatch.writes",
+          "distributed.wrappers", "dispatch.compile", "core.calls", "core.slot", "dispatch.masters", "dispatch.metadata", "dispatch.writes",
           "dispatch.ops", "dispatch.autograd", "dispatch.param", "dispatch.function_apply", "dispatch.optimizer_step",
           "core.streams", "core.write_tracking", "core.host_masters", "core.device_buffer", "core.loading",
           "core.old_grads", "core.scope", "core.expert_cache", "core.experts", "core.grad_calls", "budget.layout", "budget.timed",

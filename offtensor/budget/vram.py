@@ -230,7 +230,7 @@ class VramBudget(NoBudget):
             # A carried scope's backward is over, so it can go too: one backward through two
             # forwards (DPO's chosen and rejected) carries at the end of the second forward's
             # graph and then still runs the first's.
-            if other.residency is Residency.KEPT or other.running_calls or (
+            if other.residency is Residency.KEPT or other.calls.running or (
                     needed_in_backward(other) and other.residency is not Residency.CARRIED):
                 continue
             other.release()

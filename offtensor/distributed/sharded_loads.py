@@ -283,7 +283,6 @@ def _undo_load(scope: Scope) -> None:
     streams = scope.streams
     streams.wait(streams.compute(), streams.record(streams.h2d()))
     scope.device.storage.resize_(0)
-    scope.loading = None
 
 
 def sharded_loads_of(model: nn.Module) -> ShardedLoads | None:
