@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import weakref
-from operator import attrgetter
 from typing import Any, Protocol, cast
 
 import torch
@@ -162,26 +161,9 @@ class LiveScopes:
                 scope.release(force=force)
 
 
-def _part(part: str, name: str) -> Any:
-    """An attribute of one of a scope's parts, read and set through the scope under the name the
-    layers above use (`scope.nbytes` is `scope.masters.nbytes`). Read without a Python call."""
-
-    def assign(scope: Scope, value: Any) -> None:
-        setattr(getattr(scope, part), name, value)
-
-    return property(attrgetter(f"{part}.{name}"), assign)
-
-
 class Scope:
     """One selected module (or, split by Policy.max_scope_bytes, part of one): its state, the
     transitions between states, and its parts."""
-
-    # What the layers above read and set (wrap lays the buffers out, the engine marks writes).
-    home = _part("masters", "home")
-    ring = _part("masters", "ring")
-    files = _part("masters", "files")
-    nbytes = _part("masters", "nbytes")
-    device_nbytes = _part("device", "nbytes")
 
     state: ScopeState = ScopeState.OFFLOADED  # changed only by the `_to_*` transitions (Note [scope states])
     loading: LoadProgress | None = None  # while LOADING, and only then
@@ -291,13 +273,13 @@ class Scope:
             slot.temporaries = alive(slot.temporaries) + [weakref.ref(copy)]
         return copy
 
-    def rehome_masters(self, buffer: HostBuffer) -> None:
+    def move_masters_into(self, buffer: HostBuffer) -> None:
         """Point the masters at `buffer` (a HostBuffer with this scope's layout that already
         holds their values: shared memory, Note [one host copy per node] in
         distributed/shared_masters.py). The parameter objects stay; their data moves. Only while
         OFFLOADED with no deferred step pending."""
         assert self.state is ScopeState.OFFLOADED and not any(s.step_pending for s in self.slots)
-        self.masters.rehome(self.slots, buffer)
+        self.masters.move_into(self.slots, buffer)
 
     def take_back_masters(self) -> None:
         """Masters moved out of the host buffer go back into it (Note [masters moved out of the

@@ -105,8 +105,10 @@ class RoutedRows(Protocol):
 
 
 class CountsWrites(Protocol):
-    """A scope's masters as a slot's readers see them: how often they were written."""
+    """A scope's masters as a slot's readers see them (HostMasters in core/host_masters.py, above):
+    where they live and how often they were written."""
 
+    home: MasterHome  # where the masters live (Note [staged loads] in weights/staging.py)
     master_writes: int  # writes since wrap (a staged copy or a cached expert row is stale after one)
 
 
@@ -127,9 +129,6 @@ class SlotScope(Protocol):
     @property
     def masters(self) -> CountsWrites: ...  # its HostMasters (core/host_masters.py, above)
     residency: Residency  # streamed, kept or carried
-
-    @property
-    def home(self) -> MasterHome: ...  # where the masters live
 
     @property
     def pinned(self) -> bool: ...
