@@ -11,9 +11,12 @@ from __future__ import annotations
 # (`grad_this_pass`, Note [calls inside a checkpointed region] in core/grad_calls.py). The engine
 # forgets the running calls when a pass starts, a backward ends or a forward raised, while a call
 # may still be on the stack: that call's end then finds nothing to take from `running`. The
-# forgotten calls are counted (`_forgotten`), so that each end is still checked against a start:
-# `running` is what it was with a clamp at zero, and an end without a start asserts instead of
-# hiding.
+# forgotten calls are counted (`_forgotten`), so that the end of a call that returned is checked
+# against a start: it asserts instead of hiding behind a clamp at zero. A call that failed may
+# never have started: its pre-forward hook refused it (an input on another device) before the
+# engine counted it, and the forward hook (`always_call`) or the next call's FailureCheck (an
+# interrupt) ends it all the same; such an end takes what it finds in `running` and checks
+# nothing.
 
 
 class CallCounts:
@@ -35,12 +38,14 @@ class CallCounts:
         """The call that started is one of the forward pass (not a recompute in backward)."""
         self.this_pass += 1
 
-    def ended(self, n: int = 1) -> None:
-        """`n` calls ended, or were abandoned by an interrupt (core/hooks.py: FailureCheck)."""
-        counted = min(n, self.running)  # the rest were forgotten while running
+    def ended(self, n: int = 1, *, failed: bool = False) -> None:
+        """`n` calls ended; `failed`: they raised or an interrupt abandoned them, maybe before
+        they started (Note [call counts])."""
+        counted = min(n, self.running)
         self.running -= counted
-        self._forgotten -= n - counted
-        assert self._forgotten >= 0, "a call of a scope ended that never started"
+        if not failed:
+            self._forgotten -= n - counted  # forgotten while running
+            assert self._forgotten >= 0, "a call of a scope returned that never started"
 
     def forget_running(self) -> None:
         """No call is running any more as far as the engine is concerned."""

@@ -307,7 +307,7 @@ class Engine:
 
     @outside_transforms
     def post_forward(self, scope: Scope, *, failed: bool, backward_expected: bool) -> None:
-        scope.calls.ended()
+        scope.calls.ended(failed=failed)
         if in_backward():
             return  # a recompute: the scope's backward follows, post_backward releases it
         if failed:

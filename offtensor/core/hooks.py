@@ -454,7 +454,7 @@ def _forget_calls(scope: Scope, n: int) -> None:
     writes to its masters (an optimizer step) did not release it, so it may be older than they
     are. (Its count may have been reset since, by Engine.abort or a new pass, without a release
     under no_offload(); the copy goes all the same.)"""
-    scope.calls.ended(n)
+    scope.calls.ended(n, failed=True)
     if scope.calls.running == 0:
         scope.release(force=True)
 
