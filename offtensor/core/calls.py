@@ -27,7 +27,9 @@ class CallCounts:
     def __init__(self) -> None:
         self.running = 0  # in progress now (a recompute in backward included)
         self.this_pass = 0  # in the current forward pass (a shared module: several)
-        self.grad_since_backward = 0  # that can add to a gradient, since the last backward ended
+        # That can add to a gradient, since the last backward ended: above 1, a backward may see
+        # several contributions per parameter (shared modules; several forwards before one backward).
+        self.grad_since_backward = 0
         self.grad_this_pass = 0  # of those, the ones in the current pass
         self._forgotten = 0  # running calls forgotten by `forget_running` that have not ended
 

@@ -14,7 +14,7 @@ The transitions are Scope.load (OFFLOADED -> LOADING), make_resident (-> RESIDEN
 (-> OFFLOADED); they change `state` and `loading` together, only in `_to_loading`,
 `_to_resident` and `_to_offloaded`, each asserting the state it leaves. A load is built on the
 side and the scope becomes LOADING once its copies are enqueued, so a load that raises leaves
-the scope as it was. What a parameter "is" follows from its scope's state; the only other
+the scope OFFLOADED without a `LoadProgress`. What a parameter "is" follows from its scope's state; the only other
 per-scope enums are `Residency`, how long a copy outlives its calls (streamed: until they
 end; kept or carried under a VRAM budget: Note [VRAM budget] in budget/vram.py), and
 `MasterHome`, where the masters live and how a load reads them (pinned or pageable RAM, or
