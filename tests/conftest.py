@@ -609,7 +609,7 @@ def assert_all_scopes_offloaded(model: nn.Module) -> None:
     for s in scopes:
         if (s.kept or s.carried) and s.state != offtensor.ScopeState.OFFLOADED:
             scope = next(x for x in engine.scopes if x.name == s.name)
-            assert s.device_bytes == scope.device_nbytes, f"{s.name} holds {s.device_bytes} device bytes"
+            assert s.device_bytes == scope.device.nbytes, f"{s.name} holds {s.device_bytes} device bytes"
             if scope.device.flat.is_cuda:
                 torch.cuda.synchronize()
             for slot in scope.slots:

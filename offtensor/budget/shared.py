@@ -121,14 +121,14 @@ class SharedBudget:
 
     def streaming_need(self) -> int:
         """The room streaming needs: the most any one member needs, as they run one at a time."""
-        return max((min(sum(s.device_nbytes for s in m.scopes), streaming_bytes(m.largest_block, self.policy.prefetch))
+        return max((min(sum(s.device.nbytes for s in m.scopes), streaming_bytes(m.largest_block, self.policy.prefetch))
                     for m in self.members), default=0)
 
     def ready(self) -> None:
         """Every member is built: keep by bytes across them (Note [one budget across models])."""
         scopes = self.scopes()
         need = self.streaming_need()
-        total = sum(s.device_nbytes for s in scopes)
+        total = sum(s.device.nbytes for s in scopes)
         budget = self.policy.vram_budget
         if budget == "auto":
             budget = min(total, need)
@@ -147,7 +147,7 @@ class SharedBudget:
 
     def held_streamed(self, but: MemberBudget | None = None) -> int:
         """Device bytes the members' streamed (and carried) scopes hold now."""
-        return sum(s.device_nbytes for m in self.members if m is not but for s in m.scopes
+        return sum(s.device.nbytes for m in self.members if m is not but for s in m.scopes
                    if s.residency is not Residency.KEPT and s.state is not ScopeState.OFFLOADED)
 
     def between_passes(self, member: MemberBudget) -> None:
@@ -204,15 +204,15 @@ class SharedBudget:
             m.apply({m.scopes[i] for i in k}, budget, None)
         scopes = self.scopes()
         everything = all(s.residency is Residency.KEPT for s in scopes)
-        room = None if everything else budget - sum(s.device_nbytes for s in scopes if s.residency is Residency.KEPT)
+        room = None if everything else budget - sum(s.device.nbytes for s in scopes if s.residency is Residency.KEPT)
         self.bytes = budget
         for m in self.members:
             m.streaming_room, m.bytes = room, budget
 
     def layout(self) -> Layout:
         scopes = self.scopes()
-        kept = sum(s.device_nbytes for s in scopes if s.residency is Residency.KEPT)
-        total = sum(s.device_nbytes for s in scopes)
+        kept = sum(s.device.nbytes for s in scopes if s.residency is Residency.KEPT)
+        total = sum(s.device.nbytes for s in scopes)
         pred = self.prediction
         return Layout(self.bytes, kept, total - kept, pred is not None,
                       pred.forward_ms if pred is not None else None, pred.backward_ms if pred is not None else None)

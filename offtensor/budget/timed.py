@@ -28,8 +28,8 @@ def _copied_from(scope: Scope) -> torch.Tensor:
     """What a load of `scope` copies to the device, to time a copy: a slot of the staging ring for
     a staged scope (its host buffer is pageable, or none for masters in files), else its host
     buffer, or the host shadow under cast="host"."""
-    if scope.ring is not None:
-        return scope.ring.sample(scope.nbytes)
+    if scope.masters.ring is not None:
+        return scope.masters.ring.sample(scope.masters.nbytes)
     return scope.masters.flat if scope.masters.shadow is None else scope.masters.shadow
 
 
@@ -97,13 +97,13 @@ class TimedLayout:
     def costs(self, ring: StagingRing | None) -> list[ScopeCost]:
         """What each scope costs a pass, from the measured times and one timed copy."""
         timer = self.timer
-        largest = max(self.scopes, key=lambda s: s.nbytes)
+        largest = max(self.scopes, key=lambda s: s.masters.nbytes)
         per_byte = copy_ms_per_byte(_copied_from(largest), self.device, self.streams.h2d())
         read_per_byte = self._read_ms_per_byte(ring)
         return [ScopeCost(timer.total_ms(s, "forward"), timer.total_ms(s, "backward"),
-                          (s.nbytes if s.masters.shadow is None else s.device_nbytes)
-                          * (max(per_byte, read_per_byte) if s.home is MasterHome.FILE else per_byte),
-                          s.device_nbytes, s.block, copied_when_kept=timer.saw_backward and trainable(s))
+                          (s.masters.nbytes if s.masters.shadow is None else s.device.nbytes)
+                          * (max(per_byte, read_per_byte) if s.masters.home is MasterHome.FILE else per_byte),
+                          s.device.nbytes, s.block, copied_when_kept=timer.saw_backward and trainable(s))
                 for s in self.scopes]
 
     def sized(self, budget: int) -> int:

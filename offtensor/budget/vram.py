@@ -84,7 +84,7 @@ def streaming_bytes(largest_block: int, prefetch: int) -> int:
 def keep_within(scopes: list[Scope], budget: int, streaming: int) -> None:
     """Keep what fits in `budget` beside `streaming` bytes: every scope when all fit, else the
     first in wrap's order and the others spread evenly by bytes (Note [kept scopes spread])."""
-    total = sum(s.device_nbytes for s in scopes)
+    total = sum(s.device.nbytes for s in scopes)
     if total <= budget:
         for scope in scopes:
             scope.residency = Residency.KEPT
@@ -92,21 +92,21 @@ def keep_within(scopes: list[Scope], budget: int, streaming: int) -> None:
     assert budget >= streaming  # wrap checked it (planning.check_budget) before anything moved
     room = budget - streaming
     first, *rest = scopes
-    if first.device_nbytes <= room:
+    if first.device.nbytes <= room:
         first.residency = Residency.KEPT
-        room -= first.device_nbytes
+        room -= first.device.nbytes
     else:  # a first scope larger than the room (a wrapped embedding): spread over all
         rest = scopes
     # Each scope earns the kept share (room / rest) of its bytes, and one is kept when the
     # earnings so far pay for it (in integers: x rest).
-    rest_bytes = max(1, sum(s.device_nbytes for s in rest))
+    rest_bytes = max(1, sum(s.device.nbytes for s in rest))
     share, credit = room, 0
     for scope in rest:
-        credit += share * scope.device_nbytes
-        if scope.device_nbytes * rest_bytes <= credit and scope.device_nbytes <= room:
+        credit += share * scope.device.nbytes
+        if scope.device.nbytes * rest_bytes <= credit and scope.device.nbytes <= room:
             scope.residency = Residency.KEPT
-            room -= scope.device_nbytes
-            credit -= scope.device_nbytes * rest_bytes
+            room -= scope.device.nbytes
+            credit -= scope.device.nbytes * rest_bytes
 
 
 class NoBudget:
@@ -180,7 +180,7 @@ class VramBudget(NoBudget):
         streaming = streaming_bytes(largest_block, self.policy.prefetch)
         budget = self.policy.vram_budget
         if budget == "auto":  # streams everything until the measured step sizes it (Note [a timed layout])
-            budget = min(sum(s.device_nbytes for s in self.scopes), streaming)
+            budget = min(sum(s.device.nbytes for s in self.scopes), streaming)
         assert isinstance(budget, int)
         self.bytes = budget
         keep_within(self.scopes, budget - self.cache_bytes, streaming)
@@ -199,13 +199,13 @@ class VramBudget(NoBudget):
                 scope.release()
         self.bytes = budget + self.cache_bytes
         self.prediction = prediction
-        kept_bytes = sum(s.device_nbytes for s in kept)
+        kept_bytes = sum(s.device.nbytes for s in kept)
         everything = all(s.residency is Residency.KEPT for s in self.scopes)
         self.streaming_room = None if everything else budget - kept_bytes
 
     def layout(self) -> Layout:
-        kept = sum(s.device_nbytes for s in self.scopes if s.residency is Residency.KEPT)
-        total = sum(s.device_nbytes for s in self.scopes)
+        kept = sum(s.device.nbytes for s in self.scopes if s.residency is Residency.KEPT)
+        total = sum(s.device.nbytes for s in self.scopes)
         pred = self.prediction
         return Layout(self.bytes, kept, total - kept, self.timed is not None and pred is not None,
                       pred.forward_ms if pred is not None else None, pred.backward_ms if pred is not None else None,
@@ -214,7 +214,7 @@ class VramBudget(NoBudget):
     def free_streaming_room(self) -> int | None:
         if self.streaming_room is None:
             return None
-        held = sum(s.device_nbytes for s in self.scopes if s.residency is not Residency.KEPT
+        held = sum(s.device.nbytes for s in self.scopes if s.residency is not Residency.KEPT
                    and s.state is not ScopeState.OFFLOADED)
         return self.streaming_room - held
 
@@ -225,16 +225,16 @@ class VramBudget(NoBudget):
         if room is None or scope.residency is Residency.KEPT:
             return
         for other in self.releasable():
-            if room >= scope.device_nbytes:
+            if room >= scope.device.nbytes:
                 return
             # A carried scope's backward is over, so it can go too: one backward through two
             # forwards (DPO's chosen and rejected) carries at the end of the second forward's
             # graph and then still runs the first's.
-            if other.residency is Residency.KEPT or other.running_calls or (
+            if other.residency is Residency.KEPT or other.calls.running or (
                     needed_in_backward(other) and other.residency is not Residency.CARRIED):
                 continue
             other.release()
-            room += other.device_nbytes
+            room += other.device.nbytes
 
     def releasable(self) -> list[Scope]:
         """The resident scopes `make_room` may release, in the order it tries them: latest first."""
@@ -249,10 +249,10 @@ class VramBudget(NoBudget):
             for ahead in head():
                 if ahead.residency is Residency.KEPT:
                     continue
-                if ahead.device_nbytes > room:
+                if ahead.device.nbytes > room:
                     break
                 self._carry.add(ahead)
-                room -= ahead.device_nbytes
+                room -= ahead.device.nbytes
         return scope in self._carry
 
     def carry_room(self) -> int:

@@ -22,7 +22,9 @@ import copy
 import inspect
 import sys
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from functools import partial
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -37,6 +39,8 @@ from .masters import DERIVED_PROPERTIES, MASTER_ONLY, await_steps, master_values
 from .ops import dispatch, resident_copies, run_op
 from .slot import ParamSlot, on_optimizer_worker
 from .writes import is_inplace, set_data, set_master, writes_by_name, written
+
+_disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 
 
 class OffloadedParameter(nn.Parameter):
@@ -70,11 +74,11 @@ class OffloadedParameter(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         if _compile.compiling():  # an op outside the parameter's scope: Note [an op in compiled code]
             return _compile.run_outside_dynamo(_compiled_region_op, (func, args, kwargs or {}))
-        entry = AUTOGRAD_ENTRIES.get(func)
-        if entry is not None:  # with dispatch on: Note [gradients with respect to a parameter]
-            kwargs = kwargs or {}
-            return entry({id(p) for p in find_params(args, kwargs)}, *args, **kwargs)
-        return without_subclass_dispatch(_torch_function, func, args, kwargs or {})
+        try:
+            route = _ROUTES[func]  # Note [op routing]
+        except KeyError:
+            route = _route(func)
+        return route((func, args, kwargs or {}))
 
     def __repr__(self) -> str:  # type: ignore[override]
         return without_subclass_dispatch(_repr, self)
@@ -113,66 +117,137 @@ def _compiled_region_op(func: Any, args: tuple, kwargs: dict) -> Any:
     code calls it for the op, eagerly; called by the compiler itself, the op reads the master."""
     if _compile.compiling():
         return without_subclass_dispatch(lambda: func(*args, **kwargs))
-    return without_subclass_dispatch(_torch_function, func, args, kwargs)
+    return without_subclass_dispatch(_handler(func), func, args, kwargs)
 
 
-def _torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
-    """OffloadedParameter.__torch_function__, with subclass dispatch off."""
-    if _reads_only(func) and "out" not in kwargs and kwargs.get("inplace") is not True:
+# Note [op routing]
+# How a torch function on an offloaded parameter is handled is decided once per function and
+# kept in `_ROUTES` (one dict lookup per op, in place of a ladder of tests):
+# - an entry of `_TABLE`, filled by `@implements(func, ...)` (a second handler for one function
+#   raises): `torch.autograd.grad` and `backward` run with subclass dispatch on (Note [gradients
+#   with respect to a parameter] in dispatch/autograd.py); the others, and every property access
+#   (`p.data`, `p.grad`, `w.T`: the accessors of the tensor's attributes), once the parameters'
+#   deferred steps are done and compressed masters have had their own cases (Note [compressed
+#   masters] in storage/compress.py); a property access with no entry acts on the parameter itself;
+# - a function that only reads (`_reads_only`): the short path of ops in a resident scope first
+#   (Note [ops in a resident scope] in dispatch/ops.py), then the default path;
+# - anything else, the default path: `dispatch` gives each parameter what the op gets.
+# A route is called with subclass dispatch on and the call as one tuple `(func, args, kwargs)`,
+# so that turning dispatch off costs no Python frame (a partial of the C function); what it runs
+# with dispatch off is the function's handler (`_handler`), which an op in compiled code runs
+# directly (Note [an op in compiled code]).
+Handler = Callable[..., Any]
+
+_TABLE: dict[Any, tuple[Handler, bool]] = {}  # function -> (handler, with subclass dispatch on)
+_ROUTES: dict[Any, Handler] = {}  # every function seen: how __torch_function__ runs it (one tuple)
+_HANDLERS: dict[Any, Handler] = {}  # every function seen: its handler, with subclass dispatch off
+
+
+def implements(*funcs: Any, with_dispatch: bool = False) -> Callable[[Handler], Handler]:
+    """Register the decorated handler for `funcs` (Note [op routing]): called as
+    `handler(func, args, kwargs, params)` with subclass dispatch off, `params` the offloaded
+    parameters among the arguments; `with_dispatch`: `handler(offloaded ids, *args, **kwargs)`
+    with it on, before anything else."""
+
+    def register(handler: Handler) -> Handler:
+        for func in funcs:
+            if func in _TABLE:
+                raise RuntimeError(f"offtensor: two handlers for {func!r}: {_TABLE[func][0]!r} and {handler!r}")
+            _TABLE[func] = (handler, with_dispatch)
+        return handler
+
+    return register
+
+
+def _accessor(name: str, which: str) -> Any:
+    """`torch.Tensor.<name>.<which>`: the function `__torch_function__` gets for that property access."""
+    return getattr(vars(torch._C.TensorBase)[name], which)
+
+
+def _route(func: Any) -> Handler:
+    """How `__torch_function__` runs `func` (Note [op routing]), decided on its first call."""
+    entry = _TABLE.get(func)
+    if entry is not None and entry[1]:
+        route = partial(_with_dispatch, entry[0])
+    else:
+        route = partial(_disabled_torch_function_impl, _handler(func), ())  # handler(*call), dispatch off
+    _ROUTES[func] = route
+    return route
+
+
+def _handler(func: Any) -> Handler:
+    """What runs `func` with subclass dispatch off (Note [op routing])."""
+    handler = _HANDLERS.get(func)
+    if handler is None:
+        entry, with_dispatch = _TABLE.get(func, (None, False))
+        if getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__"):
+            handler = partial(_property_access, entry or _plain_property)
+        elif entry is not None and not with_dispatch:
+            handler = partial(_handled, entry)
+        else:
+            handler = _reading if _reads_only(func) else _default
+        _HANDLERS[func] = handler
+    return handler
+
+
+def _with_dispatch(entry: Handler, call: tuple) -> Any:
+    _, args, kwargs = call
+    return entry({id(p) for p in find_params(args, kwargs)}, *args, **kwargs)
+
+
+def _reading(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A function that only reads: the short path in a resident scope, else the default path."""
+    if "out" not in kwargs and kwargs.get("inplace") is not True:
         found = resident_copies(args, kwargs)  # Note [ops in a resident scope] (dispatch/ops.py)
         if found is not None:
             return run_op(func, *found)
+    return _default(func, args, kwargs)
+
+
+def _default(func: Any, args: tuple, kwargs: dict) -> Any:
+    return _handled(_dispatch, func, args, kwargs)
+
+
+def _handled(handler: Handler, func: Any, args: tuple, kwargs: dict) -> Any:
+    """`handler` once the parameters' deferred steps are done, compressed masters aside."""
     params = find_params(args, kwargs)
     if not on_optimizer_worker():
         await_steps(params, func)
-    name = getattr(func, "__name__", "")
-    if name in ("__get__", "__set__", "__delete__"):
-        prop = getattr(func.__self__, "__name__", "")
-        if packed_of(args[0]) is not None:  # Note [compressed masters] (storage/compress.py)
-            result = packed_property(name, prop, args)
-            if result is not AS_PLAIN:
-                return result
-        if name == "__set__" and prop == "data":
-            return set_data(args[0], args[1])
-        if name == "__get__" and prop == "data" and getattr(args[0], "_ot", None) is not None:
-            slot = args[0]._ot
-            slot.scope.master_handed_out(slot)  # Note [VRAM budget]
-            alias = func(*args, **kwargs)
-            slot.data_handed_out(alias)  # Note [p.data aliases] (dispatch/slot.py)
-            return alias
-        if name == "__get__" and prop in DERIVED_PROPERTIES:
-            return dispatch(func, args, kwargs, params)  # `w.T` is an op on w
-        return func(*args, **kwargs)  # `p.grad`, `p.shape`: the parameter itself
     if any(packed_of(p) is not None for p in params):  # Note [compressed masters] (storage/compress.py)
         offloaded = {id(p) for p in params}
         writes = written(func, args, kwargs, offloaded) if is_inplace(func, args, kwargs, offloaded) else set()
         return packed_torch_function(func, args, kwargs, params, writes, MASTER_ONLY,
                                      lambda: dispatch(func, args, kwargs, params))
-    handler = _HANDLERS.get(func)
-    if handler is not None:
-        return handler(*args, **kwargs)
+    return handler(func, args, kwargs, params)
+
+
+def _property_access(handler: Handler, func: Any, args: tuple, kwargs: dict) -> Any:
+    """A property's `__get__`, `__set__` or `__delete__` on a parameter."""
+    params = find_params(args, kwargs)
+    if not on_optimizer_worker():
+        await_steps(params, func)
+    if packed_of(args[0]) is not None:  # Note [compressed masters] (storage/compress.py)
+        result = packed_property(func.__name__, getattr(func.__self__, "__name__", ""), args)
+        if result is not AS_PLAIN:
+            return result
+    return handler(func, args, kwargs, params)
+
+
+def _dispatch(func: Any, args: tuple, kwargs: dict, params: list) -> Any:
     return dispatch(func, args, kwargs, params)
 
 
+def _plain_property(func: Any, args: tuple, kwargs: dict, params: list) -> Any:
+    return func(*args, **kwargs)  # `p.grad`, `p.shape`: the parameter itself
+
+
 def _reads_only(func: Any) -> bool:
-    """`func` only reads its arguments and none of the paths above or in `dispatch` treats it
-    specially (property accesses, handlers, master-only ops, compressed masters' own cases, in-place
-    writes by name or schema), so that inside a resident scope it gets the device copies
-    (Note [ops in a resident scope] in dispatch/ops.py); `out=` and `inplace=True` are the
-    caller's to check. Decided once per function."""
-    try:
-        known = _READS_ONLY.get(func)
-    except TypeError:  # not hashable: the general path
-        return False
-    if known is None:
-        name = getattr(func, "__name__", "")
-        known = not (name in ("__get__", "__set__", "__delete__") or func in _HANDLERS or func in MASTER_ONLY
-                     or compressed_special(func) or writes_by_name(func) or func is torch.Tensor.__setitem__)
-        _READS_ONLY[func] = known
-    return known
-
-
-_READS_ONLY: dict[Any, bool] = {}
+    """`func` only reads its arguments and the default path does not treat it specially
+    (master-only ops, compressed masters' own cases, in-place writes by name or schema), so that
+    inside a resident scope it gets the device copies (Note [ops in a resident scope] in
+    dispatch/ops.py); `out=` and `inplace=True` are the caller's to check."""
+    return not (func in MASTER_ONLY or compressed_special(func) or writes_by_name(func)
+                or func is torch.Tensor.__setitem__)
 
 
 def find_params(args: tuple, kwargs: dict) -> list[OffloadedParameter]:
@@ -190,7 +265,7 @@ def _repr(p: OffloadedParameter) -> str:
     slot = getattr(p, "_ot", None)
     if slot is None:
         return f"OffloadedParameter(detached from offtensor, shape={tuple(p.shape)})"
-    home = slot.scope.home  # Note [staged loads] in storage/staging.py
+    home = slot.scope.masters.home  # Note [staged loads] in storage/staging.py
     where = "pinned cpu" if home is MasterHome.PINNED else "a file" if home is MasterHome.FILE else "cpu"
     return (
         f"OffloadedParameter(name={slot.name!r}, shape={tuple(p.shape)}, "
@@ -215,9 +290,11 @@ def _attributes(p: OffloadedParameter) -> dict[str, Any]:
     return {k: v for k, v in p.__dict__.items() if k != "_ot"}
 
 
-def _detach(p: OffloadedParameter) -> torch.Tensor:
+@implements(torch.Tensor.detach)
+def _detach(func: Any, args: tuple, kwargs: dict, params: list) -> torch.Tensor:
     """`p.detach()`: the master. DistributedDataParallel's constructor detaches every parameter;
     refused for offloaded ones (Note [data-parallel wrappers] in dispatch/wrapper_guards.py)."""
+    p = args[0]
     slot = getattr(p, "_ot", None)
     if _distributed.active():
         _distributed.check_ddp_init(slot.name if slot is not None else "?")
@@ -232,6 +309,10 @@ def _detach(p: OffloadedParameter) -> torch.Tensor:
             "nn.Parameter(p.detach().clone())"
         )
     return torch.Tensor.detach(p)
+
+
+def _calling(fn: Handler, func: Any, args: tuple, kwargs: dict, params: list) -> Any:
+    return fn(*args, **kwargs)
 
 
 def _called_by_parameter_new() -> bool:
@@ -259,26 +340,44 @@ _PARAMETER_NEW = nn.Parameter.__new__.__code__
 # an in-place write of the master (with the indices on the master's device: a host sync, only
 # with max_norm), which marks the device copy for a refresh before the lookup (Note [writes
 # during a scope's call] in scopes/write_tracking.py); the lookup then runs without max_norm.
-def _renormalizing(func: Any) -> Any:
-    signature = inspect.signature(func)
-
-    def handler(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        weight, max_norm = bound.arguments["weight"], bound.arguments.get("max_norm")
-        if max_norm is not None and isinstance(weight, OffloadedParameter):
-            indices = bound.arguments["input"].to(weight.device).contiguous()
-            norm_type = float(bound.arguments.get("norm_type", 2.0))
-            with torch.no_grad():
-                dispatch(torch.embedding_renorm_, (weight, indices, max_norm, norm_type), {}, [weight])
-            bound.arguments["max_norm"] = None
-        return dispatch(func, bound.args, bound.kwargs, find_params(bound.args, bound.kwargs))
-
-    return handler
+@implements(nn.functional.embedding, nn.functional.embedding_bag)
+def _renormalizing(func: Any, args: tuple, kwargs: dict, params: list) -> Any:
+    bound = _SIGNATURES[func].bind(*args, **kwargs)
+    weight, max_norm = bound.arguments["weight"], bound.arguments.get("max_norm")
+    if max_norm is not None and isinstance(weight, OffloadedParameter):
+        indices = bound.arguments["input"].to(weight.device).contiguous()
+        norm_type = float(bound.arguments.get("norm_type", 2.0))
+        with torch.no_grad():
+            dispatch(torch.embedding_renorm_, (weight, indices, max_norm, norm_type), {}, [weight])
+        bound.arguments["max_norm"] = None
+    return dispatch(func, bound.args, bound.kwargs, find_params(bound.args, bound.kwargs))
 
 
-_HANDLERS: dict[Any, Any] = {
-    **REGISTRARS,  # Note [user gradient hooks] (dispatch/autograd.py)
-    torch.Tensor.detach: _detach,
-    nn.functional.embedding: _renormalizing(nn.functional.embedding),  # Note [embeddings with max_norm]
-    nn.functional.embedding_bag: _renormalizing(nn.functional.embedding_bag),
-}
+_SIGNATURES = {f: inspect.signature(f) for f in (nn.functional.embedding, nn.functional.embedding_bag)}
+
+
+# ---- the table (Note [op routing]) -------------------------------------------------------------
+
+for _func, _entry in AUTOGRAD_ENTRIES.items():  # Note [gradients with respect to a parameter]
+    implements(_func, with_dispatch=True)(cast(Handler, _entry))
+for _func, _registrar in REGISTRARS.items():  # Note [user gradient hooks] (dispatch/autograd.py)
+    implements(_func)(partial(_calling, _registrar))
+implements(*(_accessor(name, "__get__") for name in DERIVED_PROPERTIES))(_dispatch)  # `w.T` is an op on w
+
+
+@implements(_accessor("data", "__set__"))
+def _set_data(func: Any, args: tuple, kwargs: dict, params: list) -> Any:
+    return set_data(args[0], args[1])
+
+
+@implements(_accessor("data", "__get__"))
+def _get_data(func: Any, args: tuple, kwargs: dict, params: list) -> Any:
+    slot = getattr(args[0], "_ot", None)
+    if slot is None:
+        return func(*args, **kwargs)
+    slot.scope.master_handed_out(slot)  # Note [VRAM budget]
+    alias = func(*args, **kwargs)
+    slot.data_handed_out(alias)  # Note [p.data aliases] (dispatch/slot.py)
+    return alias
+
+

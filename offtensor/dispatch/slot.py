@@ -66,6 +66,7 @@ from torch import nn
 
 from ..api import MasterHome, Residency, ScopeState
 from ..storage.compress import StoredMaster
+from .call_counts import CallCounts
 
 # ParamSlot.retired is written by the main thread (a retire) and by the optimizer worker (a
 # step of that master): both hold this lock.
@@ -104,8 +105,10 @@ class RoutedRows(Protocol):
 
 
 class CountsWrites(Protocol):
-    """A scope's masters as a slot's readers see them: how often they were written."""
+    """A scope's masters as a slot's readers see them (HostMasters in scopes/host_masters.py, above):
+    where they live and how often they were written."""
 
+    home: MasterHome  # where the masters live (Note [staged loads] in storage/staging.py)
     master_writes: int  # writes since wrap (a staged copy or a cached expert row is stale after one)
 
 
@@ -117,7 +120,7 @@ class SlotScope(Protocol):
     name: str
     state: ScopeState
     casts: bool  # the load casts to Policy.compute_dtype
-    running_calls: int  # calls of the module's forward in progress
+    calls: CallCounts  # of the module's forward (Note [call counts] in dispatch/call_counts.py)
     copy_order: list[ParamSlot] | None
     slots: list[ParamSlot]
     grads_offloaded: Any  # event on the d2h stream after this backward's gradients
@@ -126,9 +129,6 @@ class SlotScope(Protocol):
     @property
     def masters(self) -> CountsWrites: ...  # its HostMasters (scopes/host_masters.py, above)
     residency: Residency  # streamed, kept or carried
-
-    @property
-    def home(self) -> MasterHome: ...  # where the masters live
 
     @property
     def pinned(self) -> bool: ...
@@ -491,14 +491,13 @@ class ParamSlot:
         compute stream then waits for the chunk holding it, Note [progressive loads] in
         scopes/loading.py). Note [ops in a resident scope] in dispatch/ops.py."""
         scope = self.scope
-        if (scope.running_calls <= 0 or scope.copy_order is None or self.pending_step is not None
+        if (scope.calls.running <= 0 or scope.copy_order is None or self.pending_step is not None
                 or self.stepped_elsewhere is not None or (self.experts is not None and not self.experts.whole)
                 or scope.writes.written_in_this_call(self)):
             return None
         if scope.state is not ScopeState.RESIDENT:
-            loading = scope.loading
-            if (scope.state is not ScopeState.LOADING or loading is None or loading.held_back
-                    or scope.live.holds_back):
+            loading = scope.loading  # None but while LOADING (Note [scope states])
+            if loading is None or loading.held_back or scope.live.holds_back:
                 return None
             if self.chunk >= loading.chunks_waited:
                 scope.compute_waits(self.chunk)

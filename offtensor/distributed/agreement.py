@@ -165,7 +165,7 @@ def _describe(model: nn.Module, engines: list[Engine], shard_optimizer: bool,
                 for n, p in model.named_parameters() if not isinstance(p, OffloadedParameter)]
     devices = sorted({str(e.device) for e in engines})
     # The flat buffers' layouts: sharded loads exchange byte ranges of them.
-    layouts = [[scope.nbytes, scope.device_nbytes, [s.offset for s in scope.slots], shardable(scope)]
+    layouts = [[scope.masters.nbytes, scope.device.nbytes, [s.offset for s in scope.slots], shardable(scope)]
                for engine in engines for scope in engine.scopes]
     return {"rank": torch.distributed.get_rank(), "host": socket.gethostname(), "devices": devices,
             "scopes": scopes, "resident": resident, "shard_optimizer": shard_optimizer,

@@ -77,7 +77,7 @@ def slice_bytes(nbytes: int, world: int) -> int:
 
 def shardable(scope: Scope) -> bool:
     """Whether the scope's load is a plain byte copy (Note [sharded loads])."""
-    return (not scope.casts and scope.masters.shadow is None and scope.nbytes == scope.device_nbytes
+    return (not scope.casts and scope.masters.shadow is None and scope.masters.nbytes == scope.device.nbytes
             and not any(s.packed is not None for s in scope.slots))
 
 
@@ -110,7 +110,7 @@ class ShardedLoads:
         self.names = [scope.name for scope in scopes]
         self.plans: dict[Scope, _Plan] = {}
         for i, scope in enumerate(scopes):
-            size = slice_bytes(scope.nbytes, self.world)
+            size = slice_bytes(scope.masters.nbytes, self.world)
             if shardable(scope) and size > 0:
                 self.plans[scope] = _Plan(i, size, self.position * size)
         self.counts = [0] * len(scopes)  # sharded loads per scope since the last (re)start
@@ -159,7 +159,7 @@ class ShardedLoads:
         plan = self.plans[scope]
         if self.holds:  # local_loads(): a pass of this rank alone
             scope.device.flat.copy_(scope.masters.flat, non_blocking=True)
-            self.host_bytes += scope.nbytes
+            self.host_bytes += scope.masters.nbytes
             return None
         try:
             if self.state is LoadsState.DESYNCED:
@@ -178,9 +178,9 @@ class ShardedLoads:
         dst, src = scope.device.flat, scope.masters.flat
         lo, hi, gathered = plan.lo, plan.lo + plan.slice, plan.slice * self.world
         dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
-        if gathered < scope.nbytes:  # the tail: every rank copies it
+        if gathered < scope.masters.nbytes:  # the tail: every rank copies it
             dst[gathered:].copy_(src[gathered:], non_blocking=True)
-        self.host_bytes += plan.slice + scope.nbytes - gathered
+        self.host_bytes += plan.slice + scope.masters.nbytes - gathered
         # In place: the input is this rank's slice of the output (NCCL's in-place all-gather).
         try:
             work = all_gather(dst[:gathered], dst[lo:hi], self.group)  # after the copy stream's work
@@ -283,7 +283,6 @@ def _undo_load(scope: Scope) -> None:
     streams = scope.streams
     streams.wait(streams.compute(), streams.record(streams.h2d()))
     scope.device.storage.resize_(0)
-    scope.loading = None
 
 
 def sharded_loads_of(model: nn.Module) -> ShardedLoads | None:

@@ -7,7 +7,7 @@ copy of the masters and its own full optimizer step. With `shard_optimizer=True`
 node share one copy and each parameter is stepped by one rank:
 - *One copy.* After the agreement check the node's first rank copies its masters into a file in
   /dev/shm, every rank maps it (Note [shared host memory] in storage/shm.py) and re-points
-  each scope's masters at the mapping (`Scope.rehome_masters`): the parameter objects stay. On
+  each scope's masters at the mapping (`Scope.move_masters_into`): the parameter objects stay. On
   CUDA each process page-locks the mapping, so every GPU copies from the same pinned pages.
 - *Owners.* Every trainable offloaded parameter gets an owner rank, computed by every rank from
   the agreed description: largest first, each to the rank with the fewest bytes so far
@@ -120,7 +120,7 @@ def share_masters(engines: list[Engine], ranks: list[int], rank: int, job: str, 
     offsets, total = [], 0
     for scope in scopes:
         offsets.append(total)
-        total += -(-scope.nbytes // _PAGE) * _PAGE
+        total += -(-scope.masters.nbytes // _PAGE) * _PAGE
     name = f"offtensor-{job}"
     prefix = f"{_STORE_PREFIX}/{job}/"
     leader = ranks[0]
@@ -135,7 +135,7 @@ def share_masters(engines: list[Engine], ranks: list[int], rank: int, job: str, 
         if any(scope.pinned for scope in scopes):
             register_pinned(array, owner=array)
         for scope, offset in zip(scopes, offsets, strict=True):
-            scope.rehome_masters(HostBuffer.over(array[offset : offset + scope.nbytes]))
+            scope.move_masters_into(HostBuffer.over(array[offset : offset + scope.masters.nbytes]))
     finally:
         store.set(f"{prefix}mapped/{rank}", "1")
         if rank == leader:
@@ -152,7 +152,7 @@ def _create_filled(name: str, total: int, scopes: list[Any], offsets: list[int],
         array = _shm.create(name, total)
         for scope, offset in zip(scopes, offsets, strict=True):
             scope.take_back_masters()  # host_flat must hold them (Note [masters moved out of the host buffer])
-            torch.from_numpy(array[offset : offset + scope.nbytes]).copy_(scope.masters.flat)
+            torch.from_numpy(array[offset : offset + scope.masters.nbytes]).copy_(scope.masters.flat)
     except BaseException as e:
         _shm.unlink(name)
         store.set(f"{prefix}ready", f"error: {e}")

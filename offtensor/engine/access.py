@@ -35,7 +35,7 @@ class OpAccess:
         if ready is not None:
             return ready
         scope = scope_of(slot)
-        if scope.running_calls > 0 or scope is self.backward_scope:
+        if scope.calls.running > 0 or scope is self.backward_scope:
             if scope.state is not ScopeState.RESIDENT:
                 scope.make_resident(upto=slot)
             if scope.writes.written_in_this_call(slot):  # Note [writes during a scope's call] (write_tracking.py)

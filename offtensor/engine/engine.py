@@ -179,7 +179,7 @@ class Engine:
         self.budget.ready(self.schedule.largest_block)
 
     def live_calls(self) -> bool:
-        return any(s.running_calls for s in self.scopes)
+        return any(s.calls.running for s in self.scopes)
 
     def _idle(self) -> bool:  # for the timed layout: what the budget keeps may change
         return not (self.hold() or self.live_calls())
@@ -207,12 +207,12 @@ class Engine:
         """`inputs`: the tensors among the forward's arguments."""
         self.streams.restore()
         if in_backward():
-            scope.running_calls += 1
+            scope.calls.started()
             self.pre_backward(scope)
             return
-        scope.running_calls += 1
+        scope.calls.started()
         self._advance(scope)
-        scope.calls_this_pass += 1
+        scope.calls.counted_in_pass()
         self.calls.count(scope, inputs)
         self.live.pump()
         self.writes.forward_starts(scope)
@@ -243,9 +243,9 @@ class Engine:
         trained = self.training is TrainingState.TRAINING
         self.training = TrainingState.EXPECTING_BACKWARD if trained else TrainingState.INFERENCE
         for scope in self.scopes:
-            scope.calls_this_pass = 0
+            scope.calls.new_pass()
             if scope is not first:
-                scope.running_calls = 0
+                scope.calls.forget_running()
         fresh, self._carried_fresh = self._carried_fresh, False  # only the first pass after
         self._release_earlier_passes(first, keep_carried=fresh)
 
@@ -256,7 +256,7 @@ class Engine:
         if self.hold():
             return
         for scope in self.live:
-            if scope is first or scope.running_calls or (keep_carried and scope.residency is Residency.CARRIED):
+            if scope is first or scope.calls.running or (keep_carried and scope.residency is Residency.CARRIED):
                 continue
             scope.release()
 
@@ -297,17 +297,17 @@ class Engine:
             return
         if in_pass:
             self.schedule.cut()
-            unused = [s for s in self.live if s.calls_this_pass == 0]
+            unused = [s for s in self.live if s.calls.this_pass == 0]
         else:  # no scope ran in this forward
             unused = [preloaded] if preloaded is not None else []
         if not self.hold():
             for scope in unused:
-                if scope.running_calls == 0:
+                if scope.calls.running == 0:
                     scope.release()
 
     @outside_transforms
     def post_forward(self, scope: Scope, *, failed: bool, backward_expected: bool) -> None:
-        scope.running_calls = max(0, scope.running_calls - 1)
+        scope.calls.ended(failed=failed)
         if in_backward():
             return  # a recompute: the scope's backward follows, post_backward releases it
         if failed:
@@ -359,9 +359,9 @@ class Engine:
             self.access.backward_scope = None
         self.grads.scope_done(scope)
         self.budget.ended(scope, "backward")
-        if self.hold() or scope.calls_this_pass > 1:
+        if self.hold() or scope.calls.this_pass > 1:
             return  # a module called several times: later calls' backward still needs it
-        if scope.state is not ScopeState.OFFLOADED and scope.running_calls == 0:
+        if scope.state is not ScopeState.OFFLOADED and scope.calls.running == 0:
             if self._carries(scope):
                 scope.residency = Residency.CARRIED  # Note [carried into the next forward] in budget/vram.py
                 self._carried_fresh = True
@@ -382,7 +382,7 @@ class Engine:
         (`failed`, Note [a backward that raised] in engine/grads.py), not even what it carried."""
         self._forget_backward()
         for scope in self.scopes:
-            scope.running_calls = 0
+            scope.calls.forget_running()
         self.calls.backward_ended()
         if failed:
             self.budget.pass_failed()  # a timed pass measured nothing
@@ -404,8 +404,8 @@ class Engine:
         pass starts afresh."""
         self._forget_backward()
         for scope in self.scopes:
-            scope.running_calls = 0
-            scope.calls_this_pass = 0
+            scope.calls.forget_running()
+            scope.calls.new_pass()
         self.calls.pass_failed()
         self.schedule.abandon_pass()
         self.model_forward = ModelForward.OUTSIDE

@@ -88,7 +88,7 @@ class ScopeHooks:
         interrupted = self.calls.drop_interrupted()
         if interrupted:
             _forget_calls(self.scope, interrupted)
-            if self.scope.running_calls == 0:
+            if self.scope.calls.running == 0:
                 self._unexpose_loaded()
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -99,7 +99,7 @@ class ScopeHooks:
         interrupted = self.calls.enter()
         if interrupted:
             _forget_calls(scope, interrupted)
-        if scope.running_calls == 0:
+        if scope.calls.running == 0:
             self._hide()  # an interrupted compiled call left its device copies exposed
             self._unexpose_loaded()  # likewise an eager one
         tensors = _tensors(args, kwargs)
@@ -207,7 +207,7 @@ class ScopeHooks:
     def _end_loaded_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """The copies taken back, their writes into the masters, then the eager hook (which may
         release the scope)."""
-        if self.scope.running_calls <= 1:
+        if self.scope.calls.running <= 1:
             aliases = self._unexpose_loaded()
             versions, self._versions = self._versions, []
             aliased = {id(leaf) for leaf, alias, v in aliases if alias._version != v}
@@ -237,7 +237,7 @@ class ScopeHooks:
         """The forward hook when compiled code calls the module: the parameters back, the writes
         to their device copies into the masters (Note [writes in compiled code] in
         engine/writes.py), then the eager hook (which may release the scope)."""
-        if self.scope.running_calls <= 1 and self._exposed is not None:
+        if self.scope.calls.running <= 1 and self._exposed is not None:
             self._hide()
             versions, self._versions = self._versions, []
             try:
@@ -461,8 +461,8 @@ def _forget_calls(scope: Scope, n: int) -> None:
     writes to its masters (an optimizer step) did not release it, so it may be older than they
     are. (Its count may have been reset since, by Engine.abort or a new pass, without a release
     under no_offload(); the copy goes all the same.)"""
-    scope.running_calls = max(0, scope.running_calls - n)
-    if scope.running_calls == 0:
+    scope.calls.ended(n, failed=True)
+    if scope.calls.running == 0:
         scope.release(force=True)
 
 

@@ -80,10 +80,10 @@ class Schedule:
 
     def ready(self) -> None:
         """Every scope is built: size the prefetch budget (Note [prefetch order])."""
-        self.largest = max((s.device_nbytes for s in self.scopes), default=0)
+        self.largest = max((s.device.nbytes for s in self.scopes), default=0)
         blocks: dict[str, int] = {}
         for s in self.scopes:
-            blocks[s.block] = blocks.get(s.block, 0) + s.device_nbytes
+            blocks[s.block] = blocks.get(s.block, 0) + s.device.nbytes
         self.largest_block = max(blocks.values(), default=0)
         self.prefetch_bytes = self._policy.prefetch * self.largest_block
 
@@ -101,7 +101,8 @@ class Schedule:
         for scope in candidates:
             if scope is current:
                 continue
-            if scope.state is ScopeState.OFFLOADED and scope.ring is not None and not scope.ring.ready(scope):
+            ring = scope.masters.ring
+            if scope.state is ScopeState.OFFLOADED and ring is not None and not ring.ready(scope):
                 return  # its read is not done: its own forward loads it (Note [staged loads], storage/staging.py)
             if scope.residency is Residency.KEPT:  # its weights are in the budget's kept part; old gradients are not
                 if not with_grads and scope.state is not ScopeState.OFFLOADED:
@@ -121,7 +122,7 @@ class Schedule:
                 scope.load(with_grads=with_grads)
                 in_flight += grads
                 continue
-            size = scope.device_nbytes
+            size = scope.device.nbytes
             if room is not None:
                 if scope.state is ScopeState.OFFLOADED:
                     if size > room:

@@ -74,7 +74,7 @@ class MasterWrites:
         self.streams.sync_master_reads()
         if scope.state is ScopeState.OFFLOADED:
             return
-        if scope.running_calls == 0:
+        if scope.calls.running == 0:
             scope.release(force=True)  # stale, also when the budget keeps it
         elif written:  # in the scope's own call: Note [writes during a scope's call] (scopes/write_tracking.py)
             scope.writes.in_call[slot] = None
@@ -93,15 +93,15 @@ class MasterWrites:
         scope.masters.master_writes += 1  # so is a staged copy (Note [staged loads] in storage/staging.py)
         if scope.state is ScopeState.OFFLOADED or on_optimizer_worker():
             return
-        if scope.running_calls and slot is not None:
+        if scope.calls.running and slot is not None:
             # Written through `.data` in the scope's own call, perhaps: Note [writes during a
             # scope's call] (scopes/write_tracking.py).
             scope.writes.in_call[slot] = None
-        if not self.outlives_calls(scope) and (scope.running_calls or self._in_backward()):
+        if not self.outlives_calls(scope) and (scope.calls.running or self._in_backward()):
             # A streamed scope's next call loads afresh; one resident outside its calls (the last
             # scope of a forward, resident into its backward) goes now, unless a backward runs.
             return
-        if scope.running_calls > 1 or (scope.running_calls == 1 and not scope.writes.written_since_copied()):
+        if scope.calls.running > 1 or (scope.calls.running == 1 and not scope.writes.written_since_copied()):
             return  # its own forward reads `.data`: no release under it
         self.streams.sync_master_reads()  # the write may follow at once: no copy may still read
         scope.release(force=True)
@@ -110,14 +110,14 @@ class MasterWrites:
         """The scope's first running call starts. A device copy that outlived its calls is stale
         if its masters were written since by writes no op on the parameter saw (through a view
         or a detached alias: `WriteTracker.written_since_copied`, Note [VRAM budget] in budget/vram.py)."""
-        if self.outlives_calls(scope) and scope.running_calls == 1 and scope.writes.written_since_copied():
+        if self.outlives_calls(scope) and scope.calls.running == 1 and scope.writes.written_since_copied():
             self.master_handed_out(scope)
 
     def call_ended(self, scope: Scope) -> None:
         """A call of the scope ended. Once none runs, what was written during the calls is
         refreshed in the device copy, which may outlive them (kept for backward, kept, held):
         Note [writes during a scope's call] (scopes/write_tracking.py)."""
-        if scope.running_calls == 0 and scope.writes.in_call:
+        if scope.calls.running == 0 and scope.writes.in_call:
             for slot in list(scope.writes.in_call):
                 scope.make_resident(upto=slot)
                 scope.refresh(slot)

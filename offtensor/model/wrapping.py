@@ -22,7 +22,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from ..api import MasterHome, Policy, ScopeState
+from ..api import MasterHome, Policy
 from ..budget.shared import SharedBudget
 from ..dispatch.function_apply import intercept_function_apply
 from ..dispatch.masters import master_values, without_subclass_dispatch
@@ -117,9 +117,9 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
             scope = Scope(name, module, scope_policy, engine, pinned=pin and not engine.pinning.failed, block=block)
             if name in in_files:
                 assert store is not None
-                scope.home, scope.files = MasterHome.FILE, FileScope(name, store)
+                scope.masters.home, scope.masters.files = MasterHome.FILE, FileScope(name, store)
             elif policy.pin_memory == "ring" or (pin and engine.pinning.failed):
-                scope.home = _unpinned_home(scope_policy)
+                scope.masters.home = _unpinned_home(scope_policy)
             engine.scopes.append(scope)  # before any change, for the undo below
             if source is None:
                 _offload_params(scope, params, device)
@@ -148,7 +148,7 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
     engine.root = weakref.ref(model)
     setattr(model, ENGINE_ATTR, engine)
     logger.debug("wrapped %d scopes (%.1f MiB) computing on %s", len(engine.scopes),
-                 sum(s.nbytes for s in engine.scopes) / 2**20, device)
+                 sum(s.masters.nbytes for s in engine.scopes) / 2**20, device)
     return model
 
 
@@ -161,7 +161,7 @@ def _unpinned_home(policy: Policy) -> MasterHome:
 def _stage(engine: Engine, device: torch.device, policy: Policy) -> None:
     """Give the scopes that load through a staging ring theirs (Note [staged loads] in
     storage/staging.py): one per model, holding the engine weakly."""
-    staged = [s for s in engine.scopes if s.home in (MasterHome.RING, MasterHome.FILE)]
+    staged = [s for s in engine.scopes if s.masters.home in (MasterHome.RING, MasterHome.FILE)]
     if not staged:
         return
     ref = weakref.ref(engine)
@@ -173,7 +173,7 @@ def _stage(engine: Engine, device: torch.device, policy: Policy) -> None:
     engine.ring = StagingRing(staged, pin=device.type == "cuda" and policy.pin_memory is not False,
                               slots=2 + policy.prefetch, upcoming=upcoming, pinning=engine.pinning)
     for scope in staged:
-        scope.ring = engine.ring
+        scope.masters.ring = engine.ring
 
 
 def _check_arguments(model: nn.Module, predicate: Predicate | None, policy: Policy) -> None:
@@ -285,30 +285,30 @@ def _restore_params(scope: Scope) -> None:
 
 def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device: torch.device,
                     values: Callable[[str, nn.Parameter], torch.Tensor | RowReader] | None = None) -> None:
-    """Lay the scope's masters out in its host buffer (or, for a scope in files, `scope.files`:
+    """Lay the scope's masters out in its host buffer (or, for a scope in files, `scope.masters.files`:
     Note [masters in files] in storage/file_masters.py) and make each parameter offloaded.
     `values(qualified_name, p)` gives each master's values (offtensor.load reads them from a
     checkpoint); default: the parameter's own."""
     dtypes = compute_dtypes(scope.policy, params)
     fmt = FrozenFormat(scope.policy.frozen_format) if scope.policy.frozen_format else None
     packs, sizes = host_sizes(scope.policy, params)
-    offsets, scope.nbytes = layout(sizes)
-    dev_offsets, scope.device_nbytes = layout(
+    offsets, scope.masters.nbytes = layout(sizes)
+    dev_offsets, scope.device.nbytes = layout(
         [p.numel() * dt.itemsize for (_, p), dt in zip(params, dtypes, strict=True)]
     )
     # A compressed master is dequantized on the device: loaded as a cast is (scopes/loading.py).
     scope.casts = any(packs) or any(dt != p.dtype for (_, p), dt in zip(params, dtypes, strict=True))
     # Each master gets a storage of its own in the scope's one host allocation (Note [one
     # storage per master] in storage/memory.py); host_flat spans them all for the bulk copy.
-    files = scope.files
+    files = scope.masters.files
     masters = None if files is not None else _host_buffer(scope)
     if masters is not None:
         scope.masters.flat = masters.flat
         scope.masters.buffer = masters
     if scope.casts and scope.policy.cast == "host":
-        scope.masters.shadow = scope.engine.pinning.empty(scope.device_nbytes, pin=scope.pinned, what="host shadows")
+        scope.masters.shadow = scope.engine.pinning.empty(scope.device.nbytes, pin=scope.pinned, what="host shadows")
     # Allocated here only to create each parameter's device tensor on it; freed below.
-    scope.device.flat = torch.empty(scope.device_nbytes, dtype=torch.uint8, device=device)
+    scope.device.flat = torch.empty(scope.device.nbytes, dtype=torch.uint8, device=device)
     # Plain tensors that do not require grad: autograd records none of these copies, without
     # grad mode (Note [interrupts]).
     for (qual, p), offset, dev_offset, dt, pk in zip(params, offsets, dev_offsets, dtypes, packs, strict=True):
@@ -347,7 +347,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
             p.grad = slot.host_grad
         scope.slots.append(slot)
     scope.device.storage.resize_(0)
-    scope.state = ScopeState.OFFLOADED
+    assert scope.offloaded()
 
 
 def _host_buffer(scope: Scope) -> HostBuffer:
@@ -355,9 +355,9 @@ def _host_buffer(scope: Scope) -> HostBuffer:
     [page-locked memory as a bounded resource] in storage/memory.py)."""
     if scope.pinned:
         try:
-            return HostBuffer(scope.nbytes, pin=True)
+            return HostBuffer(scope.masters.nbytes, pin=True)
         except PinnedMemoryError as error:
             scope.engine.pinning(error, "the masters")
-            scope.home = _unpinned_home(scope.policy)
-    return HostBuffer(scope.nbytes, pin=False)
+            scope.masters.home = _unpinned_home(scope.policy)
+    return HostBuffer(scope.masters.nbytes, pin=False)
 

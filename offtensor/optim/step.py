@@ -11,7 +11,7 @@ the forward needs). A gradient is final when it is the parameter's only contribu
 backward, known from the last backward (`ParamSlot.single_grad`): autograd sums all uses of a
 device copy in one graph task before its post-accumulate-grad hook fires, so only a parameter
 used outside its scope, a scope called more than once since the last backward
-(`Scope.grad_calls_since_backward`) or reentrant checkpointing of parts of one scope gives
+(`Scope.calls.grad_since_backward`) or reentrant checkpointing of parts of one scope gives
 several, and these do not change between steps. Should a second contribution arrive anyway,
 backward raises rather than let it go missing, and the parameter is no longer handed over early
 (a late one for a parameter handed over at its scope's end makes the model's scopes wait for the
@@ -92,7 +92,7 @@ class OverlappedStep:
         """Called right after a parameter's gradient copy was enqueued, when that gradient is
         its only one in this backward (Note [early handover]); `landed`: the copy's event."""
         scope = scope_of(slot)
-        if (scope.grad_calls_since_backward > 1 or owning_engine(scope).grads.late_gradients or slot.used_outside
+        if (scope.calls.grad_since_backward > 1 or owning_engine(scope).grads.late_gradients or slot.used_outside
                 or id(slot.param) not in self._ids):
             return
         batch, nbytes = self._early.get(scope, ([], 0))
@@ -114,7 +114,7 @@ class OverlappedStep:
         """Called at a scope's post_backward, after its d2h copies were enqueued: hand over its
         parameters not handed yet."""
         self._early.pop(scope, None)
-        if scope.grad_calls_since_backward > 1 or owning_engine(scope).grads.late_gradients or id(scope) in self._ended:
+        if scope.calls.grad_since_backward > 1 or owning_engine(scope).grads.late_gradients or id(scope) in self._ended:
             return  # another call's backward may still add to these grads; or queued already
         self._ended.add(id(scope))
         order = scope.copy_order or scope.slots

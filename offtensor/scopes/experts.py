@@ -129,7 +129,7 @@ class ExpertRows:
         """At the experts call's start, right after the router's choice was read: copy it now if
         an op on the parameter would get the device copy as it is (Note [one copy per run])."""
         slot, scope = self.slot, scope_of(self.slot)
-        if (self.whole or self.hint is None or scope.running_calls <= 0 or scope.state is not ScopeState.RESIDENT
+        if (self.whole or self.hint is None or scope.calls.running <= 0 or scope.state is not ScopeState.RESIDENT
                 or scope.copy_order is None or slot.pending_step is not None or slot.stepped_elsewhere is not None
                 or scope.writes.written_in_this_call(slot) or torch.compiler.is_compiling()):
             return  # the first op decides, by the usual path (OpAccess.materialize)

@@ -2,7 +2,7 @@
 scope's gradients are complete, so that it may hand the scope to the optimizer.
 
 # Note [calls inside a checkpointed region]
-`Scope.grad_calls_since_backward` counts the calls whose backward may add to the scope's
+`Scope.calls.grad_since_backward` counts the calls whose backward may add to the scope's
 gradients; `backward_and_step` hands a scope's parameters to the optimizer at the end of its
 backward only when it counts one (several calls give several contributions, the later ones
 after the handover). Reentrant checkpointing runs its region without grad, so a call there is
@@ -23,7 +23,7 @@ A backward that builds a graph (create_graph=True: `torch.autograd.grad(d_real.s
 create_graph=True)` for an R1 penalty) keeps the graph it differentiated, and the one it built
 reads the scopes' device copies of that forward, retired at release (Note [higher-order
 gradients] in scopes/device_buffer.py). The calls of that forward can thus still add to the gradients,
-through leaves of their own, so its end leaves `grad_calls_since_backward` as it is: reset, a
+through leaves of their own, so its end leaves `calls.grad_since_backward` as it is: reset, a
 second forward before the loss's backward (`d_fake = m(fake)`) would count one call per scope,
 and backward_and_step would step each scope at its first contribution, before the penalty's
 arrives. A graph built and dropped unused at worst makes the next backward step its scopes
@@ -63,15 +63,14 @@ class GradCalls:
         counted."""
         if (torch.is_grad_enabled() or self.pass_counted or recorded_functions.depth
                 or any(t.requires_grad for t in inputs)):
-            scope.grad_calls_since_backward += 1
-            scope.grad_calls_this_pass += 1
+            scope.calls.grad_call()
             self.pass_counted = True
 
     def pass_started(self) -> None:
         self.create_graph = False  # a create_graph backward that raised never reached its end
         self.pass_counted = False
         for scope in self.scopes:
-            scope.grad_calls_this_pass = 0
+            scope.calls.grad_pass_started()
 
     def backward_starts(self, scope: Scope, create_graph: bool) -> None:
         """The scope's backward is about to run; `create_graph`: it builds a graph of its own
@@ -84,13 +83,10 @@ class GradCalls:
     def backward_ended(self) -> None:
         """The outermost backward ended."""
         for scope in self.scopes:
-            if not self.create_graph:  # Note [calls a built graph still holds]
-                scope.grad_calls_since_backward = 0
-            scope.grad_calls_this_pass = 0
+            scope.calls.backward_ended(keep_since=self.create_graph)  # Note [calls a built graph still holds]
         self.create_graph = False
 
     def pass_failed(self) -> None:
         """A forward raised: the failed pass's graph is gone, and with it what its calls counted."""
         for scope in self.scopes:
-            scope.grad_calls_since_backward -= scope.grad_calls_this_pass
-            scope.grad_calls_this_pass = 0
+            scope.calls.grad_pass_failed()

@@ -36,9 +36,9 @@ class HostMasters:
     """The host side of one scope: its masters' allocation and what its loads read."""
 
     def __init__(self, pinned: bool) -> None:
-        # Where the masters live and how loads read them (Note [staged loads] in
-        # storage/staging.py); wrap sets FILE or RING, with `ring` (the engine's
-        # StagingRing) and, for FILE, `files` (a FileScope: where in the files each master is).
+        # Where the masters live and how loads read them (`home`, the one meaning of the word:
+        # Note [staged loads] in storage/staging.py); wrap sets FILE or RING, with `ring` (the
+        # engine's StagingRing) and, for FILE, `files` (a FileScope: where in the files each master is).
         self.home = MasterHome.PINNED if pinned else MasterHome.PAGEABLE
         self.ring: StagingRing | None = None
         self.files: FileScope | None = None
@@ -88,7 +88,7 @@ class HostMasters:
             shadow[slot.device_offset : slot.device_offset + n].view(dt).view(master.shape).copy_(master)
         self.shadow_stale = False
 
-    def rehome(self, slots: list[ParamSlot], buffer: HostBuffer) -> None:
+    def move_into(self, slots: list[ParamSlot], buffer: HostBuffer) -> None:
         """Point the masters at `buffer` (a HostBuffer with this layout that already holds their
         values); each master keeps a storage of its own (Note [one storage per master] in
         storage/memory.py)."""
@@ -112,10 +112,10 @@ class HostMasters:
                 continue  # a compressed master is not the parameter's storage (Note [compressed masters])
             assert buffer is not None
             slot.wait_for_step()  # the worker may be writing the moved master
-            home = buffer.tensor(slot.offset, master.dtype, master.shape)
-            home.copy_(master)
-            without_subclass_dispatch(_set_master, slot.param, home)
-            slot.master = home
+            place = buffer.tensor(slot.offset, master.dtype, master.shape)
+            place.copy_(master)
+            without_subclass_dispatch(_set_master, slot.param, place)
+            slot.master = place
             self.shadow_stale = True
             self.master_writes += 1
 

@@ -8,10 +8,13 @@ of the same layout. The state says which of them holds usable weights:
 - LOADING: device storage allocated and a host-to-device copy enqueued on the copy stream;
   `weights_ready` is the event recorded after it. Compute has not yet waited for all of it: ops
   wait for the part they use (Note [progressive loads] in scopes/loading.py). What the load has
-  done so far is a `LoadProgress`, which exists only in this state (`Scope.loading`).
+  done so far is a `LoadProgress`, `Scope.loading`, which is not None in this state only.
 - RESIDENT: the compute stream has waited on `weights_ready`; ops may use the device copy.
 The transitions are Scope.load (OFFLOADED -> LOADING), make_resident (-> RESIDENT) and release
-(-> OFFLOADED). What a parameter "is" follows from its scope's state; the only other
+(-> OFFLOADED); they change `state` and `loading` together, only in `_to_loading`,
+`_to_resident` and `_to_offloaded`, each asserting the state it leaves. A load is built on the
+side and the scope becomes LOADING once its copies are enqueued, so a load that raises leaves
+the scope OFFLOADED without a `LoadProgress`. What a parameter "is" follows from its scope's state; the only other
 per-scope enums are `Residency`, how long a copy outlives its calls (streamed: until they
 end; kept or carried under a VRAM budget: Note [VRAM budget] in budget/vram.py), and
 `MasterHome`, where the masters live and how a load reads them (pinned or pageable RAM, or
@@ -40,13 +43,13 @@ from __future__ import annotations
 
 import logging
 import weakref
-from operator import attrgetter
 from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
 
 from ..api import Policy, Residency, ScopeState
+from ..dispatch.call_counts import CallCounts
 from ..dispatch.masters import master_requires_grad
 from ..dispatch.slot import ParamSlot, alive, in_backward, weakly
 from ..storage.memory import HostBuffer, PinningFallback
@@ -158,26 +161,12 @@ class LiveScopes:
                 scope.release(force=force)
 
 
-def _part(part: str, name: str) -> Any:
-    """An attribute of one of a scope's parts, read and set through the scope under the name the
-    layers above use (`scope.nbytes` is `scope.masters.nbytes`). Read without a Python call."""
-
-    def assign(scope: Scope, value: Any) -> None:
-        setattr(getattr(scope, part), name, value)
-
-    return property(attrgetter(f"{part}.{name}"), assign)
-
-
 class Scope:
     """One selected module (or, split by Policy.max_scope_bytes, part of one): its state, the
     transitions between states, and its parts."""
 
-    # What the layers above read and set (wrap lays the buffers out, the engine marks writes).
-    home = _part("masters", "home")
-    ring = _part("masters", "ring")
-    files = _part("masters", "files")
-    nbytes = _part("masters", "nbytes")
-    device_nbytes = _part("device", "nbytes")
+    state: ScopeState = ScopeState.OFFLOADED  # changed only by the `_to_*` transitions (Note [scope states])
+    loading: LoadProgress | None = None  # while LOADING, and only then
 
     def __init__(self, name: str, module: nn.Module, policy: Policy, engine: ScopeEngine,
                  pinned: bool, block: str | None = None) -> None:
@@ -198,20 +187,11 @@ class Scope:
         self.old_grads = OldGrads(self.streams, self.slots, self.traffic)
         # Policy.compute_dtype differs from a master's dtype: the load casts (Policy.cast).
         self.casts = False
-        self.state = ScopeState.OFFLOADED
-        self.loading: LoadProgress | None = None  # while LOADING
         self.first_uses: dict[ParamSlot, None] = {}  # first forward: parameters in order of use
         self.copy_order: list[ParamSlot] | None = None  # learned from first_uses
         self.load_plan: LoadPlan | None = None  # a progressive load's copies, from copy_order
         self.grads_offloaded: Any = None  # event on the d2h stream after this backward's grads
-        # Calls of the module's forward, counted four ways (the engine keeps them):
-        self.running_calls = 0  # in progress now (a recompute in backward included)
-        self.calls_this_pass = 0  # in the current forward pass (a shared module: several)
-        # Calls that can add to a gradient (grad mode on, or an input requiring grad) since the
-        # last backward ended: above 1, a backward may see several contributions per parameter
-        # (shared modules; several forwards before one backward). Note [early handover].
-        self.grad_calls_since_backward = 0
-        self.grad_calls_this_pass = 0  # of those, the ones in the current pass
+        self.calls = CallCounts()  # of the module's forward (Note [call counts] in dispatch/call_counts.py)
         self.loads = 0  # host-to-device loads of the weights, since wrap
         self.loads_on_demand = 0  # of which not prefetched: offloaded when the scope needed them
         # STREAMED, or KEPT by Policy.vram_budget (only a forced release offloads it), or
@@ -226,8 +206,7 @@ class Scope:
 
     @property
     def weights_ready(self) -> Any:
-        """The event after the whole weights' copy (the copy stream runs in order), or None when
-        no copy is pending."""
+        """The event after the whole weights' copy (the copy stream runs in order); None: no copy pending."""
         loading = self.loading
         return loading.weights_ready if loading is not None else None
 
@@ -294,13 +273,13 @@ class Scope:
             slot.temporaries = alive(slot.temporaries) + [weakref.ref(copy)]
         return copy
 
-    def rehome_masters(self, buffer: HostBuffer) -> None:
+    def move_masters_into(self, buffer: HostBuffer) -> None:
         """Point the masters at `buffer` (a HostBuffer with this scope's layout that already
         holds their values: shared memory, Note [one host copy per node] in
         distributed/shared_masters.py). The parameter objects stay; their data moves. Only while
         OFFLOADED with no deferred step pending."""
         assert self.state is ScopeState.OFFLOADED and not any(s.step_pending for s in self.slots)
-        self.masters.rehome(self.slots, buffer)
+        self.masters.move_into(self.slots, buffer)
 
     def take_back_masters(self) -> None:
         """Masters moved out of the host buffer go back into it (Note [masters moved out of the
@@ -329,7 +308,7 @@ class Scope:
         streams, masters = self.streams, self.masters
         h2d = streams.h2d()
         self.device.allocate(streams)
-        self.loading = loading = LoadProgress(streams, self.writes.note_copied, self.traffic)
+        loading = LoadProgress(streams, self.writes.note_copied, self.traffic)  # the scope's once LOADING
         progressive = (self.copy_order is not None and masters.shadow is None and self.loader is None
                        and masters.ring is None)
         if not progressive:
@@ -349,7 +328,6 @@ class Scope:
             try:
                 host = masters.ring.acquire(self)
             except BaseException:  # a failed read: nothing is loading
-                self.loading = None
                 self.device.storage.resize_(0)
                 raise
         whole = _routed_loaded(self, progressive)  # Note [routed experts] (scopes/experts.py)
@@ -363,7 +341,8 @@ class Scope:
                     plan = self.load_plan = LoadPlan(self.copy_order, self.casts, self.device.flat.device,
                                                      routed=len(self.routed))
                 loading.follow(plan, host, self.device.flat, routed=whole)
-                self.copy_more(need=-1)
+                loading.copy_more(-1)
+                self.live.holding_back(self, loading.held_back)
             elif self.loader is not None:  # data_parallel(shard_loads=True), whole-scope
                 ready = self.loader.copy(self)  # an event after its copy (CUDA), else None
                 loading.chunk_ready = [ready if ready is not None else streams.record(h2d)]
@@ -378,7 +357,7 @@ class Scope:
                 streams.reads_masters(loading.weights_ready)
         if masters.shadow is not None:
             masters.shadow_read = loading.weights_ready
-        self.state = ScopeState.LOADING
+        self._to_loading(loading)
         self.loads += 1
         self.live.loaded(self)
         if logger.isEnabledFor(logging.DEBUG):
@@ -416,8 +395,7 @@ class Scope:
         loading = self.loading
         assert loading is not None
         if loading.compute_waits(chunk):
-            self.loading = None
-            self.state = ScopeState.RESIDENT
+            self._to_resident()
 
     def release(self, *, force: bool = False) -> None:
         """-> OFFLOADED: free the device copy, ordered after every queued use of it. A scope
@@ -427,17 +405,28 @@ class Scope:
         streams = self.streams
         streams.wait(streams.compute(), self.weights_ready)  # a prefetch nobody used: the free must follow it
         self.old_grads.drop()
-        self.loading = None
         self.writes.in_call.clear()  # the next load copies the masters as they are
         self.device.free(self.slots)  # retired instead under a saved graph (Note [higher-order gradients])
         _forget_routed(self)
         torch.clear_autocast_cache()  # Note [autocast's cast cache]
-        self.state = ScopeState.OFFLOADED
+        self._to_offloaded()
         if self.residency is Residency.CARRIED:
             self.residency = Residency.STREAMED
         self.live.released(self)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("release %s%s", self.name, streams.memory())
+
+    def _to_loading(self, loading: LoadProgress) -> None:
+        assert self.state is ScopeState.OFFLOADED and self.loading is None, self.state
+        self.state, self.loading = ScopeState.LOADING, loading
+
+    def _to_resident(self) -> None:
+        assert self.state is ScopeState.LOADING, self.state
+        self.state, self.loading = ScopeState.RESIDENT, None
+
+    def _to_offloaded(self) -> None:
+        assert self.state is not ScopeState.OFFLOADED
+        self.state, self.loading = ScopeState.OFFLOADED, None
 
     # ---- what its slots ask of the engine (SlotScope in dispatch/slot.py) -------------------------
 

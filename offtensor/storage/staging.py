@@ -33,19 +33,58 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from ..api import MasterHome, Residency
+from .file_masters import FileScope
 from .files import FileHandle
 from .memory import HostBuffer, PinnedMemoryError, PinningFallback
 
 READERS = 4  # threads reading files into the ring: several reads in flight keep an NVMe drive busy
 _PAGE = 4096
+
+
+class StagedMasters(Protocol):
+    """A staged scope's host side as the ring reads it (HostMasters in scopes/host_masters.py, above)."""
+
+    @property
+    def home(self) -> MasterHome: ...  # RING: pageable `flat`; FILE: `files`
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def flat(self) -> torch.Tensor: ...  # the masters' bytes, pageable
+
+    @property
+    def files(self) -> FileScope | None: ...  # where in the files each master is (FILE)
+
+    @property
+    def ring(self) -> StagingRing | None: ...
+
+
+class StagedScope(Protocol):
+    """A scope as its staging ring sees it (Scope in scopes/scope.py, above)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def residency(self) -> Residency: ...
+
+    @property
+    def masters(self) -> StagedMasters: ...
+
+    def offloaded(self) -> bool: ...
+
+    def frozen_now(self) -> bool: ...
+
+    def write_mark(self) -> tuple[Any, ...]: ...  # the writes to the masters so far
 
 
 class SlotState(enum.Enum):
@@ -60,7 +99,7 @@ class SlotState(enum.Enum):
 class _Fill:
     """One scope's bytes on their way into a slot; `finished` is called by the reader threads."""
 
-    scope: Any
+    scope: StagedScope
     mark: tuple[Any, ...]  # scope.write_mark() when the read started
     pending: int = 0
     done: threading.Event = field(default_factory=threading.Event)
@@ -183,9 +222,10 @@ class StagingRing:
     Called by the thread that runs the model; `upcoming(scope)` gives the scopes expected to load
     after `scope`, nearest first."""
 
-    def __init__(self, scopes: list[Any], *, pin: bool, slots: int, upcoming: Callable[[Any], list[Any]],
+    def __init__(self, scopes: Sequence[StagedScope], *, pin: bool, slots: int,
+                 upcoming: Callable[[Any], Sequence[StagedScope]],
                  pinning: PinningFallback) -> None:
-        self.slot_bytes = -(-max(s.nbytes for s in scopes) // _PAGE) * _PAGE
+        self.slot_bytes = -(-max(s.masters.nbytes for s in scopes) // _PAGE) * _PAGE
         self.upcoming = upcoming
         pin = pin and not pinning.failed
         try:
@@ -197,7 +237,7 @@ class StagingRing:
         flat, view = buffer.flat, buffer.flat.numpy().data
         self._slots = [_Slot(flat[i * self.slot_bytes : (i + 1) * self.slot_bytes],
                              view[i * self.slot_bytes : (i + 1) * self.slot_bytes]) for i in range(slots)]
-        self._staged: dict[Any, _Slot] = {}  # scope -> the slot holding (or reading) its bytes
+        self._staged: dict[StagedScope, _Slot] = {}  # scope -> the slot holding (or reading) its bytes
         self._uses = itertools.count(1)
         self._seq = itertools.count()
         self._stats = _Stats()
@@ -205,8 +245,9 @@ class StagingRing:
         self._threads: list[threading.Thread] = []
         # The checkpoint files the file scopes read, checked once per pass (Note [checkpoints that
         # change] in storage/files.py): when a scope acquired since the last check comes again.
-        self._stores = list({id(s.files.store): s.files.store for s in scopes if s.home is MasterHome.FILE}.values())
-        self._since_check: set[Any] = set()
+        files = [s.masters.files for s in scopes if s.masters.home is MasterHome.FILE]
+        self._stores = list({id(f.store): f.store for f in files if f is not None}.values())
+        self._since_check: set[StagedScope] = set()
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(self, _stop, self._jobs, self._threads)
 
@@ -233,16 +274,16 @@ class StagingRing:
         """Stop the reader threads (unwrap)."""
         self._finalizer()
 
-    def ready(self, scope: Any) -> bool:
+    def ready(self, scope: StagedScope) -> bool:
         """A load of the scope would not wait for a read: its bytes are staged, or it is a
         pageable scope, copied at once."""
         slot = self._staged.get(scope)
         if slot is not None:
             assert slot.fill is not None
             return slot.fill.done.is_set()
-        return scope.home is not MasterHome.FILE
+        return scope.masters.home is not MasterHome.FILE
 
-    def acquire(self, scope: Any) -> torch.Tensor:
+    def acquire(self, scope: StagedScope) -> torch.Tensor:
         """The scope's host bytes in a slot, for its load to copy from; read now (waiting for it)
         unless a read-ahead has, or a recent load left them there."""
         self._after_fork()
@@ -267,9 +308,9 @@ class StagingRing:
         slot.copied = None
         slot.used = next(self._uses)
         self._read_ahead(scope)
-        return slot.flat[: scope.nbytes]
+        return slot.flat[: scope.masters.nbytes]
 
-    def _check_files(self, scope: Any) -> None:
+    def _check_files(self, scope: StagedScope) -> None:
         """Check the checkpoint files once per pass: at the first load, and when a scope loaded
         since the last check loads again (the next pass, or backward after forward)."""
         if not self._since_check or scope in self._since_check:
@@ -278,7 +319,7 @@ class StagingRing:
             self._since_check.clear()
         self._since_check.add(scope)
 
-    def copied(self, scope: Any, event: Any) -> None:
+    def copied(self, scope: StagedScope, event: Any) -> None:
         """The scope's load has enqueued its copy out of the slot; `event` follows it (None: done)."""
         slot = self._staged[scope]
         assert slot.state is SlotState.COPYING
@@ -286,26 +327,26 @@ class StagingRing:
 
     # ---- slots -------------------------------------------------------------------------------
 
-    def _read_ahead(self, scope: Any) -> None:
-        ahead: list[Any] = []
+    def _read_ahead(self, scope: StagedScope) -> None:
+        ahead: list[StagedScope] = []
         for s in self.upcoming(scope):
             # A kept scope on the device loads nowhere in this window: it would take the place
             # of one that does (Note [staged loads]).
             if s.residency is Residency.KEPT and not s.offloaded():
                 continue
-            if s is not scope and s.ring is self and s not in ahead:
+            if s is not scope and s.masters.ring is self and s not in ahead:
                 ahead.append(s)
                 if len(ahead) == len(self._slots) - 1:
                     break
         for i, s in enumerate(ahead):
-            if s in self._staged or not s.offloaded() or not (s.home is MasterHome.FILE or s.frozen_now()):
+            if s in self._staged or not s.offloaded() or not (s.masters.home is MasterHome.FILE or s.frozen_now()):
                 continue
             slot = self._free_slot(keep=set(ahead[: i + 1]) | {scope})
             if slot is None:
                 return
             self._fill(slot, s, urgent=False, priority=1 + i)
 
-    def _free_slot(self, keep: set[Any]) -> _Slot | None:
+    def _free_slot(self, keep: set[StagedScope]) -> _Slot | None:
         """A slot to fill without waiting: a free one, else the least recently used whose copy
         is done and whose scope is not in `keep`, else a read-ahead for a scope not in `keep`."""
         free = [s for s in self._slots if s.state is SlotState.FREE]
@@ -323,7 +364,7 @@ class StagingRing:
             return ahead[-1]
         return None
 
-    def _take_slot(self, scope: Any) -> _Slot:
+    def _take_slot(self, scope: StagedScope) -> _Slot:
         """A slot for a load that needs its bytes now: as _free_slot keeping nothing, else the
         least recently used once its copy is done (waits for the device's copy)."""
         slot = self._free_slot(keep={scope})
@@ -344,14 +385,14 @@ class StagingRing:
                 del self._staged[fill.scope]
         slot.state, slot.fill, slot.copied = SlotState.FREE, None, None
 
-    def _fill(self, slot: _Slot, scope: Any, *, urgent: bool, priority: int = 0) -> None:
+    def _fill(self, slot: _Slot, scope: StagedScope, *, urgent: bool, priority: int = 0) -> None:
         """Start reading the scope's bytes into the slot: on the reader threads, or, for a
         pageable scope that a load needs now, here."""
         fill = _Fill(scope, scope.write_mark())
         slot.state, slot.fill = SlotState.STAGING, fill
         self._staged[scope] = slot
-        if scope.home is not MasterHome.FILE:
-            dest = slot.flat[: scope.nbytes]
+        if scope.masters.home is not MasterHome.FILE:
+            dest = slot.flat[: scope.masters.nbytes]
             if urgent:
                 dest.copy_(scope.masters.flat)
                 fill.done.set()
@@ -359,7 +400,9 @@ class StagingRing:
             fill.pending = 1
             self._queue(priority, _Copy(dest, scope.masters.flat, fill))
             return
-        reads = scope.files.reads()
+        files = scope.masters.files
+        assert files is not None
+        reads = files.reads()
         fill.pending = len(reads)
         if not reads:
             fill.done.set()

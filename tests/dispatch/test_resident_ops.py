@@ -103,3 +103,9 @@ def test_a_write_through_a_detached_alias_in_the_call_is_seen_by_the_next_op():
     for _ in range(3):
         with torch.no_grad():
             torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+
+
+def test_a_second_handler_for_one_function_raises():
+    with pytest.raises(RuntimeError, match="offtensor: two handlers for .*detach"):
+        param_module.implements(torch.Tensor.detach)(lambda func, args, kwargs, params: None)
+    assert param_module._TABLE[torch.Tensor.detach][0] is param_module._detach  # the first stays

@@ -363,7 +363,7 @@ def _job(rank: int, device_type: str, init_file: str, out: str) -> None:
                 loader = engine.grads.reducer.loads
                 results["loads"][name] = {
                     "gathers": loader.gathers, "host_bytes": loader.host_bytes,
-                    "scopes": {scope.name: (scope.loads - loads_before[scope.name], scope.nbytes, plan.slice)
+                    "scopes": {scope.name: (scope.loads - loads_before[scope.name], scope.masters.nbytes, plan.slice)
                                for scope, plan in loader.plans.items()}}
             if scenario.shard:  # the fences of the steps ordered this after the first rank's unlink
                 results["shm_left"][name] = os.path.exists(f"/dev/shm/offtensor-{sharding.job}")
@@ -1054,7 +1054,7 @@ def test_local_loads_copy_whole_scopes_without_collectives(one_rank_group):
         model(x)
 
     assert loader.gathers == 0
-    assert loader.host_bytes == sum(scope.nbytes for scope in model._offtensor_engine.scopes)
+    assert loader.host_bytes == sum(scope.masters.nbytes for scope in model._offtensor_engine.scopes)
     assert not loader.holds
 
 

@@ -72,7 +72,7 @@ def _offloaded(module: nn.Module) -> list[str]:
 
 
 def _scope_bytes(pipe) -> int:
-    return sum(s.device_nbytes for m in pipe._offtensor_components.shared.members for s in m.scopes)
+    return sum(s.device.nbytes for m in pipe._offtensor_components.shared.members for s in m.scopes)
 
 
 def _device_bytes_at_each_block(pipe) -> list[int]:
@@ -126,7 +126,7 @@ def test_auto_budget_on_a_device_without_memory_to_size_keeps_streaming(referenc
         torch.testing.assert_close(generate(pipe), reference, rtol=0, atol=0)
     lay = offtensor.summary(pipe).layout
     need = pipe._offtensor_components.shared.streaming_need()  # 3 of the transformer's largest blocks
-    assert need == 3 * max(s.device_nbytes for s in pipe._offtensor_components.shared.members[1].scopes)
+    assert need == 3 * max(s.device.nbytes for s in pipe._offtensor_components.shared.members[1].scopes)
     assert lay is not None and lay.timed and lay.budget == need and lay.kept_bytes == 0
 
 

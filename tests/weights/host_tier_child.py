@@ -88,7 +88,7 @@ def main(path: str, n: int, h: int, budget: int, steps: int, out: str) -> None:
     print(json.dumps({
         "growth": peak - before, "host": summary.host_bytes, "staging": summary.staging_bytes,
         "in_files": sum(s.file_bytes for s in summary.scopes), "read": summary.file_bytes_read,
-        "device_scope": max(s.device_nbytes for s in engine.scopes), "prefetch": engine.policy.prefetch}))
+        "device_scope": max(s.device.nbytes for s in engine.scopes), "prefetch": engine.policy.prefetch}))
 
 
 if __name__ == "__main__":

@@ -312,7 +312,6 @@ def test_a_compressed_scope_loads_progressively_in_chunks(device, monkeypatch):
     per chunk, Note [progressive loads]); the staging buffer is gone once every chunk is
     enqueued, and the results are those of the resident compressed model."""
     import offtensor.scopes.loading as loading_module
-    import offtensor.scopes.scope as scope_module
 
     monkeypatch.setattr(loading_module, "CHUNK_BYTES", 4096)  # fc1 alone is 8 KiB of fp8
     model = _model(torch.bfloat16).requires_grad_(False).eval()
@@ -320,13 +319,13 @@ def test_a_compressed_scope_loads_progressively_in_chunks(device, monkeypatch):
     _wrap(model, device, frozen_format="fp8")
     engine = _find_engine(model)
     chunks = []
-    original = scope_module.Scope.copy_more
+    original = loading_module.LoadProgress.copy_more
 
-    def spy(scope, need):
-        original(scope, need)
-        chunks.append((len(scope.loading.chunk_ready), scope.loading.staging))
+    def spy(loading, need):
+        original(loading, need)
+        chunks.append((len(loading.chunk_ready), loading.staging))
 
-    monkeypatch.setattr(scope_module.Scope, "copy_more", spy)
+    monkeypatch.setattr(loading_module.LoadProgress, "copy_more", spy)
     with torch.no_grad():
         for _ in range(3):
             x = torch.randn(5, 8, dtype=torch.bfloat16, device=device)

@@ -374,7 +374,7 @@ _RSS_SCRIPT = textwrap.dedent("""
     policy = offtensor.Policy(frozen_format=None if fmt == "none" else fmt)
     offtensor.load(model, path, device="cpu", policy=policy)
     peak = rss("VmHWM:")
-    device_scope = max(s.device_nbytes for s in offtensor.engine.engine.find_engine(model).scopes)
+    device_scope = max(s.device.nbytes for s in offtensor.engine.engine.find_engine(model).scopes)
     print(json.dumps({"growth": peak - before, "host": offtensor.summary(model).host_bytes,
                       "device_scope": device_scope}))
 """)

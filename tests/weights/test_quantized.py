@@ -474,7 +474,7 @@ def test_cuda_packed_bytes_are_offloaded_and_streamed(config):
     def device_bytes(module, args, output):
         engine = _find_engine(model)
         scope = next(s for s in engine.scopes if s.module is module)
-        seen.append((scope.device.storage.nbytes(), scope.device_nbytes, scope.nbytes))
+        seen.append((scope.device.storage.nbytes(), scope.device.nbytes, scope.masters.nbytes))
 
     # prepend: before offtensor's own forward hook, which releases the scope.
     handles = [b.register_forward_hook(device_bytes, prepend=True) for b in model.blocks]
