@@ -12,7 +12,8 @@
 
 Which cases the quick tier samples is keyed on ``OFFTENSOR_TEST_SEED`` (an integer). Unset, it is
 the day number (UTC), so that successive days cover different cases, and pytest prints it (in the
-header, or after collection under ``-q``): ``OFFTENSOR_TEST_SEED=<n> python -m pytest -q tests`` draws the same sample again.
+header, or after collection under ``-q``): ``OFFTENSOR_TEST_SEED=<n> python -m pytest -q tests``
+draws the same sample again.
 
 # Note [sampling is per decision]
 Each sampled suite draws from its own generator, keyed on the seed *and* the suite's name
