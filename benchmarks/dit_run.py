@@ -41,7 +41,7 @@ from .dit_report import format_dit_table, judge_dit_rows
 from .measure import GiB, PhaseClock, free_memory, measure_bandwidth, setup_failed, short_error, sync
 from .model import BuiltModel, materialize
 from .optimizer import make_adamw
-from .peers import PEER_SETUP, VRAM_PEERS, PeerOptions, peer_unavailable
+from .peers import PEER_SETUP, VRAM_PEERS, PeerOptions, skipped_unavailable
 from .report import environment, write_json
 from .results import Row
 from .scenarios import SHAPE_SCENARIOS, Scenario
@@ -276,11 +276,7 @@ def run_dit_peer(peer: str, scenarios: list[Scenario], shape: DitShape, device: 
     an error with the reason when the peer is not installed or fails."""
     rows = [Row(s.name, peer, "ok", batch=1, seq=shape.image_tokens) for s in scenarios]
     run.rows += rows
-    why = peer_unavailable("diffusers" if peer.startswith("diffusers") else peer)
-    if why is not None:
-        for r in rows:
-            r.status, r.note = "skipped", why
-        print(f"bench: {peer}: skipped, {why}", flush=True)
+    if skipped_unavailable(peer, "diffusers" if peer.startswith("diffusers") else peer, rows):
         return
     print(f"bench: {peer}", flush=True)
     built = build_dit(shape, device, args.seed, args.dit_model)

@@ -22,7 +22,7 @@ from .measure import GiB, free_memory, measure_bandwidth, setup_failed, short_er
 from .model import BuiltModel, enable_checkpointing
 from .moe import MOE_SHAPES, QUICK_MOE_SHAPES, ActiveBytes, MoeShape, build_moe, setup_moe_peer, with_cache
 from .optimizer import make_adamw
-from .peers import peer_unavailable
+from .peers import skipped_unavailable
 from .report import environment, write_json
 from .scenarios import SHAPE_SCENARIOS, Scenario
 
@@ -237,11 +237,8 @@ def run_moe_peer(peer: str, shape: MoeShape, scenarios: list[Scenario], device: 
     """Every scenario on one freshly built and placed model; a row each."""
     mine = [MoeRow(s.name, peer, "ok", batch=s.batch, seq=s.seq) for s in scenarios]
     rows += mine
-    why = peer_unavailable("accelerate" if peer == "accelerate" else "offtensor" if peer != "resident" else peer)
-    if why is not None:
-        for r in mine:
-            r.status, r.note = "skipped", why
-        print(f"bench: {peer}: skipped, {why}", flush=True)
+    if skipped_unavailable(peer, "accelerate" if peer == "accelerate" else "offtensor" if peer != "resident" else peer,
+                           mine):
         return
     print(f"bench: {peer}", flush=True)
     built = build_moe(shape, device, args.seed)

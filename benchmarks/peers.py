@@ -351,6 +351,18 @@ def peer_unavailable(peer: str) -> str | None:
     return None
 
 
+def skipped_unavailable(peer: str, needs: str, rows: list[Any]) -> bool:
+    """If the package of peer `needs` is missing here, mark `rows` (of `peer`) skipped with the
+    reason and say so; True if they were."""
+    why = peer_unavailable(needs)
+    if why is None:
+        return False
+    for r in rows:
+        r.status, r.note = "skipped", why
+    print(f"bench: {peer}: skipped, {why}", flush=True)
+    return True
+
+
 STEP_PEERS = {  # step kind -> {peer: (H2D bytes per wrapped byte and pass, optimizer overlapped)}
     "step": {"offtensor": (1.0, False), "offtensor-overlap": (1.0, True)},
     # fp32 masters: cast="device" moves the fp32 bytes, cast="host" the bf16 copy (half).

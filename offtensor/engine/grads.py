@@ -102,13 +102,12 @@ from ..scopes.streams import Streams
 
 # Note [one gradient's host work]
 # The gradient path runs once per parameter and backward, so its Python cost grows with the
-# model: in a host-bound training step (short kernels) it was a third of what offtensor added.
-# So it reads what it needs of the master with TensorBase's own getters under subclass dispatch
-# off (`_disabled(_GRAD_OF, ...)`: `master_grad` and the parameter's Python properties would each
-# cost a call or two), reads `p.grad` once (after a deferred step, as `master_grad` would wait),
-# and calls the helpers (old gradient, compiled region, graph task) only when there is something
-# for them to do. Each branch does what it did before; only calls that could not change the
-# result are skipped.
+# model and decides a host-bound training step (short kernels). So it reads what it needs of the
+# master with TensorBase's own getters under subclass dispatch off (`_disabled(_GRAD_OF, ...)`:
+# `master_grad` and the parameter's Python properties would each cost a call or two), reads
+# `p.grad` once (after a deferred step, as `master_grad` would wait), and calls the helpers (old
+# gradient, compiled region, graph task) only when there is something for them to do. Each
+# branch does what it did before; only calls that could not change the result are skipped.
 _disabled: Any = torch._C._disabled_torch_function_impl  # (fn, types, args), typed loosely
 _GRAD_OF = torch._C.TensorBase.grad.__get__  # type: ignore[union-attr]
 _SET_GRAD = torch._C.TensorBase.grad.__set__  # type: ignore[union-attr]
@@ -126,8 +125,8 @@ class Stepper(Protocol):
 
     def grad_final(self, slot: ParamSlot, landed: Any) -> None: ...  # landed: the copy's event
 
-    # The call clips: each gradient's norm is taken where it is computed (Note [clipping in the
-    # overlapped step] in optim/clipping.py). `grad`: the sum on the device; `host`: its copy.
+    # The call clips: each gradient's norm is taken where it is computed (Note [norms taken in
+    # backward] in optim/clipping.py). `grad`: the sum on the device; `host`: its copy.
     measures_norms: bool
 
     def grad_written(self, slot: ParamSlot, grad: torch.Tensor, host: torch.Tensor) -> None: ...

@@ -13,24 +13,23 @@ scaled and stepped on the calling thread. The steps overlap the next forward beh
 fences; only the overlap with backward is given up. On inf or NaN nothing is handed over and
 `scaler.step(optimizer)` runs as in the plain recipe: it skips the step (a fused optimizer takes
 found_inf into its kernel). The caller then calls `scaler.update()`, as after `scaler.step`.
+The norm: Note [norms taken in backward].
 
-The norm is `clip_grad_norm_`'s on the unwrapped model. Taken from the host gradients after
-backward, it was a pass over every offloaded gradient by the CPU on the calling thread, between
-backward and the first step (on an H200 host, longer than backward itself), and its bits were
-those of CPU reductions where the plain model reduces on the device. So each gradient's norm is
-taken where the plain model has that gradient: on the device, from the sum the gradient path
-copies to the host (`GradOffload._add`), by the kernel `_get_total_norm` uses there
-(`torch._foreach_norm`, whose result for one tensor does not depend on the others in its list).
-The norms are stacked in the order `_get_total_norm` gives the plain model's gradients, grouped
-by the device each would be on there and dtype (torch's own grouping, run on empty stand-ins).
-A norm is used only if that host gradient is still `p.grad`, unchanged (version) since its copy:
-a post-accumulate-grad hook that writes it, a scaler's unscale (with a scaler the norms are
-taken after it, on the host) or a gradient with no part in this backward (accumulated earlier)
-have theirs taken from the gradient itself, on its device. Each device's gradients are scaled
-with the total norm moved to that device once, before the steps: torch's clip moves the
-clamped factor for each call, and a move from the device on the worker would wait for the
-next forward's kernels queued meanwhile (the factor is computed from a copy of the same norm,
-by the same IEEE operations, on either device).
+# Note [norms taken in backward]
+The total norm is `clip_grad_norm_`'s on the unwrapped model, which reduces each gradient where
+it has it, on the device. So each offloaded gradient's norm is taken there, in backward, from the
+sum the gradient path copies to the host (`GradOffload._add` -> `BeforeStep.measure`), by the
+kernel `_get_total_norm` uses (`torch._foreach_norm`, whose result for one tensor does not depend
+on the others in its list), and the calling thread does not read every gradient again on the CPU
+between backward and the first step. The norms are stacked in the order `_get_total_norm` gives
+the plain model's gradients: torch's own grouping by device and dtype, run on empty stand-ins on
+the device each gradient would be on there. A norm is used only if that host gradient is still
+`p.grad`, unchanged since its copy (version): one a post-accumulate-grad hook wrote, one unscaled
+by a scaler (with a scaler nothing is measured early) or one with no part in this backward is
+measured after backward, on its plain-model device. Each device's gradients are scaled with the
+total norm moved to that device once, before the steps: a move from the device on the worker
+would wait for the next forward's kernels (the factor comes from the same norm by the same IEEE
+operations on either device).
 
 # Note [a clip after the step]
 After `backward_and_step` the optimizer has used the gradients it was given, so a
@@ -84,7 +83,7 @@ class BeforeStep:
 
     def measure(self, param: torch.Tensor, grad: torch.Tensor, host: torch.Tensor) -> None:
         """Backward summed `param`'s gradient `grad` on the device and enqueued its copy to
-        `host`: take its norm there (Note [clipping in the overlapped step])."""
+        `host`: take its norm there (Note [norms taken in backward])."""
         if grad.is_contiguous() and _has_foreach_support([grad], grad.device):
             self._measured[id(param)] = (host, host._version, torch._foreach_norm([grad], 2.0)[0])
         else:  # the plain model's gradient is dense: a strided one is measured after backward
@@ -114,8 +113,7 @@ class BeforeStep:
 
     def _total_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         """`_get_total_norm` of the params' gradients as the unwrapped model has them, from the
-        norms measured in backward where they are still good (Note [clipping in the overlapped
-        step])."""
+        norms measured in backward where they are still good (Note [norms taken in backward])."""
         grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]  # all have one
         if not any(isinstance(p, OffloadedParameter) for p in params):
             return _get_total_norm(grads, 2.0, False, None)  # clip_grad_norm_'s own first half
@@ -124,10 +122,13 @@ class BeforeStep:
             entry = self._measured.get(id(p))
             norms.append(entry[2] if entry is not None and entry[0] is g and entry[1] == g._version else None)
         places = [_place(p, g, n) for p, g, n in zip(params, grads, norms, strict=True)]
+        stand_ins: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # one per group
+        for g, d in zip(grads, places, strict=True):
+            if (d, g.dtype) not in stand_ins:
+                stand_ins[d, g.dtype] = torch.empty(0, dtype=g.dtype, device=d)
         ordered: list[torch.Tensor] = []
         for (device, _), (_, indices) in _group_tensors_by_device_and_dtype(
-                [[torch.empty(0, dtype=g.dtype, device=d) for g, d in zip(grads, places, strict=True)]],
-                with_indices=True).items():
+                [[stand_ins[d, g.dtype] for g, d in zip(grads, places, strict=True)]], with_indices=True).items():
             if _has_foreach_support([grads[i] for i in indices], device):
                 missing = [i for i in indices if norms[i] is None]
                 if missing:

@@ -106,7 +106,7 @@ class OverlappedStep:
 
     def grad_written(self, slot: ParamSlot, grad: torch.Tensor, host: torch.Tensor) -> None:
         """A gradient of this backward, summed on the device and copied to `host`: its norm,
-        for the clip (Note [clipping in the overlapped step] in optim/clipping.py)."""
+        for the clip (Note [norms taken in backward] in optim/clipping.py)."""
         assert self._before is not None
         self._before.measure(slot.param, grad, host)
 

@@ -27,9 +27,8 @@ heap by log2(value) + at / HALF_LIFE, an order aging does not change (the log of
 to any time t, plus t / HALF_LIFE); an eviction compares the slots' lowest rows, each less its
 scope's loads now / HALF_LIFE, and evicts the lowest, ties to the oldest, as a scan over all rows
 would. A slot's rows share the mark they were copied at; once its master is written they are
-dropped together, before a current row is evicted. A scan over every row, with its mark, for
-each evicted row cost O(rows) per miss: a prefill misses on most experts, a decode step on some
-in each layer, and with some hundred rows held decode ran slower than without the cache.
+dropped together, before a current row is evicted. A scan over every row per evicted row would
+cost O(rows) per miss, and with some hundred rows held that outweighs what the cache saves.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ already does so at each expert (`expert_idx == num_experts`), grouped_mm's hint 
 The router's choice lives on the device, and each read of it from the host waits for the device
 to reach the router. The pre-hook reads it once per experts call: `_distinct` copies the index
 back when it holds at most E values (a decode step's k per token), else E marks set on the device
-(a prefill's tokens), one copy either way; `torch.unique(i).tolist()` waited twice (unique sizes
-its output on the host). An index tensor of an op is read the same way; a 0-d index PyTorch's
+(a prefill's tokens), one copy either way (`torch.unique(i).tolist()` would wait twice: unique
+sizes its output on the host). An index tensor of an op is read the same way; a 0-d index PyTorch's
 indexing reads itself too.
 
 # Note [one copy per run]
@@ -46,8 +46,8 @@ link does not idle through it; an eager loop's `w[e]` then finds its rows there.
 of the copy stream with one event for compute to wait on, one `copy_` per run of consecutive
 experts; rows the expert cache holds are copied in one `_foreach_copy_`. Each later op checks
 only the rows it reads. Hits and misses count once per expert and call, as an op loop reading
-each expert once counted them. On CUDA a per-expert `fill` was a stream switch, an event and a
-wait each, and the eager loop's own read of `expert_idx` waited for each expert's copy in turn.
+each expert once counted them. Per expert, each copy would cost a stream switch, an event and a
+wait, and the eager loop's own read of `expert_idx` would wait for each expert's copy in turn.
 
 # Note [routed experts in backward]
 The results are views of the device copy, the parameter's one leaf, so gradients reach the

@@ -14,13 +14,10 @@ The transitions are Scope.load (OFFLOADED -> LOADING), make_resident (-> RESIDEN
 (-> OFFLOADED); they change `state` and `loading` together, only in `_to_loading`,
 `_to_resident` and `_to_offloaded`, each asserting the state it leaves. A load is built on the
 side and the scope becomes LOADING once its copies are enqueued, so a load that raises leaves
-the scope OFFLOADED without a `LoadProgress`. What a parameter "is" follows from its scope's state; the only other
-per-scope enums are `Residency`, how long a copy outlives its calls (streamed: until they
-end; kept or carried under a VRAM budget: Note [VRAM budget] in budget/vram.py), and
-`MasterHome`, where the masters live and how a load reads them (pinned or pageable RAM, or
-staged through the staging ring from pageable RAM or a file: Note [staged loads] in
-storage/staging.py). The scopes of one model that are not OFFLOADED are listed, in load
-order, in their `LiveScopes`.
+the scope OFFLOADED without a `LoadProgress`. The other per-scope enums are `Residency`, how
+long a copy outlives its calls (Note [VRAM budget] in budget/vram.py), and `MasterHome`, where
+the masters live (Note [staged loads] in storage/staging.py). The scopes of one model that are
+not OFFLOADED are listed, in load order, in their `LiveScopes`.
 
 A scope delegates to its parts, each in a module of its own with its Notes: the host side
 (`HostMasters`, scopes/host_masters.py: Note [masters moved out of the host buffer]), the device

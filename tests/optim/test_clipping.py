@@ -285,7 +285,7 @@ def _halve(p: torch.Tensor) -> None:
 @pytest.mark.parametrize("device", devices)
 def test_norms_taken_in_backward_give_clip_grad_norm_s_norm_of_the_unwrapped_model(device, hooked, monkeypatch):
     """Each offloaded gradient's norm is taken on the device from the sum backward copies to the
-    host (Note [clipping in the overlapped step]): the total equals clip_grad_norm_'s on the
+    host (Note [norms taken in backward]): the total equals clip_grad_norm_'s on the
     unwrapped model bit for bit, with two dtypes, resident parameters, a parameter whose last
     micro-batch gave no gradient, and a post-accumulate-grad hook that writes a gradient (its
     norm is taken again); the steps equal the plain recipe's."""
