@@ -16,7 +16,7 @@ import torch
 
 from . import compile as _compile
 from .masters import MASTER_ONLY
-from .slot import on_optimizer_worker
+from .slot import exposed_copy, on_optimizer_worker
 from .writes import is_inplace, written
 
 # Note [ops in a resident scope]
@@ -82,8 +82,15 @@ def dispatch(func: Any, args: tuple, kwargs: dict, params: Sequence[torch.Tensor
         # written (safe if a write is not recognised below); those that are surely only read
         # (`h.add_(self.bias)` in a forward) are then materialized as for any other op.
         writes = written(func, args, kwargs, offloaded)
+        # In an exposed call the parameter's value is its device copy: the op writes that, and
+        # the call's end copies it into the master (Note [writes through the parameter in an
+        # exposed call] in engine/hooks.py).
+        exposed = {id(p) for p in params if exposed_copy(p) is not None}
+        writes -= exposed
         for p in params:
             slot = getattr(p, "_ot", None)
+            if id(p) in exposed:
+                continue
             if slot is not None and id(p) in writes:
                 slot.scope.master_written(slot)
             elif slot is not None:

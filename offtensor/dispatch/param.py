@@ -37,7 +37,7 @@ from . import wrapper_guards as _distributed
 from .autograd import AUTOGRAD_ENTRIES, REGISTRARS
 from .masters import DERIVED_PROPERTIES, MASTER_ONLY, await_steps, master_values, without_subclass_dispatch
 from .ops import dispatch, resident_copies, run_op
-from .slot import ParamSlot, on_optimizer_worker
+from .slot import ParamSlot, exposed_copy, on_optimizer_worker, requires_grad_changed
 from .writes import is_inplace, set_data, set_master, writes_by_name, written
 
 _disabled_torch_function_impl = torch._C._disabled_torch_function_impl
@@ -241,6 +241,18 @@ def _plain_property(func: Any, args: tuple, kwargs: dict, params: list) -> Any:
     return func(*args, **kwargs)  # `p.grad`, `p.shape`: the parameter itself
 
 
+@implements(_accessor("requires_grad", "__set__"))
+def _set_requires_grad(func: Any, args: tuple, kwargs: dict, params: list) -> Any:
+    requires_grad_changed()  # Note [requires_grad changes] (dispatch/slot.py)
+    return func(*args, **kwargs)
+
+
+@implements(torch.Tensor.requires_grad_)
+def _requires_grad_(func: Any, args: tuple, kwargs: dict, params: list) -> Any:
+    requires_grad_changed()  # Note [requires_grad changes] (dispatch/slot.py)
+    return dispatch(func, args, kwargs, params)
+
+
 def _reads_only(func: Any) -> bool:
     """`func` only reads its arguments and the default path does not treat it specially
     (master-only ops, compressed masters' own cases, in-place writes by name or schema), so that
@@ -308,7 +320,8 @@ def _detach(func: Any, args: tuple, kwargs: dict, params: list) -> torch.Tensor:
             "offtensor.wrap(model). Otherwise make the Parameter from a copy, "
             "nn.Parameter(p.detach().clone())"
         )
-    return torch.Tensor.detach(p)
+    copy = exposed_copy(p)  # Note [writes through the parameter in an exposed call] (engine/hooks.py)
+    return torch.Tensor.detach(p if copy is None else copy)
 
 
 def _calling(fn: Handler, func: Any, args: tuple, kwargs: dict, params: list) -> Any:
@@ -367,6 +380,10 @@ implements(*(_accessor(name, "__get__") for name in DERIVED_PROPERTIES))(_dispat
 
 @implements(_accessor("data", "__set__"))
 def _set_data(func: Any, args: tuple, kwargs: dict, params: list) -> Any:
+    copy = exposed_copy(args[0])  # Note [writes through the parameter in an exposed call] (engine/hooks.py)
+    if copy is not None:
+        copy.data = args[1]  # ExposedCopy's setter: into the copy, copied to the master at the call's end
+        return None
     return set_data(args[0], args[1])
 
 
@@ -375,6 +392,9 @@ def _get_data(func: Any, args: tuple, kwargs: dict, params: list) -> Any:
     slot = getattr(args[0], "_ot", None)
     if slot is None:
         return func(*args, **kwargs)
+    copy = exposed_copy(args[0])  # Note [writes through the parameter in an exposed call] (engine/hooks.py)
+    if copy is not None:
+        return copy.data  # noted by ExposedCopy: a write through it reaches the master at the call's end
     slot.scope.master_handed_out(slot)  # Note [VRAM budget]
     alias = func(*args, **kwargs)
     slot.data_handed_out(alias)  # Note [p.data aliases] (dispatch/slot.py)

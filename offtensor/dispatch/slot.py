@@ -55,6 +55,7 @@ a plain parameter, a `p.data` write does not make a saved graph raise.
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from collections import OrderedDict
@@ -124,6 +125,12 @@ class SlotScope(Protocol):
     copy_order: list[ParamSlot] | None
     slots: list[ParamSlot]
     grads_offloaded: Any  # event on the d2h stream after this backward's gradients
+    requires_grad_seen: int  # REQUIRES_GRAD_CHANGES when its copies' flags were last matched
+    # Its device copies stand in for its parameters in an eager call now (Note [calls of a loaded
+    # scope] in engine/hooks.py): the parameter's value is its copy's (exposed_copy).
+    exposed: bool
+
+    def exposure_live(self) -> bool: ...  # the call that exposed them runs (not one an interrupt left)
     loads: int  # loads since wrap (the expert cache ages its scores by them)
 
     @property
@@ -180,7 +187,11 @@ class LoadsHeldBack(Protocol):
 class WrittenInCall(Protocol):
     """A scope's writes its device copies have not seen (WriteTracker, scopes/write_tracking.py)."""
 
+    aliases_noted: bool  # a slot may hold `p.data` aliases
+
     def written_in_this_call(self, slot: ParamSlot) -> bool: ...
+
+    def copies_current(self, n_slots: int, *, versions_read: bool) -> bool: ...  # every copy made, none written since
 
 
 class DeviceCopy(torch.Tensor):
@@ -234,8 +245,79 @@ class ExposedCopy(nn.Parameter):
         with torch.no_grad():
             alias.copy_(value)
 
+    # Note [copies of an exposed call]
+    # A KeyboardInterrupt ends a call without its forward hook, so its copies stay in the
+    # modules' attributes until the scope's next call takes them back. A deepcopy or a pickle of
+    # the model in between would keep such an attribute next to the parameter it stands for, and
+    # the copy's forward would read the one while its optimizer steps the other. So while it is
+    # exposed (`_ot_param`, set and cleared with its `_ot_aliases`) the copy copies and pickles as
+    # its parameter does: the same object as the copied module's parameter.
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        ref = self.__dict__.get("_ot_param")
+        param = ref() if ref is not None else None
+        if param is None:
+            return super().__deepcopy__(memo)  # type: ignore[no-any-return]
+        return copy.deepcopy(param, memo)
+
+    def __reduce_ex__(self, proto: Any) -> Any:  # type: ignore[override]
+        ref = self.__dict__.get("_ot_param")
+        param = ref() if ref is not None else None
+        if param is None:
+            return super().__reduce_ex__(proto)
+        return (_same, (param,))
+
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
         return DeviceCopy.__repr__(self, *args, **kwargs)  # type: ignore[arg-type]
+
+
+
+def exposed_copy(p: torch.Tensor) -> torch.Tensor | None:
+    """The device copy standing in for offloaded parameter `p` in a running eager call of its
+    scope (Note [writes through the parameter in an exposed call] in engine/hooks.py), else None."""
+    slot = getattr(p, "_ot", None)
+    if slot is None or not slot.scope.exposed or on_optimizer_worker() or not slot.scope.exposure_live():
+        return None
+    return slot.device_leaf
+
+
+def resident_copies_ready(scope: SlotScope, *, versions_read: bool = False) -> bool:
+    """Of a RESIDENT scope: `ready_copy` would return each slot's device copy, and no master is
+    compressed or in a file (`packed`); the copies' requires_grad set as `use_device_copy` sets it.
+    The checks of ready_copy, with the version reads one per scope (Note [one version read per
+    scope] in scopes/write_tracking.py): asked at each call of a kept scope. `versions_read`: the
+    masters' versions were just found unchanged since their copies (in the same pre-hook)."""
+    slots = scope.slots
+    if scope.calls.running <= 0 or scope.copy_order is None:
+        return False
+    for slot in slots:  # a loop over plain fields: asked per parameter and call
+        if (slot.packed is not None or slot.pending_step is not None or slot.stepped_elsewhere is not None
+                or (slot.experts is not None and not slot.experts.whole)):
+            return False
+    if not scope.writes.copies_current(len(slots), versions_read=versions_read):
+        return False
+    changes = REQUIRES_GRAD_CHANGES[0]
+    if scope.requires_grad_seen != changes:  # the user froze or unfroze parameters since the last call
+        for slot in slots:
+            slot.use_device_copy()
+        scope.requires_grad_seen = changes
+    return True
+
+
+# Note [requires_grad changes]
+# A device copy's requires_grad follows its parameter's, set when an op gets it
+# (`use_device_copy`). A kept scope's call checks all of them at once, but only when some
+# parameter's requires_grad was set since its last check: every such write (`p.requires_grad =`,
+# `p.requires_grad_()`, nn.Module.requires_grad_) reaches an offloaded parameter through
+# `__torch_function__`, which counts it here; a device copy is made with its parameter's flag
+# (wrap) or its predecessor's (retire_device_copy), so no other change can part them.
+REQUIRES_GRAD_CHANGES = [0]  # writes of requires_grad to offloaded parameters, since import
+
+
+def requires_grad_changed() -> None:
+    REQUIRES_GRAD_CHANGES[0] += 1
+
+def _same(obj: Any) -> Any:
+    return obj
 
 
 _DATA_GET = torch._C.TensorBase.data.__get__  # type: ignore[attr-defined]
@@ -413,6 +495,7 @@ class ParamSlot:
         if not on_optimizer_worker():
             self.data_written()  # forgets the aliases gone
             self.data_aliases = [*self.data_aliases, (weakref.ref(alias), alias._version)]
+            self.scope.writes.aliases_noted = True  # Note [one version read per scope] (scopes/write_tracking.py)
 
     def data_written(self) -> bool:
         """A `p.data` alias may have written the master since its last copy (Note [p.data

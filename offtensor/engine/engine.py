@@ -192,7 +192,10 @@ class Engine:
 
     def hold(self) -> bool:
         """no_offload() is in effect for this model: nothing is released."""
-        return len(self.holds) > 0 or len(holds_for_all) > 0
+        # The sets' own members, not len(): a WeakSet's __len__ is a Python call, and this is asked
+        # at each call of a scope. A dead member leaves `.data` at once (its weakref's callback),
+        # unless the set is being iterated, which the holds never are here.
+        return bool(self.holds.data) or bool(holds_for_all.data)  # type: ignore[attr-defined]
 
     def upcoming_loads(self, scope: Scope) -> list[Scope]:
         """The scopes expected to load after `scope`, nearest first, for the staging ring's
@@ -203,19 +206,20 @@ class Engine:
     # ---- forward (called by the hooks, engine/hooks.py) ----------------------------------------
 
     @outside_transforms
-    def pre_forward(self, scope: Scope, inputs: list[torch.Tensor]) -> None:
-        """`inputs`: the tensors among the forward's arguments."""
+    def pre_forward(self, scope: Scope, inputs: list[torch.Tensor]) -> bool:
+        """`inputs`: the tensors among the forward's arguments. True if the scope's device copies
+        were found current (MasterWrites.forward_starts): no master written since they were made."""
         self.streams.restore()
         if in_backward():
             scope.calls.started()
             self.pre_backward(scope)
-            return
+            return False
         scope.calls.started()
         self._advance(scope)
         scope.calls.counted_in_pass()
         self.calls.count(scope, inputs)
         self.live.pump()
-        self.writes.forward_starts(scope)
+        current = self.writes.forward_starts(scope)
         if scope.residency is Residency.CARRIED:
             scope.residency = Residency.STREAMED  # used: released as its forward ends, like any streamed scope
         if scope.state is ScopeState.OFFLOADED:
@@ -224,6 +228,7 @@ class Engine:
         self.schedule.prefetch_forward(scope)
         self.budget.started(scope, "forward")
         # No wait here: each op waits for the chunk holding its weights (materialize).
+        return current
 
     def _advance(self, scope: Scope) -> None:
         """The scope's forward starts: move along the learned order; a new pass starts here
@@ -256,8 +261,10 @@ class Engine:
         if self.hold():
             return
         for scope in self.live:
-            if scope is first or scope.calls.running or (keep_carried and scope.residency is Residency.CARRIED):
-                continue
+            residency = scope.residency
+            if (residency is Residency.KEPT or scope is first or scope.calls.running
+                    or (keep_carried and residency is Residency.CARRIED)):
+                continue  # (a kept scope stays: release() would return at once)
             scope.release()
 
     @outside_transforms

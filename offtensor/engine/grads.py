@@ -215,7 +215,21 @@ class GradOffload:
         # reads, read here (Note [one gradient's host work]).
         if _compiler._is_compiling_flag or _compile.eval_frame_callback() is not None:
             return _compile.run_outside_dynamo(self._on_leaf_grad, (slot, leaf))
-        return self._on_leaf_grad(slot, leaf)
+        # _on_leaf_grad, and accumulate without a stepper or gradient hooks, inlined: one call
+        # per parameter and backward (Note [one gradient's host work]).
+        grad = leaf.grad
+        leaf.grad = None  # the device copy keeps no gradient: it lives on the host
+        if grad is None:
+            return
+        if grad.requires_grad:
+            raise _graph_grad_error(slot)
+        if self.stepper is not None or slot.grad_hooks:
+            self.accumulate(slot, grad)
+            return
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task not in self._tasks:
+            self.enter_backward()
+        self._add(slot, grad)
 
     def _on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None:
         grad = leaf.grad
@@ -230,21 +244,9 @@ class GradOffload:
         if task != -1 and task not in self._tasks:
             self.enter_backward()
         if self.stepper is not None and self.stepper.handed(slot):
-            if slot.single_grad:  # handed on its own gradient: the next ones wait for the scope's end
-                for other in slot.scope.slots:
-                    other.single_grad = False
-                later = "hands it over once its whole scope's backward is done"
-            else:  # handed at its scope's end: calls were miscounted, maybe in other scopes too
+            if not slot.single_grad:  # handed at its scope's end: calls were miscounted, maybe in other scopes too
                 self.late_gradients = True
-                later = "steps this model's offloaded parameters after backward, without overlap"
-            raise RuntimeError(
-                f"offtensor.backward_and_step: parameter {slot.name!r} received another gradient "
-                "contribution after it was handed to the optimizer, which may already have "
-                "stepped it on the partial gradient: this step's update of it is wrong. Its "
-                "gradient came in one piece in the last backward and in several now (a module "
-                "whose use changed, or reentrant checkpointing of parts of one scope). The next "
-                f"backward_and_step {later}; or use loss.backward() then optimizer.step()."
-            )
+            raise _handed_twice_error(slot)
         if slot.grad_hooks:
             if slot.used_outside or slot.retired:  # several leaves: Note [hooks on the sum]
                 self._hold(slot, grad)
@@ -459,7 +461,8 @@ def _destination(slot: ParamSlot, current: torch.Tensor | None) -> tuple[torch.T
         slot.scope.take_old_grad(slot)
     slot.host_grad = None  # ours: a `p.grad` the user kept is now held by the user only
     buffer = slot.grad_buffer
-    if buffer is None or _storage_uses(buffer) != slot.grad_buffer_uses:
+    # _storage_uses, inlined: one call per parameter and backward
+    if buffer is None or torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) != slot.grad_buffer_uses:
         return new_host_grad(slot), False
     return buffer.view(slot.meta.shape), False  # shape: not the parameter's own (Note [metadata without dispatch])
 
@@ -510,6 +513,25 @@ def new_host_grad(slot: ParamSlot) -> torch.Tensor:
     del raw  # counted without it: only the buffer stays
     slot.grad_buffer_uses = _storage_uses(slot.grad_buffer)
     return slot.grad_buffer.view(meta.shape)
+
+
+def _handed_twice_error(slot: ParamSlot) -> RuntimeError:
+    """A gradient for a parameter already handed to backward_and_step's worker. One handed on its
+    own gradient makes its scope's next ones wait for the scope's end."""
+    if slot.single_grad:
+        for other in slot.scope.slots:
+            other.single_grad = False
+        later = "hands it over once its whole scope's backward is done"
+    else:
+        later = "steps this model's offloaded parameters after backward, without overlap"
+    return RuntimeError(
+        f"offtensor.backward_and_step: parameter {slot.name!r} received another gradient "
+        "contribution after it was handed to the optimizer, which may already have "
+        "stepped it on the partial gradient: this step's update of it is wrong. Its "
+        "gradient came in one piece in the last backward and in several now (a module "
+        "whose use changed, or reentrant checkpointing of parts of one scope). The next "
+        f"backward_and_step {later}; or use loss.backward() then optimizer.step()."
+    )
 
 
 def _graph_grad_error(slot: ParamSlot) -> RuntimeError:

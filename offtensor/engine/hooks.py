@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from types import FrameType
 from typing import Any
 
@@ -41,9 +42,10 @@ from torch import nn
 from ..api import ScopeState
 from ..dispatch import compile as _compile
 from ..dispatch import wrapper_guards as _distributed
-from ..dispatch.slot import ExposedCopy, ParamSlot, in_backward
+from ..dispatch.slot import ExposedCopy, ParamSlot, in_backward, resident_copies_ready
 from ..scopes.experts import fill_all_experts
 from ..scopes.scope import Scope
+from ..scopes.write_tracking import versions_of
 from .engine import Engine, ModelForward
 from .writes import DeviceVersions
 
@@ -62,6 +64,9 @@ class ScopeHooks:
         self._homes = _homes(scope)
         self._exposed: list[_Home] | None = None  # Note [torch.compile]
         self._versions: DeviceVersions = []  # of the exposed copies (Note [writes in compiled code])
+        # The slots, device copies and their versions of an eager call with them exposed
+        # (Note [calls of a loaded scope])
+        self._loaded: tuple[list[ParamSlot], list[torch.Tensor], list[int]] | None = None
         self._compared = False  # a compiled call compared the copies with the masters
         self._places: list[_Home] | None = None  # cache of _current_homes
         # `.data` aliases of the exposed copies and their versions, while an eager call has them
@@ -69,10 +74,13 @@ class ScopeHooks:
         self._aliases: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
         self._attrs: list[_Home] | None = None  # where they are exposed
         self._attr_places: tuple[list[_Home], list[_Home]] | None = None  # cache of _attribute_homes
+        self._in_pre_hook = False  # a forward pre-hook of the scope runs
 
     def install(self) -> None:
         module = self.scope.module
         # Called from compiled code, the hooks also expose the device copies (Note [torch.compile]).
+        self.scope.resident_in_call = self._resident_in_call
+        self.scope.exposure_check = self._exposure_live
         pre = Hook(self._eager_pre_forward, self.compiled_pre_forward)
         post = Hook(self._eager_post_forward, self.compiled_post_forward)
         self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
@@ -82,6 +90,8 @@ class ScopeHooks:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        self.scope.resident_in_call = None
+        self.scope.exposure_check = None
 
     def drop_interrupted(self) -> None:
         """Forget the calls a KeyboardInterrupt left (FailureCheck)."""
@@ -91,7 +101,14 @@ class ScopeHooks:
             if self.scope.calls.running == 0:
                 self._unexpose_loaded()
 
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _exposure_live(self) -> bool:
+        """The copies are still exposed once the calls an interrupt ended are forgotten (a
+        stack walk: asked only for a write through a parameter whose copies are exposed)."""
+        self.drop_interrupted()
+        return self.scope.exposed
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+        """True if the scope's device copies were found current (Engine.pre_forward)."""
         scope, engine = self.scope, self.engine
         backward = in_backward()
         if not backward:
@@ -107,13 +124,14 @@ class ScopeHooks:
             if _distributed.active():
                 self._check_distributed()
             self._check_inputs(tensors)
-        engine.pre_forward(scope, tensors)
+        current = engine.pre_forward(scope, tensors)
         if torch.is_grad_enabled():
             inputs = [t for t in tensors if t.requires_grad]
             if inputs:
                 done = _AllInputGrads(self, len(inputs))
                 for t in inputs:
                     t.register_hook(done)
+        return current
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         engine = self.engine
@@ -123,8 +141,10 @@ class ScopeHooks:
         outputs = [] if failed or not torch.is_grad_enabled() else [
             t for t in _tensors(output) if t.requires_grad
         ]
-        for t in outputs:
-            t.register_hook(self._on_output_grad)
+        if outputs:
+            first = _FirstOutputGrad(self)
+            for t in outputs:
+                t.register_hook(first)
         engine.post_forward(self.scope, failed=failed, backward_expected=bool(outputs))
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
@@ -136,12 +156,22 @@ class ScopeHooks:
     def _eager_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The forward pre-hook run by eager code; the compiled path for a module whose own
         `forward` is compiled (Note [a compiled forward method] in dispatch/compile.py)."""
-        if _compile.compiled_function(module.forward):
-            self.compiled_pre_forward(module, args, kwargs)
-        else:
-            self._pre_forward(module, args, kwargs)
-            if self.scope.state is ScopeState.RESIDENT and self._exposed is None and self._aliases is None:
-                self._expose_loaded()
+        self._in_pre_hook = True
+        try:
+            if _compile.compiled_function(module.forward):
+                self.compiled_pre_forward(module, args, kwargs)
+                return
+            current = self._pre_forward(module, args, kwargs)
+        finally:
+            self._in_pre_hook = False
+        if self.scope.state is ScopeState.RESIDENT and self._exposed is None and self._aliases is None:
+            self._expose_loaded(current)
+
+    def _resident_in_call(self) -> None:
+        """The scope became RESIDENT during a running call: its load's last chunk was waited for
+        by an op (Note [calls of a loaded scope]). Not from inside a pre-hook, which decides itself."""
+        if not self._in_pre_hook and self._exposed is None and self._aliases is None:
+            self._expose_loaded(False)
 
     def _eager_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self._aliases is not None:  # exposed by _expose_loaded
@@ -153,55 +183,46 @@ class ScopeHooks:
 
     # ---- eager calls of a loaded scope (Note [calls of a loaded scope]) -------------------------
 
-    # Note [calls of a loaded scope]
-    # Every op on an OffloadedParameter pays its `__torch_function__`, a Python round trip that
-    # can take longer than the short kernels of a DiT block it launches. A scope already
-    # RESIDENT when its call starts (kept, or loaded and waited for) needs no per-op decision:
-    # every op would get its device copy (Note [ops in a resident scope] in dispatch/ops.py). So
-    # for that call its modules' attributes are the device copies (instance attributes, found
-    # before nn.Module.__getattr__ reaches `_parameters`, which keeps the parameters: an
-    # interrupt leaves `parameters()` and `state_dict()` as they are), and ops see plain
-    # tensors. A scope still LOADING keeps the per-op path, which waits for each op's chunk
-    # only. The copies are `ExposedCopy`s, nn.Parameters whose `.data` aliases are noted: a
-    # write in the forward changes the copy, as it changes a plain parameter at once, and at the
-    # call's end each copy whose version moved, or whose alias's did, is copied into its master
-    # (MasterWrites.exposed_call_ended). Not exposed: a compute dtype, compressed or file
-    # masters (a write could not be copied back exactly), a recompute in backward, torch.func
-    # transforms and make_fx traces. A write in a call that an interrupt ends is lost.
-
-    def _expose_loaded(self) -> None:
+    def _expose_loaded(self, current: bool) -> None:
         """Put the device copies where the scope's modules' attribute lookups find them first,
         for this call, when each is ready as it is (ParamSlot.ready_copy) and can be written
-        back as it is (no compute dtype, no compressed or file master, no transform or trace)."""
+        back as it is (no compute dtype, no compressed or file master, no transform or trace).
+        `current`: this call's pre-hook found no master written since its copy was made."""
         scope = self.scope
         if (scope.casts or in_backward() or self.engine.thread.foreign() or _compile.tracing()
                 or torch._C._functorch.peek_interpreter_stack() is not None):
             return
+        if not resident_copies_ready(scope, versions_read=current):
+            return
         slots = scope.slots
-        for slot in slots:
-            if slot.packed is not None or slot.ready_copy() is None:
-                return
+        leaves = [slot.device_leaf for slot in slots]
+        self._loaded = (slots, leaves, versions_of(leaves))
         aliases: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         attrs = self._attribute_homes()
+        # Recorded before the first attribute is set: an interrupt in the loop leaves what
+        # _unexpose_loaded takes back at the next call (Note [interrupts]).
+        self._aliases, self._attrs = aliases, attrs
         for namespace, key, slot in attrs:
             leaf = slot.device_leaf
             if type(leaf) is not ExposedCopy:
                 leaf.__class__ = ExposedCopy
             leaf.__dict__["_ot_aliases"] = aliases
+            leaf.__dict__["_ot_param"] = weakref.ref(slot.param)  # Note [copies of an exposed call] (dispatch/slot.py)
             namespace[key] = leaf
-        self._versions = [(slot, slot.device_leaf, slot.device_leaf._version) for slot in slots]
-        self._aliases = aliases
-        self._attrs = attrs
+        scope.exposed = True
 
     def _unexpose_loaded(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """Take the device copies back out of the modules' attributes; the `.data` aliases
         noted while they were there."""
         attrs, aliases = self._attrs, self._aliases
-        self._attrs, self._aliases = None, None
+        self.scope.exposed = False  # first: writes through the parameters reach the masters again
         for namespace, key, slot in attrs or ():
             if namespace.get(key) is slot.device_leaf:
                 del namespace[key]
             slot.device_leaf.__dict__.pop("_ot_aliases", None)
+            slot.device_leaf.__dict__.pop("_ot_param", None)
+        # Forgotten once every attribute is back: an interrupt in the loop leaves them recorded.
+        self._attrs, self._aliases = None, None
         return aliases or []
 
     def _end_loaded_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -209,10 +230,14 @@ class ScopeHooks:
         release the scope)."""
         if self.scope.calls.running <= 1:
             aliases = self._unexpose_loaded()
-            versions, self._versions = self._versions, []
-            aliased = {id(leaf) for leaf, alias, v in aliases if alias._version != v}
+            loaded, self._loaded = self._loaded, None
+            assert loaded is not None
+            aliased = {id(leaf) for leaf, alias, v in aliases if alias._version != v} if aliases else set()
+            slots, leaves, versions = loaded
             try:
-                self.engine.writes.exposed_call_ended(self.scope, versions, aliased=aliased)
+                if aliased or versions_of(leaves) != versions:  # one read per scope (Note [one version read per scope])
+                    self.engine.writes.exposed_call_ended(self.scope, list(zip(slots, leaves, versions, strict=True)),
+                                                          aliased=aliased)
             except RuntimeError:
                 self._post_forward(module, args, kwargs, output)  # sees the error: a failed call
                 raise
@@ -230,8 +255,12 @@ class ScopeHooks:
     def compiled_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The forward pre-hook when compiled code calls the module: the eager hook, then the
         whole scope resident and its device copies in place of the parameters."""
-        self._pre_forward(module, args, kwargs)
-        self._expose()
+        was, self._in_pre_hook = self._in_pre_hook, True  # not exposed as for an eager call
+        try:
+            self._pre_forward(module, args, kwargs)
+            self._expose()
+        finally:
+            self._in_pre_hook = was
 
     def compiled_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """The forward hook when compiled code calls the module: the parameters back, the writes
@@ -323,6 +352,36 @@ class ScopeHooks:
                 )
 
 
+# Note [calls of a loaded scope]
+# Every op on an OffloadedParameter pays its `__torch_function__`, a Python round trip that
+# can take longer than the short kernels of a DiT block it launches. A scope already
+# RESIDENT when its call starts (kept, or loaded and waited for) needs no per-op decision:
+# every op would get its device copy (Note [ops in a resident scope] in dispatch/ops.py). So
+# for that call its modules' attributes are the device copies (instance attributes, found
+# before nn.Module.__getattr__ reaches `_parameters`, which keeps the parameters: an
+# interrupt leaves `parameters()` and `state_dict()` as they are), and ops see plain
+# tensors. A scope still LOADING takes the per-op path, which waits for each op's chunk
+# only, until an op has waited for the last chunk: RESIDENT then, its copies are exposed for
+# the rest of the call (`_resident_in_call`). The copies are `ExposedCopy`s, nn.Parameters
+# whose `.data` aliases are noted: a write in the forward changes the copy, as it changes a
+# plain parameter at once, and at the call's end each copy whose version moved, or whose
+# alias's did, is copied into its master (MasterWrites.exposed_call_ended). Not exposed: a
+# compute dtype, compressed or file masters (a write could not be copied back exactly), a
+# recompute in backward, torch.func transforms and make_fx traces. A write in a call that an
+# interrupt ends is lost.
+
+# Note [writes through the parameter in an exposed call]
+# Module code can reach a parameter other than through its module's attribute:
+# `self.parameters()`, a reference taken before the call (or before its copies were exposed).
+# In an exposed call the parameter's value is its copy's, which later ops read through the
+# attribute: so an in-place op on the OffloadedParameter (`p.mul_(s)` under no_grad), `p.data`
+# and `p.data = t`, and `p.detach()` act on the copy as the attribute would (`exposed_copy`
+# in dispatch/slot.py), and the call's end copies what they wrote into the master. Written
+# into the master instead, the copy that later ops read would be stale. An alias taken in the
+# call is one of the copy: kept after the call, it is not the parameter's (docs/design.md,
+# Limits).
+
+
 class _AllInputGrads:
     """Counts the input gradients of one forward call; the last one ends the scope's backward.
     (Not `torch.autograd.graph.register_multi_grad_hook(mode="all")`, which asks autograd
@@ -337,6 +396,29 @@ class _AllInputGrads:
         self.remaining -= 1
         if self.remaining == 0:
             self.hooks.inputs_done()
+
+
+class _FirstOutputGrad:
+    """The hook on one forward call's outputs: the first gradient to reach one of them in a
+    backward starts the scope's backward (Note [backward triggers]); the others, in the same
+    backward (graph task), find it started and the scope resident, unless another scope's
+    backward started in between. (A Flux block has two outputs: each backward of it would
+    otherwise start twice.)"""
+
+    __slots__ = ("hooks", "task")
+
+    def __init__(self, hooks: ScopeHooks) -> None:
+        self.hooks = hooks
+        self.task = -1  # the graph task whose backward this call's first gradient started
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        hooks, task = self.hooks, torch._C._current_graph_task_id()
+        scope = hooks.scope
+        if (task == self.task and scope.state is ScopeState.RESIDENT
+                and hooks.engine.access.backward_scope is scope):
+            return
+        self.task = task
+        hooks._on_output_grad(grad)
 
 
 class ModelHooks:
@@ -430,8 +512,11 @@ class FailureCheck:
         checkpointed call it would pop that call's hooks instead (the model's forward therefore
         drops every scope's interrupted calls before anything else runs)."""
         thread = threading.get_ident()
-        if not any(c[0] == thread for c in self._calls):  # nothing to check: no stack walk
-            return 0
+        for c in self._calls:  # a loop, not any(): asked at each call of a scope
+            if c[0] == thread:
+                break
+        else:
+            return 0  # nothing to check: no stack walk
         if frame is None:
             frame = _outside_offtensor(sys._getframe(1))
         on_stack, f = set(), frame

@@ -106,12 +106,16 @@ class MasterWrites:
         self.streams.sync_master_reads()  # the write may follow at once: no copy may still read
         scope.release(force=True)
 
-    def forward_starts(self, scope: Scope) -> None:
+    def forward_starts(self, scope: Scope) -> bool:
         """The scope's first running call starts. A device copy that outlived its calls is stale
         if its masters were written since by writes no op on the parameter saw (through a view
-        or a detached alias: `WriteTracker.written_since_copied`, Note [VRAM budget] in budget/vram.py)."""
-        if self.outlives_calls(scope) and scope.calls.running == 1 and scope.writes.written_since_copied():
+        or a detached alias: `WriteTracker.written_since_copied`, Note [VRAM budget] in budget/vram.py).
+        True if it found every master as its copy (asked, and not written since)."""
+        if self.outlives_calls(scope) and scope.calls.running == 1:
+            if not scope.writes.written_since_copied():
+                return True
             self.master_handed_out(scope)
+        return False
 
     def call_ended(self, scope: Scope) -> None:
         """A call of the scope ended. Once none runs, what was written during the calls is
@@ -181,7 +185,7 @@ class MasterWrites:
         self.streams.sync_master_reads()
         # On the current stream, which ran the forward; blocking, so the host waits for it.
         without_subclass_dispatch(_copy_into_master, slot.param, leaf)
-        scope.writes.copied_versions[slot] = version_of(slot.param)
+        scope.writes.copied_now(slot, version_of(slot.param))
 
 
 def _copy_into_master(param: torch.Tensor, leaf: torch.Tensor) -> None:

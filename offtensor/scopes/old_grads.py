@@ -43,6 +43,7 @@ class OldGrads:
         self.slots = slots  # the scope's (the same list)
         self.traffic = traffic  # the scope's counters
         self.ready: Any = None  # event on the copy stream after the fetch's copies
+        self._params: tuple[torch.Tensor, ...] | None = None  # the slots' parameters, for to_fetch
 
     def to_fetch(self) -> list[tuple[ParamSlot, torch.Tensor]]:
         """(slot, its host `p.grad`) for each parameter whose existing gradient is not fetched
@@ -52,6 +53,14 @@ class OldGrads:
         # `.grad` first: after zero_grad(set_to_none=True), the common case, it alone decides.
         # Asked at each backward of each scope and for the kept scopes a prefetch looks at: the
         # master's `.grad` is read in C unless a deferred step must be waited for first.
+        if self._params is None or len(self._params) != len(self.slots):
+            self._params = tuple(slot.param for slot in self.slots)
+        with torch._C.DisableTorchFunctionSubclass():
+            grads = list(map(_GRAD_OF, self._params))
+        if grads.count(None) == len(grads):
+            # No `p.grad` at all (zero_grad's set_to_none): nothing to fetch, read in one `map`.
+            # A deferred step, which master_grad would wait for, creates no gradient.
+            return []
         todo = []
         for slot in self.slots:
             if slot.old_grad is not None or slot.grads_in_backward:

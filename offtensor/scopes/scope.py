@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import torch
@@ -172,6 +173,11 @@ class Scope:
         self.module = module
         self.policy = policy
         self.engine = engine
+        self.requires_grad_seen = -1  # Note [requires_grad changes] (dispatch/slot.py)
+        self.exposed = False  # its copies stand in for its parameters in a call (engine/hooks.py)
+        self.exposure_check: Callable[[], bool] | None = None  # set by the engine's hooks: exposure_live
+        # Set by the engine's hooks: called when the scope becomes RESIDENT during one of its calls.
+        self.resident_in_call: Callable[[], None] | None = None
         self.streams: Streams = engine.streams
         self.live: LiveScopes = engine.live
         self.grad_sink = engine.grads.on_leaf_grad  # where device copies' gradients go (engine/grads.py)
@@ -179,7 +185,7 @@ class Scope:
         self.routed: list[ParamSlot] = []  # Note [routed experts] (scopes/experts.py)
         self.masters = HostMasters(pinned)
         self.device = DeviceBuffer()
-        self.writes = WriteTracker(self.streams)
+        self.writes = WriteTracker(self.streams, self.slots)
         self.traffic = Traffic()  # bytes to the device since wrap; routed experts' hits
         self.old_grads = OldGrads(self.streams, self.slots, self.traffic)
         # Policy.compute_dtype differs from a master's dtype: the load casts (Policy.cast).
@@ -420,6 +426,13 @@ class Scope:
     def _to_resident(self) -> None:
         assert self.state is ScopeState.LOADING, self.state
         self.state, self.loading = ScopeState.RESIDENT, None
+        if self.calls.running and self.resident_in_call is not None:
+            self.resident_in_call()  # Note [calls of a loaded scope] in engine/hooks.py
+
+    def exposure_live(self) -> bool:
+        """The copies are exposed by a call that still runs: not by one a KeyboardInterrupt ended
+        (which this forgets, as the scope's next call would)."""
+        return self.exposed and self.exposure_check is not None and self.exposure_check()
 
     def _to_offloaded(self) -> None:
         assert self.state is not ScopeState.OFFLOADED

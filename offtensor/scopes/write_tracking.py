@@ -23,7 +23,7 @@ itself and do not reach the master (docs/design.md, Limits).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -35,14 +35,19 @@ from .streams import Streams
 class WriteTracker:
     """The writes to one scope's masters that its device copies may not hold yet."""
 
-    def __init__(self, streams: Streams) -> None:
+    def __init__(self, streams: Streams, slots: list[ParamSlot]) -> None:
         self.streams = streams
+        self.slots = slots  # the scope's (the same list)
         # Each parameter's version counter when its copy was last enqueued, to tell writes no op
         # of ours saw (`p[0].fill_()`, `p.detach().copy_()`; Note [VRAM budget] in budget/vram.py).
         self.copied_versions: dict[ParamSlot, int] = {}
         # Parameters whose masters were written during a call of the scope, after its load: their
         # device copies are refreshed (Note [writes during a scope's call]).
         self.in_call: dict[ParamSlot, None] = {}
+        # copied_versions as (masters, versions) in one order, while it is unchanged, and whether a
+        # slot of the scope may hold `p.data` aliases (Note [one version read per scope]).
+        self._copied: tuple[tuple[torch.Tensor, ...], list[int]] | None = None
+        self.aliases_noted = False
 
     def note_copied(self, slots: Iterable[ParamSlot]) -> None:
         """The masters of `slots` are copied into their device copies now."""
@@ -57,11 +62,24 @@ class WriteTracker:
                 slot.device_copies_written()
             self.copied_versions[slot] = version
             slot.data_copied()
+        self._copied = None
+
+    def copied_now(self, slot: ParamSlot, version: int) -> None:
+        """The master of `slot`, at `version`, is what its device copy holds (written back from it)."""
+        self.copied_versions[slot] = version
+        self._copied = None
 
     def written_in_this_call(self, slot: ParamSlot) -> bool:
         """The master changed since its device copy was made, in this call of the scope: by an
         op on the parameter or `.data` (marked), or through a detached alias (its version)."""
         return slot in self.in_call or self.copied_versions.get(slot) != _disabled(_VERSION_OF, (), (slot.param,))
+
+    def copies_current(self, n_slots: int, *, versions_read: bool) -> bool:
+        """Each of the scope's `n_slots` parameters has a device copy made from its master as the
+        master is now: `written_in_this_call` false for every one (and no `p.data` alias wrote).
+        `versions_read`: written_since_copied was just found false (no need to ask again)."""
+        return (not self.in_call and len(self.copied_versions) == n_slots
+                and (versions_read or not self.written_since_copied()))
 
     def refresh(self, slot: ParamSlot) -> None:
         """Copy a master written during the scope's call into its device copy, on the compute
@@ -77,8 +95,12 @@ class WriteTracker:
         that did not go through an op on the parameter (Note [VRAM budget] in budget/vram.py),
         `p.data` aliases' included (Note [p.data aliases] in dispatch/slot.py); not counting the
         slots for which `skip(slot)` is true."""
-        # A loop with the reads inlined, not `any()` over version_of: asked of a kept scope at
-        # each call and backward, for each of its parameters.
+        if skip is None and not self.aliases_noted:
+            copied = self._copied
+            if copied is None:
+                copied = self._copied = (tuple(s.param for s in self.copied_versions),
+                                         list(self.copied_versions.values()))
+            return versions_of(copied[0]) != copied[1]
         for slot, v in self.copied_versions.items():
             if skip is not None and skip(slot):
                 continue
@@ -86,7 +108,25 @@ class WriteTracker:
                 return True
             if (slot.data_aliases or slot.data_alias_written) and slot.data_written():
                 return True
+        if skip is None:  # the aliases left alive, of every slot (copied or not yet)
+            self.aliases_noted = any(s.data_aliases or s.data_alias_written for s in self.slots)
         return False
+
+
+# Note [one version read per scope]
+# A kept scope asks at each call whether its masters were written since their copies: one
+# version counter per parameter. Read one by one through Python that is a call per parameter
+# and call, a large share of a host-bound step; so the versions at the last copy are kept as a
+# list, in the order of a tuple of the masters, and compared with the current ones, read by one
+# `map` with subclass dispatch off. `p.data` aliases (Note [p.data aliases] in dispatch/slot.py)
+# are versions of other tensors: a scope one of whose slots was handed one (`aliases_noted`,
+# set by ParamSlot.data_handed_out) takes the per-parameter path until no alias is left.
+
+
+def versions_of(params: Sequence[torch.Tensor]) -> list[int]:
+    """The version counters of `params`, read in one `map` without `__torch_function__`."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return list(map(_VERSION_OF, params))
 
 
 def version_of(p: torch.Tensor) -> int:
