@@ -33,7 +33,7 @@ from .write_tracking import version_of
 
 
 class HostMasters:
-    """The host side of one scope: its masters' allocation and what its loads read."""
+    """The host side of one scope: its masters' allocation and the writes to them."""
 
     def __init__(self, pinned: bool) -> None:
         # Where the masters live (`home`, the one meaning of the word: Note [staged loads] in
