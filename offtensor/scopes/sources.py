@@ -14,9 +14,9 @@ was tested in `Scope._start_load` and again in wrap, the prefetch and the timed 
 new kind touched each (diffusers' disk offload grew that way). As objects behind one protocol,
 `_start_load` keeps what is the scope's (the copy order, routed experts, cast staging) and asks
 the source the rest without knowing its kind: a new kind is one class, in the layer that owns
-its machinery, and the line of wrap (or data_parallel) that installs it. Sources hold no
-per-load state of the scope; `settle`, `acquire`, `enqueue` and `after_load` are called in that
-order by each load, as the branches ran, so a load enqueues the same copies and events.
+its machinery, and the line of wrap (or data_parallel) that installs it. A source holds its own
+state only (a shadow, the ring), a load's is its LoadProgress; each load calls `settle`,
+`acquire`, `enqueue` and `after_load` in the order the branches ran, with the same copies.
 """
 
 from __future__ import annotations
