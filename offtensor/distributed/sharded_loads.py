@@ -11,10 +11,10 @@ much faster than PCIe: PCIe bytes per rank drop N-fold.
 - *Where.* The scope's source becomes a `ShardedSource` around the one wrap chose (Note [master
   sources] in scopes/sources.py), whose load is `ShardedLoads.copy` on the copy stream in place
   of the whole-scope copy; never progressive (Note [progressive loads] in scopes/loading.py), so
-  the scope first waits for its deferred steps. The slice is
-  `slice_bytes(nbytes, N)`, an alignment multiple; every rank copies the tail after N slices. On
-  CUDA the all-gather is in place and NCCL's stream waits for the copy stream; the `gathered`
-  stream waits for NCCL and records the load's `weights_ready`, which so follows the whole scope:
+  the scope first waits for its deferred steps. The slice is `slice_bytes(nbytes, N)`, an
+  alignment multiple; every rank copies the tail after N slices. On CUDA the all-gather is in
+  place and NCCL's stream waits for the copy stream; the `gathered` stream waits for NCCL and
+  records the load's `weights_ready`, which so follows the whole scope:
   make_resident, release and the master-read fence work unchanged. The copy stream does not wait
   for the all-gather (the next scope's slice crosses PCIe while this one's cross NVLink), and the
   host never waits. On the CPU (gloo) the call returns when the slices are there.
