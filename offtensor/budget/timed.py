@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..api import MasterHome, Policy
+from ..api import Policy
 from ..scopes.grad_calls import trainable
 from ..scopes.scope import Scope
 from ..scopes.streams import Streams
@@ -22,15 +22,6 @@ from .layout import (
     copy_ms_per_byte,
     spare_device_bytes,
 )
-
-
-def _copied_from(scope: Scope) -> torch.Tensor:
-    """What a load of `scope` copies to the device, to time a copy: a slot of the staging ring for
-    a staged scope (its host buffer is pageable, or none for masters in files), else its host
-    buffer, or the host shadow under cast="host"."""
-    if scope.masters.ring is not None:
-        return scope.masters.ring.sample(scope.masters.nbytes)
-    return scope.masters.flat if scope.masters.shadow is None else scope.masters.shadow
 
 
 class TimedLayout:
@@ -98,11 +89,11 @@ class TimedLayout:
         """What each scope costs a pass, from the measured times and one timed copy."""
         timer = self.timer
         largest = max(self.scopes, key=lambda s: s.masters.nbytes)
-        per_byte = copy_ms_per_byte(_copied_from(largest), self.device, self.streams.h2d())
+        # Host memory of the kind its loads copy from (Note [master sources] in scopes/sources.py).
+        per_byte = copy_ms_per_byte(largest.source.sample(largest), self.device, self.streams.h2d())
         read_per_byte = self._read_ms_per_byte(ring)
         return [ScopeCost(timer.total_ms(s, "forward"), timer.total_ms(s, "backward"),
-                          (s.masters.nbytes if s.masters.shadow is None else s.device.nbytes)
-                          * (max(per_byte, read_per_byte) if s.masters.home is MasterHome.FILE else per_byte),
+                          s.source.load_ms(s, per_byte, read_per_byte),
                           s.device.nbytes, s.block, copied_when_kept=timer.saw_backward and trainable(s))
                 for s in self.scopes]
 

@@ -8,12 +8,13 @@ step: each rank steps the same averaged gradients, or reads one shared copy behi
 fence), rank r copies only the r-th 1/N slice of the scope's flat host buffer into the same bytes
 of its device buffer, and an all-gather fills the other slices from the other ranks over NVLink,
 much faster than PCIe: PCIe bytes per rank drop N-fold.
-- *Where.* `Scope._start_load` calls `Scope.loader` (None: the plain copy) on the copy stream in
-  place of the whole-scope copy; a sharded load is never progressive (Note [progressive loads]
-  in scopes/loading.py), so the scope first waits for its deferred steps. The slice is
-  `slice_bytes(nbytes, N)`, an alignment multiple; every rank copies the tail after N slices. On
-  CUDA the all-gather is in place and NCCL's stream waits for the copy stream; the `gathered`
-  stream waits for NCCL and records the load's `weights_ready`, which so follows the whole scope:
+- *Where.* The scope's source becomes a `ShardedSource` around the one wrap chose (Note [master
+  sources] in scopes/sources.py), whose load is `ShardedLoads.copy` on the copy stream in place
+  of the whole-scope copy; never progressive (Note [progressive loads] in scopes/loading.py), so
+  the scope first waits for its deferred steps. The slice is `slice_bytes(nbytes, N)`, an
+  alignment multiple; every rank copies the tail after N slices. On CUDA the all-gather is in
+  place and NCCL's stream waits for the copy stream; the `gathered` stream waits for NCCL and
+  records the load's `weights_ready`, which so follows the whole scope:
   make_resident, release and the master-read fence work unchanged. The copy stream does not wait
   for the all-gather (the next scope's slice crosses PCIe while this one's cross NVLink), and the
   host never waits. On the CPU (gloo) the call returns when the slices are there.
@@ -55,7 +56,9 @@ import torch
 from torch import nn
 
 from ..engine.engine import Engine, TrainingState, engine_of, owning_engine
+from ..scopes.loading import LoadProgress
 from ..scopes.scope import ALIGN, Scope
+from ..scopes.sources import BufferSource, MasterSource, SourcedScope
 from .matching import all_gather, check_tag, ordinal, wait_for_ranks
 
 _STORE_PREFIX = "offtensor/shard_loads"
@@ -76,8 +79,9 @@ def slice_bytes(nbytes: int, world: int) -> int:
 
 
 def shardable(scope: Scope) -> bool:
-    """Whether the scope's load is a plain byte copy (Note [sharded loads])."""
-    return (not scope.casts and scope.masters.shadow is None and scope.masters.nbytes == scope.device.nbytes
+    """Whether the scope's load is a plain byte copy (Note [sharded loads]); a scope that does
+    not cast has no host-cast shadow (ShadowSource in scopes/sources.py)."""
+    return (not scope.casts and scope.masters.nbytes == scope.device.nbytes
             and not any(s.packed is not None for s in scope.slots))
 
 
@@ -91,7 +95,8 @@ class _Plan:
 
 
 class ShardedLoads:
-    """The loader of every shardable scope of one data-parallel model (`Scope.loader`)."""
+    """The sharded loads of every shardable scope of one data-parallel model (each scope's
+    `ShardedSource`)."""
 
     def __init__(self, engines: list[Engine], ranks: list[int], group: Any, job: str, store: Any,
                  timeout: datetime.timedelta) -> None:
@@ -129,15 +134,16 @@ class ShardedLoads:
         for engine in self.engines:
             _forget_learned(engine)
         for scope in self.plans:
-            scope.loader = self
+            scope.source = ShardedSource(self, scope.source)
         for engine in self.engines:
             engine.on_abort.append(self.desync)
 
     def close(self) -> None:
         """Back to plain loads (unwrap; data-parallel mode ends)."""
         for scope in self.plans:
-            if scope.loader is self:
-                scope.loader = None
+            source = scope.source
+            if isinstance(source, ShardedSource) and source.loads is self:
+                scope.source = source.inner
         for engine in self.engines:
             if self.desync in engine.on_abort:
                 engine.on_abort.remove(self.desync)
@@ -150,7 +156,7 @@ class ShardedLoads:
         for engine in self.engines:
             _forget_learned(engine)
 
-    # ---- the load (Scope._start_load calls it on the copy stream) ------------------------------
+    # ---- the load (ShardedSource.enqueue calls it on the copy stream) --------------------------
 
     def copy(self, scope: Scope) -> Any:
         """Fill the scope's device buffer from its masters: this rank's slice over its own link,
@@ -249,6 +255,39 @@ class ShardedLoads:
                                            use_local_synchronization=True)
 
 
+class ShardedSource(BufferSource):
+    """A shardable scope's source while its loads are sharded: copied from the host buffer as
+    `loads.copy` does; for the rest (the prefetch, the timed layout, the staging ring, host RAM)
+    as the source it replaces, which unwrap puts back (Note [sharded loads])."""
+
+    progressive = False
+
+    def __init__(self, loads: ShardedLoads, inner: MasterSource) -> None:
+        self.loads = loads
+        self.inner = inner  # the source wrap chose: BufferSource or StagedSource
+
+    def enqueue(self, scope: SourcedScope, loading: LoadProgress, host: torch.Tensor, h2d: Any,
+                whole: bool) -> None:
+        assert isinstance(scope, Scope)
+        ready = self.loads.copy(scope)  # an event after its copy (CUDA), else None
+        loading.chunk_ready = [ready if ready is not None else scope.streams.record(h2d)]
+
+    def ready(self, scope: SourcedScope) -> bool:
+        return self.inner.ready(scope)
+
+    def host_bytes(self, scope: SourcedScope) -> int:
+        return self.inner.host_bytes(scope)
+
+    def write_mark(self, scope: SourcedScope) -> tuple[Any, ...]:
+        return self.inner.write_mark(scope)
+
+    def sample(self, scope: SourcedScope) -> torch.Tensor:
+        return self.inner.sample(scope)
+
+    def load_ms(self, scope: SourcedScope, copy_ms_per_byte: float, read_ms_per_byte: float) -> float:
+        return self.inner.load_ms(scope, copy_ms_per_byte, read_ms_per_byte)
+
+
 def _forget_learned(engine: Engine) -> None:
     """The engine's learned orders and training state back to a new model's (Note [sharded
     load order])."""
@@ -278,7 +317,7 @@ def _put_back(engine: Engine, saved: dict[str, Any]) -> None:
 
 
 def _undo_load(scope: Scope) -> None:
-    """A sharded load raised inside Scope._start_load (before the scope became LOADING): free
+    """A sharded load raised inside its scope's load (before the scope became LOADING): free
     the device buffer it allocated, after the copies queued into it."""
     streams = scope.streams
     streams.wait(streams.compute(), streams.record(streams.h2d()))

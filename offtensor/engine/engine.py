@@ -185,7 +185,7 @@ class Engine:
         return not (self.hold() or self.live_calls())
 
     def _lockstep(self) -> bool:  # ranks load together (data parallel)
-        return self.grads.reducer is not None or any(s.loader is not None for s in self.scopes)
+        return self.grads.reducer is not None  # its sharded loads too (distributed/reducer.py)
 
     def _computing(self) -> bool:  # in a forward of the model or of a scope (a recompute included)
         return self.model_forward is not ModelForward.OUTSIDE or self.live_calls()

@@ -101,8 +101,7 @@ class Schedule:
         for scope in candidates:
             if scope is current:
                 continue
-            ring = scope.masters.ring
-            if scope.state is ScopeState.OFFLOADED and ring is not None and not ring.ready(scope):
+            if scope.state is ScopeState.OFFLOADED and not scope.source.ready(scope):
                 return  # its read is not done: its own forward loads it (Note [staged loads], storage/staging.py)
             if scope.residency is Residency.KEPT:  # its weights are in the budget's kept part; old gradients are not
                 if not with_grads and scope.state is not ScopeState.OFFLOADED:

@@ -64,8 +64,7 @@ class MasterWrites:
         made from the old value is stale. `written`: False for an offloaded argument that the op
         surely only reads (`h.add_(self.bias)`)."""
         scope = scope_of(slot)
-        scope.masters.shadow_stale = True
-        scope.masters.master_writes += 1  # a staged copy is stale (Note [staged loads] in storage/staging.py)
+        scope.masters.written()  # a staged copy or host-cast shadow is stale (Note [master sources], scopes/sources.py)
         slot.retired_copies_written()  # also for the worker's steps (atomic version bumps)
         if on_optimizer_worker():
             # The optimizer worker: no copy reads this master (docs/design.md, Threads). A
@@ -89,8 +88,7 @@ class MasterWrites:
         graph] in dispatch/slot.py). Streamed scopes load afresh, but under Policy(cast="host") from
         a shadow cast from the masters: it is re-cast at the next load. Writes through the alias
         after that load: Note [p.data aliases] (dispatch/slot.py)."""
-        scope.masters.shadow_stale = True
-        scope.masters.master_writes += 1  # so is a staged copy (Note [staged loads] in storage/staging.py)
+        scope.masters.written()  # so is a staged copy (Note [master sources] in scopes/sources.py)
         if scope.state is ScopeState.OFFLOADED or on_optimizer_worker():
             return
         if scope.calls.running and slot is not None:
@@ -179,8 +177,7 @@ class MasterWrites:
         marked stale, nor are graphs that saved it (the compiled graph orders its own reads)."""
         slot.wait_for_step()
         scope = scope_of(slot)
-        scope.masters.shadow_stale = True
-        scope.masters.master_writes += 1  # a staged copy is stale (Note [staged loads] in storage/staging.py)
+        scope.masters.written()  # a staged copy or host-cast shadow is stale (Note [master sources], scopes/sources.py)
         slot.retired_copies_written()
         self.streams.sync_master_reads()
         # On the current stream, which ran the forward; blocking, so the host waits for it.

@@ -35,6 +35,7 @@ from ..engine.hooks import ModelHooks, ScopeHooks
 from ..optim.overlap import wait_for_steps
 from ..scopes.experts import route_experts
 from ..scopes.scope import Scope
+from ..scopes.sources import FileSource, ShadowSource, StagedSource
 from ..storage.compress import FrozenFormat, PackedMaster, RowReader, StoredMaster, copy_rows
 from ..storage.file_masters import FileScope
 from ..storage.files import FileStore
@@ -159,8 +160,9 @@ def _unpinned_home(policy: Policy) -> MasterHome:
 
 
 def _stage(engine: Engine, device: torch.device, policy: Policy) -> None:
-    """Give the scopes that load through a staging ring theirs (Note [staged loads] in
-    storage/staging.py): one per model, holding the engine weakly."""
+    """Give the scopes that load through a staging ring their source (Note [master sources] in
+    scopes/sources.py) and the ring (Note [staged loads] in storage/staging.py): one per model,
+    sized once every scope is laid out, holding the engine weakly."""
     staged = [s for s in engine.scopes if s.masters.home in (MasterHome.RING, MasterHome.FILE)]
     if not staged:
         return
@@ -173,7 +175,7 @@ def _stage(engine: Engine, device: torch.device, policy: Policy) -> None:
     engine.ring = StagingRing(staged, pin=device.type == "cuda" and policy.pin_memory is not False,
                               slots=2 + policy.prefetch, upcoming=upcoming, pinning=engine.pinning)
     for scope in staged:
-        scope.masters.ring = engine.ring
+        scope.source = (FileSource if scope.masters.home is MasterHome.FILE else StagedSource)(engine.ring)
 
 
 def _check_arguments(model: nn.Module, predicate: Predicate | None, policy: Policy) -> None:
@@ -305,8 +307,9 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     if masters is not None:
         scope.masters.flat = masters.flat
         scope.masters.buffer = masters
-    if scope.casts and scope.policy.cast == "host":
-        scope.masters.shadow = scope.engine.pinning.empty(scope.device.nbytes, pin=scope.pinned, what="host shadows")
+    if scope.casts and scope.policy.cast == "host":  # allocated here, in wrap's order of pinned memory
+        scope.source = ShadowSource(scope.engine.pinning.empty(scope.device.nbytes, pin=scope.pinned,
+                                                               what="host shadows"))
     # Allocated here only to create each parameter's device tensor on it; freed below.
     scope.device.flat = torch.empty(scope.device.nbytes, dtype=torch.uint8, device=device)
     # Plain tensors that do not require grad: autograd records none of these copies, without

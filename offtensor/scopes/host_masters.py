@@ -1,5 +1,6 @@
-"""Where a scope's masters live on the host, and the host bytes its loads copy from: the flat
-host buffer, the compute-dtype shadow of `Policy(cast="host")`, the staging ring or files.
+"""Where a scope's masters live on the host: the flat host buffer (or, for masters in files,
+where in the files), and the count of writes to them. Where its loads copy from is the scope's
+source (scopes/sources.py, Note [master sources]).
 
 # Note [masters moved out of the host buffer]
 A tensor sent to another process through multiprocessing's ForkingPickler (a spawned
@@ -28,65 +29,41 @@ from ..dispatch.masters import without_subclass_dispatch
 from ..dispatch.slot import ParamSlot
 from ..storage.file_masters import FileScope
 from ..storage.memory import HostBuffer
-from ..storage.staging import StagingRing
 from .write_tracking import version_of
 
 
 class HostMasters:
-    """The host side of one scope: its masters' allocation and what its loads read."""
+    """The host side of one scope: its masters' allocation and the writes to them."""
 
     def __init__(self, pinned: bool) -> None:
-        # Where the masters live and how loads read them (`home`, the one meaning of the word:
-        # Note [staged loads] in storage/staging.py); wrap sets FILE or RING, with `ring` (the
-        # engine's StagingRing) and, for FILE, `files` (a FileScope: where in the files each master is).
+        # Where the masters live (`home`, the one meaning of the word: Note [staged loads] in
+        # storage/staging.py); wrap sets FILE or RING, and for FILE `files` (a FileScope: where
+        # in the files each master is).
         self.home = MasterHome.PINNED if pinned else MasterHome.PAGEABLE
-        self.ring: StagingRing | None = None
         self.files: FileScope | None = None
         self.nbytes = 0  # the host buffer, master dtypes
         # Both replaced by wrap's _offload_params right after construction.
         self.flat = torch.empty(0, dtype=torch.uint8)  # pinned when `pinned`; all the masters' bytes
         self.buffer: HostBuffer | None = None  # the allocation `flat` spans
-        self.shadow: torch.Tensor | None = None  # uint8, device layout (cast="host")
-        self.shadow_stale = True  # masters changed since the shadow was cast
-        self.shadow_read: Any = None  # event after the latest copy from the shadow
-        # Writes through the parameters so far (before_master_write, `.data` taken), for
-        # write_mark: a staged copy of pageable masters read before one is stale.
+        # Writes through the parameters so far (`written`), for write_mark and the sources: a
+        # staged copy, a host-cast shadow or a cached expert row made before one is stale.
         self.master_writes = 0
 
     @property
     def pinned(self) -> bool:
         return self.home is MasterHome.PINNED
 
-    def host_bytes(self) -> int:
-        """Host RAM of the masters (and the shadow); none for masters in files."""
-        if self.home is MasterHome.FILE:
-            return 0
-        return self.nbytes + (self.shadow.nbytes if self.shadow is not None else 0)
+    def written(self) -> None:
+        """The masters change, or may change unseen (a write through a parameter, `p.data` handed
+        out, a move; engine/writes.py and here): copies made from them before are stale."""
+        self.master_writes += 1
 
     def write_mark(self, slots: list[ParamSlot]) -> tuple[Any, ...]:
         """The writes to the masters so far, as the staging ring compares them (Note [staged
         loads] in storage/staging.py): through the parameters, their views and detached
         aliases (versions), and through `p.data` aliases (their own versions, Note [p.data
-        aliases] in dispatch/slot.py); masters in files are never written."""
-        if self.home is MasterHome.FILE:
-            return ()
+        aliases] in dispatch/slot.py)."""
         return (self.master_writes, *((version_of(slot.param), slot.data_versions()) for slot in slots))
-
-    def refresh_shadow(self, slots: list[ParamSlot]) -> None:
-        """Policy(cast="host"): re-cast the masters into the compute-dtype host copy after they
-        changed. Waits (host side) for the previous copy out of the shadow, rarely pending."""
-        if not self.shadow_stale:
-            return
-        if self.shadow_read is not None:
-            self.shadow_read.synchronize()
-            self.shadow_read = None
-        shadow = self.shadow
-        assert shadow is not None
-        for slot in slots:
-            dt, master = slot.device_view.dtype, slot.master
-            n = master.numel() * dt.itemsize
-            shadow[slot.device_offset : slot.device_offset + n].view(dt).view(master.shape).copy_(master)
-        self.shadow_stale = False
 
     def move_into(self, slots: list[ParamSlot], buffer: HostBuffer) -> None:
         """Point the masters at `buffer` (a HostBuffer with this layout that already holds their
@@ -99,8 +76,7 @@ class HostMasters:
             slot.master = master
         self.flat = buffer.flat
         self.buffer = buffer
-        self.shadow_stale = True
-        self.master_writes += 1
+        self.written()
 
     def take_back(self, slots: list[ParamSlot]) -> None:
         """Copy the masters moved out of the host buffer (into shared memory) back into it and
@@ -116,8 +92,7 @@ class HostMasters:
             place.copy_(master)
             without_subclass_dispatch(_set_master, slot.param, place)
             slot.master = place
-            self.shadow_stale = True
-            self.master_writes += 1
+            self.written()
 
 
 def _set_master(p: torch.Tensor, master: torch.Tensor) -> None:

@@ -20,7 +20,8 @@ the masters live (Note [staged loads] in storage/staging.py). The scopes of one 
 not OFFLOADED are listed, in load order, in their `LiveScopes`.
 
 A scope delegates to its parts, each in a module of its own with its Notes: the host side
-(`HostMasters`, scopes/host_masters.py: Note [masters moved out of the host buffer]), the device
+(`HostMasters`, scopes/host_masters.py: Note [masters moved out of the host buffer]), where its
+loads copy from (a `MasterSource`, scopes/sources.py: Note [master sources]), the device
 buffer (`DeviceBuffer`, scopes/device_buffer.py: Note [higher-order gradients]), a load in flight
 (`LoadProgress`, scopes/loading.py: Note [progressive loads]), the writes its device copies have
 not seen (`WriteTracker`, scopes/write_tracking.py: Note [writes during a scope's call]) and the fetches
@@ -55,6 +56,7 @@ from .device_buffer import DeviceBuffer
 from .host_masters import HostMasters
 from .loading import LoadPlan, LoadProgress, Traffic
 from .old_grads import OldGrads
+from .sources import BufferSource, MasterSource
 from .streams import Streams
 from .write_tracking import WriteTracker
 
@@ -103,13 +105,6 @@ class ScopeEngine(Protocol):
 
     @property
     def writes(self) -> WritesToMasters: ...
-
-
-class ScopeLoader(Protocol):
-    """Fills a scope's device buffer in place of its whole-scope copy (ShardedLoads in
-    distributed/sharded_loads.py, above: Note [sharded loads])."""
-
-    def copy(self, scope: Scope) -> Any: ...  # on the copy stream; an event after its work, or None
 
 
 class LiveScopes:
@@ -184,6 +179,9 @@ class Scope:
         self.slots: list[ParamSlot] = []
         self.routed: list[ParamSlot] = []  # Note [routed experts] (scopes/experts.py)
         self.masters = HostMasters(pinned)
+        # Where loads copy the masters from: wrap chooses it, data_parallel(shard_loads=True)
+        # wraps it (Note [master sources] in scopes/sources.py).
+        self.source: MasterSource = BufferSource()
         self.device = DeviceBuffer()
         self.writes = WriteTracker(self.streams, self.slots)
         self.traffic = Traffic()  # bytes to the device since wrap; routed experts' hits
@@ -201,11 +199,6 @@ class Scope:
         # CARRIED: streamed, left resident by a backward's end for the next forward, which
         # computes it first (Note [carried into the next forward] in budget/vram.py).
         self.residency = Residency.STREAMED
-        # Set by data_parallel(shard_loads=True): fills device_flat from host_flat in place of
-        # the whole-scope copy (`loader.copy(scope)`, on the copy stream; it may return the
-        # event that follows its work; Note [sharded loads] in distributed/sharded_loads.py).
-        # None: the plain copy.
-        self.loader: ScopeLoader | None = None
 
     @property
     def weights_ready(self) -> Any:
@@ -219,7 +212,7 @@ class Scope:
 
     def host_bytes(self) -> int:
         """Host RAM of the masters (and host shadow); none for masters in files."""
-        return self.masters.host_bytes()
+        return self.source.host_bytes(self)
 
     def offloaded(self) -> bool:
         return self.state is ScopeState.OFFLOADED
@@ -230,8 +223,8 @@ class Scope:
         return not any(master_requires_grad(slot.param) or slot.step_pending for slot in self.slots)
 
     def write_mark(self) -> tuple[Any, ...]:
-        """The writes to the masters so far, as the staging ring compares them (HostMasters.write_mark)."""
-        return self.masters.write_mark(self.slots)
+        """The writes to the masters so far, as the staging ring compares them (MasterSource.write_mark)."""
+        return self.source.write_mark(self)
 
     def device_bytes(self) -> int:
         return self.device.storage.nbytes() + self.old_grads.held_bytes()
@@ -307,36 +300,21 @@ class Scope:
             self.old_grads.fetch(self.device.flat.device)
 
     def _start_load(self) -> None:
+        """Enqueue the load: progressive along the learned copy order when the source allows it,
+        else whole by the source (Note [master sources] in scopes/sources.py)."""
         self.take_back_masters()
-        streams, masters = self.streams, self.masters
+        streams, source = self.streams, self.source
         h2d = streams.h2d()
         self.device.allocate(streams)
         loading = LoadProgress(streams, self.writes.note_copied, self.traffic)  # the scope's once LOADING
-        progressive = (self.copy_order is not None and masters.shadow is None and self.loader is None
-                       and masters.ring is None)
+        progressive = self.copy_order is not None and source.progressive
         if not progressive:
-            for slot in self.slots:
-                slot.wait_for_step()
-            if masters.shadow is not None and self.writes.written_since_copied():
-                # Policy(cast="host"): a write no op on the parameter saw (`p[0].fill_()`,
-                # `p.detach().mul_()`) left the shadow cast from the old masters.
-                masters.shadow_stale = True
-            self.writes.note_copied(self.slots)
-        if masters.shadow is not None:  # Policy(cast="host")
-            masters.refresh_shadow(self.slots)
-        host = masters.flat
-        if masters.ring is not None and self.loader is None:
-            # A staged scope's bytes come from the staging ring (Note [staged loads] in
-            # storage/staging.py): read from its files, or copied from pageable masters.
-            try:
-                host = masters.ring.acquire(self)
-            except BaseException:  # a failed read: nothing is loading
-                self.device.storage.resize_(0)
-                raise
+            source.settle(self)
+        host = source.acquire(self)
         whole = _routed_loaded(self, progressive)  # Note [routed experts] (scopes/experts.py)
         with streams.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
-            if self.casts and masters.shadow is None:
-                loading.stage(masters.nbytes, self.device.flat.device)
+            if self.casts and not source.device_layout:
+                loading.stage(self.masters.nbytes, self.device.flat.device)
             if progressive:
                 assert self.copy_order is not None
                 plan = self.load_plan
@@ -346,25 +324,15 @@ class Scope:
                 loading.follow(plan, host, self.device.flat, routed=whole)
                 loading.copy_more(-1)
                 self.live.holding_back(self, loading.held_back)
-            elif self.loader is not None:  # data_parallel(shard_loads=True), whole-scope
-                ready = self.loader.copy(self)  # an event after its copy (CUDA), else None
-                loading.chunk_ready = [ready if ready is not None else streams.record(h2d)]
             else:
-                loading.copy_all(host if masters.shadow is None else masters.shadow, self.device.flat, self.slots,
-                                 only=None if whole else [s for s in self.slots if s.experts is None])
-                if masters.ring is not None:
-                    masters.ring.copied(self, streams.record(h2d))
-                loading.mark_chunk(h2d)
-                loading.staging = None
-            if not progressive:
+                source.enqueue(self, loading, host, h2d, whole)
                 streams.reads_masters(loading.weights_ready)
-        if masters.shadow is not None:
-            masters.shadow_read = loading.weights_ready
+        source.after_load(self, loading)
         self._to_loading(loading)
         self.loads += 1
         self.live.loaded(self)
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("load %s (%.1f MiB)%s", self.name, masters.nbytes / 2**20, streams.memory())
+            logger.debug("load %s (%.1f MiB)%s", self.name, self.masters.nbytes / 2**20, streams.memory())
 
     def copy_more(self, need: int) -> None:
         """Enqueue the next copies of a progressive load (LoadProgress.copy_more): those up to
@@ -473,10 +441,9 @@ def scope_of(slot: ParamSlot) -> Scope:
 
 def _routed_loaded(scope: Scope, progressive: bool) -> bool:
     """Whether a load starting now copies the scope's routed experts whole: in backward, or
-    when it converts or is not the scope's own copy; else ops copy theirs (Note [routed
-    experts] in scopes/experts.py)."""
-    masters = scope.masters
-    plain = scope.loader is None and masters.ring is None and masters.shadow is None and not scope.casts
+    when it converts or its source copies whole; else ops copy theirs (Note [routed experts] in
+    scopes/experts.py)."""
+    plain = scope.source.progressive and not scope.casts
     whole = not scope.routed or in_backward() or not (progressive or plain)
     if not whole:
         _forget_routed(scope)

@@ -5,23 +5,22 @@ threads fill ahead of the learned order.
 # Note [staged loads]
 A scope whose masters are in a file (MasterHome.FILE), or in pageable memory under
 Policy(pin_memory="ring") or after pinning failed (MasterHome.RING), loads from a slot of the
-model's one StagingRing: `2 + prefetch` slots of the largest such scope's host bytes,
-page-locked on CUDA, so page-locked memory and the host memory of reads are bounded by the
-ring. `Scope._start_load` takes the scope's bytes from `acquire` in place of its host buffer
-and copies them to the device as from a host buffer (whole, not progressively), then
-`copied` hands the slot back with the copy's event; the slot is reused once that event passed
-and keeps its bytes until then, so a load soon after (the last scope of a forward, loaded
-again by its backward) reads nothing. Reads run ahead on READERS threads, in READ_CHUNK pieces
-so several are in flight: each acquire asks for the scopes the engine expects next
-(`upcoming`, from the Schedule's learned orders: the rest of this pass, then the next one) in
-the free slots, and a prefetch does not load a file scope whose read is not done (`ready`)
-but leaves it to its on-demand load, so the thread that queues kernels does not wait on the
-disk for a scope it does not need yet. A kept scope on the device (Policy(vram_budget)) takes
-no place in the window: it loads nowhere. Pageable masters are read ahead only while no
-parameter of the scope is trainable or waits for a step; a fill is stale, and read again, when
-the scope's `write_mark` (writes through its parameters, versions of their masters and of the
-`p.data` aliases handed out: Note [p.data aliases] in dispatch/slot.py) changed while it was read or
-staged. File scopes are never written (Note [masters in files] in storage/file_masters.py).
+model's one StagingRing: `2 + prefetch` slots of the largest such scope's host bytes, page-locked
+on CUDA, so page-locked memory and the host memory of reads are bounded by the ring. The scope's
+source (Note [master sources] in scopes/sources.py) takes its bytes from `acquire` in place of its
+host buffer, its load copies them whole, and `copied` hands the slot back with the copy's event;
+the slot is reused once that event passed and keeps its bytes until then, so a load soon after (the
+last scope of a forward, loaded again by its backward) reads nothing. Reads run ahead on READERS
+threads, in READ_CHUNK pieces so several are in flight: each acquire asks for the scopes the engine
+expects next (`upcoming`, from the Schedule's learned orders: the rest of this pass, then the next
+one) in the free slots, and a prefetch does not load a file scope whose read is not done (`ready`)
+but leaves it to its on-demand load, so the thread that queues kernels does not wait on the disk
+for a scope it does not need yet. A kept scope on the device (Policy(vram_budget)) takes no place
+in the window: it loads nowhere. Pageable masters are read ahead only while no parameter of the
+scope is trainable or waits for a step; a fill is stale, and read again, when the scope's
+`write_mark` (writes through its parameters, versions of their masters and of the `p.data` aliases
+handed out: Note [p.data aliases] in dispatch/slot.py) changed while it was read or staged. File
+scopes are never written (Note [masters in files] in storage/file_masters.py).
 """
 
 from __future__ import annotations
@@ -63,9 +62,6 @@ class StagedMasters(Protocol):
 
     @property
     def files(self) -> FileScope | None: ...  # where in the files each master is (FILE)
-
-    @property
-    def ring(self) -> StagingRing | None: ...
 
 
 class StagedScope(Protocol):
@@ -237,6 +233,7 @@ class StagingRing:
         flat, view = buffer.flat, buffer.flat.numpy().data
         self._slots = [_Slot(flat[i * self.slot_bytes : (i + 1) * self.slot_bytes],
                              view[i * self.slot_bytes : (i + 1) * self.slot_bytes]) for i in range(slots)]
+        self._scopes = set(scopes)  # those staged through this ring
         self._staged: dict[StagedScope, _Slot] = {}  # scope -> the slot holding (or reading) its bytes
         self._uses = itertools.count(1)
         self._seq = itertools.count()
@@ -334,7 +331,7 @@ class StagingRing:
             # of one that does (Note [staged loads]).
             if s.residency is Residency.KEPT and not s.offloaded():
                 continue
-            if s is not scope and s.masters.ring is self and s not in ahead:
+            if s is not scope and s in self._scopes and s not in ahead:
                 ahead.append(s)
                 if len(ahead) == len(self._slots) - 1:
                     break

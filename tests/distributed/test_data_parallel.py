@@ -34,6 +34,7 @@ from conftest import ResidualBlock, host, mlp_of_blocks, only_blocks
 from torch import nn
 
 import offtensor
+from offtensor.distributed.sharded_loads import ShardedSource
 from offtensor.distributed.shared_masters import MastersState, plan_owners
 from offtensor.storage import shm as _shm
 
@@ -1024,7 +1025,7 @@ def test_scopes_that_cast_are_loaded_whole(one_rank_group):
         expected = reference(x)
 
     assert loader.plans == {} and loader.gathers == 0
-    assert all(scope.loader is None for scope in model._offtensor_engine.scopes)
+    assert not any(isinstance(scope.source, ShardedSource) for scope in model._offtensor_engine.scopes)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
@@ -1036,13 +1037,13 @@ def test_unwrap_ends_sharded_loads(one_rank_group):
     with torch.no_grad():
         model(x)
     gathers = loader.gathers
-    assert gathers == 3 and all(scope.loader is loader for scope in engine.scopes)
+    assert gathers == 3 and all(scope.source.loads is loader for scope in engine.scopes)
 
     offtensor.unwrap(model)
     model(x)
 
     assert loader.gathers == gathers and engine.on_abort == []
-    assert all(scope.loader is None for scope in engine.scopes)
+    assert not any(isinstance(scope.source, ShardedSource) for scope in engine.scopes)
 
 
 def test_local_loads_copy_whole_scopes_without_collectives(one_rank_group):

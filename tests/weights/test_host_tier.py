@@ -418,6 +418,37 @@ def test_a_handler_that_keeps_the_pinning_warning_does_not_keep_the_model_alive(
         log.removeHandler(kept)
 
 
+def test_wrap_gives_each_scope_the_source_its_masters_load_from(monkeypatch):
+    """Note [master sources]: pinned masters load from their host buffer, those past the pinning
+    cap through the staging ring; under cast="host" every scope that casts loads from its shadow,
+    also pageable (not staged)."""
+    from offtensor.scopes.sources import BufferSource, ShadowSource, StagedSource
+
+    _, model = _plain_net()
+    scope_bytes = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+    monkeypatch.setenv(MAX_PINNED_ENV, str(int(2.5 * scope_bytes) + offtensor_pinned_now()))
+    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(pin_memory=True))
+    scopes = offtensor.engine.engine.find_engine(model).scopes
+    assert [type(s.source) for s in scopes] == [BufferSource] * 2 + [StagedSource] * 4
+    assert all(s.source.ring is find_ring(model) for s in scopes[2:])
+    offtensor.unwrap(model)
+
+    on_device, model = _plain_net()  # the same cast, made on the device: the same values
+    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(cast="host", compute_dtype=torch.bfloat16))
+    offtensor.wrap(on_device, device="cpu", policy=offtensor.Policy(compute_dtype=torch.bfloat16))
+    scopes = offtensor.engine.engine.find_engine(model).scopes
+    assert all(type(s.source) is ShadowSource for s in scopes)
+    assert all(s.masters.home is offtensor.MasterHome.PAGEABLE for s in scopes)
+    assert all(type(s.source) is BufferSource for s in offtensor.engine.engine.find_engine(on_device).scopes)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(model.blocks[3](x), on_device.blocks[3](x), **EXACT)
+
+
+def find_ring(model: nn.Module) -> StagingRing | None:
+    return offtensor.engine.engine.find_engine(model).ring
+
+
 def offtensor_pinned_now() -> int:
     from offtensor.storage import memory as _host_memory
 
