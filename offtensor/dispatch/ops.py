@@ -16,7 +16,7 @@ import torch
 
 from . import compile as _compile
 from .masters import MASTER_ONLY
-from .slot import exposed_copy, on_optimizer_worker
+from .slot import SlotScope, exposed_copy, on_optimizer_worker
 from .writes import is_inplace, written
 
 # Note [ops in a resident scope]
@@ -56,6 +56,43 @@ def resident_copies(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.
         return None
     n = len(args)
     return tuple(subs[:n]), dict(zip(kwargs, subs[n:], strict=True)), params
+
+
+def resident_copies_ready(scope: SlotScope, *, versions_read: bool = False) -> bool:
+    """Of a RESIDENT scope: `ready_copy` would return each slot's device copy, and no master is
+    compressed or in a file (`packed`); the copies' requires_grad set as `use_device_copy` sets it.
+    The checks of ready_copy, with the version reads one per scope (Note [one version read per
+    scope] in scopes/write_tracking.py): asked at each call of a kept scope. `versions_read`: the
+    masters' versions were just found unchanged since their copies (in the same pre-hook)."""
+    slots = scope.slots
+    if scope.calls.running <= 0 or scope.copy_order is None:
+        return False
+    for slot in slots:  # a loop over plain fields: asked per parameter and call
+        if (slot.packed is not None or slot.pending_step is not None or slot.stepped_elsewhere is not None
+                or (slot.experts is not None and not slot.experts.whole)):
+            return False
+    if not scope.writes.copies_current(len(slots), versions_read=versions_read):
+        return False
+    changes = REQUIRES_GRAD_CHANGES[0]
+    if scope.requires_grad_seen != changes:  # the user froze or unfroze parameters since the last call
+        for slot in slots:
+            slot.use_device_copy()
+        scope.requires_grad_seen = changes
+    return True
+
+
+# Note [requires_grad changes]
+# A device copy's requires_grad follows its parameter's, set when an op gets it
+# (`use_device_copy`). A kept scope's call checks all of them at once, but only when some
+# parameter's requires_grad was set since its last check: every such write (`p.requires_grad =`,
+# `p.requires_grad_()`, nn.Module.requires_grad_) reaches an offloaded parameter through
+# `__torch_function__`, which counts it here; a device copy is made with its parameter's flag
+# (wrap) or its predecessor's (retire_device_copy), so no other change can part them.
+REQUIRES_GRAD_CHANGES = [0]  # writes of requires_grad to offloaded parameters, since import
+
+
+def requires_grad_changed() -> None:
+    REQUIRES_GRAD_CHANGES[0] += 1
 
 
 def run_op(func: Any, args: tuple, kwargs: dict, params: Sequence[torch.Tensor]) -> Any:

@@ -36,8 +36,8 @@ from . import metadata as _metadata
 from . import wrapper_guards as _distributed
 from .autograd import AUTOGRAD_ENTRIES, REGISTRARS
 from .masters import DERIVED_PROPERTIES, MASTER_ONLY, await_steps, master_values, without_subclass_dispatch
-from .ops import dispatch, resident_copies, run_op
-from .slot import ParamSlot, exposed_copy, on_optimizer_worker, requires_grad_changed
+from .ops import dispatch, requires_grad_changed, resident_copies, run_op
+from .slot import ParamSlot, exposed_copy, on_optimizer_worker
 from .writes import is_inplace, set_data, set_master, writes_by_name, written
 
 _disabled_torch_function_impl = torch._C._disabled_torch_function_impl
@@ -243,13 +243,13 @@ def _plain_property(func: Any, args: tuple, kwargs: dict, params: list) -> Any:
 
 @implements(_accessor("requires_grad", "__set__"))
 def _set_requires_grad(func: Any, args: tuple, kwargs: dict, params: list) -> Any:
-    requires_grad_changed()  # Note [requires_grad changes] (dispatch/slot.py)
+    requires_grad_changed()  # Note [requires_grad changes] (dispatch/ops.py)
     return func(*args, **kwargs)
 
 
 @implements(torch.Tensor.requires_grad_)
 def _requires_grad_(func: Any, args: tuple, kwargs: dict, params: list) -> Any:
-    requires_grad_changed()  # Note [requires_grad changes] (dispatch/slot.py)
+    requires_grad_changed()  # Note [requires_grad changes] (dispatch/ops.py)
     return dispatch(func, args, kwargs, params)
 
 

@@ -253,18 +253,21 @@ class ExposedCopy(nn.Parameter):
     # exposed (`_ot_param`, set and cleared with its `_ot_aliases`) the copy copies and pickles as
     # its parameter does: the same object as the copied module's parameter.
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
-        ref = self.__dict__.get("_ot_param")
-        param = ref() if ref is not None else None
+        param = self._exposed_param()
         if param is None:
             return super().__deepcopy__(memo)  # type: ignore[no-any-return]
         return copy.deepcopy(param, memo)
 
     def __reduce_ex__(self, proto: Any) -> Any:  # type: ignore[override]
-        ref = self.__dict__.get("_ot_param")
-        param = ref() if ref is not None else None
+        param = self._exposed_param()
         if param is None:
             return super().__reduce_ex__(proto)
         return (_same, (param,))
+
+    def _exposed_param(self) -> torch.Tensor | None:
+        """The parameter this copy stands for while exposed, else None."""
+        ref = self.__dict__.get("_ot_param")
+        return ref() if ref is not None else None
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
         return DeviceCopy.__repr__(self, *args, **kwargs)  # type: ignore[arg-type]
@@ -279,42 +282,6 @@ def exposed_copy(p: torch.Tensor) -> torch.Tensor | None:
         return None
     return slot.device_leaf
 
-
-def resident_copies_ready(scope: SlotScope, *, versions_read: bool = False) -> bool:
-    """Of a RESIDENT scope: `ready_copy` would return each slot's device copy, and no master is
-    compressed or in a file (`packed`); the copies' requires_grad set as `use_device_copy` sets it.
-    The checks of ready_copy, with the version reads one per scope (Note [one version read per
-    scope] in scopes/write_tracking.py): asked at each call of a kept scope. `versions_read`: the
-    masters' versions were just found unchanged since their copies (in the same pre-hook)."""
-    slots = scope.slots
-    if scope.calls.running <= 0 or scope.copy_order is None:
-        return False
-    for slot in slots:  # a loop over plain fields: asked per parameter and call
-        if (slot.packed is not None or slot.pending_step is not None or slot.stepped_elsewhere is not None
-                or (slot.experts is not None and not slot.experts.whole)):
-            return False
-    if not scope.writes.copies_current(len(slots), versions_read=versions_read):
-        return False
-    changes = REQUIRES_GRAD_CHANGES[0]
-    if scope.requires_grad_seen != changes:  # the user froze or unfroze parameters since the last call
-        for slot in slots:
-            slot.use_device_copy()
-        scope.requires_grad_seen = changes
-    return True
-
-
-# Note [requires_grad changes]
-# A device copy's requires_grad follows its parameter's, set when an op gets it
-# (`use_device_copy`). A kept scope's call checks all of them at once, but only when some
-# parameter's requires_grad was set since its last check: every such write (`p.requires_grad =`,
-# `p.requires_grad_()`, nn.Module.requires_grad_) reaches an offloaded parameter through
-# `__torch_function__`, which counts it here; a device copy is made with its parameter's flag
-# (wrap) or its predecessor's (retire_device_copy), so no other change can part them.
-REQUIRES_GRAD_CHANGES = [0]  # writes of requires_grad to offloaded parameters, since import
-
-
-def requires_grad_changed() -> None:
-    REQUIRES_GRAD_CHANGES[0] += 1
 
 def _same(obj: Any) -> Any:
     return obj

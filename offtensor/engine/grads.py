@@ -215,8 +215,9 @@ class GradOffload:
         # reads, read here (Note [one gradient's host work]).
         if _compiler._is_compiling_flag or _compile.eval_frame_callback() is not None:
             return _compile.run_outside_dynamo(self._on_leaf_grad, (slot, leaf))
-        # _on_leaf_grad, and accumulate without a stepper or gradient hooks, inlined: one call
-        # per parameter and backward (Note [one gradient's host work]).
+        return self._on_leaf_grad(slot, leaf)
+
+    def _on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None:
         grad = leaf.grad
         leaf.grad = None  # the device copy keeps no gradient: it lives on the host
         if grad is None:
@@ -226,18 +227,12 @@ class GradOffload:
         if self.stepper is not None or slot.grad_hooks:
             self.accumulate(slot, grad)
             return
+        # accumulate's start, without a stepper or gradient hooks: one call less per parameter
+        # and backward (Note [one gradient's host work]).
         task = torch._C._current_graph_task_id()
         if task != -1 and task not in self._tasks:
             self.enter_backward()
         self._add(slot, grad)
-
-    def _on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None:
-        grad = leaf.grad
-        leaf.grad = None  # the device copy keeps no gradient: it lives on the host
-        if grad is not None and grad.requires_grad:
-            raise _graph_grad_error(slot)
-        if grad is not None:
-            self.accumulate(slot, grad)
 
     def accumulate(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         task = torch._C._current_graph_task_id()

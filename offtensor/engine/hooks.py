@@ -42,7 +42,8 @@ from torch import nn
 from ..api import ScopeState
 from ..dispatch import compile as _compile
 from ..dispatch import wrapper_guards as _distributed
-from ..dispatch.slot import ExposedCopy, ParamSlot, in_backward, resident_copies_ready
+from ..dispatch.ops import resident_copies_ready
+from ..dispatch.slot import ExposedCopy, ParamSlot, in_backward
 from ..scopes.experts import fill_all_experts
 from ..scopes.scope import Scope
 from ..scopes.write_tracking import versions_of
@@ -79,8 +80,7 @@ class ScopeHooks:
     def install(self) -> None:
         module = self.scope.module
         # Called from compiled code, the hooks also expose the device copies (Note [torch.compile]).
-        self.scope.resident_in_call = self._resident_in_call
-        self.scope.exposure_check = self._exposure_live
+        self.scope.hooks = self
         pre = Hook(self._eager_pre_forward, self.compiled_pre_forward)
         post = Hook(self._eager_post_forward, self.compiled_post_forward)
         self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
@@ -90,8 +90,7 @@ class ScopeHooks:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-        self.scope.resident_in_call = None
-        self.scope.exposure_check = None
+        self.scope.hooks = None
 
     def drop_interrupted(self) -> None:
         """Forget the calls a KeyboardInterrupt left (FailureCheck)."""
@@ -101,7 +100,7 @@ class ScopeHooks:
             if self.scope.calls.running == 0:
                 self._unexpose_loaded()
 
-    def _exposure_live(self) -> bool:
+    def exposure_live(self) -> bool:
         """The copies are still exposed once the calls an interrupt ended are forgotten (a
         stack walk: asked only for a write through a parameter whose copies are exposed)."""
         self.drop_interrupted()
@@ -167,7 +166,7 @@ class ScopeHooks:
         if self.scope.state is ScopeState.RESIDENT and self._exposed is None and self._aliases is None:
             self._expose_loaded(current)
 
-    def _resident_in_call(self) -> None:
+    def resident_in_call(self) -> None:
         """The scope became RESIDENT during a running call: its load's last chunk was waited for
         by an op (Note [calls of a loaded scope]). Not from inside a pre-hook, which decides itself."""
         if not self._in_pre_hook and self._exposed is None and self._aliases is None:
@@ -362,7 +361,7 @@ class ScopeHooks:
 # interrupt leaves `parameters()` and `state_dict()` as they are), and ops see plain
 # tensors. A scope still LOADING takes the per-op path, which waits for each op's chunk
 # only, until an op has waited for the last chunk: RESIDENT then, its copies are exposed for
-# the rest of the call (`_resident_in_call`). The copies are `ExposedCopy`s, nn.Parameters
+# the rest of the call (`resident_in_call`). The copies are `ExposedCopy`s, nn.Parameters
 # whose `.data` aliases are noted: a write in the forward changes the copy, as it changes a
 # plain parameter at once, and at the call's end each copy whose version moved, or whose
 # alias's did, is copied into its master (MasterWrites.exposed_call_ended). Not exposed: a

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import torch
@@ -107,6 +106,15 @@ class ScopeEngine(Protocol):
     def writes(self) -> WritesToMasters: ...
 
 
+class CallHooks(Protocol):
+    """The scope's forward hooks (ScopeHooks in engine/hooks.py, above), as the scope asks them
+    about its copies exposed in a call (Note [calls of a loaded scope] there)."""
+
+    def resident_in_call(self) -> None: ...  # it became RESIDENT during one of its calls
+
+    def exposure_live(self) -> bool: ...  # its copies are exposed by a call that still runs
+
+
 class LiveScopes:
     """The scopes of one wrapped model that are not OFFLOADED, in load order."""
 
@@ -168,11 +176,9 @@ class Scope:
         self.module = module
         self.policy = policy
         self.engine = engine
-        self.requires_grad_seen = -1  # Note [requires_grad changes] (dispatch/slot.py)
+        self.requires_grad_seen = -1  # Note [requires_grad changes] (dispatch/ops.py)
         self.exposed = False  # its copies stand in for its parameters in a call (engine/hooks.py)
-        self.exposure_check: Callable[[], bool] | None = None  # set by the engine's hooks: exposure_live
-        # Set by the engine's hooks: called when the scope becomes RESIDENT during one of its calls.
-        self.resident_in_call: Callable[[], None] | None = None
+        self.hooks: CallHooks | None = None  # set by the engine's hooks (install, remove)
         self.streams: Streams = engine.streams
         self.live: LiveScopes = engine.live
         self.grad_sink = engine.grads.on_leaf_grad  # where device copies' gradients go (engine/grads.py)
@@ -394,13 +400,13 @@ class Scope:
     def _to_resident(self) -> None:
         assert self.state is ScopeState.LOADING, self.state
         self.state, self.loading = ScopeState.RESIDENT, None
-        if self.calls.running and self.resident_in_call is not None:
-            self.resident_in_call()  # Note [calls of a loaded scope] in engine/hooks.py
+        if self.calls.running and self.hooks is not None:
+            self.hooks.resident_in_call()  # Note [calls of a loaded scope] in engine/hooks.py
 
     def exposure_live(self) -> bool:
         """The copies are exposed by a call that still runs: not by one a KeyboardInterrupt ended
         (which this forgets, as the scope's next call would)."""
-        return self.exposed and self.exposure_check is not None and self.exposure_check()
+        return self.exposed and self.hooks is not None and self.hooks.exposure_live()
 
     def _to_offloaded(self) -> None:
         assert self.state is not ScopeState.OFFLOADED

@@ -106,6 +106,15 @@ def test_a_forward_that_raises_in_a_kept_scope_puts_the_parameters_back():
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0)
 
 
+def _wrapped_and_plain(build, policy=KEPT, predicate=None):
+    """The model `build` gives (seed 0), wrapped on the CPU with `policy`, and its plain copy."""
+    torch.manual_seed(0)
+    model = build()
+    reference = copy.deepcopy(model)
+    offtensor.wrap(model, predicate, policy=policy, device="cpu")
+    return model, reference
+
+
 FREEZES = {
     "requires_grad_": lambda m, flag: m.blocks[1].fc.weight.requires_grad_(flag),
     "property": lambda m, flag: setattr(m.blocks[1].fc.bias, "requires_grad", flag),
@@ -116,11 +125,8 @@ FREEZES = {
 @pytest.mark.parametrize("how", list(FREEZES))
 def test_freezing_and_unfreezing_between_calls_of_a_kept_scope_gives_the_unwrapped_grads(how):
     # A kept scope's call matches its copies' requires_grad to the parameters' only after a
-    # change (Note [requires_grad changes] in dispatch/slot.py): each change must be seen.
-    torch.manual_seed(0)
-    model = Blocks("none")
-    reference = copy.deepcopy(model)
-    offtensor.wrap(model, policy=KEPT, device="cpu")
+    # change (Note [requires_grad changes] in dispatch/ops.py): each change must be seen.
+    model, reference = _wrapped_and_plain(lambda: Blocks("none"))
     x = torch.randn(2, 4)
     for flag in (True, False, False, True, False, True):
         FREEZES[how](model, flag)
@@ -149,10 +155,7 @@ WRITES = {
 def test_writes_between_calls_of_a_kept_scope_that_bypass_the_parameter_are_seen(how):
     # Seen by the masters' versions, read once per scope (Note [one version read per scope] in
     # scopes/write_tracking.py), or through the `.data` aliases noted.
-    torch.manual_seed(0)
-    model = Blocks("none")
-    reference = copy.deepcopy(model)
-    offtensor.wrap(model, policy=KEPT, device="cpu")
+    model, reference = _wrapped_and_plain(lambda: Blocks("none"))
     x = torch.randn(2, 4)
     for i in range(4):
         with torch.no_grad():
@@ -189,10 +192,7 @@ class TwoOutputBlocks(nn.Module):
 def test_a_scope_with_two_outputs_differentiated_in_separate_backwards_gives_the_unwrapped_grads(policy):
     # The first output gradient of each backward (graph task) starts the scope's backward; the
     # other output's hook in the same backward finds it started (hooks.py, _FirstOutputGrad).
-    torch.manual_seed(0)
-    model = TwoOutputBlocks()
-    reference = copy.deepcopy(model)
-    offtensor.wrap(model, policy=policy, device="cpu")
+    model, reference = _wrapped_and_plain(TwoOutputBlocks, policy)
     x = torch.randn(2, 4)
     for _ in range(2):
         (a, b), (ra, rb) = model(x), reference(x)
@@ -242,10 +242,7 @@ def test_a_copy_of_a_model_whose_call_an_interrupt_ended_trains_like_the_unwrapp
     # exposed call] in dispatch/slot.py): the copy's forward would read one and step the other.
     import io
 
-    torch.manual_seed(0)
-    model = InterruptingBlocks()
-    reference = copy.deepcopy(model)
-    offtensor.wrap(model, policy=policy, device="cpu")
+    model, reference = _wrapped_and_plain(InterruptingBlocks, policy)
     x = torch.randn(2, 4)
     model(x).sum().backward()  # learns the copy order: the next calls expose their copies
     model.zero_grad()
@@ -302,10 +299,8 @@ def test_writes_through_the_parameters_in_their_scopes_forward_give_the_unwrappe
     # Regression: with the copies exposed, such a write went to the master only, and the
     # rest of the call read the stale copy (a wrong output for `detach`, a crash or a refusal
     # for the others): Note [writes through the parameter in an exposed call] (engine/hooks.py).
-    torch.manual_seed(0)
-    model = nn.Sequential(*(ParameterWriting(form) for _ in range(3)))
-    reference = copy.deepcopy(model)
-    offtensor.wrap(model, lambda name, m: isinstance(m, ParameterWriting), policy=policy, device="cpu")
+    model, reference = _wrapped_and_plain(lambda: nn.Sequential(*(ParameterWriting(form) for _ in range(3))),
+                                          policy, lambda name, m: isinstance(m, ParameterWriting))
     x = torch.randn(2, 4)
     for _ in range(3):  # without grad: the plain model's backward would refuse the write too
         with torch.no_grad():
