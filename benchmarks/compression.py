@@ -35,7 +35,7 @@ def measure(shape: ModelShape, fmt: str, device: torch.device, batch: int, seq: 
     built = build_model(shape, "base", device, seed)
     reference = built.model.eval().requires_grad_(False)
     compressed = copy.deepcopy(reference)
-    offtensor.wrap(compressed, device=device, policy=offtensor.Policy(frozen_format=fmt))  # type: ignore[arg-type]
+    offtensor.wrap(compressed, device=device, policy=offtensor.Policy(frozen_format=fmt))
     compressed.to(device)
     ids = torch.randint(0, shape.vocab, (batch, seq), generator=torch.Generator().manual_seed(seed)).to(device)
     outs: dict[str, list[torch.Tensor]] = {"reference": [], "compressed": []}

@@ -17,6 +17,8 @@ from .model.components import is_wrapped, summary, unwrap, wrap
 from .model.controls import no_offload, set_prefetch
 from .model.load import load
 from .optim.overlap import OverlapReport, backward_and_step, last_stepped, wait_for_steps
+from .storage import fp8 as _fp8  # noqa: F401  the built-in frozen formats register themselves on import
+from .storage import int8 as _int8  # noqa: F401  (Note [frozen formats] in formats.py)
 
 __all__ = [
     "Layout",

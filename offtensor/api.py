@@ -15,6 +15,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .formats import describe_frozen_formats, frozen_format_names
+
 
 class ScopeState(enum.Enum):
     """Where a scope's parameters are: on the host only, on their way to the device, or on both
@@ -119,11 +121,12 @@ class Policy:
             by bytes, spread evenly over the order, from the first pass. `"auto"` (default):
             `"timed"` on CUDA, `"spread"` on a CPU compute device (nothing overlaps there, so
             timing has nothing to win). `vram_budget="auto"` always uses the timed layout.
-        frozen_format: `"fp8"` (float8 e4m3) or `"int8"`: keep frozen offloaded parameters
+        frozen_format: the name of a registered frozen format, `"fp8"` (float8 e4m3) or `"int8"`
+            built in (Note [frozen formats] in formats.py): keep frozen offloaded parameters
             (requires_grad False at wrap: a LoRA base, every weight of a model for inference)
-            compressed on the host, one byte per element plus one scale per output row, and
-            dequantize them on the device into the compute dtype as they load: host RAM and
-            PCIe bytes about halve (from bf16). Matrices only; 1-D parameters (norms, biases)
+            compressed on the host (the built-in formats: one byte per element plus one scale
+            per output row), and dequantize them on the device into the compute dtype as they
+            load: host RAM and PCIe bytes about halve (from bf16). Matrices only; 1-D parameters (norms, biases)
             and small tensors stay as they are. Lossy: the compressed values become the
             parameter's values (`p`, `state_dict()` report them); writes through the parameter
             requantize, and unfreezing it raises. Not combinable with `cast="host"`. `None`: masters keep their dtype.
@@ -164,7 +167,7 @@ class Policy:
     cast: Literal["device", "host"] = "device"
     vram_budget: int | float | str | None = None  # an int or "auto" once made
     layout: Literal["auto", "timed", "spread"] = "auto"
-    frozen_format: Literal["fp8", "int8"] | None = None
+    frozen_format: str | None = None  # a registered name (formats.py)
     host_budget: int | float | str | None = None  # an int once made
     experts: Literal["auto"] | Callable[[str, nn.Parameter], bool] | None = "auto"
     expert_cache: int | float | str | None = None  # an int once made
@@ -207,9 +210,9 @@ class Policy:
             raise ValueError(f"offtensor.Policy: layout must be 'auto', 'timed' or 'spread', got {self.layout!r}")
         if self.cast not in ("device", "host"):
             raise ValueError(f"offtensor.Policy: cast must be 'device' or 'host', got {self.cast!r}")
-        if self.frozen_format not in (None, "fp8", "int8"):
-            raise ValueError(
-                f"offtensor.Policy: frozen_format must be 'fp8', 'int8' or None, got {self.frozen_format!r}")
+        if self.frozen_format is not None and self.frozen_format not in frozen_format_names():
+            raise ValueError(f"offtensor.Policy: frozen_format must be {describe_frozen_formats()} or None, got "
+                             f"{self.frozen_format!r} (the formats registered in offtensor.formats)")
         if not any(self.pin_memory is v for v in (None, True, False)) and self.pin_memory != "ring":
             raise ValueError(
                 f"offtensor.Policy: pin_memory must be None, True, False or 'ring', got {self.pin_memory!r}")

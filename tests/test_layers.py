@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "offtensor"
 
 # Bottom to top: one rule each, "imports only its own folder and those before it".
 FOLDERS = [
-    "",  # api.py (Policy, the state enums, the reports) and patches.py (process-global changes)
+    "",  # api.py (Policy, the state enums, the reports), formats.py (the frozen formats), patches.py
     "storage",  # the bytes of masters: host memory, compressed formats, files, the staging ring, shm
     "dispatch",  # one parameter: ParamSlot, OffloadedParameter and what an op on it gets
     "scopes",  # Scope, its states and parts: streams, loads, host masters, device buffer, experts

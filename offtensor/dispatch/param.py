@@ -277,7 +277,7 @@ def _repr(p: OffloadedParameter) -> str:
     slot = getattr(p, "_ot", None)
     if slot is None:
         return f"OffloadedParameter(detached from offtensor, shape={tuple(p.shape)})"
-    home = slot.scope.masters.home  # Note [staged loads] in storage/staging.py
+    home = slot.scope.source.home  # Note [master sources] in scopes/sources.py
     where = "pinned cpu" if home is MasterHome.PINNED else "a file" if home is MasterHome.FILE else "cpu"
     return (
         f"OffloadedParameter(name={slot.name!r}, shape={tuple(p.shape)}, "

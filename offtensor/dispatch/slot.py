@@ -107,10 +107,16 @@ class RoutedRows(Protocol):
 
 class CountsWrites(Protocol):
     """A scope's masters as a slot's readers see them (HostMasters in scopes/host_masters.py, above):
-    where they live and how often they were written."""
+    how often they were written."""
 
-    home: MasterHome  # where the masters live (Note [staged loads] in storage/staging.py)
     master_writes: int  # writes since wrap (a staged copy or a cached expert row is stale after one)
+
+
+class MastersAt(Protocol):
+    """Where a scope's masters live, as its source says (MasterSource in scopes/sources.py, above)."""
+
+    @property
+    def home(self) -> MasterHome: ...
 
 
 class SlotScope(Protocol):
@@ -135,6 +141,9 @@ class SlotScope(Protocol):
 
     @property
     def masters(self) -> CountsWrites: ...  # its HostMasters (scopes/host_masters.py, above)
+
+    @property
+    def source(self) -> MastersAt: ...  # where its masters live and its loads copy from
     residency: Residency  # streamed, kept or carried
 
     @property

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..api import MasterHome
 from ..engine.engine import Engine, TrainingState, engine_of, owning_engine
 from ..scopes.loading import LoadProgress
 from ..scopes.scope import ALIGN, Scope
@@ -265,6 +266,10 @@ class ShardedSource(BufferSource):
     def __init__(self, loads: ShardedLoads, inner: MasterSource) -> None:
         self.loads = loads
         self.inner = inner  # the source wrap chose: BufferSource or StagedSource
+
+    @property
+    def home(self) -> MasterHome:
+        return self.inner.home  # the masters stay where they were
 
     def enqueue(self, scope: SourcedScope, loading: LoadProgress, host: torch.Tensor, h2d: Any,
                 whole: bool) -> None:

@@ -53,8 +53,9 @@ from torch import nn
 
 from ..api import Policy
 from ..engine.engine import ENGINE_ATTR, find_engine
+from ..formats import RowReader
 from ..storage.checkpoint import Checkpoint
-from ..storage.compress import RowReader, copy_rows
+from ..storage.compress import copy_rows
 from ..storage.files import FileStore
 from .wrapping import Predicate, unwrap, wrap_filling
 

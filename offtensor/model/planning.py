@@ -14,8 +14,9 @@ from torch import nn
 
 from ..api import Policy
 from ..budget.vram import streaming_bytes
+from ..formats import frozen_format
 from ..scopes.scope import ALIGN
-from ..storage.compress import FrozenFormat, compresses, packed_nbytes
+from ..storage.compress import compresses
 from ..storage.file_masters import plan_host_budget
 from .quantized import quant_kind, quantized_parts
 
@@ -201,9 +202,9 @@ def _size(nbytes: int) -> str:
 def host_sizes(policy: Policy, params: list[tuple[str, nn.Parameter]]) -> tuple[list[bool], list[int]]:
     """Which masters are stored compressed under Policy(frozen_format) (Note [compressed
     masters]), and each master's host bytes."""
-    fmt = FrozenFormat(policy.frozen_format) if policy.frozen_format else None
+    fmt = frozen_format(policy.frozen_format) if policy.frozen_format else None
     packs = [compresses(fmt, p) for _, p in params]
-    return packs, [packed_nbytes(p.shape, p.dtype) if pk else p.numel() * p.element_size()
+    return packs, [fmt.nbytes(p.shape, p.dtype) if fmt is not None and pk else p.numel() * p.element_size()
                    for (_, p), pk in zip(params, packs, strict=True)]
 
 

@@ -39,8 +39,8 @@ def summary(model: nn.Module) -> Summary:
     rows = [
         ScopeSummary(s.name, s.state, s.num_params(), s.host_bytes(), s.device_bytes(), s.loads,
                      s.loads_on_demand, kept=s.residency is Residency.KEPT,
-                     carried=s.residency is Residency.CARRIED, masters=s.masters.home,
-                     file_bytes=s.masters.nbytes if s.masters.home is MasterHome.FILE else 0,
+                     carried=s.residency is Residency.CARRIED, masters=s.source.home,
+                     file_bytes=s.masters.nbytes if s.source.home is MasterHome.FILE else 0,
                      param_bytes=sum(slot.param.numel() * slot.param.element_size() for slot in s.slots),
                      loaded_bytes=s.device.nbytes, residency=s.residency,
                      bytes_to_device=s.traffic.bytes_to_device, expert_hits=s.traffic.expert_hits,

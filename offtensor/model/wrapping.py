@@ -22,7 +22,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from ..api import MasterHome, Policy
+from ..api import Policy
 from ..budget.shared import SharedBudget
 from ..dispatch.function_apply import intercept_function_apply
 from ..dispatch.masters import master_values, without_subclass_dispatch
@@ -32,11 +32,12 @@ from ..dispatch.wrapper_guards import check_model
 from ..engine.engine import ENGINE_ATTR, Engine, engine_of
 from ..engine.grads import new_host_grad
 from ..engine.hooks import ModelHooks, ScopeHooks
+from ..formats import RowReader, frozen_format
 from ..optim.overlap import wait_for_steps
 from ..scopes.experts import route_experts
 from ..scopes.scope import Scope
-from ..scopes.sources import FileSource, ShadowSource, StagedSource
-from ..storage.compress import FrozenFormat, PackedMaster, RowReader, StoredMaster, copy_rows
+from ..scopes.sources import BufferSource, FileSource, ShadowSource, StagedSource
+from ..storage.compress import PackedMaster, StoredMaster, copy_rows
 from ..storage.file_masters import FileScope
 from ..storage.files import FileStore
 from ..storage.memory import HostBuffer, PinnedMemoryError, pinning_available
@@ -118,9 +119,9 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
             scope = Scope(name, module, scope_policy, engine, pinned=pin and not engine.pinning.failed, block=block)
             if name in in_files:
                 assert store is not None
-                scope.masters.home, scope.masters.files = MasterHome.FILE, FileScope(name, store)
+                scope.source, scope.masters.files = FileSource(), FileScope(name, store)
             elif policy.pin_memory == "ring" or (pin and engine.pinning.failed):
-                scope.masters.home = _unpinned_home(scope_policy)
+                scope.source = _unpinned_source(scope_policy)
             engine.scopes.append(scope)  # before any change, for the undo below
             if source is None:
                 _offload_params(scope, params, device)
@@ -153,17 +154,17 @@ def wrap_filling(model: nn.Module, predicate: Predicate | None, device: torch.de
     return model
 
 
-def _unpinned_home(policy: Policy) -> MasterHome:
+def _unpinned_source(policy: Policy) -> BufferSource:
     """Where pageable masters go: staged through the ring, unless cast="host" copies from its
     host shadow (Note [page-locked memory as a bounded resource] in storage/memory.py)."""
-    return MasterHome.PAGEABLE if policy.cast == "host" else MasterHome.RING
+    return BufferSource(pinned=False) if policy.cast == "host" else StagedSource()
 
 
 def _stage(engine: Engine, device: torch.device, policy: Policy) -> None:
-    """Give the scopes that load through a staging ring their source (Note [master sources] in
-    scopes/sources.py) and the ring (Note [staged loads] in storage/staging.py): one per model,
-    sized once every scope is laid out, holding the engine weakly."""
-    staged = [s for s in engine.scopes if s.masters.home in (MasterHome.RING, MasterHome.FILE)]
+    """Give the scopes that load through a staging ring (their source a StagedSource, Note [master
+    sources] in scopes/sources.py) the ring (Note [staged loads] in storage/staging.py): one per
+    model, sized once every scope is laid out, holding the engine weakly."""
+    staged = [s for s in engine.scopes if isinstance(s.source, StagedSource)]
     if not staged:
         return
     ref = weakref.ref(engine)
@@ -175,7 +176,7 @@ def _stage(engine: Engine, device: torch.device, policy: Policy) -> None:
     engine.ring = StagingRing(staged, pin=device.type == "cuda" and policy.pin_memory is not False,
                               slots=2 + policy.prefetch, upcoming=upcoming, pinning=engine.pinning)
     for scope in staged:
-        scope.source = (FileSource if scope.masters.home is MasterHome.FILE else StagedSource)(engine.ring)
+        cast(StagedSource, scope.source).ring = engine.ring
 
 
 def _check_arguments(model: nn.Module, predicate: Predicate | None, policy: Policy) -> None:
@@ -292,7 +293,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
     `values(qualified_name, p)` gives each master's values (offtensor.load reads them from a
     checkpoint); default: the parameter's own."""
     dtypes = compute_dtypes(scope.policy, params)
-    fmt = FrozenFormat(scope.policy.frozen_format) if scope.policy.frozen_format else None
+    fmt = frozen_format(scope.policy.frozen_format) if scope.policy.frozen_format else None
     packs, sizes = host_sizes(scope.policy, params)
     offsets, scope.masters.nbytes = layout(sizes)
     dev_offsets, scope.device.nbytes = layout(
@@ -309,7 +310,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
         scope.masters.buffer = masters
     if scope.casts and scope.policy.cast == "host":  # allocated here, in wrap's order of pinned memory
         scope.source = ShadowSource(scope.engine.pinning.empty(scope.device.nbytes, pin=scope.pinned,
-                                                               what="host shadows"))
+                                                               what="host shadows"), scope.pinned)
     # Allocated here only to create each parameter's device tensor on it; freed below.
     scope.device.flat = torch.empty(scope.device.nbytes, dtype=torch.uint8, device=device)
     # Plain tensors that do not require grad: autograd records none of these copies, without
@@ -361,6 +362,6 @@ def _host_buffer(scope: Scope) -> HostBuffer:
             return HostBuffer(scope.masters.nbytes, pin=True)
         except PinnedMemoryError as error:
             scope.engine.pinning(error, "the masters")
-            scope.masters.home = _unpinned_home(scope.policy)
+            scope.source = _unpinned_source(scope.policy)
     return HostBuffer(scope.masters.nbytes, pin=False)
 

@@ -79,7 +79,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..api import Residency, ScopeState
 from ..dispatch.slot import ParamSlot
-from ..storage.compress import PackedMaster, unpack_rows_into
+from ..storage.compress import PackedMaster
 from .expert_cache import ExpertCache
 from .loading import Traffic
 from .scope import Scope, scope_of
@@ -190,16 +190,17 @@ class ExpertRows:
         slot, streams = self.slot, self.streams
         view, master, packed = slot.device_view, slot.master, slot.packed
         h2d = streams.h2d()
-        staged: list[tuple[slice, torch.Tensor, torch.Tensor | None]] = []
+        # per run of experts: its rows' host tensors on the device (a compressed master's, as its
+        # format keeps them: Note [frozen formats] in formats.py, or a master to cast)
+        staged: list[tuple[slice, tuple[torch.Tensor, ...]]] = []
         with streams.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
             for run in _runs(experts):
                 if isinstance(packed, PackedMaster):
-                    values = packed.values[run].to(view.device, non_blocking=True)
-                    scale = packed.scale[run].to(view.device, non_blocking=True)
-                    staged.append((run, values, scale))
-                    self.traffic.bytes_to_device += values.nbytes + scale.nbytes
+                    rows = tuple(part.to(view.device, non_blocking=True) for part in packed.rows(run))
+                    staged.append((run, rows))
+                    self.traffic.bytes_to_device += sum(part.nbytes for part in rows)
                 elif master.dtype != view.dtype:
-                    staged.append((run, master[run].to(view.device, non_blocking=True), None))
+                    staged.append((run, (master[run].to(view.device, non_blocking=True),)))
                     self.traffic.bytes_to_device += master[run].nbytes
                 else:
                     view[run].copy_(master[run], non_blocking=True)
@@ -208,17 +209,14 @@ class ExpertRows:
         streams.reads_masters(copied)
         compute = streams.compute()
         streams.wait(compute, copied)
-        for run, rows, scales in staged:  # on compute, the current stream
+        for run, rows in staged:  # on compute, the current stream
             if compute is not None:  # allocated on the copy stream, read here
-                rows.record_stream(compute)
-                if scales is not None:
-                    scales.record_stream(compute)
-            if scales is None:
-                view[run].copy_(rows)
+                for part in rows:
+                    part.record_stream(compute)
+            if isinstance(packed, PackedMaster):
+                packed.unpack_rows_into(view[run], rows)
             else:
-                assert isinstance(packed, PackedMaster)
-                n = run.stop - run.start
-                unpack_rows_into(packed.format, rows.view(n, -1), scales.view(n), view[run].view(n, -1))
+                view[run].copy_(rows[0])
 
 
 def _runs(experts: list[int]) -> list[slice]:

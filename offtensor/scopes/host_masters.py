@@ -1,6 +1,6 @@
-"""Where a scope's masters live on the host: the flat host buffer (or, for masters in files,
-where in the files), and the count of writes to them. Where its loads copy from is the scope's
-source (scopes/sources.py, Note [master sources]).
+"""A scope's masters on the host: the flat host buffer (or, for masters in files, where in the
+files), and the count of writes to them. Which of those places holds them, and where its loads
+copy from, is the scope's source (scopes/sources.py, Note [master sources]).
 
 # Note [masters moved out of the host buffer]
 A tensor sent to another process through multiprocessing's ForkingPickler (a spawned
@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from ..api import MasterHome
 from ..dispatch.masters import without_subclass_dispatch
 from ..dispatch.slot import ParamSlot
 from ..storage.file_masters import FileScope
@@ -35,23 +34,17 @@ from .write_tracking import version_of
 class HostMasters:
     """The host side of one scope: its masters' allocation and the writes to them."""
 
-    def __init__(self, pinned: bool) -> None:
-        # Where the masters live (`home`, the one meaning of the word: Note [staged loads] in
-        # storage/staging.py); wrap sets FILE or RING, and for FILE `files` (a FileScope: where
-        # in the files each master is).
-        self.home = MasterHome.PINNED if pinned else MasterHome.PAGEABLE
+    def __init__(self) -> None:
+        # For masters in files (the scope's source is a FileSource, set with it by wrap): where
+        # in the files each master is (Note [masters in files] in storage/file_masters.py).
         self.files: FileScope | None = None
         self.nbytes = 0  # the host buffer, master dtypes
         # Both replaced by wrap's _offload_params right after construction.
-        self.flat = torch.empty(0, dtype=torch.uint8)  # pinned when `pinned`; all the masters' bytes
+        self.flat = torch.empty(0, dtype=torch.uint8)  # all the masters' bytes; pinned when Scope.pinned
         self.buffer: HostBuffer | None = None  # the allocation `flat` spans
         # Writes through the parameters so far (`written`), for write_mark and the sources: a
         # staged copy, a host-cast shadow or a cached expert row made before one is stale.
         self.master_writes = 0
-
-    @property
-    def pinned(self) -> bool:
-        return self.home is MasterHome.PINNED
 
     def written(self) -> None:
         """The masters change, or may change unseen (a write through a parameter, `p.data` handed

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..dispatch.slot import ParamSlot
-from ..storage.compress import FusedDequantization
+from ..storage.compress import fused_conversions
 from .streams import Streams
 
 CHUNK_BYTES = 32 * 2**20  # see Note [progressive loads]
@@ -45,12 +45,12 @@ MERGE_GAP = 256 * 2**10
 # (positions in copy_order, cut every CHUNK_BYTES), and in each the fewest copies that
 # move its bytes: parameters next to each other in both buffers' layouts copy as one run; the
 # staged masters of a converting load copy as runs of the host buffer (over the small parameters
-# between them, MERGE_GAP); and the fp8 dequantizations of a chunk run as one kernel over a
-# table of the chunk's matrices (FusedDequantization in storage/compress.py, on CUDA), the
-# others one conversion per parameter. Each chunk is enqueued whole, so a parameter's chunk is
-# fixed by the plan; copies held back by a deferred step stop at the first chunk that holds a
-# parameter waiting for one, unless the load needs that chunk now (then the host waits for its
-# steps).
+# between them, MERGE_GAP); and the conversions of a chunk run as one kernel where the frozen
+# format has one (`fused_conversions` in storage/compress.py: fp8's table of the chunk's
+# matrices, FusedDequantization in storage/fp8.py, on CUDA), else one conversion per parameter.
+# Each chunk is enqueued whole, so a parameter's chunk is fixed by the plan; copies held back by
+# a deferred step stop at the first chunk that holds a parameter waiting for one, unless the load
+# needs that chunk now (then the host waits for its steps).
 
 
 class _Chunk:
@@ -90,7 +90,7 @@ class LoadPlan:
         for c, chunk in enumerate(self.chunks):
             for slot in chunk.slots:
                 slot.chunk = c
-        self.fused = FusedDequantization.plan(
+        self.fused = fused_conversions(
             [[(s.packed, s.offset, s.device_offset, s.device_view) for s in chunk.converts] for chunk in self.chunks],
             device)
 

@@ -16,16 +16,17 @@ The transitions are Scope.load (OFFLOADED -> LOADING), make_resident (-> RESIDEN
 side and the scope becomes LOADING once its copies are enqueued, so a load that raises leaves
 the scope OFFLOADED without a `LoadProgress`. The other per-scope enums are `Residency`, how
 long a copy outlives its calls (Note [VRAM budget] in budget/vram.py), and `MasterHome`, where
-the masters live (Note [staged loads] in storage/staging.py). The scopes of one model that are
-not OFFLOADED are listed, in load order, in their `LiveScopes`.
+the masters live, which its source answers (Note [master sources] in scopes/sources.py). The
+scopes of one model that are not OFFLOADED are listed, in load order, in their `LiveScopes`.
 
 A scope delegates to its parts, each in a module of its own with its Notes: the host side
 (`HostMasters`, scopes/host_masters.py: Note [masters moved out of the host buffer]), where its
-loads copy from (a `MasterSource`, scopes/sources.py: Note [master sources]), the device
-buffer (`DeviceBuffer`, scopes/device_buffer.py: Note [higher-order gradients]), a load in flight
-(`LoadProgress`, scopes/loading.py: Note [progressive loads]), the writes its device copies have
-not seen (`WriteTracker`, scopes/write_tracking.py: Note [writes during a scope's call]) and the fetches
-of old gradients (`OldGrads`, scopes/old_grads.py: Note [stale gradient fetches]).
+masters live and its loads copy from (a `MasterSource`, scopes/sources.py: Note [master
+sources]), the device buffer (`DeviceBuffer`, scopes/device_buffer.py: Note [higher-order
+gradients]), a load in flight (`LoadProgress`, scopes/loading.py: Note [progressive loads]), the
+writes its device copies have not seen (`WriteTracker`, scopes/write_tracking.py: Note [writes
+during a scope's call]) and the fetches of old gradients (`OldGrads`, scopes/old_grads.py: Note
+[stale gradient fetches]).
 
 # Note [autocast's cast cache]
 Autocast caches the reduced-precision cast of every leaf that requires grad (a device copy is
@@ -46,7 +47,7 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
-from ..api import Policy, Residency, ScopeState
+from ..api import MasterHome, Policy, Residency, ScopeState
 from ..dispatch.call_counts import CallCounts
 from ..dispatch.masters import master_requires_grad
 from ..dispatch.slot import ParamSlot, alive, in_backward, weakly
@@ -184,10 +185,11 @@ class Scope:
         self.grad_sink = engine.grads.on_leaf_grad  # where device copies' gradients go (engine/grads.py)
         self.slots: list[ParamSlot] = []
         self.routed: list[ParamSlot] = []  # Note [routed experts] (scopes/experts.py)
-        self.masters = HostMasters(pinned)
-        # Where loads copy the masters from: wrap chooses it, data_parallel(shard_loads=True)
-        # wraps it (Note [master sources] in scopes/sources.py).
-        self.source: MasterSource = BufferSource()
+        self.masters = HostMasters()
+        # Where the masters live and loads copy them from: wrap chooses it (pageable or staged
+        # when pinning fails), data_parallel(shard_loads=True) wraps it (Note [master sources]
+        # in scopes/sources.py).
+        self.source: MasterSource = BufferSource(pinned)
         self.device = DeviceBuffer()
         self.writes = WriteTracker(self.streams, self.slots)
         self.traffic = Traffic()  # bytes to the device since wrap; routed experts' hits
@@ -214,7 +216,8 @@ class Scope:
 
     @property
     def pinned(self) -> bool:
-        return self.masters.pinned
+        """The masters are page-locked, and so is the host memory the scope allocates."""
+        return self.source.home is MasterHome.PINNED
 
     def host_bytes(self) -> int:
         """Host RAM of the masters (and host shadow); none for masters in files."""

@@ -1,5 +1,6 @@
-"""Where a scope's loads copy its masters from: one source object per scope (`Scope.source`),
-chosen by wrap: the host buffer itself, a host-cast shadow, or a slot of the staging ring.
+"""Where a scope's masters live and its loads copy them from: one source object per scope
+(`Scope.source`), chosen by wrap: the host buffer itself, a host-cast shadow, or a slot of the
+staging ring.
 
 # Note [master sources]
 A load can read a scope's masters from several places: the host buffer itself (`BufferSource`,
@@ -16,7 +17,9 @@ new kind touched each (diffusers' disk offload grew that way). As objects behind
 the source the rest without knowing its kind: a new kind is one class, in the layer that owns
 its machinery, and the line of wrap (or data_parallel) that installs it. A source holds its own
 state only (a shadow, the ring), a load's is its LoadProgress; each load calls `settle`,
-`acquire`, `enqueue` and `after_load` in the order the branches ran, with the same copies.
+`acquire`, `enqueue` and `after_load` in the order the branches ran, with the same copies. The
+source is also the one place that says where the masters live (`home`: pinned, pageable, ring,
+file), which summary() reports and the scope's host allocations follow (`Scope.pinned`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..api import Residency
+from ..api import MasterHome, Residency
 from ..dispatch.slot import ParamSlot
 from ..storage.staging import StagingRing
 from .device_buffer import DeviceBuffer
@@ -66,6 +69,11 @@ class MasterSource(Protocol):
     # `acquire` gives bytes in the device buffer's layout and dtype (cast on the host), so a
     # scope that casts copies them without a staging buffer.
     device_layout: bool
+
+    @property
+    def home(self) -> MasterHome:
+        """Where the masters live (summary()'s masters column)."""
+        ...
 
     def settle(self, scope: SourcedScope) -> None:
         """Before a whole load: the masters it copies are final (deferred steps done), and the
@@ -124,6 +132,13 @@ class BufferSource:
     progressive = True
     device_layout = False
 
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned  # the host buffer is page-locked (wrap falls back to pageable)
+
+    @property
+    def home(self) -> MasterHome:
+        return MasterHome.PINNED if self.pinned else MasterHome.PAGEABLE
+
     def settle(self, scope: SourcedScope) -> None:
         settle_masters(scope)
 
@@ -167,7 +182,8 @@ class ShadowSource(BufferSource):
     progressive = False
     device_layout = True
 
-    def __init__(self, shadow: torch.Tensor) -> None:
+    def __init__(self, shadow: torch.Tensor, pinned: bool) -> None:
+        super().__init__(pinned)
         self.shadow = shadow  # uint8, device layout; pinned as the masters are
         # masters.master_writes when the shadow was cast (every write path counts there:
         # HostMasters.written); None: not cast from the masters as they are.
@@ -217,9 +233,16 @@ class StagedSource(BufferSource):
     the model's staging ring (Note [staged loads] in storage/staging.py)."""
 
     progressive = False
+    # The engine's, shared by its staged scopes: set by wrap once every scope is laid out (the
+    # ring's slots are as large as the largest staged scope).
+    ring: StagingRing
 
-    def __init__(self, ring: StagingRing) -> None:
-        self.ring = ring  # the engine's, shared by its staged scopes
+    def __init__(self) -> None:
+        super().__init__(pinned=False)  # pageable masters, or none (in files); the ring is page-locked
+
+    @property
+    def home(self) -> MasterHome:
+        return MasterHome.RING
 
     def acquire(self, scope: SourcedScope) -> torch.Tensor:
         try:
@@ -242,6 +265,10 @@ class FileSource(StagedSource):
     """Masters kept in files (Policy(host_budget), Note [masters in files] in
     storage/file_masters.py), read into a slot of the staging ring: never written, and in no
     host RAM but the ring's."""
+
+    @property
+    def home(self) -> MasterHome:
+        return MasterHome.FILE
 
     def host_bytes(self, scope: SourcedScope) -> int:
         return 0

@@ -169,7 +169,7 @@ class _SafeRows:
 
 
 class _Rows:
-    """Reads one checkpoint tensor a block of rows at a time (a RowReader, storage/compress.py),
+    """Reads one checkpoint tensor a block of rows at a time (a RowReader, offtensor/formats.py),
     in `like`'s dtype: preads of the file, or through safetensors for a dtype torch lacks
     (`safe`). `read_into` reads the whole tensor straight into its destination when that has the
     file's dtype (Note [loading at the disk's speed])."""

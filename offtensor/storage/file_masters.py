@@ -23,13 +23,13 @@ bytes as they are, whatever produced them, and a compressed scope reads its comp
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
 
-from .compress import FrozenFormat, PackedMaster, RowReader, copy_rows, packed_nbytes, unpack_bytes_into
+from ..formats import FrozenFormat, RowReader
+from .compress import PackedMaster, copy_rows
 from .files import FileHandle, FileStore, FileTensor
 from .memory import HostBuffer
 
@@ -60,16 +60,11 @@ class FileMaster:
         data = self.read()
         if self.format is None:
             return data.view(self.dtype).view(self.shape)
-        numel = math.prod
-
-        def carve(offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-            return data[offset : offset + numel(shape) * dtype.itemsize].view(dtype).view(shape)
-
-        return PackedMaster.on(carve, 0, self.name, self.format, self.dtype, self.shape).unpack()
+        return self.format.unpack(data, self.dtype, self.shape)
 
     def unpack_into(self, out: torch.Tensor, packed: torch.Tensor) -> None:
         if self.format is not None:
-            unpack_bytes_into(self.format, self.dtype, self.shape, out, packed)
+            self.format.unpack_into(out, packed, self.dtype)
         else:
             out.copy_(packed[: self.nbytes].view(self.dtype).view(self.shape))
 
@@ -146,7 +141,7 @@ class FileScope:
 def _host_bytes(qual: str, p: torch.Tensor, fmt: FrozenFormat | None, value: torch.Tensor | RowReader) -> torch.Tensor:
     """The bytes a RAM master of `p` would hold (compressed under `fmt`), from `value`."""
     if fmt is not None:
-        buffer = HostBuffer(packed_nbytes(p.shape, p.dtype), pin=False)
+        buffer = HostBuffer(fmt.nbytes(p.shape, p.dtype), pin=False)
         PackedMaster.on(buffer.tensor, 0, qual, fmt, p.dtype, p.shape).pack(value)
         return buffer.flat
     t = torch.empty(p.shape, dtype=p.dtype)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .compress import RowReader
+from ..formats import RowReader
 
 _IOV_MAX = 512  # iovecs per preadv, under every platform's IOV_MAX
 

@@ -1,4 +1,4 @@
-"""Triton kernels for loads on CUDA. Imported only when a CUDA load needs one (`storage/compress.py`),
+"""Triton kernels for loads on CUDA. Imported only when a CUDA load needs one (`storage/fp8.py`),
 so neither the CPU path nor `import offtensor` needs Triton; PyTorch's CUDA builds ship it.
 
 # Note [fused fp8 dequantization]

@@ -3,8 +3,8 @@ in pageable memory (`Policy(pin_memory="ring")`) copy from its page-locked slots
 threads fill ahead of the learned order.
 
 # Note [staged loads]
-A scope whose masters are in a file (MasterHome.FILE), or in pageable memory under
-Policy(pin_memory="ring") or after pinning failed (MasterHome.RING), loads from a slot of the
+A scope whose masters are in a file (MasterHome.FILE: `files` says where), or in pageable memory
+under Policy(pin_memory="ring") or after pinning failed (MasterHome.RING), loads from a slot of the
 model's one StagingRing: `2 + prefetch` slots of the largest such scope's host bytes, page-locked
 on CUDA, so page-locked memory and the host memory of reads are bounded by the ring. The scope's
 source (Note [master sources] in scopes/sources.py) takes its bytes from `acquire` in place of its
@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..api import MasterHome, Residency
+from ..api import Residency
 from .file_masters import FileScope
 from .files import FileHandle
 from .memory import HostBuffer, PinnedMemoryError, PinningFallback
@@ -52,16 +52,13 @@ class StagedMasters(Protocol):
     """A staged scope's host side as the ring reads it (HostMasters in scopes/host_masters.py, above)."""
 
     @property
-    def home(self) -> MasterHome: ...  # RING: pageable `flat`; FILE: `files`
-
-    @property
     def nbytes(self) -> int: ...
 
     @property
     def flat(self) -> torch.Tensor: ...  # the masters' bytes, pageable
 
     @property
-    def files(self) -> FileScope | None: ...  # where in the files each master is (FILE)
+    def files(self) -> FileScope | None: ...  # where in the files each master is (FILE); None: in `flat` (RING)
 
 
 class StagedScope(Protocol):
@@ -242,8 +239,8 @@ class StagingRing:
         self._threads: list[threading.Thread] = []
         # The checkpoint files the file scopes read, checked once per pass (Note [checkpoints that
         # change] in storage/files.py): when a scope acquired since the last check comes again.
-        files = [s.masters.files for s in scopes if s.masters.home is MasterHome.FILE]
-        self._stores = list({id(f.store): f.store for f in files if f is not None}.values())
+        files = [s.masters.files for s in scopes if s.masters.files is not None]
+        self._stores = list({id(f.store): f.store for f in files}.values())
         self._since_check: set[StagedScope] = set()
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(self, _stop, self._jobs, self._threads)
@@ -278,7 +275,7 @@ class StagingRing:
         if slot is not None:
             assert slot.fill is not None
             return slot.fill.done.is_set()
-        return scope.masters.home is not MasterHome.FILE
+        return scope.masters.files is None
 
     def acquire(self, scope: StagedScope) -> torch.Tensor:
         """The scope's host bytes in a slot, for its load to copy from; read now (waiting for it)
@@ -336,7 +333,7 @@ class StagingRing:
                 if len(ahead) == len(self._slots) - 1:
                     break
         for i, s in enumerate(ahead):
-            if s in self._staged or not s.offloaded() or not (s.masters.home is MasterHome.FILE or s.frozen_now()):
+            if s in self._staged or not s.offloaded() or not (s.masters.files is not None or s.frozen_now()):
                 continue
             slot = self._free_slot(keep=set(ahead[: i + 1]) | {scope})
             if slot is None:
@@ -388,7 +385,8 @@ class StagingRing:
         fill = _Fill(scope, scope.write_mark())
         slot.state, slot.fill = SlotState.STAGING, fill
         self._staged[scope] = slot
-        if scope.masters.home is not MasterHome.FILE:
+        files = scope.masters.files
+        if files is None:
             dest = slot.flat[: scope.masters.nbytes]
             if urgent:
                 dest.copy_(scope.masters.flat)
@@ -397,8 +395,6 @@ class StagingRing:
             fill.pending = 1
             self._queue(priority, _Copy(dest, scope.masters.flat, fill))
             return
-        files = scope.masters.files
-        assert files is not None
         reads = files.reads()
         fill.pending = len(reads)
         if not reads:

@@ -14,7 +14,8 @@ from torch import nn
 import offtensor
 from offtensor.engine.engine import find_engine as _find_engine
 from offtensor.scopes import loading as loading_module
-from offtensor.storage.compress import MIN_NUMEL, FusedDequantization, quantize_dequantize
+from offtensor.storage.compress import MIN_NUMEL, quantize_dequantize
+from offtensor.storage.fp8 import FusedDequantization
 
 HIDDEN = 64  # fc1 is 64 x 128: above MIN_NUMEL, compressible
 

@@ -160,7 +160,7 @@ DECODING = {
 def _policy(name: str, blocks: list[torch.nn.Module]) -> offtensor.Policy:
     fmt = name.split("_")[0] if name.startswith(("fp8", "int8")) else None
     budget = _budget(blocks, keep=[0]) if name.endswith("budget") else None
-    return offtensor.Policy(frozen_format=fmt, layout="spread", vram_budget=budget)  # type: ignore[arg-type]
+    return offtensor.Policy(frozen_format=fmt, layout="spread", vram_budget=budget)
 
 
 def _generate(model: torch.nn.Module, prompt: torch.Tensor, decoding: dict, check: _CheckBetweenForwards):

@@ -301,7 +301,7 @@ def test_unwrap_gives_plain_parameters_with_the_compressed_values():
 
 def test_policy_errors_name_the_option():
     with pytest.raises(ValueError, match="frozen_format must be 'fp8', 'int8' or None, got 'fp4'"):
-        offtensor.Policy(frozen_format="fp4")  # type: ignore[arg-type]
+        offtensor.Policy(frozen_format="fp4")
     with pytest.raises(ValueError, match="frozen_format and cast='host' do not combine"):
         offtensor.Policy(frozen_format="fp8", compute_dtype=torch.bfloat16, cast="host")
 
@@ -364,7 +364,7 @@ def test_cuda_fused_fp8_dequantization_is_bit_identical_to_the_two_kernels(dtype
     """Note [fused fp8 dequantization]: the one-kernel path that CUDA loads use gives exactly the
     bits of `values.to(dtype) * scale[:, None]`, on shapes that end mid-block and mid-row."""
     pytest.importorskip("triton")
-    from offtensor.storage.compress import _fused_dequantize
+    from offtensor.storage.fp8 import _fused_dequantize
     from offtensor.storage.kernels import dequantize_rows
 
     assert _fused_dequantize() is dequantize_rows  # CUDA loads take the fused path here

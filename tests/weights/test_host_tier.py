@@ -438,7 +438,7 @@ def test_wrap_gives_each_scope_the_source_its_masters_load_from(monkeypatch):
     offtensor.wrap(on_device, device="cpu", policy=offtensor.Policy(compute_dtype=torch.bfloat16))
     scopes = offtensor.engine.engine.find_engine(model).scopes
     assert all(type(s.source) is ShadowSource for s in scopes)
-    assert all(s.masters.home is offtensor.MasterHome.PAGEABLE for s in scopes)
+    assert all(s.source.home is offtensor.MasterHome.PAGEABLE for s in scopes)
     assert all(type(s.source) is BufferSource for s in offtensor.engine.engine.find_engine(on_device).scopes)
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     with torch.no_grad():
