@@ -121,6 +121,7 @@ class ExpertCache:
             self._drop_stale(slot, mark)
         self._marks[slot] = mark
         lowest: list[tuple[float, int, ParamSlot, int]] | None = None  # each slot's lowest row
+        held, heap = self._held.setdefault(slot, set()), self._heaps.setdefault(slot, [])
         for e in experts:
             key = (slot, e)
             if key in self.rows:
@@ -142,10 +143,11 @@ class ExpertCache:
             row = self.rows[key] = _Row(view[e].detach().clone(), mark, self._order, score)
             self._order += 1
             self.used += nbytes
-            self._held.setdefault(slot, set()).add(e)
-            self._push(slot, score.log, row.order, e)
+            held.add(e)
+            heapq.heappush(heap, (score.log, row.order, e))
             if lowest is not None:
                 heapq.heappush(lowest, (mine, row.order, slot, e))
+        self._compact(slot)
 
     def clear(self) -> None:
         for key in list(self.rows):
@@ -174,10 +176,6 @@ class ExpertCache:
                 return
             heapq.heappop(heap)
 
-    def _push(self, slot: ParamSlot, log: float, order: int, expert: int) -> None:
-        heapq.heappush(self._heaps.setdefault(slot, []), (log, order, expert))
-        self._compact(slot)
-
     def _compact(self, slot: ParamSlot) -> None:
         """Rebuild the slot's heap from its rows once it holds mostly stale entries (which
         `_push_lowest` skips: when this runs changes no decision)."""
@@ -195,7 +193,7 @@ class ExpertCache:
 
     def _drop(self, key: tuple[ParamSlot, int]) -> None:
         row = self.rows.pop(key)
-        self.used -= row.rows.numel() * row.rows.element_size()
+        self.used -= row.rows.nbytes
         self._held[key[0]].discard(key[1])
 
 
