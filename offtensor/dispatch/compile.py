@@ -156,12 +156,18 @@ def tracing() -> bool:
     """make_fx is tracing the code calling this (Note [tracing with make_fx]); also before
     autograd (pre-dispatch, as torch.export does)."""
     # Read at every engine entry point and op on an offloaded parameter: no generator, and the
-    # pre-dispatch mode read from its stack's state directly (what _get_dispatch_mode_pre_dispatch reads).
+    # pre-dispatch mode read from its stack's state directly (what _get_dispatch_mode_pre_dispatch
+    # reads), from the list behind its `get(0)` where this torch has one.
     return (_get_mode(_PROXY) is not None or _get_mode(_FAKE) is not None
-            or _PRE_DISPATCH_MODES.get(0) is not None)
+            or (_PRE_DISPATCH_INFRA[0] if _PRE_DISPATCH_INFRA is not None else _PRE_DISPATCH_MODES.get(0)) is not None)
 
 
 _PRE_DISPATCH_MODES = torch._ops.mode_stack_state_for_pre_dispatch()  # one per process
+# The list its `set` writes into and `get` reads from (a private, name-mangled attribute: None
+# where a torch version has no such list, and `get(0)` is asked instead)
+_PRE_DISPATCH_INFRA: list[Any] | None = getattr(_PRE_DISPATCH_MODES, "_ModeStackStateForPreDispatch__infra_modes", None)
+if not (isinstance(_PRE_DISPATCH_INFRA, list) and _PRE_DISPATCH_INFRA):
+    _PRE_DISPATCH_INFRA = None
 
 
 def untraced(fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -16,7 +16,7 @@ import torch
 
 from . import compile as _compile
 from .masters import MASTER_ONLY
-from .slot import SlotScope, exposed_copy, on_optimizer_worker
+from .slot import SlotScope, exposed_copy, on_optimizer_worker, worker_state
 from .writes import is_inplace, written
 
 # Note [ops in a resident scope]
@@ -30,46 +30,63 @@ from .writes import is_inplace, written
 # caller), no tracing or torch.func transform, not the optimizer worker, and each parameter in
 # the top-level arguments with a copy that `ParamSlot.ready_copy` (dispatch/slot.py) gives without
 # host work, which is also where `OpAccess.materialize` starts. Anything else goes the general way.
+# A routed expert parameter's copy is such a copy once every expert is there, or its call's router
+# choice (`RoutedRows.hinted`), but not to `w[idx]`, which may index others: the general way copies
+# them (Note [which experts an op reads] in scopes/experts.py).
 
 
-def resident_copies(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]] | None:
+def resident_copies(args: tuple, kwargs: dict, *,
+                    indexing: bool = False) -> tuple[tuple, dict, list[torch.Tensor]] | None:
     """(args, kwargs, the parameters replaced) with each offloaded parameter (a tensor with `_ot`)
     replaced by its scope's device copy (Note [ops in a resident scope]); None: take the
-    general path."""
-    if on_optimizer_worker() or _compile.tracing() or torch._C._functorch.peek_interpreter_stack() is not None:
+    general path. `indexing`: the op is `Tensor.__getitem__`, which may read experts beyond the
+    router's choice (Note [which experts an op reads] in scopes/experts.py)."""
+    if (getattr(worker_state, "active", False) or _compile.tracing()  # on_optimizer_worker(), inline
+            or torch._C._functorch.peek_interpreter_stack() is not None):
         return None
-    values = (*args, *kwargs.values())
-    subs: list[Any] = []
+    values = (*args, *kwargs.values()) if kwargs else args
+    subs: list[Any] = list(values)
     params: list[torch.Tensor] = []
-    for a in values:
-        if isinstance(a, torch.Tensor) and getattr(a, "_ot", None) is not None:
-            copy = a._ot.ready_copy()  # type: ignore[attr-defined]
+    for i, a in enumerate(values):
+        if type(a) in _SCALARS:  # without a call: `w.transpose(-2, -1)`'s dims
+            continue
+        if isinstance(a, torch.Tensor):
+            slot = getattr(a, "_ot", None)
+            if slot is None:
+                continue
+            if indexing and slot.experts is not None and not slot.experts.whole:
+                return None
+            copy = slot.ready_copy()
             if copy is None:
                 return None
             params.append(a)
-            subs.append(copy)
+            subs[i] = copy
         elif isinstance(a, (list, tuple)) and any(getattr(x, "_ot", None) is not None for x in a):
             return None  # a list holding parameters (`torch.cat([w, v])`): the general path's
-        else:
-            subs.append(a)
     if not params:
         return None
+    if not kwargs:
+        return tuple(subs), {}, params
     n = len(args)
     return tuple(subs[:n]), dict(zip(kwargs, subs[n:], strict=True)), params
 
 
+_SCALARS = frozenset({int, float, bool, type(None), str})
+
+
 def resident_copies_ready(scope: SlotScope, *, versions_read: bool = False) -> bool:
-    """Of a RESIDENT scope: `ready_copy` would return each slot's device copy, and no master is
-    compressed or in a file (`packed`); the copies' requires_grad set as `use_device_copy` sets it.
-    The checks of ready_copy, with the version reads one per scope (Note [one version read per
-    scope] in scopes/write_tracking.py): asked at each call of a kept scope. `versions_read`: the
-    masters' versions were just found unchanged since their copies (in the same pre-hook)."""
+    """Of a RESIDENT scope: `ready_copy` would return each slot's device copy but a routed expert
+    parameter's (whose ops copy the rows they read: they keep the per-op path, Note [calls of a
+    loaded scope] in engine/hooks.py), and no master is compressed or in a file (`packed`); the
+    copies' requires_grad set as `use_device_copy` sets it. The checks of ready_copy, with the
+    version reads one per scope (Note [one version read per scope] in scopes/write_tracking.py):
+    asked at each call of a kept scope. `versions_read`: the masters' versions were just found
+    unchanged since their copies (in the same pre-hook)."""
     slots = scope.slots
     if scope.calls.running <= 0 or scope.copy_order is None:
         return False
     for slot in slots:  # a loop over plain fields: asked per parameter and call
-        if (slot.packed is not None or slot.pending_step is not None or slot.stepped_elsewhere is not None
-                or (slot.experts is not None and not slot.experts.whole)):
+        if slot.packed is not None or slot.pending_step is not None or slot.stepped_elsewhere is not None:
             return False
     if not scope.writes.copies_current(len(slots), versions_read=versions_read):
         return False

@@ -41,6 +41,7 @@ from .slot import ParamSlot, exposed_copy, on_optimizer_worker
 from .writes import is_inplace, set_data, set_master, writes_by_name, written
 
 _disabled_torch_function_impl = torch._C._disabled_torch_function_impl
+_GETITEM = torch.Tensor.__getitem__
 
 
 class OffloadedParameter(nn.Parameter):
@@ -197,8 +198,9 @@ def _with_dispatch(entry: Handler, call: tuple) -> Any:
 
 def _reading(func: Any, args: tuple, kwargs: dict) -> Any:
     """A function that only reads: the short path in a resident scope, else the default path."""
-    if "out" not in kwargs and kwargs.get("inplace") is not True:
-        found = resident_copies(args, kwargs)  # Note [ops in a resident scope] (dispatch/ops.py)
+    if not kwargs or ("out" not in kwargs and kwargs.get("inplace") is not True):
+        # Note [ops in a resident scope] (dispatch/ops.py)
+        found = resident_copies(args, kwargs, indexing=func is _GETITEM)
         if found is not None:
             return run_op(func, *found)
     return _default(func, args, kwargs)

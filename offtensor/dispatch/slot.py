@@ -95,6 +95,10 @@ class RoutedRows(Protocol):
     scopes/experts.py, above: Note [routed experts])."""
 
     whole: bool  # every expert is on the device: ops get the device copy as any other
+    held: int  # how many experts are on the device (or on their way)
+    # The running call's router choice is on the device (or on its way): an op that does not
+    # index the parameter reads only those rows (Note [which experts an op reads])
+    hinted: bool
 
     def before_op(self, func: Any, args: tuple, param: torch.Tensor) -> None: ...
 
@@ -285,9 +289,11 @@ class ExposedCopy(nn.Parameter):
 
 def exposed_copy(p: torch.Tensor) -> torch.Tensor | None:
     """The device copy standing in for offloaded parameter `p` in a running eager call of its
-    scope (Note [writes through the parameter in an exposed call] in engine/hooks.py), else None."""
+    scope (Note [writes through the parameter in an exposed call] in engine/hooks.py), else None.
+    A routed expert parameter is never exposed (Note [calls of a loaded scope])."""
     slot = getattr(p, "_ot", None)
-    if slot is None or not slot.scope.exposed or on_optimizer_worker() or not slot.scope.exposure_live():
+    if (slot is None or not slot.scope.exposed or slot.experts is not None or on_optimizer_worker()
+            or not slot.scope.exposure_live()):
         return None
     return slot.device_leaf
 
@@ -550,8 +556,9 @@ class ParamSlot:
         compute stream then waits for the chunk holding it, Note [progressive loads] in
         scopes/loading.py). Note [ops in a resident scope] in dispatch/ops.py."""
         scope = self.scope
+        experts = self.experts  # routed: every expert there, or the call's choice (Note [ops in a resident scope])
         if (scope.calls.running <= 0 or scope.copy_order is None or self.pending_step is not None
-                or self.stepped_elsewhere is not None or (self.experts is not None and not self.experts.whole)
+                or self.stepped_elsewhere is not None or (experts is not None and not (experts.whole or experts.hinted))
                 or scope.writes.written_in_this_call(self)):
             return None
         if scope.state is not ScopeState.RESIDENT:

@@ -29,10 +29,7 @@ plain parameter's, whatever dtypes its scope mixes.
 
 from __future__ import annotations
 
-import sys
-import threading
 import weakref
-from types import FrameType
 from typing import Any
 
 import torch
@@ -48,6 +45,7 @@ from ..scopes.experts import fill_all_experts
 from ..scopes.scope import Scope
 from ..scopes.write_tracking import versions_of
 from .engine import Engine, ModelForward
+from .failures import FailureCheck
 from .writes import DeviceVersions
 
 
@@ -116,13 +114,15 @@ class ScopeHooks:
         if interrupted:
             _forget_calls(scope, interrupted)
         if scope.calls.running == 0:
-            self._hide()  # an interrupted compiled call left its device copies exposed
-            self._unexpose_loaded()  # likewise an eager one
+            if self._exposed is not None:
+                self._hide()  # an interrupted compiled call left its device copies exposed
+            if self._attrs is not None:
+                self._unexpose_loaded()  # likewise an eager one
         tensors = _tensors(args, kwargs)
         if not backward:
             if _distributed.active():
                 self._check_distributed()
-            self._check_inputs(tensors)
+            _check_inputs(scope, engine.device, tensors)
         current = engine.pre_forward(scope, tensors)
         if torch.is_grad_enabled():
             inputs = [t for t in tensors if t.requires_grad]
@@ -193,7 +193,7 @@ class ScopeHooks:
             return
         if not resident_copies_ready(scope, versions_read=current):
             return
-        slots = scope.slots
+        slots = [slot for slot in scope.slots if slot.experts is None] if scope.routed else scope.slots
         leaves = [slot.device_leaf for slot in slots]
         self._loaded = (slots, leaves, versions_of(leaves))
         aliases: list[tuple[torch.Tensor, torch.Tensor, int]] = []
@@ -215,11 +215,15 @@ class ScopeHooks:
         noted while they were there."""
         attrs, aliases = self._attrs, self._aliases
         self.scope.exposed = False  # first: writes through the parameters reach the masters again
-        for namespace, key, slot in attrs or ():
-            if namespace.get(key) is slot.device_leaf:
+        for namespace, key, slot in attrs or ():  # by `in` and `del`: once per parameter and call
+            leaf = slot.device_leaf
+            if key in namespace and namespace[key] is leaf:
                 del namespace[key]
-            slot.device_leaf.__dict__.pop("_ot_aliases", None)
-            slot.device_leaf.__dict__.pop("_ot_param", None)
+            marks = leaf.__dict__
+            if "_ot_aliases" in marks:
+                del marks["_ot_aliases"]
+            if "_ot_param" in marks:
+                del marks["_ot_param"]
         # Forgotten once every attribute is back: an interrupt in the loop leaves them recorded.
         self._attrs, self._aliases = None, None
         return aliases or []
@@ -248,7 +252,8 @@ class ScopeHooks:
         places = self._current_homes()
         if self._attr_places is None or self._attr_places[0] is not places:
             names = {id(m._parameters): m.__dict__ for m in self.scope.module.modules()}
-            self._attr_places = (places, [(names[id(params)], key, slot) for params, key, slot in places])
+            self._attr_places = (places, [(names[id(params)], key, slot) for params, key, slot in places
+                                          if slot.experts is None])  # routed experts: per op
         return self._attr_places[1]
 
     def compiled_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -317,7 +322,7 @@ class ScopeHooks:
         places = self._places
         if places is not None:
             for params, key, slot in places:  # a loop, not any(): asked at each call of a kept scope
-                if params.get(key) is not slot.param:
+                if key not in params or params[key] is not slot.param:
                     break
             else:
                 return places
@@ -338,17 +343,18 @@ class ScopeHooks:
             if params.get(key) is not slot.param:
                 raise _distributed.replaced_error(slot.name, scope.name, params.get(key))
 
-    def _check_inputs(self, inputs: list[torch.Tensor]) -> None:
-        device = self.engine.device
-        for i, t in enumerate(inputs):
-            if t.device != device and not (t.device.type == "cpu" and t.dim() == 0):
-                raise RuntimeError(
-                    f"offtensor: input tensor {i} of scope {self.scope.name!r} "
-                    f"(shape {tuple(t.shape)}, {t.dtype}) is on {t.device}, but the scope "
-                    f"computes on {device}; move inputs with .to({str(device)!r}) (and "
-                    "the model's unwrapped parts with model.to(...); offloaded parameters stay "
-                    "on the host)"
-                )
+
+def _check_inputs(scope: Scope, device: torch.device, inputs: list[torch.Tensor]) -> None:
+    """Each input of a scope's call is on its compute `device` (a 0-d CPU tensor aside)."""
+    for i, t in enumerate(inputs):
+        if t.device != device and not (t.device.type == "cpu" and t.dim() == 0):
+            raise RuntimeError(
+                f"offtensor: input tensor {i} of scope {scope.name!r} "
+                f"(shape {tuple(t.shape)}, {t.dtype}) is on {t.device}, but the scope "
+                f"computes on {device}; move inputs with .to({str(device)!r}) (and "
+                "the model's unwrapped parts with model.to(...); offloaded parameters stay "
+                "on the host)"
+            )
 
 
 # Note [calls of a loaded scope]
@@ -366,8 +372,9 @@ class ScopeHooks:
 # plain parameter at once, and at the call's end each copy whose version moved, or whose
 # alias's did, is copied into its master (MasterWrites.exposed_call_ended). Not exposed: a
 # compute dtype, compressed or file masters (a write could not be copied back exactly), a
-# recompute in backward, torch.func transforms and make_fx traces. A write in a call that an
-# interrupt ends is lost.
+# recompute in backward, torch.func transforms and make_fx traces; nor a routed expert
+# parameter, whose ops copy the rows they read (Note [routed experts] in scopes/experts.py):
+# the rest of its scope is exposed around it. A write in a call that an interrupt ends is lost.
 
 # Note [writes through the parameter in an exposed call]
 # Module code can reach a parameter other than through its module's attribute:
@@ -474,70 +481,6 @@ class _InertHook:
         return None
 
 
-class FailureCheck:
-    """Tells a forward hook registered with `always_call=True` whether the forward raised, and
-    a forward pre-hook whether earlier calls never ended.
-
-    PyTorch runs such a hook inside its `except` block when the forward raises, but
-    `sys.exc_info()` alone cannot tell: a module called while its caller handles an exception
-    (a retry after an out-of-memory error, inside `except`) sees that exception there too. So
-    the forward pre-hook records the exception being handled when the call starts (`enter`),
-    and the call failed if another one is being handled when it ends (`failed`).
-
-    PyTorch catches only `Exception` there: a call left by a `KeyboardInterrupt` (Ctrl-C in a
-    notebook) or `SystemExit` runs no hook, and its record stays. So each record also holds the
-    frame of the module call running the hooks (the first frame outside offtensor: PyTorch's
-    `_call_impl`), which lives exactly as long as the call; `enter` drops the records of this
-    thread whose frame is not on the stack any more, and says how many. (A record kept this way
-    keeps that frame, and the tensors it refers to, until the module's next call; the
-    interrupt's own traceback holds them as well.)"""
-
-    def __init__(self) -> None:
-        # One per call in progress: (thread, frame of the call, exception handled at entry).
-        self._calls: list[tuple[int, FrameType | None, BaseException | None]] = []
-
-    def enter(self) -> int:
-        """Record a call; return how many earlier calls were found to have been interrupted."""
-        frame = _outside_offtensor(sys._getframe(1))
-        interrupted = self.drop_interrupted(frame)
-        self._calls.append((threading.get_ident(), frame, sys.exc_info()[1]))
-        return interrupted
-
-    def drop_interrupted(self, frame: FrameType | None = None) -> int:
-        """Forget this thread's calls whose frame is no longer on the stack (seen from `frame`,
-        default the caller's); return how many. Dropping a record lets its frame go, and with
-        it whatever that frame still holds: torch.utils.checkpoint's suspended generator keeps
-        its saved-tensor hooks pushed until it is collected, and collected inside the next
-        checkpointed call it would pop that call's hooks instead (the model's forward therefore
-        drops every scope's interrupted calls before anything else runs)."""
-        thread = threading.get_ident()
-        for c in self._calls:  # a loop, not any(): asked at each call of a scope
-            if c[0] == thread:
-                break
-        else:
-            return 0  # nothing to check: no stack walk
-        if frame is None:
-            frame = _outside_offtensor(sys._getframe(1))
-        on_stack, f = set(), frame
-        while f is not None:
-            on_stack.add(id(f))
-            f = f.f_back
-        live = [c for c in self._calls if c[0] != thread or id(c[1]) in on_stack]
-        interrupted = len(self._calls) - len(live)
-        self._calls = live
-        return interrupted
-
-    def failed(self) -> bool:
-        thread = threading.get_ident()
-        at_entry = None
-        for i in range(len(self._calls) - 1, -1, -1):
-            if self._calls[i][0] == thread:
-                at_entry = self._calls.pop(i)[2]
-                break
-        current = sys.exc_info()[1]
-        return current is not None and current is not at_entry
-
-
 def _forget_calls(scope: Scope, n: int) -> None:
     """`n` calls of the scope never ended: a KeyboardInterrupt (or SystemExit) left them, which
     runs no hook (FailureCheck). Forget them; the device copy they kept resident is released
@@ -548,13 +491,6 @@ def _forget_calls(scope: Scope, n: int) -> None:
     scope.calls.ended(n, failed=True)
     if scope.calls.running == 0:
         scope.release(force=True)
-
-
-def _outside_offtensor(frame: FrameType | None) -> FrameType | None:
-    """The first frame, from `frame` outwards, that is not offtensor's: the module call's."""
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("offtensor."):
-        frame = frame.f_back
-    return frame
 
 
 _Home = tuple[dict[str, Any], str, ParamSlot]
@@ -577,14 +513,19 @@ def _tensors(*trees: Any) -> list[torch.Tensor]:
     return found
 
 
+_LEAVES = (type(None), bool, int, float, str)  # nothing to look into (a decoder layer's flags)
+
+
 def _collect(tree: Any, found: list[torch.Tensor]) -> None:
     kind = type(tree)
-    if kind is tuple or kind is list:
-        for x in tree:
-            _collect(x, found)
-    elif kind is dict:
-        for x in tree.values():
-            _collect(x, found)
+    if kind is tuple or kind is list or kind is dict:
+        for x in (tree.values() if kind is dict else tree):
+            # Plain tensors and flags without a call each: a decoder layer's arguments, at each call
+            sort = type(x)
+            if sort is torch.Tensor:
+                found.append(x)
+            elif sort not in _LEAVES:
+                _collect(x, found)
     elif isinstance(tree, torch.Tensor):
         found.append(tree)
     elif isinstance(tree, tuple):  # a namedtuple, torch.return_types: pytree takes their fields

@@ -44,7 +44,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..dispatch.masters import without_subclass_dispatch
 from ..dispatch.slot import ParamSlot
-from ..engine.hooks import FailureCheck, Hook
+from ..engine.failures import FailureCheck
+from ..engine.hooks import Hook
 from ..scopes.scope import Scope
 
 

@@ -43,7 +43,7 @@ class DeviceBuffer:
     def allocate(self, streams: Streams) -> None:
         """Allocate the storage on the compute stream; the copy stream waits for that (Note
         [ordering across streams] in scopes/streams.py)."""
-        self.storage.resize_(self.nbytes)
+        self.flat.untyped_storage().resize_(self.nbytes)  # not the property: at each load
         streams.wait(streams.h2d(), streams.record(streams.compute()))  # alloc_done
 
     def free(self, slots: list[ParamSlot]) -> None:
@@ -52,7 +52,7 @@ class DeviceBuffer:
         if self.graph_saved:
             self._retire(slots)
         else:
-            self.storage.resize_(0)
+            self.flat.untyped_storage().resize_(0)
 
     def _retire(self, slots: list[ParamSlot]) -> None:
         """A new, empty storage and new device copies; the old ones are left to the graphs

@@ -41,9 +41,10 @@ from typing import Any
 import torch
 
 from ..dispatch.slot import ParamSlot
-from .write_tracking import version_of
 
 HALF_LIFE = 8.0  # loads of the scope after which a row's score counts half
+_VERSION_OF = torch._C.TensorBase._version.__get__  # type: ignore[attr-defined]
+_disabled: Any = torch._C._disabled_torch_function_impl  # (fn, types, args): a read with subclass dispatch off
 
 
 @dataclass
@@ -54,7 +55,7 @@ class _Score:
 
     def use(self, now: int) -> None:
         if self.at != now or self.value == 0.0:
-            self.value = _aged(self, now) + 1.0
+            self.value = self.value * 0.5 ** ((now - self.at) / HALF_LIFE) + 1.0  # aged to now, plus this use
             self.at = now
             self.log = math.log2(self.value) + now / HALF_LIFE
 
@@ -90,6 +91,7 @@ class ExpertCache:
         if self._held.get(slot):
             self._drop_stale(slot, _mark(slot))
         found: dict[int, torch.Tensor] = {}
+        heap = None
         for e in experts:
             key = (slot, e)
             score = scores.get(key)
@@ -100,8 +102,11 @@ class ExpertCache:
             row = rows.get(key)
             if row is not None:
                 found[e] = row.rows
-                if score.log != before:
-                    self._push(slot, score.log, row.order, e)
+                if score.log != before:  # its new rank; the old entry goes stale
+                    heap = self._heaps[slot]
+                    heapq.heappush(heap, (score.log, row.order, e))
+        if heap is not None:
+            self._compact(slot)
         return found
 
     def offer(self, slot: ParamSlot, experts: list[int], view: torch.Tensor) -> None:
@@ -116,6 +121,7 @@ class ExpertCache:
             self._drop_stale(slot, mark)
         self._marks[slot] = mark
         lowest: list[tuple[float, int, ParamSlot, int]] | None = None  # each slot's lowest row
+        held, heap = self._held.setdefault(slot, set()), self._heaps.setdefault(slot, [])
         for e in experts:
             key = (slot, e)
             if key in self.rows:
@@ -137,10 +143,11 @@ class ExpertCache:
             row = self.rows[key] = _Row(view[e].detach().clone(), mark, self._order, score)
             self._order += 1
             self.used += nbytes
-            self._held.setdefault(slot, set()).add(e)
-            self._push(slot, score.log, row.order, e)
+            held.add(e)
+            heapq.heappush(heap, (score.log, row.order, e))
             if lowest is not None:
                 heapq.heappush(lowest, (mine, row.order, slot, e))
+        self._compact(slot)
 
     def clear(self) -> None:
         for key in list(self.rows):
@@ -169,11 +176,11 @@ class ExpertCache:
                 return
             heapq.heappop(heap)
 
-    def _push(self, slot: ParamSlot, log: float, order: int, expert: int) -> None:
-        heap = self._heaps.setdefault(slot, [])
-        heapq.heappush(heap, (log, order, expert))
-        held = self._held.get(slot, ())
-        if len(heap) > 4 * len(held) + 64:  # mostly stale entries: rebuild
+    def _compact(self, slot: ParamSlot) -> None:
+        """Rebuild the slot's heap from its rows once it holds mostly stale entries (which
+        `_push_lowest` skips: when this runs changes no decision)."""
+        heap, held = self._heaps[slot], self._held.get(slot, ())
+        if len(heap) > 4 * len(held) + 64:
             rows = [(e, self.rows[(slot, e)]) for e in held]
             heap[:] = [(row.score.log, row.order, e) for e, row in rows]
             heapq.heapify(heap)
@@ -186,16 +193,15 @@ class ExpertCache:
 
     def _drop(self, key: tuple[ParamSlot, int]) -> None:
         row = self.rows.pop(key)
-        self.used -= row.rows.numel() * row.rows.element_size()
+        self.used -= row.rows.nbytes
         self._held[key[0]].discard(key[1])
 
 
-def _aged(score: _Score, now: int) -> float:
-    return score.value * 0.5 ** ((now - score.at) / HALF_LIFE)
-
-
 def _mark(slot: ParamSlot) -> tuple[Any, ...]:
-    """The writes to the slot's master so far (Note [expert cache]); a pending step: unique."""
-    if slot.step_pending:
+    """The writes to the slot's master so far (Note [expert cache]); a pending step: unique.
+    Asked for every slot holding rows at each eviction: the version read in C, the `p.data`
+    aliases' versions only when there are some (data_versions gives () without)."""
+    if slot.pending_step is not None:
         return (object(),)
-    return (slot.scope.masters.master_writes, version_of(slot.param), slot.data_versions())
+    return (slot.scope.masters.master_writes, _disabled(_VERSION_OF, (), (slot.param,)),
+            slot.data_versions() if slot.data_aliases else ())

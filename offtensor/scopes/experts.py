@@ -8,16 +8,17 @@ laid out in its scope's buffers like any other (the device buffer has room for a
 but copy_order puts the routed parameters last, the load plan ends a chunk before them
 (scopes/loading.py), and a load in forward copies only the chunks before: the layer's other
 parameters prefetch as before. An op on a routed parameter inside its scope takes the general
-path of ops (`ParamSlot.ready_copy` refuses it until every expert is there), which, once the
-scope is resident, copies the experts that op reads (Note [which experts an op reads]) into
-their rows of the device copy and gives the op the device copy itself. The copies run on the
-copy stream, after the load's allocation by the stream's order; compute waits for their event,
-device side, and master writes for their reads (`Streams.reads_masters`). Converting masters (a
-compute_dtype, Policy(frozen_format)) cross as their bytes and are converted on the compute
-stream after that event, row by row, so an expert's rows are the bytes the whole master's
-conversion gives (a compressed master has one scale per expert). While the scope stays resident
-(kept under a VRAM budget, the last scope kept for backward) copied experts stay and later ops
-find them (`Traffic.expert_hits`); the budget counts the room for all E. A release forgets them.
+path of ops (`ParamSlot.ready_copy` refuses it until every expert, or the running call's router
+choice, is there), which, once the scope is resident, copies the experts that op reads
+(Note [which experts an op reads]) into their rows of the device copy and gives the op the
+device copy itself. The copies run on the copy stream, after the load's allocation by the
+stream's order; compute waits for their event, device side, and master writes for their reads
+(`Streams.reads_masters`). Converting masters (a compute_dtype, Policy(frozen_format)) cross as
+their bytes and are converted on the compute stream after that event, row by row, so an expert's
+rows are the bytes the whole master's conversion gives (a compressed master has one scale per
+expert). While the scope stays resident (kept under a VRAM budget, the last scope kept for
+backward) copied experts stay and later ops find them (`Traffic.expert_hits`); the budget counts
+the room for all E. A release forgets them.
 
 # Note [which experts an op reads]
 - `w[i]`, `w[idx]` (an int, an integer tensor, a list; or a tuple starting with one): those
@@ -44,8 +45,9 @@ it for each routed parameter at once, while the scope is resident (else the call
 by the usual path), before transformers' own preparation (sorting tokens by expert), so that the
 link does not idle through it; an eager loop's `w[e]` then finds its rows there. One section
 of the copy stream with one event for compute to wait on, one `copy_` per run of consecutive
-experts; rows the expert cache holds are copied in one `_foreach_copy_`. Each later op checks
-only the rows it reads. Hits and misses count once per expert and call, as an op loop reading
+experts; rows the expert cache holds are copied in one `_foreach_copy_`. Later ops take the
+short path of ops (`hinted`), an indexing one checks the rows it reads (Note [ops in a resident
+scope] in dispatch/ops.py). Hits and misses count once per expert and call, as an op loop reading
 each expert once counted them. Per expert, each copy would cost a stream switch, an event and a
 wait, and the eager loop's own read of `expert_idx` would wait for each expert's copy in turn.
 
@@ -105,7 +107,10 @@ class ExpertRows:
         self.held = 0  # how many are
         self.whole = False
         self.hint: list[int] | None = None  # the router's experts for the running call
-        self.hinted = False  # the hint's experts were filled in this call (Note [one copy per run])
+        # The hint's experts were filled in this call (Note [one copy per run]): an op that does
+        # not index the parameter gets the device copy by the short path (ParamSlot.ready_copy)
+        self.hinted = False
+        self.row_bytes = slot.master.nbytes // max(self.count, 1)  # one expert's, as the master holds it
 
     def forget(self) -> None:
         """No expert is on the device (released, or a load that leaves them to ops)."""
@@ -119,23 +124,19 @@ class ExpertRows:
         self.held = self.count
         self.whole = True
 
-    def set_hint(self, experts: list[int] | None) -> None:
-        self.hint, self.hinted = experts, False
-
     def fill_all(self) -> None:
         self.fill(range(self.count))
 
     def start(self) -> None:
-        """At the experts call's start, right after the router's choice was read: copy it now if
-        an op on the parameter would get the device copy as it is (Note [one copy per run])."""
-        slot, scope = self.slot, scope_of(self.slot)
-        if (self.whole or self.hint is None or scope.calls.running <= 0 or scope.state is not ScopeState.RESIDENT
-                or scope.copy_order is None or slot.pending_step is not None or slot.stepped_elsewhere is not None
-                or scope.writes.written_in_this_call(slot) or torch.compiler.is_compiling()):
+        """At the experts call's start, right after the router's choice (the hint) was read, its
+        scope computing and resident (the hook checks that, `_copies_now`): copy it now if an op
+        on the parameter would get the device copy as it is (Note [one copy per run])."""
+        slot = self.slot
+        if (self.whole or self.hint is None or slot.pending_step is not None or slot.stepped_elsewhere is not None
+                or slot.scope.writes.written_in_this_call(slot)):
             return  # the first op decides, by the usual path (OpAccess.materialize)
         self.hinted = True
-        with torch.no_grad():  # into the device buffer, as an op's fill
-            self.fill(self.hint)
+        self.fill(self.hint)
 
     def before_op(self, func: Any, args: tuple, param: torch.Tensor) -> None:
         """Copy the experts the op `func(*args)` reads onto the device: the router's whole
@@ -172,15 +173,16 @@ class ExpertRows:
                 view = self.slot.device_view
                 torch._foreach_copy_([view[e] for e in found], list(found.values()))
                 todo = [e for e in todo if e not in found]
-        self.traffic.expert_misses += len(todo)
-        self.traffic.expert_hits += len(wanted) - len(todo)
-        if todo:
+        missed, added = len(todo), len(new)
+        self.traffic.expert_misses += missed
+        self.traffic.expert_hits += len(wanted) - missed
+        if missed:
             self._copy(todo)
             if cache is not None:  # after the copy's event, on compute
                 cache.offer(self.slot, todo, self.slot.device_view)
         for e in new:
             loaded[e] = True
-        self.held += len(new)
+        self.held += added
         self.whole = self.held == self.count
 
     def _copy(self, experts: list[int]) -> None:
@@ -193,18 +195,21 @@ class ExpertRows:
         # per run of experts: its rows' host tensors on the device (a compressed master's, as its
         # format keeps them: Note [frozen formats] in formats.py, or a master to cast)
         staged: list[tuple[slice, tuple[torch.Tensor, ...]]] = []
+        runs = _runs(experts)
         with streams.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
-            for run in _runs(experts):
-                if isinstance(packed, PackedMaster):
+            if isinstance(packed, PackedMaster):
+                for run in runs:
                     rows = tuple(part.to(view.device, non_blocking=True) for part in packed.rows(run))
                     staged.append((run, rows))
                     self.traffic.bytes_to_device += sum(part.nbytes for part in rows)
-                elif master.dtype != view.dtype:
+            elif master.dtype != view.dtype:
+                for run in runs:
                     staged.append((run, (master[run].to(view.device, non_blocking=True),)))
-                    self.traffic.bytes_to_device += master[run].nbytes
-                else:
+                self.traffic.bytes_to_device += len(experts) * self.row_bytes
+            else:
+                for run in runs:
                     view[run].copy_(master[run], non_blocking=True)
-                    self.traffic.bytes_to_device += master[run].nbytes
+                self.traffic.bytes_to_device += len(experts) * self.row_bytes
             copied = streams.record(h2d)
         streams.reads_masters(copied)
         compute = streams.compute()
@@ -221,15 +226,9 @@ class ExpertRows:
 
 def _runs(experts: list[int]) -> list[slice]:
     """Sorted experts as slices of consecutive ones."""
-    runs: list[slice] = []
-    start = prev = experts[0]
-    for e in experts[1:]:
-        if e != prev + 1:
-            runs.append(slice(start, prev + 1))
-            start = e
-        prev = e
-    runs.append(slice(start, prev + 1))
-    return runs
+    ends = [i for i in range(1, len(experts)) if experts[i] != experts[i - 1] + 1]  # where a run breaks
+    bounds = [0, *ends, len(experts)]
+    return [slice(experts[a], experts[b - 1] + 1) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def fill_all_experts(scope: Scope) -> None:
@@ -310,6 +309,13 @@ def route_experts(scope: Scope, cache: ExpertCache | None = None) -> list[Remova
     return handles
 
 
+def _copies_now(scope: Scope) -> bool:
+    """An experts call may copy its router's choice at its start (ExpertRows.start): the scope
+    computes eagerly, resident, with its copy order learned; else its first op decides."""
+    return (scope.calls.running > 0 and scope.state is ScopeState.RESIDENT and scope.copy_order is not None
+            and not torch.compiler.is_compiling())
+
+
 def _install(scope: Scope, slots: list[ParamSlot], cache: ExpertCache | None) -> None:
     for slot in slots:
         if slot.experts is None:
@@ -322,6 +328,7 @@ def _hint_hooks(module: nn.Module, slots: list[ParamSlot], name: str, position: 
     """Hooks that tell the slots which experts the router chose for the module's call: its
     argument `name`, at `position`."""
     rows = [r for slot in slots if isinstance(r := slot.experts, ExpertRows)]
+    scope = scope_of(slots[0])  # the module's routed parameters are of one scope
 
     def chosen(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         index = kwargs.get(name, args[position] if len(args) > position else None)
@@ -329,13 +336,19 @@ def _hint_hooks(module: nn.Module, slots: list[ParamSlot], name: str, position: 
         if isinstance(index, torch.Tensor) and rows:
             experts = _distinct(index, rows[0].count, wrap=False)
         for r in rows:
-            r.set_hint(experts)
-        for r in rows:
-            r.start()
+            r.hint, r.hinted = experts, False  # set_hint, inline: once per experts call and parameter
+        if experts is not None and _copies_now(scope):
+            grad = torch.is_grad_enabled()  # into the device buffer without grad, as an op's fill;
+            torch._C._set_grad_enabled(False)  # what no_grad() sets, without its Python frames
+            try:
+                for r in rows:
+                    r.start()
+            finally:
+                torch._C._set_grad_enabled(grad)
 
     def done(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         for r in rows:
-            r.set_hint(None)
+            r.hint, r.hinted = None, False
 
     return [module.register_forward_pre_hook(chosen, with_kwargs=True),
             module.register_forward_hook(done, with_kwargs=True, always_call=True)]

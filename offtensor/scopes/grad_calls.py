@@ -61,8 +61,13 @@ class GradCalls:
         forward that reentrant checkpointing runs without grad, a call inside a Function that
         autograd records, an input that requires grad, or an earlier call of this pass that
         counted."""
-        if (torch.is_grad_enabled() or self.pass_counted or recorded_functions.depth
-                or any(t.requires_grad for t in inputs)):
+        counts = torch.is_grad_enabled() or self.pass_counted or recorded_functions.depth
+        if not counts:
+            for t in inputs:  # a loop, not any(): asked at each call of a scope
+                if t.requires_grad:
+                    counts = True
+                    break
+        if counts:
             scope.calls.grad_call()
             self.pass_counted = True
 

@@ -22,7 +22,7 @@ stream is past it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -143,7 +143,7 @@ class Traffic:
 class LoadProgress:
     """What a load has enqueued and what compute has waited for; exists only while LOADING."""
 
-    def __init__(self, streams: Streams, copied: Callable[[Iterable[ParamSlot]], None], traffic: Traffic) -> None:
+    def __init__(self, streams: Streams, copied: Callable[[Sequence[ParamSlot]], None], traffic: Traffic) -> None:
         self.streams = streams
         self.copied = copied  # told of the masters about to be copied (WriteTracker.note_copied)
         self.traffic = traffic  # the scope's counters
@@ -204,11 +204,15 @@ class LoadProgress:
         with streams.on(h2d):
             while c < self.chunk_count:
                 chunk = chunks[c]
-                pending = [slot for slot in chunk.slots if slot.step_pending]
-                if pending:
+                pending = None  # a loop, not a list of step_pending: asked per chunk of each load
+                for slot in chunk.slots:
+                    if slot.pending_step is not None:
+                        pending = slot
+                        break
+                if pending is not None:
                     if chunk.lo > need:
                         break
-                    for slot in pending:
+                    for slot in chunk.slots:
                         slot.wait_for_step()
                 self.copied(chunk.slots)
                 for start, dev, n in chunk.direct:

@@ -465,5 +465,6 @@ def _routed_loaded(scope: Scope, progressive: bool) -> bool:
 
 def _forget_routed(scope: Scope) -> None:
     for slot in scope.routed:
-        if slot.experts is not None:
-            slot.experts.forget()
+        rows = slot.experts
+        if rows is not None and (rows.held or rows.hinted):  # else nothing to forget: at each load and release
+            rows.forget()

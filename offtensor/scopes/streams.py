@@ -47,6 +47,7 @@ class Streams:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self._side: dict[str, Any] = {}  # the side streams by name, created on first use
+        self._h2d: Any = None  # _side["h2d"] once made: asked at each load and each copy of experts
         self._unsynced_h2d: list[Any] = []  # events of copies that may still read host masters
         # The current stream before `on()` made a side stream current; None when none is
         # (Note [interrupts]).
@@ -56,7 +57,10 @@ class Streams:
         return torch.cuda.current_stream(self.device) if self.is_cuda else None
 
     def h2d(self) -> Any:
-        return self._side_stream("h2d")
+        stream = self._h2d
+        if stream is None and self.is_cuda:
+            stream = self._h2d = self._side_stream("h2d")
+        return stream
 
     def d2h(self) -> Any:
         return self._side_stream("d2h")
@@ -94,7 +98,7 @@ class Streams:
 
     def on(self, stream: Any) -> contextlib.AbstractContextManager:
         """`with streams.on(stream):` enqueues the block's work on `stream` (nothing on the CPU)."""
-        return _OnStream(self, stream) if stream is not None else contextlib.nullcontext()
+        return _OnStream(self, stream) if stream is not None else _NO_SWITCH
 
     def restore(self) -> None:
         """Make the stream that was current before `on()` switched current again, if an
@@ -123,6 +127,9 @@ class Streams:
         if not self.is_cuda:
             return ""
         return f"; device memory allocated {torch.cuda.memory_allocated(self.device) / 2**20:.1f} MiB"
+
+
+_NO_SWITCH = contextlib.nullcontext()  # reusable, and reentrant: nothing to switch on the CPU
 
 
 class _OnStream:

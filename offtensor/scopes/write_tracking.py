@@ -23,7 +23,7 @@ itself and do not reach the master (docs/design.md, Limits).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,35 +44,39 @@ class WriteTracker:
         # Parameters whose masters were written during a call of the scope, after its load: their
         # device copies are refreshed (Note [writes during a scope's call]).
         self.in_call: dict[ParamSlot, None] = {}
-        # copied_versions as (masters, versions) in one order, while it is unchanged, and whether a
-        # slot of the scope may hold `p.data` aliases (Note [one version read per scope]).
-        self._copied: tuple[tuple[torch.Tensor, ...], list[int]] | None = None
+        # The masters of copied_versions' keys, in its order (keys are only ever added), and
+        # whether a slot of the scope may hold `p.data` aliases (Note [one version read per scope]).
+        self._masters: tuple[torch.Tensor, ...] = ()
         self.aliases_noted = False
 
-    def note_copied(self, slots: Iterable[ParamSlot]) -> None:
+    def note_copied(self, slots: Sequence[ParamSlot]) -> None:
         """The masters of `slots` are copied into their device copies now."""
         # Every scope, not only kept ones: no_offload() holds streamed scopes resident as the
         # budget keeps kept ones, and their copies go stale the same way (MasterWrites.outlives_calls).
-        for slot in slots:
-            version = version_of(slot.param)
-            if self.copied_versions.get(slot, version) != version:
+        # Asked per load for each parameter it copies: the versions read in one map, the rest inline.
+        copied = self.copied_versions
+        for slot, version in zip(slots, versions_of([slot.param for slot in slots]), strict=True):
+            if slot in copied and copied[slot] != version:
                 # Written since its last copy by a write no op on the parameter saw
                 # (`p.detach().mul_()`): this copy overwrites the storage a graph may have saved
                 # (Note [writes under a saved graph] in dispatch/slot.py).
                 slot.device_copies_written()
-            self.copied_versions[slot] = version
-            slot.data_copied()
-        self._copied = None
+            copied[slot] = version
+            if slot.data_aliases:
+                slot.data_copied()
+            else:  # data_copied without an alias to look at
+                slot.data_alias_written = False
 
     def copied_now(self, slot: ParamSlot, version: int) -> None:
         """The master of `slot`, at `version`, is what its device copy holds (written back from it)."""
         self.copied_versions[slot] = version
-        self._copied = None
 
     def written_in_this_call(self, slot: ParamSlot) -> bool:
         """The master changed since its device copy was made, in this call of the scope: by an
         op on the parameter or `.data` (marked), or through a detached alias (its version)."""
-        return slot in self.in_call or self.copied_versions.get(slot) != _disabled(_VERSION_OF, (), (slot.param,))
+        copied = self.copied_versions  # `in` and a subscript: asked per op of a routed parameter
+        return (slot in self.in_call or slot not in copied
+                or copied[slot] != _disabled(_VERSION_OF, (), (slot.param,)))
 
     def copies_current(self, n_slots: int, *, versions_read: bool) -> bool:
         """Each of the scope's `n_slots` parameters has a device copy made from its master as the
@@ -96,11 +100,10 @@ class WriteTracker:
         `p.data` aliases' included (Note [p.data aliases] in dispatch/slot.py); not counting the
         slots for which `skip(slot)` is true."""
         if skip is None and not self.aliases_noted:
-            copied = self._copied
-            if copied is None:
-                copied = self._copied = (tuple(s.param for s in self.copied_versions),
-                                         list(self.copied_versions.values()))
-            return versions_of(copied[0]) != copied[1]
+            copied = self.copied_versions
+            if len(self._masters) != len(copied):  # a slot copied for the first time
+                self._masters = tuple(s.param for s in copied)
+            return versions_of(self._masters) != list(copied.values())
         for slot, v in self.copied_versions.items():
             if skip is not None and skip(slot):
                 continue
@@ -116,9 +119,10 @@ class WriteTracker:
 # Note [one version read per scope]
 # A kept scope asks at each call whether its masters were written since their copies: one
 # version counter per parameter. Read one by one through Python that is a call per parameter
-# and call, a large share of a host-bound step; so the versions at the last copy are kept as a
-# list, in the order of a tuple of the masters, and compared with the current ones, read by one
-# `map` with subclass dispatch off. `p.data` aliases (Note [p.data aliases] in dispatch/slot.py)
+# and call, a large share of a host-bound step; so the versions at the last copy (the values of
+# `copied_versions`) are compared as a list with the current ones, read by one `map` with
+# subclass dispatch off from a tuple of the masters in the same order (its keys'), and a load
+# notes its copies likewise. `p.data` aliases (Note [p.data aliases] in dispatch/slot.py)
 # are versions of other tensors: a scope one of whose slots was handed one (`aliases_noted`,
 # set by ParamSlot.data_handed_out) takes the per-parameter path until no alias is left.
 

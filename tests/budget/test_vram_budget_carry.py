@@ -608,7 +608,7 @@ def test_an_interrupt_with_carried_scopes_leaks_nothing_and_training_goes_on(dev
     with pytest.raises(KeyboardInterrupt, match="injected"):
         F.mse_loss(model(x), y).backward()
     handle.remove()
-    # A KeyboardInterrupt runs no hook (FailureCheck in engine/hooks.py): what the pass held stays
+    # A KeyboardInterrupt runs no hook (FailureCheck in engine/failures.py): what the pass held stays
     # until the model's next call (its weights within the budget: most_device_bytes below).
     if where.startswith("forward"):
         # Step on the gradients of the backward before, equal on both sides: it writes the

@@ -1,0 +1,99 @@
+"""Which calls of a module failed, and which an interrupt left: FailureCheck, for the forward
+hooks of scopes and models (engine/hooks.py, model/quantized.py)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from types import CodeType, FrameType
+
+
+class FailureCheck:
+    """Tells a forward hook registered with `always_call=True` whether the forward raised, and
+    a forward pre-hook whether earlier calls never ended.
+
+    PyTorch runs such a hook inside its `except` block when the forward raises, but
+    `sys.exc_info()` alone cannot tell: a module called while its caller handles an exception
+    (a retry after an out-of-memory error, inside `except`) sees that exception there too. So
+    the forward pre-hook records the exception being handled when the call starts (`enter`),
+    and the call failed if another one is being handled when it ends (`failed`).
+
+    PyTorch catches only `Exception` there: a call left by a `KeyboardInterrupt` (Ctrl-C in a
+    notebook) or `SystemExit` runs no hook, and its record stays. So each record also holds the
+    frame of the module call running the hooks (the first frame outside offtensor: PyTorch's
+    `_call_impl`), which lives exactly as long as the call; `enter` drops the records of this
+    thread whose frame is not on the stack any more, and says how many. (A record kept this way
+    keeps that frame, and the tensors it refers to, until the module's next call; the
+    interrupt's own traceback holds them as well.)"""
+
+    def __init__(self) -> None:
+        # One per call in progress: (thread, frame of the call, exception handled at entry).
+        self._calls: list[tuple[int, FrameType | None, BaseException | None]] = []
+
+    def enter(self) -> int:
+        """Record a call; return how many earlier calls were found to have been interrupted."""
+        frame = _outside_offtensor(sys._getframe(1))
+        interrupted = self.drop_interrupted(frame)
+        self._calls.append((threading.get_ident(), frame, sys.exc_info()[1]))
+        return interrupted
+
+    def drop_interrupted(self, frame: FrameType | None = None) -> int:
+        """Forget this thread's calls whose frame is no longer on the stack (seen from `frame`,
+        default the caller's); return how many. Dropping a record lets its frame go, and with
+        it whatever that frame still holds: torch.utils.checkpoint's suspended generator keeps
+        its saved-tensor hooks pushed until it is collected, and collected inside the next
+        checkpointed call it would pop that call's hooks instead (the model's forward therefore
+        drops every scope's interrupted calls before anything else runs)."""
+        thread = threading.get_ident()
+        for c in self._calls:  # a loop, not any(): asked at each call of a scope
+            if c[0] == thread:
+                break
+        else:
+            return 0  # nothing to check: no stack walk
+        if frame is None:
+            frame = _outside_offtensor(sys._getframe(1))
+        on_stack, f = set(), frame
+        while f is not None:
+            on_stack.add(id(f))
+            f = f.f_back
+        live = [c for c in self._calls if c[0] != thread or id(c[1]) in on_stack]
+        interrupted = len(self._calls) - len(live)
+        self._calls = live
+        return interrupted
+
+    def failed(self) -> bool:
+        thread = threading.get_ident()
+        at_entry = None
+        for i in range(len(self._calls) - 1, -1, -1):
+            if self._calls[i][0] == thread:
+                at_entry = self._calls.pop(i)[2]
+                break
+        current = sys.exc_info()[1]
+        return current is not None and current is not at_entry
+
+
+def _outside_offtensor(frame: FrameType | None) -> FrameType | None:
+    """The first frame, from `frame` outwards, that is not offtensor's: the module call's."""
+    while frame is not None:
+        code = frame.f_code  # told apart by its code, each code asked once: at each call of a scope
+        if code not in _OURS:
+            if code in _THEIRS:
+                return frame
+            if not frame.f_globals.get("__name__", "").startswith("offtensor."):
+                _remember(_THEIRS, code)
+                return frame
+            _remember(_OURS, code)
+        frame = frame.f_back
+    return frame
+
+
+# The code objects _outside_offtensor found to be offtensor's, and not: a few each (the hooks'
+# own, PyTorch's module call); bounded for code compiled while the program runs (exec).
+_OURS: set[CodeType] = set()
+_THEIRS: set[CodeType] = set()
+
+
+def _remember(codes: set[CodeType], code: CodeType) -> None:
+    if len(codes) >= 1024:
+        codes.clear()
+    codes.add(code)
