@@ -138,14 +138,24 @@ class HintedModel(nn.Module):
         return x
 
 
-def test_indexing_a_routed_parameter_beyond_the_routers_choice_copies_that_expert():
+def _wrapped_and_plain(model_class: type[nn.Module]) -> tuple[nn.Module, nn.Module]:
+    """A model wrapped on the CPU, and its unwrapped copy made before."""
     torch.manual_seed(0)
-    model = HintedModel()
+    model = model_class()
     reference = copy.deepcopy(model)
     offtensor.wrap(model, device="cpu")
+    return model, reference
+
+
+def _input(step: int) -> torch.Tensor:
+    return torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(step))
+
+
+def test_indexing_a_routed_parameter_beyond_the_routers_choice_copies_that_expert():
+    model, reference = _wrapped_and_plain(HintedModel)
     with torch.no_grad():
         for step in range(6):
-            x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(step))
+            x = _input(step)
             before = offtensor.summary(model).scopes
             torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
             after = offtensor.summary(model).scopes
@@ -173,13 +183,10 @@ class WritingModel(HintedModel):
 
 
 def test_writes_in_a_routed_scopes_forward_reach_the_masters_like_unwrapped():
-    torch.manual_seed(0)
-    model = WritingModel()
-    reference = copy.deepcopy(model)
-    offtensor.wrap(model, device="cpu")
+    model, reference = _wrapped_and_plain(WritingModel)
     with torch.no_grad():
         for step in range(4):
-            x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(step))
+            x = _input(step)
             torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
     for (name, p), q in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
