@@ -193,6 +193,19 @@ def tolerances(device: str, dtype: torch.dtype = torch.float32) -> dict[str, flo
 
 
 @pytest.fixture(autouse=True)
+def lagging_side_streams() -> Iterator[None]:
+    """OFFTENSOR_LAZY_STREAMS=1: every test runs with side streams that lag on the CPU (Note
+    [lazy streams] in tests/lazy_streams.py), so that a missing wait fails there too."""
+    if os.environ.get("OFFTENSOR_LAZY_STREAMS") != "1":
+        yield
+        return
+    from lazy_streams import lazy_streams
+
+    with lazy_streams():
+        yield
+
+
+@pytest.fixture(autouse=True)
 def seed() -> int:
     """Seed every RNG before each test so model initialisation and inputs are reproducible."""
     value = 0

@@ -53,6 +53,19 @@ MERGE_GAP = 256 * 2**10
 # needs that chunk now (then the host waits for its steps).
 
 
+# Note [a release after a load's last event]
+# A load's chunks have one event each, recorded on the copy stream for a chunk that converts
+# nothing and on the cast stream for one that does; each stream runs in order, but the two do not
+# wait for each other's later work. So the last chunk's event is not the end of the load: when it
+# is a copy-stream event, conversions of earlier chunks may still be running on the cast stream,
+# writing into the device buffer. Ops wait for every chunk they need, one by one; a release of a
+# load nobody finished using (a prefetch left unused, a call that raised) waits for every chunk
+# compute has not waited for (`compute_waits(None)`), so that freeing the buffer on the compute
+# stream follows every write into it. Waiting for the last event alone freed the buffer under
+# running conversions: on CUDA, the allocator could hand the memory to the next tensor while a
+# conversion still wrote it. tests/lazy_streams.py checks this on the CPU.
+
+
 class _Chunk:
     """One chunk of a progressive load: the parameters at positions [lo, hi) of copy_order and
     the copies that bring them onto the device (Note [load plans])."""

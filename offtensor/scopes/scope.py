@@ -383,7 +383,11 @@ class Scope:
         if self.state is ScopeState.OFFLOADED or (self.residency is Residency.KEPT and not force):
             return
         streams = self.streams
-        streams.wait(streams.compute(), self.weights_ready)  # a prefetch nobody used: the free must follow it
+        if self.loading is not None:
+            # A prefetch nobody used, a call that raised: the free must follow every copy and
+            # conversion the load enqueued, not only its last chunk's (Note [a release after a
+            # load's last event]).
+            self.loading.compute_waits(None)
         self.old_grads.drop()
         self.writes.in_call.clear()  # the next load copies the masters as they are
         self.device.free(self.slots)  # retired instead under a saved graph (Note [higher-order gradients])

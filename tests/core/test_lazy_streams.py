@@ -1,0 +1,135 @@
+"""The CUDA stream and event protocol, checked on the CPU with side streams that lag (Note [lazy
+streams] in tests/lazy_streams.py): a forward, a backward and an optimizer step of streamed,
+kept and compressed models match the plain model while every copy and conversion runs as late
+as its events allow, and no queued work outlives the memory it writes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import BlockStack, assert_all_scopes_offloaded, mlp_of_blocks, random_batch
+from lazy_streams import lazy_streams
+from torch import nn
+
+import offtensor
+import offtensor.scopes.loading as loading_module
+from offtensor.scopes.loading import LoadProgress
+from offtensor.storage.compress import MIN_NUMEL, quantize_dequantize
+
+HIDDEN = 64  # 64 x 64 block matrices: MIN_NUMEL elements, compressed by a frozen format
+
+
+class _Boom(Exception):
+    pass
+
+
+class AdapterBlock(nn.Module):
+    """A frozen matrix (compressed by a frozen format) used first, a trainable adapter (never
+    compressed) used last: a converting load whose last chunks convert nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(HIDDEN, HIDDEN).requires_grad_(False)
+        self.adapter = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.adapter(F.gelu(self.fc(x)))
+
+
+def _model(kind: str, checkpoint: str | None = None) -> BlockStack:
+    if kind == "adapters":
+        model = BlockStack([AdapterBlock() for _ in range(3)], 8, HIDDEN, 4)
+        model.checkpoint = checkpoint
+        return model
+    return mlp_of_blocks(hidden=HIDDEN, checkpoint=checkpoint)
+
+
+def _compressed_copy(model: nn.Module, fmt: str | None) -> nn.Module:
+    reference = copy.deepcopy(model)
+    if fmt is not None:
+        with torch.no_grad():
+            for p in reference.blocks.parameters():
+                if p.dim() >= 2 and not p.requires_grad and p.numel() >= MIN_NUMEL:
+                    p.copy_(quantize_dequantize(p, fmt))
+    return reference
+
+
+def _train(model: nn.Module, steps: int) -> list[torch.Tensor]:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    torch.manual_seed(1)
+    for _ in range(steps):
+        x, y = random_batch("cpu")
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+POLICIES = {
+    "streamed": {},
+    "kept": {"vram_budget": 2**40},
+    "fp8": {"frozen_format": "fp8"},
+    "int8-prefetch-2": {"frozen_format": "int8", "prefetch": 2},
+}
+
+
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant", "reentrant"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_training_with_lagging_side_streams_matches_the_plain_model(policy, checkpoint, monkeypatch):
+    monkeypatch.setattr(loading_module, "CHUNK_BYTES", 4096)  # several chunks per scope
+    fmt = POLICIES[policy].get("frozen_format")
+    model = _model("adapters" if fmt is not None else "mlp", checkpoint)
+    reference = _compressed_copy(model, fmt)
+    expected = _train(reference, 4)
+    with lazy_streams() as made:
+        offtensor.wrap(model, device="cpu", policy=offtensor.Policy(**POLICIES[policy]))
+        losses = _train(model, 4)
+        assert any(stream.issued for stream in made), "nothing went through a side stream"
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=0, atol=0)
+    for (name, p), r in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_a_forward_that_raises_mid_load_frees_no_memory_a_conversion_still_writes(fmt, monkeypatch):
+    """An exception while a converting load's chunks are in flight: the release waits for every
+    conversion, not only the last chunk's event (Note [a release after a load's last event] in
+    scopes/loading.py); the next forward matches the compressed plain model."""
+    monkeypatch.setattr(loading_module, "CHUNK_BYTES", 4096)
+    model = _model("adapters")
+    reference = _compressed_copy(model, fmt)
+    x = torch.randn(4, 8)
+    with lazy_streams():
+        offtensor.wrap(model, device="cpu", policy=offtensor.Policy(frozen_format=fmt, prefetch=2))
+        model(x)  # learns the copy order: later loads are progressive, chunk by chunk
+
+        def boom(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            raise _Boom
+
+        handle = model.blocks[0].fc.register_forward_hook(boom)  # the next blocks are being prefetched
+        with pytest.raises(_Boom), torch.no_grad():
+            model(x)
+        handle.remove()
+        assert_all_scopes_offloaded(model)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+
+
+def test_lagging_side_streams_fail_a_load_that_compute_does_not_wait_for(monkeypatch):
+    """The check itself: with the compute stream's waits for a load's chunks taken out, the
+    outputs are wrong (read before the copies ran), as they could be on a GPU."""
+    monkeypatch.setattr(LoadProgress, "compute_waits", lambda self, chunk: not self.held_back)
+    model = mlp_of_blocks(hidden=HIDDEN)
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    with pytest.raises(AssertionError), lazy_streams():
+        offtensor.wrap(model, device="cpu")
+        with torch.no_grad():
+            for _ in range(2):
+                torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
