@@ -19,6 +19,7 @@ parity tests against the plain model fail, on the CPU. Paths that branch on `ten
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +27,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from offtensor.scopes import device_buffer, streams
+
+# The optimizer worker waits for gradient copies (Event.synchronize) while the main thread queues
+# more: the queues are shared between threads.
+_LOCK = threading.RLock()
 
 
 class LazyStream:
@@ -40,7 +45,7 @@ class LazyStream:
         self.errors: list[str] = []  # queued work that found its memory freed (_run)
 
     def run_until(self, position: int) -> None:
-        with _disable_current_modes():  # work may be run from inside another stream's `on`
+        with _LOCK, _disable_current_modes():  # work may be run from inside another stream's `on`
             self._run_until(position)
 
     def _run_until(self, position: int) -> None:
@@ -53,7 +58,8 @@ class LazyStream:
 
     def pending_on(self, storage: int) -> bool:
         """Queued work that has not run touches the storage (by its `_cdata`)."""
-        return any(storage in touched for _, touched in self.queue[self.done - (self.issued - len(self.queue)):])
+        with _LOCK:
+            return any(storage in touched for _, touched in self.queue[self.done - (self.issued - len(self.queue)):])
 
     def __repr__(self) -> str:
         return f"LazyStream({self.name}, {self.issued - self.done} queued)"
@@ -70,7 +76,8 @@ class LazyEvent:
             self.stream.run_until(self.position)
 
     def query(self) -> bool:
-        return self.stream is None or self.stream.done >= self.position
+        with _LOCK:
+            return self.stream is None or self.stream.done >= self.position
 
 
 class _Queue(TorchDispatchMode):
@@ -87,8 +94,11 @@ class _Queue(TorchDispatchMode):
             return func(*args, **kwargs)
         target = kwargs["out"] if "out" in kwargs else args[0]
         touched = {t.untyped_storage()._cdata for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)}
-        self.stream.queue.append((lambda: _run(func, args, kwargs, self.stream), touched))
-        self.stream.issued += 1
+        # A version counter moves when an op is issued, as on a GPU, not when it runs (`_run`).
+        torch._C._autograd._unsafe_set_version_counter((target,), (target._version + 1,))
+        with _LOCK:
+            self.stream.queue.append((lambda: _run(func, args, kwargs, self.stream), touched))
+            self.stream.issued += 1
         return target
 
 
@@ -100,7 +110,8 @@ def _run(func: Any, args: tuple, kwargs: dict, stream: LazyStream) -> None:
                 t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size()):
             stream.errors.append(f"{func} on the {stream.name} stream ran after its memory was freed")
             return
-    func(*args, **kwargs)
+    with torch.autograd._unsafe_preserve_version_counter(kwargs["out"] if "out" in kwargs else args[0]):
+        func(*args, **kwargs)
 
 
 _COMPUTE = object()  # the compute stream: immediate
@@ -111,11 +122,12 @@ def lazy_streams() -> Iterator[list[LazyStream]]:
     """Patch `Streams` so that side streams lag (Note [lazy streams]); yields the streams made.
     At the end every queue is drained."""
     made: list[LazyStream] = []
-    saved = {name: getattr(streams.Streams, name) for name in
+    # Raw class attributes, so that `record` and `wait` go back as the staticmethods they are.
+    saved = {name: vars(streams.Streams)[name] for name in
              ("compute", "h2d", "_side_stream", "record", "wait", "on", "restore")}
     saved_allocate = device_buffer.DeviceBuffer.allocate
     saved_free = device_buffer.DeviceBuffer.free
-    saved_record_stream = torch.Tensor.record_stream
+    own_record_stream = vars(torch.Tensor).get("record_stream")  # else torch._C.TensorBase's
 
     def side(self: streams.Streams, name: str) -> LazyStream:
         stream = self._side.get(name)
@@ -151,6 +163,7 @@ def lazy_streams() -> Iterator[list[LazyStream]]:
         saved_free(self, slots)
 
     streams.Streams.compute = lambda self: _COMPUTE  # type: ignore[method-assign]
+    streams.Streams.lagging = True  # the gradients' copies go through the d2h stream too
     streams.Streams.h2d = lambda self: side(self, "h2d")  # type: ignore[method-assign]
     streams.Streams._side_stream = side  # type: ignore[method-assign]
     streams.Streams.record = staticmethod(record)  # type: ignore[method-assign, assignment]
@@ -165,9 +178,13 @@ def lazy_streams() -> Iterator[list[LazyStream]]:
     finally:
         for name, value in saved.items():
             setattr(streams.Streams, name, value)
+        streams.Streams.lagging = False
         device_buffer.DeviceBuffer.allocate = saved_allocate  # type: ignore[method-assign]
         device_buffer.DeviceBuffer.free = saved_free  # type: ignore[method-assign]
-        torch.Tensor.record_stream = saved_record_stream  # type: ignore[method-assign]
+        if own_record_stream is None:
+            del torch.Tensor.record_stream
+        else:
+            torch.Tensor.record_stream = own_record_stream  # type: ignore[method-assign]
         for stream in made:
             stream.run_until(stream.issued)
         errors = [e for stream in made for e in stream.errors]

@@ -288,7 +288,10 @@ class GradOffload:
         assert buf is not None
         if grad.dtype != buf.dtype:
             grad = grad.to(buf.dtype)  # Policy.compute_dtype: cast up on the device
-        streams, cuda = self._streams, grad.is_cuda
+        # Asynchronous copies wherever the model has a d2h stream: on CUDA; on the CPU only with
+        # the tests' lagging streams (tests/lazy_streams.py), which check this path there.
+        streams = self._streams
+        cuda = grad.is_cuda or streams.lagging
         if old is None and accumulate:
             if written and cuda:
                 streams.wait(streams.compute(), slot.last_d2h)
@@ -301,7 +304,8 @@ class GradOffload:
             grad = grad + old
         if cuda:
             d2h = streams.d2h()
-            streams.wait(d2h, streams.record(torch.cuda.current_stream(grad.device)))
+            streams.wait(d2h, streams.record(torch.cuda.current_stream(grad.device) if grad.is_cuda
+                                             else streams.compute()))
             with streams.on(d2h):
                 buf.copy_(grad, non_blocking=True)
             slot.last_d2h = self._last_d2h = streams.record(d2h)

@@ -43,6 +43,9 @@ class Streams:
     """The compute stream and the side streams (copy-in, copy-out, cast, gathered, step) of one
     wrapped model, and the events of the copies that may still read host masters."""
 
+    # Side streams that lag on the CPU, for the tests (tests/lazy_streams.py); never in use.
+    lagging = False
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"

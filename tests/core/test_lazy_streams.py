@@ -133,3 +133,19 @@ def test_lagging_side_streams_fail_a_load_that_compute_does_not_wait_for(monkeyp
         with torch.no_grad():
             for _ in range(2):
                 torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+
+
+def test_streams_are_themselves_again_after_lagging_side_streams():
+    """The patch is undone: the next test's models get the CPU's streams (None) and copies."""
+    before = {name: vars(offtensor.scopes.streams.Streams)[name] for name in ("record", "wait", "compute", "on")}
+    with lazy_streams():
+        pass
+    after = {name: vars(offtensor.scopes.streams.Streams)[name] for name in ("record", "wait", "compute", "on")}
+    assert after == before
+    assert offtensor.scopes.streams.Streams.record(None) is None
+    model = mlp_of_blocks(hidden=HIDDEN)
+    reference = copy.deepcopy(model)
+    offtensor.wrap(model, device="cpu")
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    assert all(s is None for s in offtensor.engine.engine.find_engine(model).streams._side.values())
