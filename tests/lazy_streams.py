@@ -95,7 +95,8 @@ class _Queue(TorchDispatchMode):
         target = kwargs["out"] if "out" in kwargs else args[0]
         touched = {t.untyped_storage()._cdata for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)}
         # A version counter moves when an op is issued, as on a GPU, not when it runs (`_run`).
-        torch._C._autograd._unsafe_set_version_counter((target,), (target._version + 1,))
+        if not target.is_inference():  # inference tensors have no version counter
+            torch._C._autograd._unsafe_set_version_counter((target,), (target._version + 1,))
         with _LOCK:
             self.stream.queue.append((lambda: _run(func, args, kwargs, self.stream), touched))
             self.stream.issued += 1
@@ -110,7 +111,11 @@ def _run(func: Any, args: tuple, kwargs: dict, stream: LazyStream) -> None:
                 t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size()):
             stream.errors.append(f"{func} on the {stream.name} stream ran after its memory was freed")
             return
-    with torch.autograd._unsafe_preserve_version_counter(kwargs["out"] if "out" in kwargs else args[0]):
+    target = kwargs["out"] if "out" in kwargs else args[0]
+    if target.is_inference():
+        func(*args, **kwargs)
+        return
+    with torch.autograd._unsafe_preserve_version_counter(target):
         func(*args, **kwargs)
 
 
