@@ -129,7 +129,7 @@ def lazy_streams() -> Iterator[list[LazyStream]]:
     made: list[LazyStream] = []
     # Raw class attributes, so that `record` and `wait` go back as the staticmethods they are.
     saved = {name: vars(streams.Streams)[name] for name in
-             ("compute", "h2d", "_side_stream", "record", "wait", "on", "restore")}
+             ("compute", "h2d", "_side_stream", "record", "wait", "on", "restore", "lagging")}
     saved_allocate = device_buffer.DeviceBuffer.allocate
     saved_free = device_buffer.DeviceBuffer.free
     own_record_stream = vars(torch.Tensor).get("record_stream")  # else torch._C.TensorBase's
@@ -183,7 +183,6 @@ def lazy_streams() -> Iterator[list[LazyStream]]:
     finally:
         for name, value in saved.items():
             setattr(streams.Streams, name, value)
-        streams.Streams.lagging = False
         device_buffer.DeviceBuffer.allocate = saved_allocate  # type: ignore[method-assign]
         device_buffer.DeviceBuffer.free = saved_free  # type: ignore[method-assign]
         if own_record_stream is None:

@@ -6,6 +6,7 @@ as its events allow, and no queued work outlives the memory it writes."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -135,6 +136,7 @@ def test_lagging_side_streams_fail_a_load_that_compute_does_not_wait_for(monkeyp
                 torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
 
 
+@pytest.mark.skipif(os.environ.get("OFFTENSOR_LAZY_STREAMS") == "1", reason="every test lags in this mode")
 def test_streams_are_themselves_again_after_lagging_side_streams():
     """The patch is undone: the next test's models get the CPU's streams (None) and copies."""
     before = {name: vars(offtensor.scopes.streams.Streams)[name] for name in ("record", "wait", "compute", "on")}
