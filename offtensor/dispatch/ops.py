@@ -48,7 +48,7 @@ def resident_copies(args: tuple, kwargs: dict, *,
     subs: list[Any] = list(values)
     params: list[torch.Tensor] = []
     for i, a in enumerate(values):
-        if type(a) in _SCALARS:  # without a call: `w.transpose(-2, -1)`'s dims
+        if type(a) in SCALAR_TYPES:  # without a call: `w.transpose(-2, -1)`'s dims
             continue
         if isinstance(a, torch.Tensor):
             slot = getattr(a, "_ot", None)
@@ -71,7 +71,9 @@ def resident_copies(args: tuple, kwargs: dict, *,
     return tuple(subs[:n]), dict(zip(kwargs, subs[n:], strict=True)), params
 
 
-_SCALARS = frozenset({int, float, bool, type(None), str})
+# Types of arguments with no tensor inside (an op's dims, a decoder layer's flags), told apart by
+# `type(x) in SCALAR_TYPES`, without a call.
+SCALAR_TYPES = frozenset({int, float, bool, type(None), str})
 
 
 def resident_copies_ready(scope: SlotScope, *, versions_read: bool = False) -> bool:

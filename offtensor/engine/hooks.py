@@ -39,7 +39,7 @@ from torch import nn
 from ..api import ScopeState
 from ..dispatch import compile as _compile
 from ..dispatch import wrapper_guards as _distributed
-from ..dispatch.ops import resident_copies_ready
+from ..dispatch.ops import SCALAR_TYPES, resident_copies_ready
 from ..dispatch.slot import ExposedCopy, ParamSlot, in_backward
 from ..scopes.experts import fill_all_experts
 from ..scopes.scope import Scope
@@ -513,9 +513,6 @@ def _tensors(*trees: Any) -> list[torch.Tensor]:
     return found
 
 
-_LEAVES = (type(None), bool, int, float, str)  # nothing to look into (a decoder layer's flags)
-
-
 def _collect(tree: Any, found: list[torch.Tensor]) -> None:
     kind = type(tree)
     if kind is tuple or kind is list or kind is dict:
@@ -524,7 +521,7 @@ def _collect(tree: Any, found: list[torch.Tensor]) -> None:
             sort = type(x)
             if sort is torch.Tensor:
                 found.append(x)
-            elif sort not in _LEAVES:
+            elif sort not in SCALAR_TYPES:
                 _collect(x, found)
     elif isinstance(tree, torch.Tensor):
         found.append(tree)

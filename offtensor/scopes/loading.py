@@ -61,9 +61,9 @@ MERGE_GAP = 256 * 2**10
 # writing into the device buffer. Ops wait for every chunk they need, one by one; a release of a
 # load nobody finished using (a prefetch left unused, a call that raised) waits for every chunk
 # compute has not waited for (`compute_waits(None)`), so that freeing the buffer on the compute
-# stream follows every write into it. Waiting for the last event alone freed the buffer under
-# running conversions: on CUDA, the allocator could hand the memory to the next tensor while a
-# conversion still wrote it. tests/lazy_streams.py checks this on the CPU.
+# stream follows every write into it. The last event alone would free the buffer under running
+# conversions: on CUDA the allocator may hand the memory to the next tensor while one still writes.
+# tests/lazy_streams.py checks this on the CPU.
 
 
 class _Chunk:
