@@ -17,6 +17,19 @@ backend runs the graph as traced (dynamo's "eager" backend; AOTAutograd-based on
 and inductor, write inputs back with a counted copy): so the first compiled call of each scope
 also compares every unwritten copy's bytes with its master, and refuses what differs. Such a
 write made first at a later call is not seen (docs/design.md, Limits).
+
+# Note [a load held back for its steps]
+A kept scope's copies outlive its calls, so its next call first asks whether a master was
+written since its copy was made (`forward_starts`). After backward_and_step, the next forward
+may load a kept scope while the worker still steps it: the load holds back the copies of the
+parameters whose steps are pending (Note [deferred steps] in optim/overlap.py) and enqueues them
+once those steps are done. The masters of those parameters were not copied by this load, so the
+versions they are compared with are those of the previous step's copies; a master the worker
+has updated but whose fence has not cleared yet then reads as written, and the scope was
+released and loaded again, its copies made twice in that step (the CUDA suite under load:
+host threads slow, the worker's window between update and fence wide). So the question skips
+the parameters whose copies this load has not enqueued: they will be copied from the masters as
+the steps leave them. Writes to the others, copied already, are still found.
 """
 
 from __future__ import annotations
@@ -110,6 +123,11 @@ class MasterWrites:
         or a detached alias: `WriteTracker.written_since_copied`, Note [VRAM budget] in budget/vram.py).
         True if it found every master as its copy (asked, and not written since)."""
         if self.outlives_calls(scope) and scope.calls.running == 1:
+            loading = scope.loading
+            if loading is not None and loading.held_back:  # Note [a load held back for its steps]
+                if scope.writes.written_since_copied(skip=loading.not_copied):
+                    self.master_handed_out(scope)
+                return False
             if not scope.writes.written_since_copied():
                 return True
             self.master_handed_out(scope)

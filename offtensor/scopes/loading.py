@@ -180,6 +180,10 @@ class LoadProgress:
         """Copies wait for deferred optimizer steps (Note [deferred steps] in optim/overlap.py)."""
         return self.cursor < self.end
 
+    def not_copied(self, slot: ParamSlot) -> bool:
+        """The slot's copy is not enqueued yet: it waits for its deferred step (`held_back`)."""
+        return slot.chunk >= len(self.chunk_ready)
+
     @property
     def weights_ready(self) -> Any:
         """The event after the whole weights' copy (the copy stream runs in order), or None when

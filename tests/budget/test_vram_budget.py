@@ -276,6 +276,76 @@ def test_training_with_a_budget_matches_the_unwrapped_model(device, overlapped, 
     assert_all_scopes_offloaded(model)  # kept ones, if resident, equal their masters
 
 
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant"])
+@pytest.mark.parametrize("device", devices)
+def test_a_kept_scope_stepped_but_still_fenced_when_its_next_forward_starts_loads_once(device, checkpoint):
+    """Regression (the CUDA suite under 12 workers: a kept block loaded twice in a step): the
+    next forward reached a kept scope whose masters the worker had just updated, its fences not
+    yet cleared. The load still held those copies back, as it should, but the check for writes
+    since the last copy compared the updated masters with the versions of the previous step's
+    copies, found them written, and released and reloaded the scope (Note [a load held back for
+    its steps] in engine/writes.py). Here that moment is held open for block 0 (kept; its
+    gradients come last, so the worker steps it last): after updating it the worker waits, in a
+    step post-hook (which runs before the fences clear), until block 0's next forward has begun,
+    and that forward first waits until the worker has updated it."""
+    import threading
+
+    model = mlp_of_blocks(n_blocks=N_BLOCKS)
+    model.checkpoint = checkpoint
+    budget = _budget(model, kept=3)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
+    reference.checkpoint = checkpoint
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    held = {id(p) for p in model.blocks[0].parameters()}
+    updated, began = threading.Event(), threading.Event()
+    timed_out = []
+
+    def hold_the_fences(optimizer, args, kwargs):
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if threading.current_thread() is not threading.main_thread() and stepped & held and not updated.is_set():
+            updated.set()
+            timed_out.append(not began.wait(timeout=20))
+
+    def forward_outside_backward() -> bool:  # not a checkpoint's recompute
+        return stepping and torch._C._current_graph_task_id() == -1
+
+    def until_updated(module, args):
+        if forward_outside_backward():
+            timed_out.append(not updated.wait(timeout=20))
+
+    def has_begun(module, args):
+        if forward_outside_backward():
+            began.set()
+
+    opt.register_step_post_hook(hold_the_fences)
+    model.blocks[0].register_forward_pre_hook(until_updated, prepend=True)  # before offtensor's
+    model.blocks[0].register_forward_pre_hook(has_begun)  # after offtensor's
+    stepping = False  # no step before the first forward
+    per_step = []
+    for _ in range(4):
+        before = _loads(model)
+        x, y = random_batch(device)
+        loss, ref_loss = F.mse_loss(model(x), y), F.mse_loss(reference(x), y)
+        updated.clear(), began.clear()  # this forward used every block: the last step's pieces are done
+        stepping = True
+        offtensor.backward_and_step(loss, opt, zero_grad=True)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss, ref_loss, **tolerances(device))
+        per_step.append({n: after - before[n] for n, after in _loads(model).items()})
+    began.set()
+    offtensor.wait_for_steps()
+    # Each of the 4 steps' worker waited once, each of the 3 forwards after a step once.
+    assert timed_out == [False] * 7, f"the worker or the forward did not come: {timed_out}"
+    assert_params_match(model, reference, **tolerances(device))
+    kept = _kept_blocks(model)
+    assert kept == [0, 4, 7]
+    for counts in per_step[1:]:
+        assert [counts[f"blocks.{i}"] for i in kept] == [1, 1, 1], counts
+
+
 @pytest.mark.parametrize("device", devices)
 def test_the_first_backward_of_split_blocks_under_reentrant_checkpointing_stays_within_the_budget(
         device, most_device_bytes):
