@@ -257,6 +257,9 @@ class ExposedCopy(nn.Parameter):
                 "same shape and dtype")
         with torch.no_grad():
             alias.copy_(value)
+        # As `p.data = t` on the master bumps its device copies: a graph that saved this copy
+        # before the write raises (Note [writes under a saved graph]).
+        torch.autograd.graph.increment_version(self)
 
     # Note [copies of an exposed call]
     # A KeyboardInterrupt ends a call without its forward hook, so its copies stay in the
