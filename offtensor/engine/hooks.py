@@ -390,8 +390,9 @@ def _check_inputs(scope: Scope, device: torch.device, inputs: list[torch.Tensor]
 # where a plain parameter takes new storage and a saved view keeps the old values. Not
 # exposed: a recompute that runs no hook (newer transformers checkpoint a layer's `forward`, its
 # hooks outside): no call brackets it, and exposing from the scope's pre_backward to its
-# post_backward would show the copies to user code that runs in between (gradient hooks); its
-# ops take the per-op path and find the scope as `OpAccess.backward_scope`.
+# post_backward would show the copies to user code that runs in between (gradient hooks). Its
+# ops keep the per-op path, whose short way (ParamSlot.ready_copy) counts the scope whose
+# backward runs (`OpAccess.backward_scope`) as computing: a load in backward is whole.
 
 # Note [writes through the parameter in an exposed call]
 # Module code can reach a parameter other than through its module's attribute:

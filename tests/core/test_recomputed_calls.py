@@ -121,6 +121,35 @@ def test_hugging_face_checkpointed_training_matches_unwrapped_model(policy):
     assert_all_scopes_offloaded(model)
 
 
+@pytest.mark.parametrize("policy", ["kept", "streamed"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_recompute_that_runs_no_hook_takes_the_short_path_of_ops(reentrant, policy, monkeypatch):
+    # Newer transformers checkpoint a decoder layer's `forward` with its hooks outside: no call
+    # of the scope runs in the recompute, and each op took the general path (OpAccess.materialize,
+    # finding the scope as the one whose backward runs) where the scope's copies are ready.
+    from offtensor.engine import access
+
+    torch.manual_seed(0)
+    model = small_llama(checkpointing=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    budget = 1 << 30 if policy == "kept" else None
+    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=budget))
+    tokens = torch.randint(0, 64, (2, 12))
+    model(input_ids=tokens, labels=tokens).loss.backward()  # the first pass learns the copy order
+    loss = model(input_ids=tokens, labels=tokens).loss
+    general: list[str] = []
+    real = access.OpAccess.materialize
+
+    def spy(self, slot, op_device):
+        general.append(slot.name)
+        return real(self, slot, op_device)
+
+    monkeypatch.setattr(access.OpAccess, "materialize", spy)
+    loss.backward()
+    assert not general, general
+    assert_all_scopes_offloaded(model)
+
+
 class CheckpointedWritingBlocks(nn.Module):
     """Three WritingBlocks, each under `checkpoint`: each write runs again in the recompute."""
 
