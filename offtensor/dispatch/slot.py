@@ -141,6 +141,8 @@ class SlotScope(Protocol):
     exposed: bool
 
     def exposure_live(self) -> bool: ...  # the call that exposed them runs (not one an interrupt left)
+
+    def in_its_backward(self) -> bool: ...  # its backward runs (a recompute with no hook computes)
     loads: int  # loads since wrap (the expert cache ages its scores by them)
 
     @property
@@ -257,6 +259,9 @@ class ExposedCopy(nn.Parameter):
                 "same shape and dtype")
         with torch.no_grad():
             alias.copy_(value)
+        # As `p.data = t` on the master bumps its device copies: a graph that saved this copy
+        # before the write raises (Note [writes under a saved graph]).
+        torch.autograd.graph.increment_version(self)
 
     # Note [copies of an exposed call]
     # A KeyboardInterrupt ends a call without its forward hook, so its copies stay in the
@@ -550,15 +555,17 @@ class ParamSlot:
 
     def ready_copy(self) -> torch.Tensor | None:
         """The device copy an op gets (`OpAccess.materialize`, engine/access.py) when that takes no
-        host work, else None: the scope computing, its copy order learned, no deferred step
-        pending or shared step elsewhere, no write in this call, and the copy loaded or on its
+        host work, else None: the scope computing (in a call, or in its backward: a recompute that
+        runs no hook, Note [exposed recomputes] in engine/hooks.py), its copy order learned, no
+        deferred step pending or shared step elsewhere, no write in this call, and the copy loaded or on its
         way (the scope resident, or every chunk of its load enqueued, nothing held back: the
         compute stream then waits for the chunk holding it, Note [progressive loads] in
         scopes/loading.py). Note [ops in a resident scope] in dispatch/ops.py."""
         scope = self.scope
         experts = self.experts  # routed: every expert there, or the call's choice (Note [ops in a resident scope])
-        if (scope.calls.running <= 0 or scope.copy_order is None or self.pending_step is not None
-                or self.stepped_elsewhere is not None or (experts is not None and not (experts.whole or experts.hinted))
+        if ((scope.calls.running <= 0 and not scope.in_its_backward()) or scope.copy_order is None
+                or self.pending_step is not None or self.stepped_elsewhere is not None
+                or (experts is not None and not (experts.whole or experts.hinted))
                 or scope.writes.written_in_this_call(self)):
             return None
         if scope.state is not ScopeState.RESIDENT:

@@ -188,7 +188,7 @@ class ScopeHooks:
         back as it is (no compute dtype, no compressed or file master, no transform or trace).
         `current`: this call's pre-hook found no master written since its copy was made."""
         scope = self.scope
-        if (scope.casts or in_backward() or self.engine.thread.foreign() or _compile.tracing()
+        if (scope.casts or self.engine.thread.foreign() or _compile.tracing()
                 or torch._C._functorch.peek_interpreter_stack() is not None):
             return
         if not resident_copies_ready(scope, versions_read=current):
@@ -370,11 +370,29 @@ def _check_inputs(scope: Scope, device: torch.device, inputs: list[torch.Tensor]
 # the rest of the call (`resident_in_call`). The copies are `ExposedCopy`s, nn.Parameters
 # whose `.data` aliases are noted: a write in the forward changes the copy, as it changes a
 # plain parameter at once, and at the call's end each copy whose version moved, or whose
-# alias's did, is copied into its master (MasterWrites.exposed_call_ended). Not exposed: a
-# compute dtype, compressed or file masters (a write could not be copied back exactly), a
-# recompute in backward, torch.func transforms and make_fx traces; nor a routed expert
-# parameter, whose ops copy the rows they read (Note [routed experts] in scopes/experts.py):
-# the rest of its scope is exposed around it. A write in a call that an interrupt ends is lost.
+# alias's did, is copied into its master (MasterWrites.exposed_call_ended). A recompute in
+# backward is exposed too (Note [exposed recomputes]). Not exposed: a compute dtype, compressed
+# or file masters (a write could not be copied back exactly), torch.func transforms and make_fx
+# traces; nor a routed expert parameter, whose ops copy the rows they read (Note [routed
+# experts] in scopes/experts.py): the rest of its scope is exposed around it. A write in a call
+# that an interrupt ends is lost.
+
+# Note [exposed recomputes]
+# A checkpoint's recompute in backward runs the scope's hooks again when the checkpoint wraps
+# the module's `__call__` (torch.utils.checkpoint of a block, diffusers, older transformers).
+# Its pre-hook loads the scope whole (Engine.pre_backward), so the call starts RESIDENT and is
+# exposed as a kept scope's forward call is, kept or streamed, reentrant or not. Its ops get
+# the tensor the per-op path gives them (the device leaf): the graph, what it saves and the
+# gradients' path are the same. A write runs again, as in the plain model's recompute, and is
+# copied into the master at the call's end. `p.data = t` writes the copy in place (on the per-op
+# path it writes the master, then the copy is refreshed); both bump the copy's version, so a
+# graph that saved it before raises (Note [writes under a saved graph] in dispatch/slot.py),
+# where a plain parameter takes new storage and a saved view keeps the old values. Not
+# exposed: a recompute that runs no hook (newer transformers checkpoint a layer's `forward`, its
+# hooks outside): no call brackets it, and exposing from the scope's pre_backward to its
+# post_backward would show the copies to user code that runs in between (gradient hooks). Its
+# ops keep the per-op path, whose short way (ParamSlot.ready_copy) counts the scope whose
+# backward runs (`OpAccess.backward_scope`) as computing: a load in backward is whole.
 
 # Note [writes through the parameter in an exposed call]
 # Module code can reach a parameter other than through its module's attribute:

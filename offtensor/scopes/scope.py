@@ -77,6 +77,8 @@ class OpCopies(Protocol):
 
     def materialize(self, slot: ParamSlot, op_device: torch.device | None) -> torch.Tensor | None: ...
 
+    backward_scope: Scope | None  # the scope whose backward runs now
+
 
 class WritesToMasters(Protocol):
     """What a write to a master does to the device copies (MasterWrites in engine/writes.py, above)."""
@@ -427,6 +429,9 @@ class Scope:
     def materialize(self, slot: ParamSlot, op_device: torch.device | None) -> torch.Tensor | None:
         """The tensor an op on `slot`'s parameter computes with; None: the master (engine/access.py)."""
         return self.engine.access.materialize(slot, op_device)
+
+    def in_its_backward(self) -> bool:
+        return self.engine.access.backward_scope is self  # asked only outside the scope's calls
 
     def master_written(self, slot: ParamSlot) -> None:
         self.engine.writes.master_written(slot)
