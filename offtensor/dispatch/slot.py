@@ -404,9 +404,10 @@ class ParamSlot:
     master: torch.Tensor  # the master's bytes in host_flat as a plain tensor: what the loader
     # reads, with no subclass dispatch and nothing for autograd to record (Note [interrupts])
     host_grad: torch.Tensor | None = None  # `p.grad` after backward: on grad_buffer, or the user's
-    # pinned, flat, in the master's dtype: what host_grad views, reused every step (engine/grads.py)
+    # pinned, shaped, in the master's dtype: what host_grad aliases, reused every step (engine/grads.py)
     grad_buffer: torch.Tensor | None = None
     grad_buffer_uses: int = 0  # tensors on grad_buffer when only offtensor holds it
+    grad_storage: int = 0  # grad_buffer's StorageImpl address (its storage's `_cdata`)
     grads_in_backward: int = 0  # contributions written to host_grad in the current backward
     single_grad: bool = False  # exactly one contribution in the last whole backward (Note [early handover])
     last_d2h: Any = None  # event after the latest device-to-host copy into host_grad

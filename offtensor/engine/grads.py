@@ -108,6 +108,11 @@ from ..scopes.streams import Streams
 # `p.grad` once (after a deferred step, as `master_grad` would wait), and calls the helpers (old
 # gradient, compiled region, graph task) only when there is something for them to do. Each
 # branch does what it did before; only calls that could not change the result are skipped.
+# The pinned buffer is kept in the gradient's shape and each backward hands out a detached alias
+# of it: a tensor of its own on the same storage (and version counter), which the storage's use
+# count sees while the user holds it (`_destination`), made without a view's metadata or the
+# parsing of a shape (`view(shape)` cost a few times more, ~9 us of ~33 per gradient in a
+# training step). Never the buffer itself: the count could not see a user holding that tensor.
 _disabled: Any = torch._C._disabled_torch_function_impl  # (fn, types, args), typed loosely
 _GRAD_OF = torch._C.TensorBase.grad.__get__  # type: ignore[union-attr]
 _SET_GRAD = torch._C.TensorBase.grad.__set__  # type: ignore[union-attr]
@@ -460,10 +465,10 @@ def _destination(slot: ParamSlot, current: torch.Tensor | None) -> tuple[torch.T
         slot.scope.take_old_grad(slot)
     slot.host_grad = None  # ours: a `p.grad` the user kept is now held by the user only
     buffer = slot.grad_buffer
-    # _storage_uses, inlined: one call per parameter and backward
-    if buffer is None or torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) != slot.grad_buffer_uses:
+    # _storage_uses, without the storage object (Note [one gradient's host work])
+    if buffer is None or torch._C._storage_Use_Count(slot.grad_storage) != slot.grad_buffer_uses:
         return new_host_grad(slot), False
-    return buffer.view(slot.meta.shape), False  # shape: not the parameter's own (Note [metadata without dispatch])
+    return buffer.detach(), False
 
 
 def _send_to_owner(reducer: Reducer, slot: ParamSlot, grad: torch.Tensor) -> None:
@@ -505,13 +510,14 @@ def new_host_grad(slot: ParamSlot) -> torch.Tensor:
     nbytes = meta.numel * meta.dtype.itemsize
     # Pageable once page-locking failed (Note [page-locked memory as a bounded resource] in storage/memory.py).
     raw = slot.scope.new_host_memory(nbytes, "gradients")
-    # Kept flat and typed, so that each backward views it with one op. Sliced to the gradient's
-    # bytes: a zero-size parameter's buffer still has one byte (host_empty allocates at least
-    # one), which no dtype wider than a byte can view.
-    slot.grad_buffer = raw[:nbytes].view(meta.dtype)
+    # Kept shaped and typed (shape: not the parameter's own, Note [metadata without dispatch]).
+    # Sliced to the gradient's bytes: a zero-size parameter's buffer still has one byte
+    # (host_empty allocates at least one), which no dtype wider than a byte can view.
+    slot.grad_buffer = raw[:nbytes].view(meta.dtype).view(meta.shape)
     del raw  # counted without it: only the buffer stays
     slot.grad_buffer_uses = _storage_uses(slot.grad_buffer)
-    return slot.grad_buffer.view(meta.shape)
+    slot.grad_storage = slot.grad_buffer.untyped_storage()._cdata  # alive while grad_buffer is
+    return slot.grad_buffer.detach()
 
 
 def _handed_twice_error(slot: ParamSlot) -> RuntimeError:

@@ -539,6 +539,42 @@ def test_a_gradient_the_user_kept_after_zero_grad_keeps_its_values(kept):
         assert len(set(pointers)) == 3  # a new buffer each time one was kept
 
 
+@pytest.mark.parametrize("kept", ["the gradient", "the gradient, as another tensor's .grad only"])
+def test_a_gradient_kept_from_a_reused_buffer_keeps_its_values(kept):
+    """A `p.grad` handed out from a buffer reused since an earlier step, then kept past
+    zero_grad(set_to_none=True), is seen as held, also when only C++ holds it (another
+    tensor's `.grad`): the next backward writes a new buffer, not the tensor the user holds.
+    Each backward hands out a tensor of its own on the buffer, which the storage's use count
+    sees (Note [one gradient's host work]); handed out itself, the buffer was overwritten here."""
+    model = mlp_of_blocks()
+    reference = copy.deepcopy(model)
+    offload(model, "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.01)
+    held, ref_held = [], []
+    for step, (x, y) in enumerate(_batches("cpu", 5)):
+        for m, o, h in ((model, opt, held), (reference, ref_opt, ref_held)):
+            F.mse_loss(m(x), y).backward()
+            if step in (1, 3):  # buffers allocated a step before: step 0's, step 2's
+                g = m.blocks[0].fc1.weight.grad
+                if kept == "the gradient":
+                    h.append(g)
+                else:
+                    holder = torch.zeros_like(g, requires_grad=True)
+                    holder.grad = g  # held by the holder's autograd metadata, not by Python
+                    h.append(holder)
+                del g
+                h.append(m.blocks[0].fc1.weight.grad.clone())
+            o.step()
+            o.zero_grad(set_to_none=True)
+    for mine, theirs in zip(held, ref_held, strict=True):
+        if mine.requires_grad:
+            mine, theirs = mine.grad, theirs.grad
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("device", devices)
 def test_fused_adamw_steps_wrapped_parameters_like_plain_cpu_parameters(device):
     model = mlp_of_blocks()
