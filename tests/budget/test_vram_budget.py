@@ -42,6 +42,17 @@ def _loads(model) -> dict[str, int]:
     return {s.name: s.loads for s in offtensor.summary(model).scopes}
 
 
+def _three_kept_of_eight(device: str, checkpoint: str | None):
+    """The block MLP wrapped with a spread budget that keeps 3 of its 8 blocks (0, 4, 7), its
+    unwrapped reference, and the budget."""
+    model = mlp_of_blocks(n_blocks=N_BLOCKS)
+    model.checkpoint = checkpoint
+    budget = _budget(model, kept=3)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
+    reference.checkpoint = checkpoint
+    return model, reference, budget
+
+
 def _kept_blocks(model) -> list[int]:
     """The indices of the blocks the budget keeps, as `offtensor.summary` shows them."""
     return [int(s.name.split(".")[1]) for s in offtensor.summary(model).scopes if s.kept]
@@ -236,11 +247,7 @@ def test_streamed_scopes_fill_the_streaming_room_while_kept_scopes_compute(devic
 def test_training_with_a_budget_matches_the_unwrapped_model(device, overlapped, checkpoint, most_device_bytes):
     """Kept trainable scopes load once per step (an optimizer step, maybe deferred on the
     worker, changes their masters: they are reloaded, never used stale)."""
-    model = mlp_of_blocks(n_blocks=N_BLOCKS)
-    model.checkpoint = checkpoint
-    budget = _budget(model, kept=3)
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
-    reference.checkpoint = checkpoint
+    model, reference, budget = _three_kept_of_eight(device, checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     per_step = []
@@ -290,11 +297,7 @@ def test_a_kept_scope_stepped_but_still_fenced_when_its_next_forward_starts_load
     and that forward first waits until the worker has updated it."""
     import threading
 
-    model = mlp_of_blocks(n_blocks=N_BLOCKS)
-    model.checkpoint = checkpoint
-    budget = _budget(model, kept=3)
-    reference = reference_then_offload(model, device, policy=offtensor.Policy(layout="spread", vram_budget=budget))
-    reference.checkpoint = checkpoint
+    model, reference, _ = _three_kept_of_eight(device, checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     held = {id(p) for p in model.blocks[0].parameters()}
