@@ -157,6 +157,14 @@ devices = [
     pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, requires_cuda]),
 ]
 
+#: The kinds of torch.utils.checkpoint a block of `mlp_of_blocks` may use (its `checkpoint`).
+CHECKPOINTING = [
+    pytest.param(None, id="no_checkpointing"),
+    pytest.param("reentrant", id="reentrant"),
+    pytest.param("non_reentrant", id="non_reentrant"),
+]
+
+
 #: Floating point types the parity tests run in.
 dtypes = [
     pytest.param(torch.float32, id="fp32"),

@@ -111,8 +111,7 @@ from ..scopes.streams import Streams
 # The pinned buffer is kept in the gradient's shape and each backward hands out a detached alias
 # of it: a tensor of its own on the same storage (and version counter), which the storage's use
 # count sees while the user holds it (`_destination`), made without a view's metadata or the
-# parsing of a shape (`view(shape)` cost a few times more, ~9 us of ~33 per gradient in a
-# training step). Never the buffer itself: the count could not see a user holding that tensor.
+# parsing of a shape. Never the buffer itself: the count could not see a user holding that tensor.
 _disabled: Any = torch._C._disabled_torch_function_impl  # (fn, types, args), typed loosely
 _GRAD_OF = torch._C.TensorBase.grad.__get__  # type: ignore[union-attr]
 _SET_GRAD = torch._C.TensorBase.grad.__set__  # type: ignore[union-attr]

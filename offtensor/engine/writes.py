@@ -23,13 +23,11 @@ A kept scope's copies outlive its calls, so its next call first asks whether a m
 written since its copy was made (`forward_starts`). After backward_and_step, the next forward
 may load a kept scope while the worker still steps it: the load holds back the copies of the
 parameters whose steps are pending (Note [deferred steps] in optim/overlap.py) and enqueues them
-once those steps are done. The masters of those parameters were not copied by this load, so the
-versions they are compared with are those of the previous step's copies; a master the worker
-has updated but whose fence has not cleared yet then reads as written, and the scope was
-released and loaded again, its copies made twice in that step (the CUDA suite under load:
-host threads slow, the worker's window between update and fence wide). So the question skips
-the parameters whose copies this load has not enqueued: they will be copied from the masters as
-the steps leave them. Writes to the others, copied already, are still found.
+once those steps are done. Those parameters' versions on record are the previous load's, so a
+master the worker has updated, its fence not cleared yet, would read as written and the scope
+would be loaded twice. So the question skips the parameters whose copies this load has not
+enqueued: they will be copied from the masters as the steps leave them. Writes to the others,
+copied already, are still found.
 """
 
 from __future__ import annotations
@@ -123,13 +121,10 @@ class MasterWrites:
         or a detached alias: `WriteTracker.written_since_copied`, Note [VRAM budget] in budget/vram.py).
         True if it found every master as its copy (asked, and not written since)."""
         if self.outlives_calls(scope) and scope.calls.running == 1:
-            loading = scope.loading
-            if loading is not None and loading.held_back:  # Note [a load held back for its steps]
-                if scope.writes.written_since_copied(skip=loading.not_copied):
-                    self.master_handed_out(scope)
-                return False
-            if not scope.writes.written_since_copied():
-                return True
+            loading = scope.loading  # Note [a load held back for its steps]
+            skip = loading.not_copied if loading is not None and loading.held_back else None
+            if not scope.writes.written_since_copied(skip=skip):
+                return skip is None  # held back: some copies are still to be made
             self.master_handed_out(scope)
         return False
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
+    CHECKPOINTING,
     assert_all_scopes_offloaded,
     assert_grads_match,
     assert_params_match,
@@ -29,12 +30,6 @@ from conftest import (
 )
 
 import offtensor
-
-CHECKPOINTING = [
-    pytest.param(None, id="no_checkpointing"),
-    pytest.param("reentrant", id="reentrant"),
-    pytest.param("non_reentrant", id="non_reentrant"),
-]
 
 
 def each_device_and_checkpointing(test):

@@ -568,9 +568,8 @@ def _use(model: nn.Module, device: str, how: str) -> None:
 def _allocated_by_tensors() -> int:
     """CUDA memory held by tensors: `memory_allocated()` after dropping cuBLAS's workspaces,
     which the caching allocator counts too and which a matmul makes per (thread, stream) pair
-    it has not seen (measured on an H200: 32 MiB for cuBLAS, 1 MiB for cuBLASLt's addmm): a first
-    backward on a new thread or stream in this process would otherwise read as memory the model
-    left behind."""
+    it has not seen: a first backward on a new thread or stream in this process would otherwise
+    read as memory the model left behind."""
     torch._C._cuda_clearCublasWorkspaces()
     return torch.cuda.memory_allocated()
 
@@ -579,7 +578,7 @@ def _freed_soon(alive, seconds: float = 5.0) -> bool:
     """`alive()` turns False within `seconds`, garbage collected meanwhile. On CUDA, autograd's
     device thread lets go of the graph it ran (whose nodes hold offtensor's hooks, and through
     them the engine) after backward has returned to the caller, so right after `del model` the
-    engine may still be referenced for a moment (seen under 12 test workers on the H200)."""
+    engine may still be referenced for a moment."""
     import gc
     import time
 

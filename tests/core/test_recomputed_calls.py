@@ -11,8 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
+    CHECKPOINTING,
     WritingBlock,
     assert_all_scopes_offloaded,
+    assert_grads_match,
+    assert_params_match,
     device_layout_bytes,
     mlp_of_blocks,
     random_batch,
@@ -23,12 +26,6 @@ from torch import nn
 
 import offtensor
 from offtensor.dispatch import param as param_module
-
-CHECKPOINTING = [
-    pytest.param(None, id="no_checkpointing"),
-    pytest.param("reentrant", id="reentrant"),
-    pytest.param("non_reentrant", id="non_reentrant"),
-]
 
 POLICIES = {
     "kept": lambda model: offtensor.Policy(vram_budget=1 << 30),
@@ -115,9 +112,8 @@ def test_hugging_face_checkpointed_training_matches_unwrapped_model(policy):
                            loss_fn=lambda m, tokens: m(input_ids=tokens, labels=tokens).loss)
 
     torch.testing.assert_close(train(model), train(reference), rtol=0, atol=0)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0, msg=name)
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    assert_params_match(model, reference, rtol=0, atol=0)
+    assert_grads_match(model, reference, rtol=0, atol=0)
     assert_all_scopes_offloaded(model)
 
 
@@ -188,14 +184,12 @@ def test_writes_in_a_recomputed_forward_reach_the_masters_like_unwrapped(form, c
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
         out.square().sum().backward()
         ref.square().sum().backward()
-        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+        assert_grads_match(model, reference, rtol=0, atol=0)
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-        for (name, p), q in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
-            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+        assert_params_match(model, reference, rtol=0, atol=0)
     assert_all_scopes_offloaded(model)
 
 
