@@ -234,16 +234,44 @@ class DeviceCopy(torch.Tensor):
         return torch.Tensor.__repr__(self, *args, **kwargs)
 
 
+class Exposure:
+    """Whether a scope's device copies are exposed in an eager call: the `.data` aliases noted
+    in the call, or None outside one (Note [calls of a loaded scope] in engine/hooks.py). Each
+    ExposedCopy of the scope refers to it, marked once (`mark_exposed`), not at each call."""
+
+    __slots__ = ("aliases",)
+
+    def __init__(self) -> None:
+        self.aliases: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
+
+
+def mark_exposed(leaf: torch.Tensor, exposure: Exposure, param: torch.Tensor) -> None:
+    """Make a scope's device copy an ExposedCopy of `param` for good (until the compiled path
+    makes it an nn.Parameter again: `unmark_exposed`)."""
+    leaf.__class__ = ExposedCopy
+    marks = leaf.__dict__
+    marks["_ot_exposure"] = exposure
+    marks["_ot_param"] = weakref.ref(param)  # Note [copies of an exposed call]
+
+
+def unmark_exposed(leaf: torch.Tensor) -> None:
+    marks = leaf.__dict__
+    marks.pop("_ot_exposure", None)
+    marks.pop("_ot_param", None)
+
+
 class ExposedCopy(nn.Parameter):
-    """A kept scope's device copy registered in place of its parameter for one eager call
-    (Note [calls of a loaded scope] in engine/hooks.py): an nn.Parameter to module code, with no
-    `__torch_function__` of its own, whose `.data` aliases are noted so that a write through
-    one (which bumps no version counter the call can compare) reaches the master too."""
+    """A kept scope's device copy registered in place of its parameter for eager calls (Note
+    [calls of a loaded scope] in engine/hooks.py): an nn.Parameter to module code, with no
+    `__torch_function__` of its own, whose `.data` aliases are noted while its scope's copies are
+    exposed, so that a write through one (which bumps no version counter the call can compare)
+    reaches the master too."""
 
     @property  # type: ignore[override]
     def data(self) -> torch.Tensor:
         alias = _DATA_GET(self)
-        noted = self.__dict__.get("_ot_aliases")
+        exposure = self.__dict__.get("_ot_exposure")
+        noted = exposure.aliases if exposure is not None else None
         if noted is not None:
             noted.append((self, alias, alias._version))
         return alias
@@ -268,8 +296,9 @@ class ExposedCopy(nn.Parameter):
     # modules' attributes until the scope's next call takes them back. A deepcopy or a pickle of
     # the model in between would keep such an attribute next to the parameter it stands for, and
     # the copy's forward would read the one while its optimizer steps the other. So while it is
-    # exposed (`_ot_param`, set and cleared with its `_ot_aliases`) the copy copies and pickles as
-    # its parameter does: the same object as the copied module's parameter.
+    # exposed (its Exposure's `aliases` set) the copy copies and pickles as its parameter does:
+    # the same object as the copied module's parameter. Outside its calls it copies and pickles
+    # as an nn.Parameter of its values, without offtensor's marks.
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
         param = self._exposed_param()
         if param is None:
@@ -278,14 +307,21 @@ class ExposedCopy(nn.Parameter):
 
     def __reduce_ex__(self, proto: Any) -> Any:  # type: ignore[override]
         param = self._exposed_param()
-        if param is None:
-            return super().__reduce_ex__(proto)
-        return (_same, (param,))
+        if param is not None:
+            return (_same, (param,))
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_ot_")}
+        if not state:
+            return (torch._utils._rebuild_parameter, (self.data, self.requires_grad, OrderedDict()))
+        return (torch._utils._rebuild_parameter_with_state,
+                (self.data, self.requires_grad, OrderedDict(), state))
 
     def _exposed_param(self) -> torch.Tensor | None:
         """The parameter this copy stands for while exposed, else None."""
-        ref = self.__dict__.get("_ot_param")
-        return ref() if ref is not None else None
+        marks = self.__dict__
+        exposure = marks.get("_ot_exposure")
+        if exposure is None or exposure.aliases is None:
+            return None
+        return marks["_ot_param"]()  # type: ignore[no-any-return]
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
         return DeviceCopy.__repr__(self, *args, **kwargs)  # type: ignore[arg-type]

@@ -29,7 +29,8 @@ plain parameter's, whatever dtypes its scope mixes.
 
 from __future__ import annotations
 
-import weakref
+import itertools
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from ..api import ScopeState
 from ..dispatch import compile as _compile
 from ..dispatch import wrapper_guards as _distributed
 from ..dispatch.ops import SCALAR_TYPES, resident_copies_ready
-from ..dispatch.slot import ExposedCopy, ParamSlot, in_backward
+from ..dispatch.slot import ExposedCopy, Exposure, ParamSlot, in_backward, mark_exposed, unmark_exposed
 from ..scopes.experts import fill_all_experts
 from ..scopes.scope import Scope
 from ..scopes.write_tracking import versions_of
@@ -68,9 +69,9 @@ class ScopeHooks:
         self._loaded: tuple[list[ParamSlot], list[torch.Tensor], list[int]] | None = None
         self._compared = False  # a compiled call compared the copies with the masters
         self._places: list[_Home] | None = None  # cache of _current_homes
-        # `.data` aliases of the exposed copies and their versions, while an eager call has them
-        # exposed (Note [calls of a loaded scope])
-        self._aliases: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
+        # The `.data` aliases of the exposed copies and their versions, while an eager call has
+        # them exposed (Note [calls of a loaded scope]); shared with the copies
+        self._exposure = Exposure()
         self._attrs: list[_Home] | None = None  # where they are exposed
         self._attr_places: tuple[list[_Home], list[_Home]] | None = None  # cache of _attribute_homes
         self._in_pre_hook = False  # a forward pre-hook of the scope runs
@@ -129,7 +130,7 @@ class ScopeHooks:
             if inputs:
                 done = _AllInputGrads(self, len(inputs))
                 for t in inputs:
-                    t.register_hook(done)
+                    _on_grad(t, done)
         return current
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -143,7 +144,7 @@ class ScopeHooks:
         if outputs:
             first = _FirstOutputGrad(self)
             for t in outputs:
-                t.register_hook(first)
+                _on_grad(t, first)
         engine.post_forward(self.scope, failed=failed, backward_expected=bool(outputs))
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
@@ -163,17 +164,17 @@ class ScopeHooks:
             current = self._pre_forward(module, args, kwargs)
         finally:
             self._in_pre_hook = False
-        if self.scope.state is ScopeState.RESIDENT and self._exposed is None and self._aliases is None:
+        if self.scope.state is ScopeState.RESIDENT and self._exposed is None and self._exposure.aliases is None:
             self._expose_loaded(current)
 
     def resident_in_call(self) -> None:
         """The scope became RESIDENT during a running call: its load's last chunk was waited for
         by an op (Note [calls of a loaded scope]). Not from inside a pre-hook, which decides itself."""
-        if not self._in_pre_hook and self._exposed is None and self._aliases is None:
+        if not self._in_pre_hook and self._exposed is None and self._exposure.aliases is None:
             self._expose_loaded(False)
 
     def _eager_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self._aliases is not None:  # exposed by _expose_loaded
+        if self._exposure.aliases is not None:  # exposed by _expose_loaded
             self._end_loaded_call(module, args, kwargs, output)
         elif self._exposed is not None:  # exposed by _eager_pre_forward or a compiled caller
             self.compiled_post_forward(module, args, kwargs, output)
@@ -196,36 +197,29 @@ class ScopeHooks:
         slots = [slot for slot in scope.slots if slot.experts is None] if scope.routed else scope.slots
         leaves = [slot.device_leaf for slot in slots]
         self._loaded = (slots, leaves, versions_of(leaves))
-        aliases: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         attrs = self._attribute_homes()
+        exposure = self._exposure
         # Recorded before the first attribute is set: an interrupt in the loop leaves what
         # _unexpose_loaded takes back at the next call (Note [interrupts]).
-        self._aliases, self._attrs = aliases, attrs
+        exposure.aliases, self._attrs = [], attrs
         for namespace, key, slot in attrs:
             leaf = slot.device_leaf
-            if type(leaf) is not ExposedCopy:
-                leaf.__class__ = ExposedCopy
-            leaf.__dict__["_ot_aliases"] = aliases
-            leaf.__dict__["_ot_param"] = weakref.ref(slot.param)  # Note [copies of an exposed call] (dispatch/slot.py)
+            # Marked once per copy (Note [copies of an exposed call] in dispatch/slot.py)
+            if type(leaf) is not ExposedCopy or leaf.__dict__.get("_ot_exposure") is not exposure:
+                mark_exposed(leaf, exposure, slot.param)
             namespace[key] = leaf
         scope.exposed = True
 
     def _unexpose_loaded(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """Take the device copies back out of the modules' attributes; the `.data` aliases
         noted while they were there."""
-        attrs, aliases = self._attrs, self._aliases
+        attrs, aliases = self._attrs, self._exposure.aliases
         self.scope.exposed = False  # first: writes through the parameters reach the masters again
-        for namespace, key, slot in attrs or ():  # by `in` and `del`: once per parameter and call
-            leaf = slot.device_leaf
-            if key in namespace and namespace[key] is leaf:
+        for namespace, key, slot in attrs or ():
+            if namespace.get(key) is slot.device_leaf:
                 del namespace[key]
-            marks = leaf.__dict__
-            if "_ot_aliases" in marks:
-                del marks["_ot_aliases"]
-            if "_ot_param" in marks:
-                del marks["_ot_param"]
         # Forgotten once every attribute is back: an interrupt in the loop leaves them recorded.
-        self._attrs, self._aliases = None, None
+        self._attrs, self._exposure.aliases = None, None
         return aliases or []
 
     def _end_loaded_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -306,6 +300,7 @@ class ScopeHooks:
                 # among the graph inputs (aot_eager's analysis of the first run), and module
                 # code may check `isinstance(self.weight, nn.Parameter)`. Same object and hooks.
                 leaf.__class__ = nn.Parameter
+                unmark_exposed(leaf)  # an ExposedCopy's marks: it pickles as a Parameter again
             params[key] = leaf
         self._versions = [(slot, slot.device_leaf, slot.device_leaf._version) for slot in self.scope.slots]
 
@@ -520,6 +515,31 @@ def _homes(scope: Scope) -> list[_Home]:
     ours = {id(slot.param): slot for slot in scope.slots}
     return [(m._parameters, k, ours[id(p)]) for m in scope.module.modules()
             for k, p in m._parameters.items() if p is not None and id(p) in ours]
+
+
+# Note [hooks on a call's inputs and outputs]
+# Each call of a scope hooks every input and output that requires grad (Note [backward
+# triggers]), and never removes those hooks: they go with the tensors. `Tensor.register_hook`
+# makes a RemovableHandle for each (most of its cost, several us a tensor); so for a plain tensor
+# `_on_grad` does what it does without the handle: the tensor's hook dict, registered with its
+# grad_fn when first made, and the hook under a key of its own, negative so that no handle's id
+# (counting up from 0) can meet it. A tensor subclass keeps `register_hook` (its
+# `__torch_function__` may have its own say).
+_HOOK_KEYS = itertools.count(-1, -1)
+
+
+def _on_grad(t: torch.Tensor, hook: Any) -> None:
+    """`t.register_hook(hook)` for good (Note [hooks on a call's inputs and outputs])."""
+    if type(t) is not torch.Tensor:
+        t.register_hook(hook)
+        return
+    hooks = t._backward_hooks
+    if hooks is None:
+        t._backward_hooks = hooks = OrderedDict()
+        grad_fn = t.grad_fn
+        if grad_fn is not None:
+            grad_fn._register_hook_dict(t)
+    hooks[next(_HOOK_KEYS)] = hook
 
 
 def _tensors(*trees: Any) -> list[torch.Tensor]:

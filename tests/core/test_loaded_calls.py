@@ -307,3 +307,54 @@ def test_writes_through_the_parameters_in_their_scopes_forward_give_the_unwrappe
             torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0, msg=name)
+
+
+class Keeping(nn.Module):
+    """Keeps what its forward reads as `self.fc.weight` (a kept scope's exposed copy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.fc.weight)
+        return torch.tanh(self.fc(x))
+
+
+class KeepingBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Keeping() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_kept_from_an_exposed_call_copies_as_its_values_after_the_call(how):
+    # Outside its scope's calls an exposed copy kept by module code is a tensor of the values
+    # it had (docs/design.md, Limits): it copies and pickles as an nn.Parameter of them, without
+    # offtensor's marks (a weak reference among them would not pickle), and not as the parameter
+    # (Note [copies of an exposed call] in dispatch/slot.py).
+    import io
+
+    model, _ = _wrapped_and_plain(KeepingBlocks, KEPT)
+    x = torch.randn(2, 4)
+    for _ in range(3):  # the first calls learn the copy order; later ones expose the copies
+        model(x).sum().backward()
+    kept = model.blocks[1].seen[-1]
+    param = model.blocks[1].fc._parameters["weight"]
+    assert kept is not param and type(param) is param_module.OffloadedParameter
+    if how == "deepcopy":
+        copied = copy.deepcopy(kept)
+    else:
+        buffer = io.BytesIO()
+        torch.save(kept, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    assert isinstance(copied, nn.Parameter) and copied is not param
+    assert not any(k.startswith("_ot_") for k in copied.__dict__)
+    torch.testing.assert_close(copied.detach(), param.detach(), rtol=0, atol=0)

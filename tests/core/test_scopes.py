@@ -181,6 +181,74 @@ def test_a_block_called_twice_per_forward_matches_unwrapped_model(device, checkp
     assert_all_scopes_offloaded(model)
 
 
+class Pairing(nn.Module):
+    """Takes two inputs and returns its output twice: callers pass it one tensor twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.tanh(self.fc(a) + b)
+        return y, y
+
+
+class PairingStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Pairing() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * 1.5  # a non-leaf input: its hooks go with its grad_fn
+        for block in self.blocks:
+            y, z = block(x, x)
+            x = y + z
+        return x
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["streamed", "kept"])
+@pytest.mark.parametrize("device", devices)
+def test_a_tensor_passed_twice_to_a_scope_ends_its_backward_once_its_gradient_is_whole(device, kept, monkeypatch):
+    # Each input and output of a call is hooked once per place it holds (Note [hooks on a
+    # call's inputs and outputs] in engine/hooks.py): each scope's backward ends once, when the
+    # gradient of its input is whole, in the reverse order of the forward.
+    from offtensor.engine.hooks import ScopeHooks
+
+    torch.manual_seed(0)
+    model = PairingStack()
+    policy = offtensor.Policy(vram_budget=1 << 30) if kept else offtensor.Policy()
+    reference = unwrapped_reference(model, device)
+    offtensor.wrap(model, device=device, policy=policy)
+    ended: list[str] = []
+    inputs_done = ScopeHooks.inputs_done
+    monkeypatch.setattr(ScopeHooks, "inputs_done", lambda self: (ended.append(self.scope.name), inputs_done(self)))
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    for _ in range(2):
+        ended.clear()
+        model(x).square().sum().backward()
+        reference(x).square().sum().backward()
+        assert_grads_match(model, reference, **tolerances(device))
+        model.zero_grad(), reference.zero_grad()
+        assert ended == ["blocks.2", "blocks.1", "blocks.0"]
+
+
+def test_hooks_on_a_calls_tensors_run_once_per_place_beside_the_users():
+    from offtensor.engine.hooks import _on_grad
+
+    calls: list[str] = []
+    for leaf in (True, False):  # a leaf, then a tensor with a grad_fn
+        x = torch.randn(3, requires_grad=True)
+        t = x if leaf else x * 2
+        calls.clear()
+        mine = t.register_hook(lambda g: calls.append("user, removed"))
+        _on_grad(t, lambda g: calls.append("ours"))
+        _on_grad(t, lambda g: calls.append("ours"))
+        t.register_hook(lambda g: calls.append("user"))
+        mine.remove()
+        t.sum().backward()
+        assert calls == ["ours", "ours", "user"]
+
+
 def test_two_wrapped_models_in_one_process_keep_separate_scopes():
     a, b = mlp_of_blocks(), mlp_of_blocks()
     ref_a, ref_b = unwrapped_reference(a, "cpu"), unwrapped_reference(b, "cpu")
