@@ -6,18 +6,22 @@ plain model's step is its host cost (plus, for streamed scopes, a memcpy of thei
 
 Rows: a DiT (diffusers' FluxTransformer2DModel) and an LLM (transformers' LlamaForCausalLM),
 random weights built from config objects (nothing downloaded), each in a forward with autograd
-on, a training step (grads set to None, forward, loss, backward), and a forward under
-torch.no_grad() and under torch.inference_mode(). Peers: `plain`, offtensor `kept` (every scope
-resident: Policy(vram_budget=2**40)), `streamed` (Policy()), `fp8` (Policy(frozen_format="fp8")
-on a frozen copy: the no-grad and inference rows), diffusers' block-level group offloading and
-accelerate's cpu_offload on each block, when installed; `memcpy`: one copy of the scopes' bytes.
+on, a training step (grads set to None, forward, loss, backward), a forward under
+torch.no_grad() and under torch.inference_mode(), and a LoRA training step with gradient
+checkpointing (the model frozen, rank-4 peft adapters on the attention's q/k/v, checkpointing per
+block: host_overhead_lora.py). Peers: `plain`, offtensor `kept` (every scope resident:
+Policy(vram_budget=2**40)), `streamed` (Policy()), both with param_filter=frozen_only in the
+LoRA row, `fp8` (Policy(frozen_format="fp8") on a frozen copy: the no-grad and inference rows),
+diffusers' block-level group offloading and accelerate's cpu_offload on each block (not in the
+LoRA row: it keeps no grads), when installed; `memcpy`: one copy of the scopes' bytes.
 
 Method: one thread (torch.set_num_threads(1)); each peer's step timed with time.thread_time();
 in each round every peer runs its steps in turn (the order rotated each round), and a peer's
 figure is the median over rounds of its time over the plain model's in the same round. Python
 calls per step are counted (sys.setprofile 'call' events) in an untimed step; each peer's output
 (and grads, training) is compared with the plain model's, bit for bit (fp8 with the plain model
-whose matrices are rounded as fp8 stores them). Then: the kept training step's ratio as the
+whose matrices are rounded as fp8 stores them), and in training the plain model's grads must
+all be non-zero (else equal grads prove little). Then: the kept training step's ratio as the
 number of scopes grows (scaling), and single ops and metadata reads on an offloaded parameter
 (host_overhead_ops.py).
 """
@@ -44,6 +48,7 @@ from torch import nn
 import offtensor
 
 from .dit import fp8_round_trip_
+from .host_overhead_lora import NOT_APPLICABLE, diffusers_checkpointing, lora_base, transformers_checkpointing
 from .measure import short_error, sync, version
 from .streamed import fp8_compressed
 
@@ -66,6 +71,8 @@ class Workload:
     forward: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
     blocks: Callable[[nn.Module], list[nn.Module]]  # offtensor's scopes (its default predicate's)
     group_root: Callable[[nn.Module], nn.Module]  # where diffusers' block-level offloading applies
+    lora_targets: tuple[str, ...]  # the modules the LoRA row's adapters go on
+    checkpointing: Callable[[nn.Module], None]  # turns on the LoRA row's checkpointing per block
 
 
 @dataclass(frozen=True)
@@ -76,10 +83,12 @@ class Mode:
     train: bool = False
     context: Callable[[], Any] = torch.enable_grad
     frozen: bool = False  # no autograd: a frozen (fp8) copy computes the same thing
+    lora: bool = False  # on the LoRA base (host_overhead_lora.py): adapters trained, checkpointed
 
 
 MODES = (Mode("forward"), Mode("train", train=True), Mode("forward, no_grad", context=torch.no_grad, frozen=True),
-         Mode("forward, inference_mode", context=torch.inference_mode, frozen=True))
+         Mode("forward, inference_mode", context=torch.inference_mode, frozen=True),
+         Mode("LoRA train, checkpointed", train=True, lora=True))
 
 
 @dataclass
@@ -133,7 +142,7 @@ def flux(double: int, single: int, heads: int, head_dim: int, image: int, text: 
 
     return Workload("Flux", f"FluxTransformer2DModel, {double} double + {single} single blocks, hidden "
                     f"{heads * head_dim}, {image} image + {text} text tokens, fp32",
-                    build, inputs, forward, blocks, lambda m: m)
+                    build, inputs, forward, blocks, lambda m: m, ("to_q", "to_k", "to_v"), diffusers_checkpointing)
 
 
 def llama(layers: int, hidden: int, tokens: int, name: str = "Llama") -> Workload:
@@ -158,7 +167,8 @@ def llama(layers: int, hidden: int, tokens: int, name: str = "Llama") -> Workloa
         return cast(nn.Module, model.model)
 
     return Workload(name, f"LlamaForCausalLM, {layers} layers, hidden {hidden}, {tokens} tokens, fp32",
-                    build, {"input_ids": ids}, forward, lambda m: list(cast(nn.ModuleList, inner(m).layers)), inner)
+                    build, {"input_ids": ids}, forward, lambda m: list(cast(nn.ModuleList, inner(m).layers)), inner,
+                    ("q_proj", "k_proj", "v_proj"), transformers_checkpointing)
 
 
 def workloads(quick: bool) -> list[Workload]:
@@ -170,23 +180,29 @@ def workloads(quick: bool) -> list[Workload]:
 # ---- the peers ----------------------------------------------------------------------------------
 
 
-def _offtensor(model: nn.Module, device: torch.device, policy: offtensor.Policy) -> nn.Module:
+def _offtensor(model: nn.Module, device: torch.device, policy: offtensor.Policy, lora: bool) -> nn.Module:
+    if lora:
+        policy = dataclasses.replace(policy, param_filter=offtensor.frozen_only)
     offtensor.wrap(model, device=device, policy=policy)
     return model.to(device)
 
 
-def setup(peer: str, base: nn.Module, w: Workload, device: torch.device) -> tuple[nn.Module, str]:
-    """A copy of `base` placed as `peer` does it, and how, in words."""
+def setup(peer: str, base: nn.Module, w: Workload, device: torch.device, lora: bool = False) -> tuple[nn.Module, str]:
+    """A copy of `base` placed as `peer` does it, and how, in words; `lora`: offtensor offloads
+    the frozen parameters only (the LoRA base's)."""
     model = copy.deepcopy(base)
+    frozen_only = ", param_filter=frozen_only" if lora else ""
     if peer == "plain":
         return model.to(device), "the model on the device"
     if peer == "kept":
-        return _offtensor(model, device, offtensor.Policy(vram_budget=KEEP_ALL)), "Policy(vram_budget=2**40)"
+        return (_offtensor(model, device, offtensor.Policy(vram_budget=KEEP_ALL), lora),
+                f"Policy(vram_budget=2**40{frozen_only})")
     if peer == "streamed":
-        return _offtensor(model, device, offtensor.Policy()), "Policy()"
+        return (_offtensor(model, device, offtensor.Policy(), lora),
+                "Policy(param_filter=frozen_only)" if lora else "Policy()")
     if peer == "fp8":
         model.requires_grad_(False)
-        return _offtensor(model, device, offtensor.Policy(frozen_format="fp8")), \
+        return _offtensor(model, device, offtensor.Policy(frozen_format="fp8"), lora), \
             "Policy(frozen_format='fp8'), the model frozen"
     if peer == "diffusers":
         from diffusers.hooks import apply_group_offloading
@@ -350,6 +366,8 @@ def run_row(w: Workload, mode: Mode, models: dict[str, nn.Module], reference: nn
     steps = {name: step_fn(w, m, mode, device) for name, m in models.items()}
     ref_out = steps["plain"]()
     ref_grads = grads(models["plain"]) if mode.train else None
+    silent = [n for n, p in models["plain"].named_parameters() if p.requires_grad and ref_grads is not None
+              and (n not in ref_grads or not ref_grads[n].any())]  # equal grads of these prove nothing
     ids = {id(p) for b in w.blocks(models["plain"]) for p in b.parameters()}
     blocks = {n for n, p in models["plain"].named_parameters() if id(p) in ids}
     fp8_out = step_fn(w, reference, mode, device)() if reference is not None and "fp8" in steps else None
@@ -368,6 +386,8 @@ def run_row(w: Workload, mode: Mode, models: dict[str, nn.Module], reference: nn
         except Exception as exc:  # noqa: BLE001
             cells[name].error = short_error(exc)
             steps.pop(name)
+    if silent:
+        cells["plain"].check = f"FAIL no grad or all zero: {silent[:3]}"
     cells["memcpy"].check = "-"
     timed: dict[str, Callable[[], Any]] = {**steps, "memcpy": memcpy}
     time_in_turn(timed, cells, args.rounds, args.target_ms / 1e3)
@@ -378,28 +398,44 @@ def peers_of(args: argparse.Namespace) -> list[str]:
     return [p for p in PEERS if p != "memcpy" and p in args.peers]
 
 
-def run_workload(w: Workload, device: torch.device, args: argparse.Namespace,
-                 notes: dict[str, str]) -> Iterator[Row]:
-    base = w.build().eval()
-    memcpy = Memcpy(w, base, device)
+def place(base: nn.Module, w: Workload, device: torch.device, args: argparse.Namespace, notes: dict[str, str],
+          lora: bool = False) -> dict[str, nn.Module]:
+    """Each peer's copy of `base`; how it is placed, or why it is not, goes to `notes` (the LoRA
+    row's under 'PEER, LoRA row' where it differs)."""
     models: dict[str, nn.Module] = {}
+    hows: dict[str, str] = {}
     for peer in peers_of(args):
-        why = unavailable(peer)
+        why = unavailable(peer) or (NOT_APPLICABLE.get(peer) if lora else None)
         if why is not None:
-            notes[peer] = why
+            hows[peer] = why
             continue
         try:
-            models[peer], notes[peer] = setup(peer, base, w, device)
+            models[peer], hows[peer] = setup(peer, base, w, device, lora)
         except Exception as exc:  # noqa: BLE001
-            notes[peer] = f"error: {short_error(exc)}"
+            hows[peer] = f"error: {short_error(exc)}"
     if "kept" in models:
         step_fn(w, models["kept"], MODES[0], device)()
         kept = [s.kept for s in offtensor.summary(models["kept"]).scopes]
         if not all(kept):
-            notes["kept"] += f" (FAIL: {kept.count(False)} of {len(kept)} scopes not kept)"
+            hows["kept"] += f" (FAIL: {kept.count(False)} of {len(kept)} scopes not kept)"
+    for peer, how in hows.items():
+        if not lora:
+            notes[peer] = how
+        elif how != notes.get(peer):
+            notes[f"{peer}, LoRA row"] = how
+    return models
+
+
+def run_workload(w: Workload, device: torch.device, args: argparse.Namespace,
+                 notes: dict[str, str]) -> Iterator[Row]:
+    base = w.build().eval()
+    memcpy = Memcpy(w, base, device)
+    models = place(base, w, device, args, notes)
     reference = fp8_reference(base, w, device) if "fp8" in models else None
     print(f"{w.name}: {w.what}; {len(w.blocks(base))} scopes, {memcpy.bytes / 2**20:.1f} MiB", flush=True)
     for mode in MODES:
+        if mode.lora:  # its own copies, of one LoRA base; the rows above are done with theirs
+            models = place(lora_base(base, w.lora_targets, w.checkpointing), w, device, args, notes, lora=True)
         row_models = {k: m for k, m in models.items() if k != "fp8" or mode.frozen}
         row = run_row(w, mode, row_models, reference, memcpy, device, args)
         print(f"  {mode.name}: " + ", ".join(f"{k} {_cell(c)}" for k, c in row.cells.items()), flush=True)

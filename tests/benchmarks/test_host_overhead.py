@@ -1,5 +1,6 @@
 """`python -m benchmarks host-overhead --quick` runs on the CPU: every row, peer and section is
-filled in and every peer computes what the plain model does. Timings are not asserted."""
+filled in and every peer computes what the plain model does, the LoRA row's adapter grads included.
+Timings are not asserted."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ pytest.importorskip("diffusers")
 import benchmarks as bench
 from benchmarks.host_overhead import NO_GRADS
 
+LORA = "LoRA train, checkpointed"
 ROWS = [f"{model} {mode}" for model in ("Flux", "Llama")
-        for mode in ("forward", "train", "forward, no_grad", "forward, inference_mode")]
+        for mode in ("forward", "train", "forward, no_grad", "forward, inference_mode", LORA)]
 
 
 def test_quick_host_overhead_fills_every_row_and_every_peer_matches_the_plain_model(tmp_path, capsys, monkeypatch):
@@ -46,7 +48,16 @@ def test_quick_host_overhead_fills_every_row_and_every_peer_matches_the_plain_mo
                 assert cell["check"] in ok, (row["workload"], row["mode"], name, cell["check"])
         if accelerate and row["mode"] == "train":
             assert cells["accelerate"]["check"] == NO_GRADS  # it keeps no grads: marked, not hidden
+        if row["mode"] == LORA:  # fp8 and accelerate cannot take it, and say so
+            assert not {"fp8", "accelerate"} & set(cells), set(cells)
+            assert "diffusers" in cells or "diffusers" not in record["rows"][0]["cells"]
         assert cells["kept"]["calls"] > cells["plain"]["calls"]
+    notes = record["notes"]
+    assert "frozen fp8 copy" in notes["fp8, LoRA row"]
+    assert notes["kept, LoRA row"] == "Policy(vram_budget=2**40, param_filter=frozen_only)"
+    assert notes["streamed, LoRA row"] == "Policy(param_filter=frozen_only)"
+    if accelerate:
+        assert "keeps no grads" in notes["accelerate, LoRA row"]
     assert [s["scopes"] for s in record["scaling"]] == [2, 4]
     assert all(s["check"] == "=" and s["ratio"] > 0 for s in record["scaling"])
     ops = {o["what"]: o for o in record["per_op"]}
