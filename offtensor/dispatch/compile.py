@@ -53,6 +53,8 @@ def in_compiled_region() -> bool:
     """Called from code that dynamo traces or runs: `compiling()`, or a frame that dynamo runs
     without compiling it (a graph break, the recompile limit) while compiled code is running
     (its frame-evaluation callback is installed on this thread)."""
+    # The call, not its flag (`_is_compiling_flag`, two Python calls fewer): traced, the call is
+    # a constant True, where a read of the flag would be guarded and recompile at every call.
     return torch.compiler.is_compiling() or _eval_frame_callback() is not None
 
 

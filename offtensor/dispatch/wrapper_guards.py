@@ -27,11 +27,17 @@ from __future__ import annotations
 import functools
 import sys
 from types import CodeType, FrameType
+from typing import Any
 
 import torch
 from torch import nn
 
 _AVAILABLE = torch.distributed.is_available()
+# What torch.distributed.is_initialized() reads (GroupMember.WORLD: the `_World` object's default
+# group), where this torch has it; else None and it is asked
+_WORLD: Any = getattr(torch.distributed.distributed_c10d, "_world", None) if _AVAILABLE else None
+if not hasattr(_WORLD, "_default_pg"):
+    _WORLD = None
 
 _DATA_PARALLEL = (
     "offtensor.data_parallel(model) after offtensor.wrap(model) and model.to(device), without "
@@ -57,6 +63,8 @@ _FSDP_HELP = (
 
 def active() -> bool:
     """True while a default process group exists: the only time DDP or FSDP2 can be at work."""
+    if _WORLD is not None:  # asked at each call of a scope: is_initialized()'s three calls, read directly
+        return _WORLD._default_pg is not None  # type: ignore[no-any-return]
     return _AVAILABLE and torch.distributed.is_initialized()
 
 

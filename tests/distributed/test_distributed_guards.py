@@ -257,3 +257,16 @@ def test_manual_all_reduce_on_two_ranks_matches_one_process_on_the_whole_batch(t
     for rank in range(WORLD):
         got = torch.load(f"{out}.{rank}")
         torch.testing.assert_close(got, {n: p.detach() for n, p in expected.items()})
+
+
+def test_the_guards_see_a_process_group_exactly_while_it_exists(tmp_path):
+    # Asked at each call of a scope from what torch.distributed.is_initialized() reads.
+    from offtensor.dispatch import wrapper_guards
+
+    assert not dist.is_initialized() and not wrapper_guards.active()
+    _init(tmp_path / "init")
+    try:
+        assert wrapper_guards.active()
+    finally:
+        dist.destroy_process_group()
+    assert not wrapper_guards.active()
