@@ -205,7 +205,11 @@ def _predicted_ms(model: nn.Module, s: Scenario) -> float | None:
     layout = offtensor.summary(model).layout
     if layout is None or not layout.timed or layout.predicted_forward_ms is None:
         return None
-    return layout.predicted_forward_ms + (0.0 if s.kind == "infer" else layout.predicted_backward_ms or 0.0)
+    if s.kind == "infer":
+        return layout.predicted_forward_ms
+    if not layout.predicted_backward_ms:
+        return None  # chosen on a pass without backward (every scope fit): it predicted no training step
+    return layout.predicted_forward_ms + layout.predicted_backward_ms
 
 
 def _counter(peer: str, built: BuiltModel) -> StreamCounter | None:

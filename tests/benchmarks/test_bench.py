@@ -945,3 +945,22 @@ def test_the_host_calls_of_a_profiled_step_are_the_cuda_calls_it_spent_longest_i
     assert runtime_calls(events, top=6)["cudaLaunchKernel x2"] == pytest.approx(0.010)
     described = describe_host({"step": 12.0, **calls})
     assert described.startswith("host: step 12.0 ms, in CUDA calls (ms): cudaMalloc x1 3.0")
+
+
+def test_a_layout_chosen_without_backward_predicts_no_training_step(monkeypatch):
+    # Every scope fit the budget on the first (inference) pass: the layout timed no backward, so
+    # the LoRA step's row shows no prediction rather than the forward's as the step's.
+    from types import SimpleNamespace
+
+    from benchmarks import dit_run
+    from benchmarks.scenarios import Scenario
+
+    layout = SimpleNamespace(timed=True, predicted_forward_ms=200.0, predicted_backward_ms=0.0)
+    monkeypatch.setattr(offtensor, "is_wrapped", lambda m: True)
+    monkeypatch.setattr(offtensor, "summary", lambda m: SimpleNamespace(layout=layout))
+    infer = Scenario("infer-1024px", "infer", 1, 1)
+    step = Scenario("lora-step-1024px", "frozen-step", 1, 1)
+    assert dit_run._predicted_ms(torch.nn.Linear(1, 1), infer) == 200.0
+    assert dit_run._predicted_ms(torch.nn.Linear(1, 1), step) is None
+    layout.predicted_backward_ms = 500.0
+    assert dit_run._predicted_ms(torch.nn.Linear(1, 1), step) == 700.0
