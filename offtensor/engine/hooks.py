@@ -40,8 +40,9 @@ from torch import nn
 from ..api import ScopeState
 from ..dispatch import compile as _compile
 from ..dispatch import wrapper_guards as _distributed
+from ..dispatch.device_copies import ExposedCopy, Exposure, mark_exposed, unmark_exposed
 from ..dispatch.ops import SCALAR_TYPES, resident_copies_ready
-from ..dispatch.slot import ExposedCopy, Exposure, ParamSlot, in_backward, mark_exposed, unmark_exposed
+from ..dispatch.slot import ParamSlot, in_backward
 from ..scopes.experts import fill_all_experts
 from ..scopes.scope import Scope
 from ..scopes.write_tracking import versions_of
@@ -204,7 +205,7 @@ class ScopeHooks:
         exposure.aliases, self._attrs = [], attrs
         for namespace, key, slot in attrs:
             leaf = slot.device_leaf
-            # Marked once per copy (Note [copies of an exposed call] in dispatch/slot.py)
+            # Marked once per copy (Note [copies of an exposed call] in dispatch/device_copies.py)
             if type(leaf) is not ExposedCopy or leaf.__dict__.get("_ot_exposure") is not exposure:
                 mark_exposed(leaf, exposure, slot.param)
             namespace[key] = leaf

@@ -24,10 +24,11 @@ from torch import nn
 
 from ..api import Policy
 from ..budget.shared import SharedBudget
+from ..dispatch.device_copies import device_copy
 from ..dispatch.function_apply import intercept_function_apply
 from ..dispatch.masters import master_values, without_subclass_dispatch
 from ..dispatch.param import OffloadedParameter
-from ..dispatch.slot import ParamSlot, device_copy
+from ..dispatch.slot import ParamSlot
 from ..dispatch.wrapper_guards import check_model
 from ..engine.engine import ENGINE_ATTR, Engine, engine_of
 from ..engine.grads import new_host_grad

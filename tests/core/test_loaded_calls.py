@@ -239,7 +239,7 @@ class InterruptingBlocks(nn.Module):
 def test_a_copy_of_a_model_whose_call_an_interrupt_ended_trains_like_the_unwrapped_model(policy, how):
     # Ctrl-C in a call leaves its copies in the modules' attributes until the next call; a
     # copy made before that must not keep them beside the parameters (Note [copies of an
-    # exposed call] in dispatch/slot.py): the copy's forward would read one and step the other.
+    # exposed call] in dispatch/device_copies.py): the copy's forward would read one and step the other.
     import io
 
     model, reference = _wrapped_and_plain(InterruptingBlocks, policy)
@@ -338,7 +338,7 @@ def test_a_copy_kept_from_an_exposed_call_copies_as_its_values_after_the_call(ho
     # Outside its scope's calls an exposed copy kept by module code is a tensor of the values
     # it had (docs/design.md, Limits): it copies and pickles as an nn.Parameter of them, without
     # offtensor's marks (a weak reference among them would not pickle), and not as the parameter
-    # (Note [copies of an exposed call] in dispatch/slot.py).
+    # (Note [copies of an exposed call] in dispatch/device_copies.py).
     import io
 
     model, _ = _wrapped_and_plain(KeepingBlocks, KEPT)
