@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 import os
 import random
 import re
@@ -671,3 +672,13 @@ def most_device_bytes(monkeypatch):
 
     monkeypatch.setattr(_scope.Scope, "_start_load", spy)
     return seen
+
+
+def copy_of(obj, how: str):
+    """`obj` deep-copied (`how="deepcopy"`), or saved with torch.save and loaded back."""
+    if how == "deepcopy":
+        return copy.deepcopy(obj)
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)

@@ -21,6 +21,7 @@ from conftest import (
     assert_backward_matches,
     assert_grads_match,
     assert_params_match,
+    copy_of,
     devices,
     mlp_and_reference,
     mlp_of_blocks,
@@ -390,14 +391,6 @@ def test_a_copy_of_a_wrapped_model_is_a_plain_cpu_model_and_the_original_stays_w
     assert_backward_matches(model, model(x), reference, x, y, device)
 
 
-def _copied(model: nn.Module, how: str) -> nn.Module:
-    if how == "deepcopy":
-        return copy.deepcopy(model)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
-
 
 @pytest.mark.parametrize("how", ["deepcopy", "torch_save"])
 def test_a_copy_of_a_wrapped_model_keeps_the_attributes_of_its_parameters(how):
@@ -416,9 +409,9 @@ def test_a_copy_of_a_wrapped_model_keeps_the_attributes_of_its_parameters(how):
         plain = mlp_of_blocks()
         for name, attributes in expected.items():
             plain.get_parameter(name).__dict__.update(attributes)
-        plain = _copied(plain, how)
+        plain = copy_of(plain, how)
         assert {name: vars(plain.get_parameter(name)) for name in expected} == expected
-    copied = _copied(model, how)
+    copied = copy_of(model, how)
     assert not offtensor.is_wrapped(copied)
     for name, p in copied.named_parameters():
         assert type(p) is nn.Parameter, name

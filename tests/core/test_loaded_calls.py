@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from conftest import WritingBlock
+from conftest import WritingBlock, copy_of
 from torch import nn
 
 import offtensor
@@ -223,15 +223,18 @@ class Interrupting(nn.Module):
         return self.fc(y)
 
 
-class InterruptingBlocks(nn.Module):
-    def __init__(self) -> None:
+class ThreeBlocks(nn.Module):
+    """Three blocks of one kind, called in turn."""
+
+    def __init__(self, kind: type[nn.Module]) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([Interrupting() for _ in range(3)])
+        self.blocks = nn.ModuleList([kind() for _ in range(3)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
         return x
+
 
 
 @pytest.mark.parametrize("policy", [KEPT, offtensor.Policy()], ids=["kept", "streamed"])
@@ -240,9 +243,7 @@ def test_a_copy_of_a_model_whose_call_an_interrupt_ended_trains_like_the_unwrapp
     # Ctrl-C in a call leaves its copies in the modules' attributes until the next call; a
     # copy made before that must not keep them beside the parameters (Note [copies of an
     # exposed call] in dispatch/device_copies.py): the copy's forward would read one and step the other.
-    import io
-
-    model, reference = _wrapped_and_plain(InterruptingBlocks, policy)
+    model, reference = _wrapped_and_plain(lambda: ThreeBlocks(Interrupting), policy)
     x = torch.randn(2, 4)
     model(x).sum().backward()  # learns the copy order: the next calls expose their copies
     model.zero_grad()
@@ -250,13 +251,7 @@ def test_a_copy_of_a_model_whose_call_an_interrupt_ended_trains_like_the_unwrapp
     with pytest.raises(KeyboardInterrupt):
         model(x)
     model.blocks[1].stop = reference.blocks[1].stop = False
-    if how == "deepcopy":
-        copied = copy.deepcopy(model)
-    else:
-        buffer = io.BytesIO()
-        torch.save(model, buffer)
-        buffer.seek(0)
-        copied = torch.load(buffer, weights_only=False)
+    copied = copy_of(model, how)
     for block in copied.blocks:
         assert block.fc.weight is block.fc._parameters["weight"]
         assert type(block.fc.weight) is nn.Parameter
@@ -267,7 +262,7 @@ def test_a_copy_of_a_model_whose_call_an_interrupt_ended_trains_like_the_unwrapp
             m(x).square().sum().backward()
             o.step()
     torch.testing.assert_close(copied(x), reference(x), rtol=0, atol=0)
-    torch.testing.assert_close(model(x), InterruptingBlocks.forward(copy.deepcopy(model), x), rtol=0, atol=0)
+    torch.testing.assert_close(model(x), ThreeBlocks.forward(copy.deepcopy(model), x), rtol=0, atol=0)
 
 
 class ParameterWriting(nn.Module):
@@ -322,39 +317,20 @@ class Keeping(nn.Module):
         return torch.tanh(self.fc(x))
 
 
-class KeepingBlocks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Keeping() for _ in range(3)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_a_copy_kept_from_an_exposed_call_copies_as_its_values_after_the_call(how):
     # Outside its scope's calls an exposed copy kept by module code is a tensor of the values
     # it had (docs/design.md, Limits): it copies and pickles as an nn.Parameter of them, without
     # offtensor's marks (a weak reference among them would not pickle), and not as the parameter
     # (Note [copies of an exposed call] in dispatch/device_copies.py).
-    import io
-
-    model, _ = _wrapped_and_plain(KeepingBlocks, KEPT)
+    model, _ = _wrapped_and_plain(lambda: ThreeBlocks(Keeping), KEPT)
     x = torch.randn(2, 4)
     for _ in range(3):  # the first calls learn the copy order; later ones expose the copies
         model(x).sum().backward()
     kept = model.blocks[1].seen[-1]
     param = model.blocks[1].fc._parameters["weight"]
     assert kept is not param and type(param) is param_module.OffloadedParameter
-    if how == "deepcopy":
-        copied = copy.deepcopy(kept)
-    else:
-        buffer = io.BytesIO()
-        torch.save(kept, buffer)
-        buffer.seek(0)
-        copied = torch.load(buffer, weights_only=False)
+    copied = copy_of(kept, how)
     assert isinstance(copied, nn.Parameter) and copied is not param
     assert not any(k.startswith("_ot_") for k in copied.__dict__)
     torch.testing.assert_close(copied.detach(), param.detach(), rtol=0, atol=0)
