@@ -87,13 +87,13 @@ def keep_within(scopes: list[Scope], budget: int, streaming: int) -> None:
     total = sum(s.device.nbytes for s in scopes)
     if total <= budget:
         for scope in scopes:
-            scope.residency = Residency.KEPT
+            scope.set_residency(Residency.KEPT)
         return
     assert budget >= streaming  # wrap checked it (planning.check_budget) before anything moved
     room = budget - streaming
     first, *rest = scopes
     if first.device.nbytes <= room:
-        first.residency = Residency.KEPT
+        first.set_residency(Residency.KEPT)
         room -= first.device.nbytes
     else:  # a first scope larger than the room (a wrapped embedding): spread over all
         rest = scopes
@@ -104,7 +104,7 @@ def keep_within(scopes: list[Scope], budget: int, streaming: int) -> None:
     for scope in rest:
         credit += share * scope.device.nbytes
         if scope.device.nbytes * rest_bytes <= credit and scope.device.nbytes <= room:
-            scope.residency = Residency.KEPT
+            scope.set_residency(Residency.KEPT)
             room -= scope.device.nbytes
             credit -= scope.device.nbytes * rest_bytes
 
@@ -193,9 +193,9 @@ class VramBudget(NoBudget):
         the streaming room."""
         for scope in self.scopes:
             if scope in kept:
-                scope.residency = Residency.KEPT
+                scope.set_residency(Residency.KEPT)
             elif scope.residency is Residency.KEPT:
-                scope.residency = Residency.STREAMED
+                scope.set_residency(Residency.STREAMED)
                 scope.release()
         self.bytes = budget + self.cache_bytes
         self.prediction = prediction

@@ -221,7 +221,7 @@ class Engine:
         self.live.pump()
         current = self.writes.forward_starts(scope)
         if scope.residency is Residency.CARRIED:
-            scope.residency = Residency.STREAMED  # used: released as its forward ends, like any streamed scope
+            scope.set_residency(Residency.STREAMED)  # used: released as its forward ends, like any streamed scope
         if scope.state is ScopeState.OFFLOADED:
             scope.loads_on_demand += 1
         scope.load(with_grads=False)
@@ -370,7 +370,7 @@ class Engine:
             return  # a module called several times: later calls' backward still needs it
         if scope.state is not ScopeState.OFFLOADED and scope.calls.running == 0:
             if self._carries(scope):
-                scope.residency = Residency.CARRIED  # Note [carried into the next forward] in budget/vram.py
+                scope.set_residency(Residency.CARRIED)  # Note [carried into the next forward] in budget/vram.py
                 self._carried_fresh = True
                 return
             scope.release()

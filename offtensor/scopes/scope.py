@@ -171,6 +171,9 @@ class Scope:
 
     state: ScopeState = ScopeState.OFFLOADED  # changed only by the `_to_*` transitions (Note [scope states])
     loading: LoadProgress | None = None  # while LOADING, and only then
+    # Bumped when any scope is offloaded or its residency is set: what a forward's prefetch
+    # remembered of the kept scopes ahead holds until then (Note [kept runs] in engine/schedule.py)
+    kept_changes = 0
 
     def __init__(self, name: str, module: nn.Module, policy: Policy, engine: ScopeEngine,
                  pinned: bool, block: str | None = None) -> None:
@@ -208,7 +211,11 @@ class Scope:
         # STREAMED, or KEPT by Policy.vram_budget (only a forced release offloads it), or
         # CARRIED: streamed, left resident by a backward's end for the next forward, which
         # computes it first (Note [carried into the next forward] in budget/vram.py).
-        self.residency = Residency.STREAMED
+        self.residency = Residency.STREAMED  # set by set_residency
+
+    def set_residency(self, residency: Residency) -> None:
+        self.residency = residency
+        Scope.kept_changes += 1
 
     @property
     def weights_ready(self) -> Any:
@@ -397,7 +404,7 @@ class Scope:
         torch.clear_autocast_cache()  # Note [autocast's cast cache]
         self._to_offloaded()
         if self.residency is Residency.CARRIED:
-            self.residency = Residency.STREAMED
+            self.set_residency(Residency.STREAMED)
         self.live.released(self)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("release %s%s", self.name, streams.memory())
@@ -420,6 +427,7 @@ class Scope:
     def _to_offloaded(self) -> None:
         assert self.state is not ScopeState.OFFLOADED
         self.state, self.loading = ScopeState.OFFLOADED, None
+        Scope.kept_changes += 1
 
     # ---- what its slots ask of the engine (SlotScope in dispatch/slot.py) -------------------------
 

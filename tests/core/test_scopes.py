@@ -623,3 +623,48 @@ def test_set_prefetch_of_a_module_without_offloaded_parameters_names_it():
         offtensor.set_prefetch(model, model.input, forward=[model.blocks[1]])
     with pytest.raises(ValueError, match=r"forward/backward\[0\] \(Linear, not part of the model\)"):
         offtensor.set_prefetch(model, model.blocks[0], forward=[nn.Linear(2, 2)])
+
+
+class Releasing(nn.Module):
+    """Releases another kept scope in its forward, as a write to that scope's master does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.release: Scope | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.release is not None:
+            self.release.release(force=True)
+        return torch.tanh(self.fc(x))
+
+
+class ReleasingStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Releasing() for _ in range(5)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_kept_scope_released_during_a_pass_is_prefetched_again():
+    # The forward's prefetch remembers the run of kept, loaded scopes ahead (Note [kept runs] in
+    # engine/schedule.py); a scope of the run released since is loaded by the next prefetch, not
+    # on demand by its own call.
+    torch.manual_seed(0)
+    model = ReleasingStack()
+    reference = unwrapped_reference(model, "cpu")
+    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=1 << 30))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            model(x)  # the order is learned, every scope kept and loaded
+        released = model.blocks[3].fc.weight._ot.scope
+        assert released.state is ScopeState.RESIDENT
+        before = released.loads_on_demand
+        model.blocks[1].release = released  # after the pass's first prefetch remembered blocks 1-4
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    assert released.loads_on_demand == before and released.state is ScopeState.RESIDENT
