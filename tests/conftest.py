@@ -682,3 +682,16 @@ def copy_of(obj, how: str):
     torch.save(obj, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=False)
+
+
+class BlocksOf(nn.Module):
+    """`n` blocks of one kind (each built by `kind()`), called in turn."""
+
+    def __init__(self, kind, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([kind() for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from conftest import WritingBlock, copy_of
+from conftest import BlocksOf, WritingBlock, copy_of
 from torch import nn
 
 import offtensor
@@ -223,19 +223,6 @@ class Interrupting(nn.Module):
         return self.fc(y)
 
 
-class ThreeBlocks(nn.Module):
-    """Three blocks of one kind, called in turn."""
-
-    def __init__(self, kind: type[nn.Module]) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([kind() for _ in range(3)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 
 @pytest.mark.parametrize("policy", [KEPT, offtensor.Policy()], ids=["kept", "streamed"])
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
@@ -243,7 +230,7 @@ def test_a_copy_of_a_model_whose_call_an_interrupt_ended_trains_like_the_unwrapp
     # Ctrl-C in a call leaves its copies in the modules' attributes until the next call; a
     # copy made before that must not keep them beside the parameters (Note [copies of an
     # exposed call] in dispatch/device_copies.py): the copy's forward would read one and step the other.
-    model, reference = _wrapped_and_plain(lambda: ThreeBlocks(Interrupting), policy)
+    model, reference = _wrapped_and_plain(lambda: BlocksOf(Interrupting), policy)
     x = torch.randn(2, 4)
     model(x).sum().backward()  # learns the copy order: the next calls expose their copies
     model.zero_grad()
@@ -262,7 +249,7 @@ def test_a_copy_of_a_model_whose_call_an_interrupt_ended_trains_like_the_unwrapp
             m(x).square().sum().backward()
             o.step()
     torch.testing.assert_close(copied(x), reference(x), rtol=0, atol=0)
-    torch.testing.assert_close(model(x), ThreeBlocks.forward(copy.deepcopy(model), x), rtol=0, atol=0)
+    torch.testing.assert_close(model(x), BlocksOf.forward(copy.deepcopy(model), x), rtol=0, atol=0)
 
 
 class ParameterWriting(nn.Module):
@@ -323,7 +310,7 @@ def test_a_copy_kept_from_an_exposed_call_copies_as_its_values_after_the_call(ho
     # it had (docs/design.md, Limits): it copies and pickles as an nn.Parameter of them, without
     # offtensor's marks (a weak reference among them would not pickle), and not as the parameter
     # (Note [copies of an exposed call] in dispatch/device_copies.py).
-    model, _ = _wrapped_and_plain(lambda: ThreeBlocks(Keeping), KEPT)
+    model, _ = _wrapped_and_plain(lambda: BlocksOf(Keeping), KEPT)
     x = torch.randn(2, 4)
     for _ in range(3):  # the first calls learn the copy order; later ones expose the copies
         model(x).sum().backward()

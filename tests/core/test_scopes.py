@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import (
+    BlocksOf,
     BlockStack,
     ResidualBlock,
     assert_all_scopes_offloaded,
@@ -639,23 +640,12 @@ class Releasing(nn.Module):
         return torch.tanh(self.fc(x))
 
 
-class ReleasingStack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Releasing() for _ in range(5)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def test_a_kept_scope_released_during_a_pass_is_prefetched_again():
     # The forward's prefetch remembers the run of kept, loaded scopes ahead (Note [kept runs] in
     # engine/schedule.py); a scope of the run released since is loaded by the next prefetch, not
     # on demand by its own call.
     torch.manual_seed(0)
-    model = ReleasingStack()
+    model = BlocksOf(Releasing, 5)
     reference = unwrapped_reference(model, "cpu")
     offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=1 << 30))
     x = torch.randn(4, 8)

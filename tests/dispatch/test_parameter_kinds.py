@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 import torch.nn.utils.prune
 from conftest import (
+    BlocksOf,
     BlockStack,
     ResidualBlock,
     assert_all_scopes_offloaded,
@@ -63,17 +64,6 @@ class KindsBlock(nn.Module):
         return torch.tanh(y + 0.1 * self.offsets.float() + self.empty.sum())
 
 
-class Stack(nn.Module):
-    def __init__(self, block: type[nn.Module], n_blocks: int = 2) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([block() for _ in range(n_blocks)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def _train_both(model: nn.Module, reference: nn.Module, device: str, steps: int = 3,
                 tol: dict[str, float] | None = None) -> None:
     """Adam steps on both: outputs, gradients and parameters match at every step."""
@@ -94,11 +84,11 @@ def _train_both(model: nn.Module, reference: nn.Module, device: str, steps: int 
 
 @pytest.mark.parametrize("device", devices)
 def test_complex_float64_half_integer_bool_and_zero_size_parameters_train_like_unwrapped(device):
-    model = Stack(KindsBlock)
+    model = BlocksOf(KindsBlock, 2)
     reference = reference_then_offload(model, device)
     _train_both(model, reference, device)
     # state_dict round trips, both ways
-    plain = Stack(KindsBlock).to(device)
+    plain = BlocksOf(KindsBlock, 2).to(device)
     plain.load_state_dict(model.state_dict())
     assert_params_match(plain, reference, **tolerances(device))
     model.load_state_dict(copy.deepcopy(reference).state_dict())
@@ -192,7 +182,7 @@ def test_frozen_parameters_written_during_their_scopes_forward_are_read_back_lik
     an in-place write went to the master while later reads in the same forward got the copy
     loaded before it, and `p[i] = v`, `F.hardtanh(p, inplace=True)`, `torch.add(p, 1, out=p)`
     and `torch.ops.aten.add_.Tensor(p, 1)` wrote the device copy only (lost at the next load)."""
-    model = Stack(lambda: StatefulBlock(write))
+    model = BlocksOf(lambda: StatefulBlock(write), 2)
     reference = reference_then_offload(model, device)
     if device == "cuda" and write in _WRITES_ON_THE_MASTER:
         with pytest.raises(RuntimeError, match="same device"):
@@ -206,7 +196,7 @@ def test_torch_save_of_a_wrapped_model_with_a_zero_size_parameter_among_other_dt
     """A zero-size master's storage sat at its scope's first address, where the first master
     (complex64 here) lives: torch.save took them for one storage seen as two dtypes, and
     refused. Copies are plain models equal to the unwrapped one."""
-    model = Stack(KindsBlock)
+    model = BlocksOf(KindsBlock, 2)
     reference = reference_then_offload(model, "cpu")
     torch.save(model, tmp_path / "model.pt")
     x = torch.randn(3, HIDDEN)
@@ -215,7 +205,7 @@ def test_torch_save_of_a_wrapped_model_with_a_zero_size_parameter_among_other_dt
         torch.testing.assert_close(copied(x), reference(x), rtol=0, atol=0)
         assert_params_match(copied, reference, rtol=0, atol=0)
     torch.save(model.state_dict(), tmp_path / "state.pt")
-    plain = Stack(KindsBlock)
+    plain = BlocksOf(KindsBlock, 2)
     plain.load_state_dict(torch.load(tmp_path / "state.pt"))
     assert_params_match(plain, reference, rtol=0, atol=0)
 
@@ -225,7 +215,7 @@ def test_compute_dtype_casts_only_the_floating_masters_of_a_mixed_scope(cast):
     """Policy(compute_dtype=bfloat16): float64, float32 and float16 masters compute in bfloat16,
     complex, integer and bool ones as they are; gradients come back in each master's dtype, also
     after the masters are written (the cast="host" copy is cast again)."""
-    model = Stack(KindsBlock)
+    model = BlocksOf(KindsBlock, 2)
     reference = copy.deepcopy(model)
     offtensor.wrap(model, device="cpu", policy=offtensor.Policy(compute_dtype=torch.bfloat16, cast=cast))
     for _ in range(2):
@@ -321,7 +311,7 @@ class LayoutBlock(nn.Module):
 def test_strided_expanded_channels_last_and_many_tiny_parameters_train_like_unwrapped():
     """Masters are contiguous whatever the parameter's strides (kernels may then sum in another
     order: a few ulps)."""
-    model = Stack(LayoutBlock)
+    model = BlocksOf(LayoutBlock, 2)
     reference = reference_then_offload(model, "cpu")
     _train_both(model, reference, "cpu", tol={"rtol": 1e-5, "atol": 1e-6})
 
@@ -345,7 +335,7 @@ class MaxNormBlock(nn.Module):
 def test_embeddings_with_max_norm_renormalize_the_masters_like_unwrapped(sparse, overlapped):
     """The renormalization wrote only the scope's device copy: the output of each forward
     matched, but the masters kept their old norms, and the steps that followed diverged."""
-    model = Stack(lambda: MaxNormBlock(sparse))
+    model = BlocksOf(lambda: MaxNormBlock(sparse), 2)
     reference = reference_then_offload(model, "cpu")
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference))
     for _ in range(3):
@@ -383,7 +373,7 @@ class AliasedBlock(nn.Module):
 def test_error_if_offloaded_parameters_share_memory_with_another_tensor_of_the_model(alias):
     """Each master is a tensor of its own: wrap split the shared memory silently, and the
     optimizer's updates of one no longer reached the other (the plain model's do)."""
-    model = Stack(lambda: AliasedBlock(alias))
+    model = BlocksOf(lambda: AliasedBlock(alias), 2)
     with pytest.raises(ValueError, match=r"'blocks\.0\.whole' and 'blocks\.0\.left' share memory.*clone\(\)"):
         offtensor.wrap(model, device="cpu")
     assert not offtensor.is_wrapped(model)
@@ -406,8 +396,8 @@ class SlicedBlock(nn.Module):
 
 def test_weights_slicing_one_tensor_without_overlap_train_like_unwrapped():
     torch.manual_seed(0)
-    model = Stack(SlicedBlock)
+    model = BlocksOf(SlicedBlock, 2)
     torch.manual_seed(0)
-    reference = Stack(SlicedBlock)  # not a deep copy, which would keep no sharing to test
+    reference = BlocksOf(SlicedBlock, 2)  # not a deep copy, which would keep no sharing to test
     offtensor.wrap(model, device="cpu")
     _train_both(model, reference, "cpu")
