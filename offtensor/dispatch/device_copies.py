@@ -41,7 +41,7 @@ class DeviceCopy(torch.Tensor):
 class Exposure:
     """Whether a scope's device copies are exposed in an eager call: the `.data` aliases noted
     in the call, or None outside one (Note [calls of a loaded scope] in engine/hooks.py). Each
-    ExposedCopy of the scope refers to it, marked once (`mark_exposed`), not at each call."""
+    ExposedCopy of the scope refers to it from its first exposure on (`mark_exposed`)."""
 
     __slots__ = ("aliases",)
 

@@ -521,8 +521,8 @@ def _homes(scope: Scope) -> list[_Home]:
 # Note [hooks on a call's inputs and outputs]
 # Each call of a scope hooks every input and output that requires grad (Note [backward
 # triggers]), and never removes those hooks: they go with the tensors. `Tensor.register_hook`
-# makes a RemovableHandle for each (most of its cost, several us a tensor); so for a plain tensor
-# `_on_grad` does what it does without the handle: the tensor's hook dict, registered with its
+# makes a RemovableHandle for each, most of its cost; so for a plain tensor `_on_grad` does what
+# it does without the handle: the tensor's hook dict, registered with its
 # grad_fn when first made, and the hook under a key of its own, negative so that no handle's id
 # (counting up from 0) can meet it. A tensor subclass keeps `register_hook` (its
 # `__torch_function__` may have its own say).

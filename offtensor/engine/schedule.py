@@ -33,11 +33,10 @@ model's forward the order is cut where the pass ended, and the scopes the pass l
 not use are released.
 
 # Note [kept runs]
-A forward's prefetch skips the kept scopes ahead that are loaded: nothing to copy. Found by a
-scan at each scope's call, that made each call's cost grow with the number of scopes (a 96-block
-model with every block kept paid a third more a call than a 12-block one). So the run of kept,
-loaded scopes the scan found is remembered as positions of the order, and a later call inside it
-starts past it, until the order changes (`_order_changes`) or any scope is offloaded or has its
+A forward's prefetch skips the kept scopes ahead that are loaded: nothing to copy. Scanned at
+each scope's call, they would make a call's cost grow with the number of scopes. So the run of
+kept, loaded scopes a scan finds is remembered as positions of the order, and a later call inside
+it starts past it, until the order changes (`_order_changes`) or any scope is offloaded or has its
 residency set (`Scope.kept_changes`, bumped by `_to_offloaded` and `set_residency`): the only
 ways a scope of the run stops being kept and loaded. Loads never end a run. What the prefetch
 decides is the same as with the scan.
