@@ -224,7 +224,7 @@ class Engine:
             scope.set_residency(Residency.STREAMED)  # used: released as its forward ends, like any streamed scope
         if scope.state is ScopeState.OFFLOADED:
             scope.loads_on_demand += 1
-        scope.load(with_grads=False)
+            scope.load(with_grads=False)  # (without gradients, a load of a loaded scope does nothing)
         self.schedule.prefetch_forward(scope)
         self.budget.started(scope, "forward")
         # No wait here: each op waits for the chunk holding its weights (materialize).
@@ -322,7 +322,8 @@ class Engine:
             return
         self.budget.ended(scope, "forward")
         self.writes.call_ended(scope)
-        scope.learn_copy_order()
+        if scope.copy_order is None:
+            scope.learn_copy_order()
         if self.hold():
             return
         # Under reentrant checkpointing the forward runs without grad: only the training state

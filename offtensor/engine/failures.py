@@ -30,9 +30,11 @@ class FailureCheck:
         # One per call in progress: (thread, frame of the call, exception handled at entry).
         self._calls: list[tuple[int, FrameType | None, BaseException | None]] = []
 
-    def enter(self) -> int:
-        """Record a call; return how many earlier calls were found to have been interrupted."""
-        frame = _outside_offtensor(sys._getframe(1))
+    def enter(self, ours: int = 0) -> int:
+        """Record a call; return how many earlier calls were found to have been interrupted.
+        `ours`: how many frames above the caller's are surely offtensor's (Note [the module
+        call's frame])."""
+        frame = _outside_offtensor(sys._getframe(1 + ours))
         interrupted = self.drop_interrupted(frame)
         self._calls.append((threading.get_ident(), frame, sys.exc_info()[1]))
         return interrupted
@@ -72,13 +74,25 @@ class FailureCheck:
         return current is not None and current is not at_entry
 
 
+# Note [the module call's frame]
+# Each call's record holds the frame of the module call, found by walking out from the hook's
+# frame. Each frame the walk passes becomes a frame object, which its function's return then
+# has to tear down: for the few frames of offtensor's own hook path that costs several times the
+# rest of the record, at every call of a scope. So a caller that knows the frames above it to be
+# offtensor's (ScopeHooks' forward pre-hook: its caller and the `Hook` that torch calls) says
+# how many, and the walk starts past them: `sys._getframe(n)` makes a frame object of that frame
+# only. Too small a count costs only the walk; one past an outside frame would record a frame
+# that outlives the call, so each caller counts only frames that every path to it has.
+
+
 def _outside_offtensor(frame: FrameType | None) -> FrameType | None:
     """The first frame, from `frame` outwards, that is not offtensor's: the module call's."""
     while frame is not None:
         code = frame.f_code  # told apart by its code, each code asked once: at each call of a scope
-        if code not in _OURS:
-            if code in _THEIRS:
-                return frame
+        key = id(code)  # not the code: hashing one hashes its constants, nested code included
+        if key in _THEIRS:
+            return frame
+        if key not in _OURS:
             if not frame.f_globals.get("__name__", "").startswith("offtensor."):
                 _remember(_THEIRS, code)
                 return frame
@@ -87,13 +101,14 @@ def _outside_offtensor(frame: FrameType | None) -> FrameType | None:
     return frame
 
 
-# The code objects _outside_offtensor found to be offtensor's, and not: a few each (the hooks'
-# own, PyTorch's module call); bounded for code compiled while the program runs (exec).
-_OURS: set[CodeType] = set()
-_THEIRS: set[CodeType] = set()
+# The code objects _outside_offtensor found to be offtensor's, and not, by id (each kept
+# alive by its entry, so that its id names it): a few each (the hooks' own, PyTorch's module
+# call); bounded for code compiled while the program runs (exec).
+_OURS: dict[int, CodeType] = {}
+_THEIRS: dict[int, CodeType] = {}
 
 
-def _remember(codes: set[CodeType], code: CodeType) -> None:
+def _remember(codes: dict[int, CodeType], code: CodeType) -> None:
     if len(codes) >= 1024:
         codes.clear()
-    codes.add(code)
+    codes[id(code)] = code

@@ -112,7 +112,9 @@ class ScopeHooks:
         backward = in_backward()
         if not backward:
             engine.thread.check("scope", scope.name)
-        interrupted = self.calls.enter()
+        # Called by _eager_pre_forward or compiled_pre_forward, which are called by `Hook` or
+        # `_call` (dispatch/compile.py), or one by the other: two more frames of ours.
+        interrupted = self.calls.enter(ours=3)
         if interrupted:
             _forget_calls(scope, interrupted)
         if scope.calls.running == 0:

@@ -165,25 +165,24 @@ class Schedule:
         if override is not None:
             for other in override:
                 other.load(with_grads=False)
-        else:
-            self.prefetch(self._ahead_past_kept(), scope, with_grads=False)
+        elif self.learned:
+            start, order = self._past_kept(), self.order
+            if start < len(order):  # (kept and loaded to the end: nothing to prefetch)
+                self.prefetch((order[i] for i in range(start, len(order))), scope, with_grads=False)
 
-    def _ahead_past_kept(self) -> Iterable[Scope]:
-        """ahead_in_forward(), past its leading run of kept, loaded scopes (Note [kept runs])."""
-        if not self.learned:
-            return ()
+    def _past_kept(self) -> int:
+        """Where ahead_in_forward() starts past its leading run of kept, loaded scopes: an index
+        of the learned order (Note [kept runs])."""
         order, start = self.order, self.pos
         run_start, run_end, order_seen, scopes_seen = self._kept_run
         if run_start <= start <= run_end and order_seen == self._order_changes and scopes_seen == Scope.kept_changes:
-            start = run_end
-        else:
-            end, n = start, len(order)
-            while (end < n and order[end].residency is Residency.KEPT
-                   and order[end].state is not ScopeState.OFFLOADED):
-                end += 1
-            self._kept_run = (start, end, self._order_changes, Scope.kept_changes)
-            start = end
-        return (order[i] for i in range(start, len(order)))
+            return run_end
+        end, n = start, len(order)
+        while (end < n and order[end].residency is Residency.KEPT
+               and order[end].state is not ScopeState.OFFLOADED):
+            end += 1
+        self._kept_run = (start, end, self._order_changes, Scope.kept_changes)
+        return end
 
     def prefetch_backward(self, scope: Scope) -> None:
         """The scope's backward is about to run: note it in the backward order, and prefetch
