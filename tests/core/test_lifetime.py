@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import gc
 import io
+import sys
 import weakref
 
 import pytest
@@ -38,6 +39,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import offtensor
+from offtensor.engine.engine import find_engine
 
 # --------------------------------------------------------------------------------------------
 # Scope lifetime, no_offload, summary
@@ -609,3 +611,36 @@ def test_a_wrapped_model_that_goes_out_of_scope_is_freed(device, checkpoint, how
     if device == "cuda":
         torch.cuda.synchronize()
         assert _allocated_by_tensors() == before, "device memory outlived the model"
+
+
+@pytest.mark.parametrize("forward", ["eager", "compiled"])
+def test_a_scope_call_records_the_frame_of_its_module_call(forward):
+    """The record an interrupted call leaves (FailureCheck) holds the frame of the module call,
+    found past the hooks' own frames without walking them (Note [the module call's frame] in
+    engine/failures.py): a frame that lives exactly as long as the call. One of offtensor's
+    would end with the hook, and the next call would forget a call still running; one further
+    out (the caller's) would outlive the call, and an interrupted call would stay counted. A
+    block whose `forward` is compiled has one more frame of offtensor's on the way."""
+    model = mlp_of_blocks()
+    offtensor.wrap(model.blocks, device="cpu")
+    block = model.blocks[0]
+    if forward == "compiled":
+        block.forward = torch.compile(block.forward, backend="eager")
+    engine = find_engine(model)
+    (hooks,) = [h for h in engine.scope_hooks if h.scope.module is block]
+    seen = []
+
+    def look(module, args):  # registered after offtensor's pre-hook: runs after it
+        (record,) = hooks.calls._calls
+        frame = record[1]
+        on_stack, f = [], sys._getframe()
+        while f is not None:
+            on_stack.append(f)
+            f = f.f_back
+        seen.append((frame.f_globals["__name__"], frame.f_locals.get("self") is module,
+                     any(f is frame for f in on_stack)))
+
+    block.register_forward_pre_hook(look)
+    model(torch.randn(2, 8))
+    assert seen == [("torch.nn.modules.module", True, True)]
+    assert hooks.calls._calls == []
