@@ -32,8 +32,8 @@ class FailureCheck:
 
     def enter(self, ours: int = 0) -> int:
         """Record a call; return how many earlier calls were found to have been interrupted.
-        `ours`: how many frames above the caller's are surely offtensor's (Note [the module
-        call's frame])."""
+        `ours`: how many frames, the caller's first and then outwards, are surely offtensor's:
+        the walk starts past them (Note [the module call's frame])."""
         frame = _outside_offtensor(sys._getframe(1 + ours))
         interrupted = self.drop_interrupted(frame)
         self._calls.append((threading.get_ident(), frame, sys.exc_info()[1]))
@@ -78,11 +78,12 @@ class FailureCheck:
 # Each call's record holds the frame of the module call, found by walking out from the hook's
 # frame. Each frame the walk passes becomes a frame object, which its function's return then
 # has to tear down: for the few frames of offtensor's own hook path that costs several times the
-# rest of the record, at every call of a scope. So a caller that knows the frames above it to be
-# offtensor's (ScopeHooks' forward pre-hook: its caller and the `Hook` that torch calls) says
-# how many, and the walk starts past them: `sys._getframe(n)` makes a frame object of that frame
-# only. Too small a count costs only the walk; one past an outside frame would record a frame
-# that outlives the call, so each caller counts only frames that every path to it has.
+# rest of the record, at every call of a scope. So a caller that knows its own frame and the
+# next ones out to be offtensor's (ScopeHooks' forward pre-hook: itself, its caller and the `Hook`
+# that torch calls) says how many, and the walk starts past them: `sys._getframe(n)` makes a
+# frame object of that frame only. Too small a count costs only the walk; one past an outside
+# frame would record a frame that outlives the call, so each caller counts only frames that
+# every path to it has.
 
 
 def _outside_offtensor(frame: FrameType | None) -> FrameType | None:

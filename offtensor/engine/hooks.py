@@ -112,8 +112,8 @@ class ScopeHooks:
         backward = in_backward()
         if not backward:
             engine.thread.check("scope", scope.name)
-        # Called by _eager_pre_forward or compiled_pre_forward, which are called by `Hook` or
-        # `_call` (dispatch/compile.py), or one by the other: two more frames of ours.
+        # Three frames of ours: this one, its caller (_eager_pre_forward or compiled_pre_forward)
+        # and theirs (`Hook`, `_call` in dispatch/compile.py, or _eager_pre_forward).
         interrupted = self.calls.enter(ours=3)
         if interrupted:
             _forget_calls(scope, interrupted)
