@@ -171,8 +171,8 @@ class Schedule:
                 self.prefetch((order[i] for i in range(start, len(order))), scope, with_grads=False)
 
     def _past_kept(self) -> int:
-        """Where ahead_in_forward() starts past its leading run of kept, loaded scopes: an index
-        of the learned order (Note [kept runs])."""
+        """The position in the learned order past the kept, loaded scopes that the current pass
+        starts next (Note [kept runs])."""
         order, start = self.order, self.pos
         run_start, run_end, order_seen, scopes_seen = self._kept_run
         if run_start <= start <= run_end and order_seen == self._order_changes and scopes_seen == Scope.kept_changes:
@@ -200,10 +200,6 @@ class Schedule:
     def forward_position(self, scope: Scope) -> int:
         """Where the scope comes in the learned forward order (after all others if unknown)."""
         return self._index.get(scope, len(self.order))
-
-    def ahead_in_forward(self) -> list[Scope]:
-        """The scopes the current pass will start next, once the order is learned."""
-        return self.order[self.pos :] if self.learned else []
 
     def is_last(self, scope: Scope) -> bool:
         """The scope ends the learned forward order, and the current pass is there."""
