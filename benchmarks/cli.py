@@ -92,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="--shape flux: after each row's timed iterations, one more under torch.profiler (CUDA): "
                         "compute busy, compute waiting on copies, compute waiting on the host, link busy")
     p.add_argument("--profile-dump", default=None, metavar="DIR",
-                   help="with --profile: each row's device events as DIR/PEER_SCENARIO.jsonl.gz")
+                   help="with --profile: each row's device events as DIR/PEER_SCENARIO.jsonl.gz, the link's "
+                        "idle gaps as DIR/PEER_SCENARIO.gaps.jsonl.gz")
     p.add_argument("--scenarios", nargs="+", default=None,
                    help=f"any of {list(SCENARIOS)} (space or comma separated; default all); with --nproc "
                         f"any of {list(MULTI_SCENARIOS)}; with --shape, that shape's")

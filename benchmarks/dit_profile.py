@@ -13,12 +13,19 @@ then split by a second profiled iteration that records the host too: the CUDA ru
 spent longest in (`host_calls`). A host that blocks in a synchronizing call (an event's or a
 stream's synchronize, a cudaMalloc or cudaFree of the caching allocator) lets the device run dry
 however fast its Python is; one that only launches is slow in Python.
+The link's idle time is split the same way (`link_gaps`), from that second iteration's device
+copies and the host calls that enqueued them (the trace's correlation ids): a copy enqueued after
+the link went idle was late on the host (the prefetch was issued late); one enqueued before
+waited on the device for an event: of compute (the memory it reuses, Note [ordering across
+streams] in scopes/streams.py) when it starts as a compute kernel ends, else of another stream.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -46,21 +53,86 @@ def where_time_goes(step: Callable[[], None], device: torch.device,
     return split_timeline(prof.events())
 
 
-def host_calls(step: Callable[[], None], device: torch.device, top: int = 6) -> dict[str, float] | None:
+def host_calls(step: Callable[[], None], device: torch.device, top: int = 6,
+               dump: str | None = None) -> dict[str, float] | None:
     """One call of `step` profiled on the host: the CUDA runtime calls (`cuda*`, `cu*`) it spent
-    longest in, as {"name xN": total ms}, longest first, and "step" (the call's host time);
-    None off CUDA (Note [where a row's time goes])."""
+    longest in, as {"name xN": total ms}, longest first, "step" (the call's host time) and the
+    link's idle time (`link_gaps`, its gaps to `dump`, a path, if given); None off CUDA (Note
+    [where a row's time goes])."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         step()
         took = time.perf_counter() - start
         torch.cuda.synchronize(device)
-    return {"step": took * 1e3, **runtime_calls(prof.events(), top)}
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            idle = link_gaps(json.load(f)["traceEvents"], dump)
+    finally:
+        os.unlink(path)
+    return {"step": took * 1e3, **runtime_calls(prof.events(), top), **idle}
+
+
+# A gap in the link shorter than this is a copy's own launch latency, not idle time.
+LEAST_GAP_US = 20.0
+# A copy that starts this close after a compute kernel's end waited on compute's event.
+AFTER_KERNEL_US = 25.0
+
+
+def link_gaps(trace: list[dict[str, Any]], dump: str | None = None) -> dict[str, float]:
+    """The link's idle time between the first and the last host-to-device copy of a chrome
+    trace's events (µs), split by why the copy after each gap started late (Note [where a row's
+    time goes]): "link idle", of which "copy enqueued late" (on the host), "copy waited on
+    compute", "copy waited on another stream"; milliseconds, and the gaps' count. With `dump` (a
+    path), each gap as a JSON line: when (µs after the first copy), how long, how much of it the
+    host was late, the kernel that ended last before the copy started, the copy's bytes."""
+    launched: dict[int, float] = {}  # correlation id -> when the host enqueued it
+    copies: list[tuple[float, float, int, int]] = []  # (start, end, correlation id, bytes)
+    kernels: list[tuple[float, str]] = []  # (end, name)
+    for evt in trace:
+        cat, args = evt.get("cat", ""), evt.get("args", {})
+        if cat == "cuda_runtime" and "Memcpy" in evt.get("name", ""):
+            launched[args.get("correlation", -1)] = evt["ts"]
+        elif cat == "gpu_memcpy" and "HtoD" in evt.get("name", ""):
+            copies.append((evt["ts"], evt["ts"] + evt.get("dur", 0.0), args.get("correlation", -1),
+                           args.get("bytes", 0)))
+        elif cat == "kernel":
+            kernels.append((evt["ts"] + evt.get("dur", 0.0), evt.get("name", "")[:60]))
+    copies.sort()
+    kernels.sort()
+    total = {"link idle": 0.0, "copy enqueued late": 0.0, "copy waited on compute": 0.0,
+             "copy waited on another stream": 0.0, "link gaps": 0.0}
+    rows = []
+    end: float | None = None
+    k = 0
+    for start, stop, corr, nbytes in copies:
+        if end is not None and start - end > LEAST_GAP_US:
+            gap = start - end
+            at = launched.get(corr)
+            late = min(gap, at - end) if at is not None and at > end else 0.0
+            while k < len(kernels) and kernels[k][0] <= start:
+                k += 1
+            after = kernels[k - 1] if k else (float("-inf"), "")
+            cause = "copy waited on compute" if start - after[0] <= AFTER_KERNEL_US else "copy waited on another stream"
+            total["link gaps"] += 1
+            total["link idle"] += gap / 1e3
+            total["copy enqueued late"] += late / 1e3
+            total[cause] += (gap - late) / 1e3
+            rows.append({"at": start - copies[0][0], "gap": gap, "late": late, "cause": cause,
+                         "after_kernel": after[1], "bytes": nbytes})
+        end = stop if end is None else max(end, stop)
+    if dump is not None:
+        with gzip.open(dump, "wt") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return total
 
 
 def runtime_calls(events: Any, top: int) -> dict[str, float]:
@@ -76,9 +148,18 @@ def runtime_calls(events: Any, top: int) -> dict[str, float]:
     return {f"{n} x{count[n]}": total[n] for n in longest}
 
 
+_LINK_KEYS = ("link idle", "copy enqueued late", "copy waited on compute", "copy waited on another stream",
+              "link gaps")
+
+
 def describe_host(calls: dict[str, float]) -> str:
-    rest = ", ".join(f"{k} {v:.1f}" for k, v in calls.items() if k != "step")
-    return f"host: step {calls['step']:.1f} ms, in CUDA calls (ms): {rest}"
+    rest = ", ".join(f"{k} {v:.1f}" for k, v in calls.items() if k != "step" and k not in _LINK_KEYS)
+    line = f"host: step {calls['step']:.1f} ms, in CUDA calls (ms): {rest}"
+    if "link idle" in calls:
+        line += (f"; link idle {calls['link idle']:.1f} ms in {calls['link gaps']:.0f} gaps: copy enqueued late "
+                 f"{calls['copy enqueued late']:.1f}, waited on compute {calls['copy waited on compute']:.1f}, "
+                 f"on another stream {calls['copy waited on another stream']:.1f}")
+    return line
 
 
 def _dump(events: Any, path: str) -> None:

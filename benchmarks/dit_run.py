@@ -243,7 +243,7 @@ def _scenario(built: BuiltModel, s: Scenario, row: Row, peer: str, inputs: dict[
     if getattr(args, "profile", False):  # Note [where a row's time goes]
         dump = os.path.join(args.profile_dump, f"{peer}_{s.name}.jsonl.gz") if args.profile_dump else None
         row.profile_ms = where_time_goes(work.step, device, dump)
-        row.host_calls_ms = host_calls(work.step, device)
+        row.host_calls_ms = host_calls(work.step, device, dump=dump and dump.replace(".jsonl.gz", ".gaps.jsonl.gz"))
         work.drain()
     work.optimizers.clear()
     _check_output(row, captured[0], run)

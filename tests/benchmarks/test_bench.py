@@ -947,6 +947,43 @@ def test_the_host_calls_of_a_profiled_step_are_the_cuda_calls_it_spent_longest_i
     assert described.startswith("host: step 12.0 ms, in CUDA calls (ms): cudaMalloc x1 3.0")
 
 
+def test_the_links_idle_time_is_split_by_why_the_next_copy_started_late(tmp_path):
+    """--profile's link gaps: a copy whose host call came after the link went idle was late on
+    the host; one enqueued before waited on the device, on compute when it starts as a kernel
+    ends; gaps shorter than a copy's launch are not idle time."""
+    import gzip
+    import json
+
+    from benchmarks.dit_profile import describe_host, link_gaps
+
+    def launch(ts, corr):
+        return {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": ts, "args": {"correlation": corr}}
+
+    def copy(ts, dur, corr):
+        return {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": ts, "dur": dur,
+                "args": {"correlation": corr, "bytes": 1000}}
+
+    trace = [launch(0, 1), copy(10, 100, 1),
+             launch(150, 2), copy(160, 100, 2),  # idle 110-160: the host enqueued it at 150 (40 late)
+             {"cat": "kernel", "name": "gemm", "ts": 200, "dur": 200, "args": {}},
+             launch(250, 3), copy(410, 100, 3),  # idle 260-410, enqueued at 250: waited for the gemm's end
+             launch(300, 4), copy(515, 10, 4),  # 5 us after the last: a launch's latency, not a gap
+             launch(310, 5), copy(700, 10, 5),  # idle 525-700, no kernel ended then: another stream
+             {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 900, "args": {}}]
+    dump = tmp_path / "gaps.jsonl.gz"
+    idle = link_gaps(trace, str(dump))
+    assert idle["link gaps"] == 3
+    assert idle["link idle"] == pytest.approx((50 + 150 + 175) / 1e3)
+    assert idle["copy enqueued late"] == pytest.approx(0.040)
+    assert idle["copy waited on compute"] == pytest.approx(0.150)
+    assert idle["copy waited on another stream"] == pytest.approx((10 + 175) / 1e3)
+    rows = [json.loads(line) for line in gzip.open(dump, "rt")]
+    assert [r["gap"] for r in rows] == [50, 150, 175]
+    assert rows[1]["after_kernel"] == "gemm" and rows[1]["cause"] == "copy waited on compute"
+    line = describe_host({"step": 1.0, "cudaMemcpyAsync x5": 0.1, **idle})
+    assert "link idle 0.4 ms in 3 gaps: copy enqueued late 0.0, waited on compute 0.1" in line
+
+
 def test_a_layout_chosen_without_backward_predicts_no_training_step(monkeypatch):
     # Every scope fit the budget on the first (inference) pass: the layout timed no backward, so
     # the LoRA step's row shows no prediction rather than the forward's as the step's.
