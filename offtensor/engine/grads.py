@@ -11,6 +11,8 @@ has a post-accumulate-grad hook that hands its gradient here (`on_leaf_grad`):
 3. the sum is copied device-to-host on the d2h stream into the parameter's pinned gradient
    buffer (allocated once, reused every step), keeping the device tensor alive next to the
    copy's event until compute has waited on it (`flush`).
+Steps 2 and 3 run at the end of the scope's backward for most gradients (Note [one pass per
+scope's gradients]).
 At the end of the outermost backward (an autograd engine callback) the host waits once for the
 last copy, points `p.grad` at the buffer, runs user post-accumulate-grad hooks and releases
 whatever is still resident. Reentrant checkpointing runs nested backward calls: callbacks are
@@ -97,8 +99,9 @@ from ..dispatch import compile as _compile
 from ..dispatch.autograd import run_grad_hooks
 from ..dispatch.masters import master_grad, without_subclass_dispatch
 from ..dispatch.slot import ParamSlot
-from ..scopes.scope import Scope, scope_of
+from ..scopes.scope import Scope
 from ..scopes.streams import Streams
+from .host_grads import CopiesHome, destination, publish, set_grads
 
 # Note [one gradient's host work]
 # The gradient path runs once per parameter and backward, so its Python cost grows with the
@@ -110,11 +113,23 @@ from ..scopes.streams import Streams
 # branch does what it did before; only calls that could not change the result are skipped.
 # The pinned buffer is kept in the gradient's shape and each backward hands out a detached alias
 # of it: a tensor of its own on the same storage (and version counter), which the storage's use
-# count sees while the user holds it (`_destination`), made without a view's metadata or the
+# count sees while the user holds it (`destination` in engine/host_grads.py), made without a view's metadata or the
 # parsing of a shape. Never the buffer itself: the count could not see a user holding that tensor.
+
+# Note [one pass per scope's gradients]
+# A device copy's gradient hook does the least it can: it takes the gradient off the copy and
+# holds it back (`_pending`) when nothing needs it at once: no optimizer worker waits for it
+# (backward_and_step), no user hook runs on it, no rank averages it. The scope's backward end
+# (`scope_done`) or the graph task's end adds the held gradients (`drain`): each one's
+# destination and sum as before, then one batch of copies home, with one wait for compute and one
+# event (on the CPU one `_foreach_copy_`), instead of a copy, a wait and an event per gradient.
+# The copies start at the scope's end rather than as each gradient is made, while compute goes
+# on with the next scope. A second contribution to one host gradient within a batch (a parameter
+# also used outside its scope) reads the first one's copy, so the batch so far is copied first.
+# A backward that raises adds what it held back before publishing (Note [gradients of a backward
+# that raised]); a stale one forgets it with the rest.
 _disabled: Any = torch._C._disabled_torch_function_impl  # (fn, types, args), typed loosely
 _GRAD_OF = torch._C.TensorBase.grad.__get__  # type: ignore[union-attr]
-_SET_GRAD = torch._C.TensorBase.grad.__set__  # type: ignore[union-attr]
 _REQUIRES_GRAD_OF = torch._C.TensorBase.requires_grad.__get__  # type: ignore[attr-defined]
 
 
@@ -165,8 +180,9 @@ class GradOffload:
         # (dead: the task raised; Note [a backward that raised])
         self._tasks: dict[int, weakref.ref[Callable[[], None]]] = {}
         self._written: list[ParamSlot] = []  # slots whose host_grad changed in this backward
-        self._inflight: list[tuple[Scope, Any, torch.Tensor]] = []  # (scope, d2h event, device grad)
-        self._last_d2h: Any = None
+        self._copies = CopiesHome(streams)  # the copies into the host buffers, in flight
+        # gradients held back for their scope's end (Note [one pass per scope's gradients])
+        self._pending: list[tuple[ParamSlot, torch.Tensor]] = []
         # graph task -> id(slot) -> (slot, the sum of its contributions in that task so far),
         # for hooked parameters with several leaves (Note [hooks on the sum])
         self._held: dict[int, dict[int, tuple[ParamSlot, torch.Tensor]]] = {}
@@ -236,7 +252,10 @@ class GradOffload:
         task = torch._C._current_graph_task_id()
         if task != -1 and task not in self._tasks:
             self.enter_backward()
-        self._add(slot, grad)
+        if self.reducer is None and task != -1:
+            self._pending.append((slot, grad))  # Note [one pass per scope's gradients]
+        else:
+            self._add(slot, grad)
 
     def accumulate(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         task = torch._C._current_graph_task_id()
@@ -261,12 +280,48 @@ class GradOffload:
         held[id(slot)] = (slot, grad if entry is None else entry[1] + grad)
 
     def _add(self, slot: ParamSlot, grad: torch.Tensor) -> None:
-        """Add one gradient, after the user's hooks, to the host gradient."""
+        """Add one gradient, after the user's hooks, to the host gradient, now."""
+        home = self._home(slot, grad)
+        if home is None:
+            return
+        buf, grad = home
+        self._copies.copy([(slot, buf, grad)])
+        if self.reducer is not None:
+            self.reducer.written(slot, buf)
+        stepper = self.stepper
+        if stepper is not None:
+            if stepper.measures_norms:
+                stepper.grad_written(slot, grad, buf)
+            if slot.single_grad:
+                stepper.grad_final(slot, slot.last_d2h if grad.is_cuda or self._streams.lagging else None)
+
+    def drain(self) -> None:
+        """Add the gradients held back for their scope's end (Note [one pass per scope's
+        gradients]): their copies home go as one batch, but a second contribution to a host
+        gradient waits for the first's copy, which it reads; a batch holds one device's."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        batch: list[tuple[ParamSlot, torch.Tensor, torch.Tensor]] = []  # (slot, host buffer, gradient)
+        for slot, grad in pending:
+            if batch and (slot.grads_in_backward > 0 or grad.device != batch[0][2].device):
+                self._copies.copy(batch)
+                batch = []
+            home = self._home(slot, grad)
+            if home is not None:
+                batch.append((slot, *home))
+        if batch:
+            self._copies.copy(batch)
+
+    def _home(self, slot: ParamSlot, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where one gradient goes on the host and what is copied there (the sum with the old
+        gradient, in the master's dtype), counted as written; None when it goes nowhere (frozen)
+        or took another path (sparse, another rank's)."""
         param = slot.param
         if not _disabled(_REQUIRES_GRAD_OF, (), (param,)):  # Note [frozen since the forward]
             if slot.post_hooks and slot not in self._frozen:
                 self._frozen.append(slot)
-            return
+            return None
         # What the host gradient holds: this backward's earlier contributions, or the `p.grad`
         # of earlier backward calls (accumulation), once a deferred step no longer reads it.
         written = slot.grads_in_backward > 0
@@ -278,27 +333,25 @@ class GradOffload:
             current = _disabled(_GRAD_OF, (), (param,))
         if grad.layout != torch.strided or (current is not None and current.layout != torch.strided):
             self._accumulate_sparse(slot, grad)
-            return
+            return None
         reducer = self.reducer
         if reducer is not None and not reducer.keeps(slot):
             _send_to_owner(reducer, slot, grad)  # another rank steps it (data_parallel, shard_optimizer)
-            return
+            return None
         if written:
             buf, accumulate, old = current, True, None
         else:
-            buf, accumulate = _destination(slot, current)
+            buf, accumulate = destination(slot, current)
             slot.host_grad = buf
             old = slot.scope.take_old_grad(slot) if slot.old_grad is not None else None
+            self._written.append(slot)
+        slot.grads_in_backward += 1
         assert buf is not None
         if grad.dtype != buf.dtype:
             grad = grad.to(buf.dtype)  # Policy.compute_dtype: cast up on the device
-        # Asynchronous copies wherever the model has a d2h stream: on CUDA; on the CPU only with
-        # the tests' lagging streams (tests/lazy_streams.py), which check this path there.
-        streams = self._streams
-        cuda = grad.is_cuda or streams.lagging
         if old is None and accumulate:
-            if written and cuda:
-                streams.wait(streams.compute(), slot.last_d2h)
+            if written and (grad.is_cuda or self._streams.lagging):
+                self._streams.wait(self._streams.compute(), slot.last_d2h)
             old = buf.to(grad.device, non_blocking=True)
         if reducer is not None:  # averaged over the ranks, old included (Note [data parallel])
             reduced = reducer.reduce(slot, grad, old)
@@ -306,28 +359,7 @@ class GradOffload:
             grad = reduced
         elif old is not None:
             grad = grad + old
-        if cuda:
-            d2h = streams.d2h()
-            streams.wait(d2h, streams.record(torch.cuda.current_stream(grad.device) if grad.is_cuda
-                                             else streams.compute()))
-            with streams.on(d2h):
-                buf.copy_(grad, non_blocking=True)
-            slot.last_d2h = self._last_d2h = streams.record(d2h)
-            slot.scope.grads_offloaded = slot.last_d2h  # the d2h stream is in order
-            self._inflight.append((scope_of(slot), slot.last_d2h, grad))
-        else:
-            buf.copy_(grad)
-        if reducer is not None:
-            reducer.written(slot, buf)
-        if not written:
-            self._written.append(slot)
-        slot.grads_in_backward += 1
-        stepper = self.stepper
-        if stepper is not None:
-            if stepper.measures_norms:
-                stepper.grad_written(slot, grad, buf)
-            if slot.single_grad:
-                stepper.grad_final(slot, slot.last_d2h if cuda else None)
+        return buf, grad
 
     def _accumulate_sparse(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         """A sparse gradient, or one added to a sparse `p.grad`: summed on the host as
@@ -361,25 +393,13 @@ class GradOffload:
 
     def scope_done(self, scope: Scope) -> None:
         """A scope's backward is over: its gradients are final once its copies land."""
-        self.flush(keep=scope)
+        self.drain()
+        self._copies.flush(keep=scope)
         if self.stepper is not None:
             self.stepper.scope_done(scope, scope.grads_offloaded)
 
-    def flush(self, keep: Scope | None = None) -> None:
-        """Let compute wait for finished scopes' d2h copies, then drop the device grads (their
-        memory returns to the allocator, ordered after the copies)."""
-        if not self._inflight:
-            return
-        compute = self._streams.compute()
-        kept = []
-        for scope, event, grad in self._inflight:
-            if scope is keep:
-                kept.append((scope, event, grad))
-            else:
-                self._streams.wait(compute, event)
-        self._inflight = kept
-
     def _on_task_end(self, task: int) -> None:
+        self.drain()
         for slot, grad in self._held.pop(task, {}).values():
             self._add(slot, run_grad_hooks(slot, grad))
         self._tasks.pop(task, None)
@@ -389,8 +409,8 @@ class GradOffload:
     def backward_raised(self) -> None:
         """The outermost backward raised: release what it left on the device, publish what it
         completed and forget the rest (Note [gradients of a backward that raised])."""
-        if self._last_d2h is not None:
-            self._last_d2h.synchronize()
+        self.drain()
+        self._copies.wait()
         stepper = self.stepper  # the slots handed to its worker are published there
         written = [s for s in self._written if stepper is None or not stepper.handed(s)]
         frozen = list(self._frozen)
@@ -404,8 +424,8 @@ class GradOffload:
 
     def finalize(self) -> None:
         """End of the outermost backward: host grads complete, `p.grad` set, hooks fired."""
-        if self._last_d2h is not None:
-            self._last_d2h.synchronize()
+        self.drain()
+        self._copies.wait()
         if self.stepper is not None:  # the worker publishes and steps the slots handed to it
             written = [s for s in self._written if not self.stepper.handed(s)]
         else:
@@ -415,8 +435,7 @@ class GradOffload:
             slot.grads_in_backward = 0
             slot.scope.grads_offloaded = None
         self._written = []
-        self._inflight.clear()
-        self._last_d2h = None
+        self._copies.forget()
         publish(written)
         frozen, self._frozen = self._frozen, []
         for slot in frozen:
@@ -430,10 +449,10 @@ class GradOffload:
 
     def reset_if_stale(self) -> None:
         """A new forward pass began while a backward was unfinished (it raised): forget it."""
-        if self._tasks or self._written or self._held or self._frozen:
-            if self._last_d2h is not None:
-                self._last_d2h.synchronize()
+        if self._tasks or self._written or self._held or self._frozen or self._pending:
+            self._copies.wait()
             self._tasks.clear()
+            self._pending.clear()
             self._held.clear()
             self._frozen.clear()
             for slot in self._written:
@@ -441,33 +460,12 @@ class GradOffload:
                     slot.single_grad = False
                 slot.grads_in_backward = 0
             self._written.clear()
-            self._inflight.clear()
-            self._last_d2h = None
+            self._copies.forget()
             # A KeyboardInterrupt in on_leaf_grad can leave a gradient on a device copy, which
             # the next backward would add to (Note [interrupts]).
             for scope in self._scopes:
                 for slot in scope.slots:
                     slot.device_leaf.grad = None
-
-
-def _destination(slot: ParamSlot, current: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
-    """Where this backward's gradient for the slot goes, and whether it adds to what is
-    there: into `p.grad` (`current`, read once its deferred step was done: Note [deferred
-    steps]) when it exists (accumulation, in place, as PyTorch does), else the slot's pinned
-    buffer from earlier steps, unless the user still holds a tensor on it (after
-    `zero_grad(set_to_none=True)` a kept gradient must keep its values): then a new one."""
-    if current is not None:
-        return current, True
-    # `p.grad` is None: a fetched old gradient is stale, and its reference to the previous
-    # `p.grad` must not count as the user's below.
-    if slot.old_grad is not None:
-        slot.scope.take_old_grad(slot)
-    slot.host_grad = None  # ours: a `p.grad` the user kept is now held by the user only
-    buffer = slot.grad_buffer
-    # _storage_uses, without the storage object (Note [one gradient's host work])
-    if buffer is None or torch._C._storage_Use_Count(slot.grad_storage) != slot.grad_buffer_uses:
-        return new_host_grad(slot), False
-    return buffer.detach(), False
 
 
 def _send_to_owner(reducer: Reducer, slot: ParamSlot, grad: torch.Tensor) -> None:
@@ -484,39 +482,6 @@ def _send_to_owner(reducer: Reducer, slot: ParamSlot, grad: torch.Tensor) -> Non
     if current is not None:
         without_subclass_dispatch(set_grads, [slot], [None])
     slot.host_grad = None
-
-
-def publish(slots: list[ParamSlot]) -> None:
-    """Point each parameter's `.grad` at its completed host gradient, then run the user's
-    post-accumulate-grad hooks (all grads first, as autograd would have them)."""
-    without_subclass_dispatch(set_grads, slots, [slot.host_grad for slot in slots])
-    for slot in slots:
-        for hook in slot.post_hooks.values():
-            hook(slot.param)
-
-
-def set_grads(slots: list[ParamSlot], grads: list[torch.Tensor | None]) -> None:
-    """`slot.param.grad = grad` on the masters; call with subclass dispatch off. (TensorBase's
-    setter, not OffloadedParameter's Python property, which would call it.)"""
-    for slot, grad in zip(slots, grads, strict=True):
-        _SET_GRAD(slot.param, grad)
-
-
-def new_host_grad(slot: ParamSlot) -> torch.Tensor:
-    """A new pinned gradient buffer for the slot (kept and reused while only offtensor holds a
-    tensor on it); returns the tensor that becomes `p.grad`."""
-    meta = slot.meta  # not the parameter's own properties (Note [metadata without dispatch])
-    nbytes = meta.numel * meta.dtype.itemsize
-    # Pageable once page-locking failed (Note [page-locked memory as a bounded resource] in storage/memory.py).
-    raw = slot.scope.new_host_memory(nbytes, "gradients")
-    # Kept shaped and typed (shape: not the parameter's own, Note [metadata without dispatch]).
-    # Sliced to the gradient's bytes: a zero-size parameter's buffer still has one byte
-    # (host_empty allocates at least one), which no dtype wider than a byte can view.
-    slot.grad_buffer = raw[:nbytes].view(meta.dtype).view(meta.shape)
-    del raw  # counted without it: only the buffer stays
-    slot.grad_buffer_uses = _storage_uses(slot.grad_buffer)
-    slot.grad_storage = slot.grad_buffer.untyped_storage()._cdata  # alive while grad_buffer is
-    return slot.grad_buffer.detach()
 
 
 def _handed_twice_error(slot: ParamSlot) -> RuntimeError:
@@ -547,8 +512,3 @@ def _graph_grad_error(slot: ParamSlot) -> RuntimeError:
         "offloaded parameters (supported), then call backward() without create_graph")
 
 
-def _storage_uses(t: torch.Tensor) -> int:
-    """How many tensors share `t`'s storage. Counted exactly by the storage itself (not a
-    Python reference count): while it equals the count taken when the buffer was allocated,
-    no tensor on the buffer exists outside offtensor (`p.grad` the user kept, a view of it)."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)

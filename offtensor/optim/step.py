@@ -32,7 +32,7 @@ import torch
 
 from ..dispatch.slot import ParamSlot
 from ..engine.engine import owning_engine
-from ..engine.grads import publish
+from ..engine.host_grads import publish
 from ..scopes.scope import Scope, scope_of
 from . import calls
 from .clipping import BeforeStep, record_step

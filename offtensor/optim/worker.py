@@ -43,7 +43,7 @@ import torch
 from ..dispatch.compile import not_compiling
 from ..dispatch.masters import without_subclass_dispatch
 from ..dispatch.slot import worker_state
-from ..engine.grads import publish, set_grads
+from ..engine.host_grads import publish, set_grads
 from .clipping import BeforeStep, record_step
 from .device_steps import DeviceStep
 from .piece_queue import PieceQueue, Run
