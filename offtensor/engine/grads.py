@@ -127,7 +127,8 @@ from .host_grads import CopiesHome, destination, publish, set_grads
 # on with the next scope. A second contribution to one host gradient within a batch (a parameter
 # also used outside its scope) reads the first one's copy, so the batch so far is copied first.
 # A backward that raises adds what it held back before publishing (Note [gradients of a backward
-# that raised]); a stale one forgets it with the rest.
+# that raised]); a stale one forgets it with the rest. CUDA gradients still go one by one until
+# the CUDA suite has run with the batches (the CPU's lagging streams check their protocol).
 _disabled: Any = torch._C._disabled_torch_function_impl  # (fn, types, args), typed loosely
 _GRAD_OF = torch._C.TensorBase.grad.__get__  # type: ignore[union-attr]
 _REQUIRES_GRAD_OF = torch._C.TensorBase.requires_grad.__get__  # type: ignore[attr-defined]
@@ -252,7 +253,7 @@ class GradOffload:
         task = torch._C._current_graph_task_id()
         if task != -1 and task not in self._tasks:
             self.enter_backward()
-        if self.reducer is None and task != -1:
+        if self.reducer is None and task != -1 and not grad.is_cuda:
             self._pending.append((slot, grad))  # Note [one pass per scope's gradients]
         else:
             self._add(slot, grad)
@@ -284,8 +285,8 @@ class GradOffload:
         home = self._home(slot, grad)
         if home is None:
             return
-        buf, grad = home
-        self._copies.copy([(slot, buf, grad)])
+        buf, grad, _ = home
+        self._copy([(slot, buf, grad)], [home[2]])
         if self.reducer is not None:
             self.reducer.written(slot, buf)
         stepper = self.stepper
@@ -303,20 +304,35 @@ class GradOffload:
             return
         pending, self._pending = self._pending, []
         batch: list[tuple[ParamSlot, torch.Tensor, torch.Tensor]] = []  # (slot, host buffer, gradient)
+        written: list[bool] = []  # each one's host gradient held this backward's contributions already
+        seen: set[int] = set()  # the batch's slots, by id
         for slot, grad in pending:
-            if batch and (slot.grads_in_backward > 0 or grad.device != batch[0][2].device):
-                self._copies.copy(batch)
-                batch = []
+            if batch and (id(slot) in seen or grad.device != batch[0][2].device):
+                self._copy(batch, written)
+                batch, written = [], []
+                seen.clear()
             home = self._home(slot, grad)
             if home is not None:
-                batch.append((slot, *home))
+                batch.append((slot, home[0], home[1]))
+                written.append(home[2])
+                seen.add(id(slot))
         if batch:
-            self._copies.copy(batch)
+            self._copy(batch, written)
 
-    def _home(self, slot: ParamSlot, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where one gradient goes on the host and what is copied there (the sum with the old
-        gradient, in the master's dtype), counted as written; None when it goes nowhere (frozen)
-        or took another path (sparse, another rank's)."""
+    def _copy(self, batch: list[tuple[ParamSlot, torch.Tensor, torch.Tensor]], written: list[bool]) -> None:
+        """Copy a batch home, then count each gradient as written: only then, so that a backward
+        interrupted before the copy does not publish a buffer the copy never filled."""
+        self._copies.copy(batch)
+        for (slot, _, _), before in zip(batch, written, strict=True):
+            if not before:
+                self._written.append(slot)
+            slot.grads_in_backward += 1
+
+    def _home(self, slot: ParamSlot, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+        """Where one gradient goes on the host, what is copied there (the sum with the old
+        gradient, in the master's dtype) and whether the host gradient held this backward's
+        contributions already; None when it goes nowhere (frozen) or took another path (sparse,
+        another rank's)."""
         param = slot.param
         if not _disabled(_REQUIRES_GRAD_OF, (), (param,)):  # Note [frozen since the forward]
             if slot.post_hooks and slot not in self._frozen:
@@ -332,7 +348,7 @@ class GradOffload:
                 slot.wait_for_step()
             current = _disabled(_GRAD_OF, (), (param,))
         if grad.layout != torch.strided or (current is not None and current.layout != torch.strided):
-            self._accumulate_sparse(slot, grad)
+            _accumulate_sparse(slot, grad, self)
             return None
         reducer = self.reducer
         if reducer is not None and not reducer.keeps(slot):
@@ -344,8 +360,6 @@ class GradOffload:
             buf, accumulate = destination(slot, current)
             slot.host_grad = buf
             old = slot.scope.take_old_grad(slot) if slot.old_grad is not None else None
-            self._written.append(slot)
-        slot.grads_in_backward += 1
         assert buf is not None
         if grad.dtype != buf.dtype:
             grad = grad.to(buf.dtype)  # Policy.compute_dtype: cast up on the device
@@ -359,37 +373,7 @@ class GradOffload:
             grad = reduced
         elif old is not None:
             grad = grad + old
-        return buf, grad
-
-    def _accumulate_sparse(self, slot: ParamSlot, grad: torch.Tensor) -> None:
-        """A sparse gradient, or one added to a sparse `p.grad`: summed on the host as
-        autograd's AccumulateGrad sums it (Note [sparse gradients])."""
-        if self.reducer is not None:
-            raise RuntimeError(
-                f"offtensor.data_parallel: offloaded parameter {slot.name!r} got a sparse gradient "
-                "(nn.Embedding(sparse=True) or nn.EmbeddingBag(sparse=True)), which is not "
-                "averaged over the ranks. Use sparse=False for modules of a data-parallel model"
-            )
-        if slot.grad_written:
-            current = slot.host_grad
-        else:
-            slot.wait_for_step()  # a deferred step still reads p.grad (Note [deferred steps])
-            slot.scope.take_old_grad(slot)  # a dense fetch is not used: the sum is made here
-            current = master_grad(slot.param)
-        # A blocking copy: the sparse tensor's size (its nnz) is known only once it is computed.
-        grad = grad.to(device="cpu", dtype=slot.param.dtype, copy=True)
-        if current is None:
-            current = grad
-        elif current.layout != torch.strided and grad.layout == torch.strided:
-            current = grad + current  # a dense sum; autograd's order of the operands
-        else:
-            current += grad  # into p.grad in place, dense or sparse, as autograd does
-        slot.host_grad = current
-        if not slot.grad_written:
-            self._written.append(slot)
-        slot.grads_in_backward += 1
-        if self.stepper is not None and slot.single_grad:
-            self.stepper.grad_final(slot, None)  # already on the host
+        return buf, grad, written
 
     def scope_done(self, scope: Scope) -> None:
         """A scope's backward is over: its gradients are final once its copies land."""
@@ -466,6 +450,37 @@ class GradOffload:
             for scope in self._scopes:
                 for slot in scope.slots:
                     slot.device_leaf.grad = None
+
+
+def _accumulate_sparse(slot: ParamSlot, grad: torch.Tensor, offload: GradOffload) -> None:
+    """A sparse gradient, or one added to a sparse `p.grad`: summed on the host as
+    autograd's AccumulateGrad sums it (Note [sparse gradients])."""
+    if offload.reducer is not None:
+        raise RuntimeError(
+            f"offtensor.data_parallel: offloaded parameter {slot.name!r} got a sparse gradient "
+            "(nn.Embedding(sparse=True) or nn.EmbeddingBag(sparse=True)), which is not "
+            "averaged over the ranks. Use sparse=False for modules of a data-parallel model"
+        )
+    if slot.grad_written:
+        current = slot.host_grad
+    else:
+        slot.wait_for_step()  # a deferred step still reads p.grad (Note [deferred steps])
+        slot.scope.take_old_grad(slot)  # a dense fetch is not used: the sum is made here
+        current = master_grad(slot.param)
+    # A blocking copy: the sparse tensor's size (its nnz) is known only once it is computed.
+    grad = grad.to(device="cpu", dtype=slot.param.dtype, copy=True)
+    if current is None:
+        current = grad
+    elif current.layout != torch.strided and grad.layout == torch.strided:
+        current = grad + current  # a dense sum; autograd's order of the operands
+    else:
+        current += grad  # into p.grad in place, dense or sparse, as autograd does
+    slot.host_grad = current
+    if not slot.grad_written:
+        offload._written.append(slot)
+    slot.grads_in_backward += 1
+    if offload.stepper is not None and slot.single_grad:
+        offload.stepper.grad_final(slot, None)  # already on the host
 
 
 def _send_to_owner(reducer: Reducer, slot: ParamSlot, grad: torch.Tensor) -> None:

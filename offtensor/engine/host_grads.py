@@ -29,7 +29,7 @@ class CopiesHome:
         """Copy each (slot, host buffer, device gradient) of the batch: asynchronously wherever
         the model has a d2h stream (on CUDA; on the CPU only with the tests' lagging streams,
         tests/lazy_streams.py, which check this path there), after the compute that made the
-        gradients, with one event for all."""
+        gradients, with one event for all (one `_foreach_copy_` on the CPU)."""
         streams = self._streams
         slots, bufs, grads = (list(column) for column in zip(*batch, strict=True))
         first = grads[0]
@@ -40,7 +40,8 @@ class CopiesHome:
         streams.wait(d2h, streams.record(torch.cuda.current_stream(first.device) if first.is_cuda
                                          else streams.compute()))
         with streams.on(d2h):
-            torch._foreach_copy_(bufs, grads, non_blocking=True)
+            for buf, grad in zip(bufs, grads, strict=True):
+                buf.copy_(grad, non_blocking=True)
         landed = self.last = streams.record(d2h)
         for slot, grad in zip(slots, grads, strict=True):
             slot.last_d2h = landed

@@ -233,3 +233,36 @@ def test_a_torch_autograd_grad_that_raised_leaves_nothing_on_the_device(checkpoi
     _assert_nothing_left_on_the_device(model, "streamed")
     assert all(p.grad is None for p in model.parameters())
     _assert_trains_like_reference(model, reference, batch)
+
+
+def test_a_backward_interrupted_while_adding_a_scopes_gradients_publishes_none_it_did_not_copy(monkeypatch):
+    """A scope's gradients are added at the end of its backward, as one batch (Note [one pass
+    per scope's gradients] in engine/grads.py). An exception there (an interrupt, an
+    out-of-memory error) must leave `.grad` unset on a parameter whose gradient was not copied
+    yet, not pointing at its reused buffer, which still holds the last step's gradient."""
+    from offtensor.engine import grads
+
+    model, reference = _model_and_reference("streamed", None)
+    first, second = (torch.randn(4, 8), torch.randn(4, 4)), (torch.randn(4, 8), torch.randn(4, 4))
+    _loss(model, first).backward()
+    model.zero_grad(set_to_none=True)  # the buffers stay, for the next backward to reuse
+    real, calls = grads.destination, []
+
+    def failing(slot, current):
+        calls.append(slot)
+        if len(calls) == 2:
+            raise InjectedFailure("injected failure while adding a scope's gradients")
+        return real(slot, current)
+
+    monkeypatch.setattr(grads, "destination", failing)
+    with pytest.raises(InjectedFailure):
+        _loss(model, second).backward()
+    monkeypatch.undo()
+    _loss(reference, second).backward()
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        if p.grad is not None:  # published: this backward's gradient, whole
+            torch.testing.assert_close(p.grad, ref[name].grad, **EXACT)
+    assert calls[0].param.grad is None  # in the batch that raised: never copied
+    _assert_nothing_left_on_the_device(model, "streamed")
+    _assert_trains_like_reference(model, reference, first)
