@@ -285,8 +285,8 @@ class GradOffload:
         home = self._home(slot, grad)
         if home is None:
             return
-        buf, grad, _ = home
-        self._copy([(slot, buf, grad)], [home[2]])
+        buf, grad, written = home
+        self._copy([(slot, buf, grad)], [written])
         if self.reducer is not None:
             self.reducer.written(slot, buf)
         stepper = self.stepper
