@@ -8,7 +8,9 @@ file in place would make the next passes compute with a mix of old and new scope
 the new model, silently. So the staging ring checks, once per pass (at its first load, and
 when a scope loaded since comes again: the next pass, or backward), that each open checkpoint
 file still has the size and modification time it had when opened, and raises naming the file
-otherwise: one `fstat` per file and pass, nothing per read. It asks the
+otherwise: one `fstat` per file and pass, nothing per read. The reads the ring made before a
+check that failed (ahead of that pass, maybe of the new bytes) are never used, even once the file
+is as loaded again. It asks the
 open descriptor, not the path: an atomic replace (a new file renamed over the path) leaves the
 descriptor on the old file, which reads as loaded, so the model goes on as it was. A truncated
 file fails its read (EOFError) as well. Reads outside passes (`p.data`, `state_dict()`,

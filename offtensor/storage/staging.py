@@ -94,6 +94,7 @@ class _Fill:
 
     scope: StagedScope
     mark: tuple[Any, ...]  # scope.write_mark() when the read started
+    checks: int  # the ring's failed file checks when the read started (StagingRing._check_files)
     pending: int = 0
     done: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None
@@ -242,6 +243,7 @@ class StagingRing:
         files = [s.masters.files for s in scopes if s.masters.files is not None]
         self._stores = list({id(f.store): f.store for f in files}.values())
         self._since_check: set[StagedScope] = set()
+        self._failed_checks = 0  # passes that found a file changed: reads made before are stale
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(self, _stop, self._jobs, self._threads)
 
@@ -291,7 +293,7 @@ class StagingRing:
             fill = slot.fill
             assert fill is not None
             fill.done.wait()
-            if fill.error is None and fill.mark == scope.write_mark():
+            if fill.error is None and fill.mark == scope.write_mark() and fill.checks == self._failed_checks:
                 break
             self._empty(slot)
             slot = None
@@ -308,8 +310,14 @@ class StagingRing:
         """Check the checkpoint files once per pass: at the first load, and when a scope loaded
         since the last check loads again (the next pass, or backward after forward)."""
         if not self._since_check or scope in self._since_check:
-            for store in self._stores:
-                store.check_unchanged()
+            try:
+                for store in self._stores:
+                    store.check_unchanged()
+            except RuntimeError:
+                # Reads made so far may hold the new bytes: none is used again, even once the
+                # file is as loaded again (Note [checkpoints that change] in storage/files.py).
+                self._failed_checks += 1
+                raise
             self._since_check.clear()
         self._since_check.add(scope)
 
@@ -382,7 +390,7 @@ class StagingRing:
     def _fill(self, slot: _Slot, scope: StagedScope, *, urgent: bool, priority: int = 0) -> None:
         """Start reading the scope's bytes into the slot: on the reader threads, or, for a
         pageable scope that a load needs now, here."""
-        fill = _Fill(scope, scope.write_mark())
+        fill = _Fill(scope, scope.write_mark(), self._failed_checks)
         slot.state, slot.fill = SlotState.STAGING, fill
         self._staged[scope] = slot
         files = scope.masters.files

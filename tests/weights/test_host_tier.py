@@ -286,6 +286,45 @@ def test_error_if_a_checkpoint_read_on_demand_is_rewritten_in_place(tmp_path):
         torch.testing.assert_close(model(x), reference(x), **EXACT)
 
 
+def test_reads_ahead_made_while_a_checkpoint_was_rewritten_are_never_used(tmp_path, monkeypatch):
+    """Regression (the test above failed on a busy machine): reads ahead of the next pass that ran
+    after the checkpoint was rewritten in place stayed in the staging ring, and once the file was
+    as loaded again the next pass computed with them (the other model's bytes), with no error. A
+    pass that finds a file changed drops every read made before it (Note [checkpoints that
+    change] in storage/files.py)."""
+    import time
+
+    from offtensor.storage.files import FileHandle
+
+    model, reference = _file_backed(tmp_path)
+    path = tmp_path / "model.safetensors"
+    x = torch.randn(2, 64)
+    real, reads = FileHandle.read_into, []
+
+    def late(self, buffers, offset):  # the reads a pass starts land after it returned
+        reads.append(offset)
+        time.sleep(0.2)
+        return real(self, buffers, offset)
+
+    with torch.no_grad():
+        monkeypatch.setattr(FileHandle, "read_into", late)
+        torch.testing.assert_close(model(x), reference(x), **EXACT)
+        assert reads  # (the file scopes read their masters from the file)
+        torch.manual_seed(1)
+        save_file(freeze_base(Net(4, 64)).state_dict(), tmp_path / "other.safetensors")
+        loaded, as_loaded = path.read_bytes(), path.stat()
+        with open(path, "r+b") as f:
+            f.write((tmp_path / "other.safetensors").read_bytes())
+        os.utime(path, ns=(as_loaded.st_atime_ns, as_loaded.st_mtime_ns + 10**9))
+        time.sleep(1.0)  # the reads ahead of the next pass read the other model's bytes
+        with pytest.raises(RuntimeError, match="changed since offtensor.load opened it"):
+            model(x)
+        with open(path, "r+b") as f:
+            f.write(loaded)
+        os.utime(path, ns=(as_loaded.st_atime_ns, as_loaded.st_mtime_ns))
+        torch.testing.assert_close(model(x), reference(x), **EXACT)
+
+
 def test_a_checkpoint_replaced_atomically_keeps_being_read_as_loaded(tmp_path):
     """A new file renamed over the checkpoint leaves the loaded model reading the file it opened."""
     model, reference = _file_backed(tmp_path)
