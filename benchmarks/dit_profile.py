@@ -80,6 +80,9 @@ def host_calls(step: Callable[[], None], device: torch.device, top: int = 6,
     return {"step": took * 1e3, **runtime_calls(prof.events(), top), **idle}
 
 
+# What link_gaps returns (milliseconds, and the gaps' count).
+_LINK_KEYS = ("link idle", "copy enqueued late", "copy waited on compute", "copy waited on another stream",
+              "link gaps")
 # A gap in the link shorter than this is a copy's own launch latency, not idle time.
 LEAST_GAP_US = 20.0
 # A copy that starts this close after a compute kernel's end waited on compute's event.
@@ -107,8 +110,7 @@ def link_gaps(trace: list[dict[str, Any]], dump: str | None = None) -> dict[str,
             kernels.append((evt["ts"] + evt.get("dur", 0.0), evt.get("name", "")[:60]))
     copies.sort()
     kernels.sort()
-    total = {"link idle": 0.0, "copy enqueued late": 0.0, "copy waited on compute": 0.0,
-             "copy waited on another stream": 0.0, "link gaps": 0.0}
+    total = dict.fromkeys(_LINK_KEYS, 0.0)
     rows = []
     end: float | None = None
     k = 0
@@ -146,10 +148,6 @@ def runtime_calls(events: Any, top: int) -> dict[str, float]:
             count[evt.name] = count.get(evt.name, 0) + 1
     longest = sorted(total, key=lambda n: -total[n])[:top]
     return {f"{n} x{count[n]}": total[n] for n in longest}
-
-
-_LINK_KEYS = ("link idle", "copy enqueued late", "copy waited on compute", "copy waited on another stream",
-              "link gaps")
 
 
 def describe_host(calls: dict[str, float]) -> str:

@@ -93,36 +93,29 @@ class _Queue(TorchDispatchMode):
         if not func._schema.is_mutable:
             return func(*args, **kwargs)
         target = kwargs["out"] if "out" in kwargs else args[0]
-        touched = {t.untyped_storage()._cdata for t in _tensors(args, kwargs)}
+        touched = {t.untyped_storage()._cdata for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)}
         # A version counter moves when an op is issued, as on a GPU, not when it runs (`_run`).
-        for t in target if isinstance(target, list) else [target]:  # a list: a foreach op's
-            if not t.is_inference():  # inference tensors have no version counter
-                torch._C._autograd._unsafe_set_version_counter((t,), (t._version + 1,))
+        if not target.is_inference():  # inference tensors have no version counter
+            torch._C._autograd._unsafe_set_version_counter((target,), (target._version + 1,))
         with _LOCK:
             self.stream.queue.append((lambda: _run(func, args, kwargs, self.stream), touched))
             self.stream.issued += 1
-        return None if isinstance(target, list) else target  # (foreach ops return nothing)
-
-
-def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors among an op's arguments, those in lists (a foreach op's) included."""
-    flat = [*args, *kwargs.values()]
-    flat += [t for a in flat if isinstance(a, (list, tuple)) for t in a]
-    return [t for t in flat if isinstance(t, torch.Tensor)]
+        return target
 
 
 def _run(func: Any, args: tuple, kwargs: dict, stream: LazyStream) -> None:
     """Run queued work, unless a tensor it touches was freed since (a release that did not wait
     for the work: on a GPU the work would write or read freed memory); that is noted instead."""
-    for t in _tensors(args, kwargs):
-        if t.numel() and t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
+    for t in [*args, *kwargs.values()]:
+        if isinstance(t, torch.Tensor) and t.numel() and (
+                t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size()):
             stream.errors.append(f"{func} on the {stream.name} stream ran after its memory was freed")
             return
     target = kwargs["out"] if "out" in kwargs else args[0]
-    with contextlib.ExitStack() as keep:
-        for t in target if isinstance(target, list) else [target]:
-            if not t.is_inference():
-                keep.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
+    if target.is_inference():
+        func(*args, **kwargs)
+        return
+    with torch.autograd._unsafe_preserve_version_counter(target):
         func(*args, **kwargs)
 
 

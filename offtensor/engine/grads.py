@@ -113,8 +113,9 @@ from .host_grads import CopiesHome, destination, publish, set_grads
 # branch does what it did before; only calls that could not change the result are skipped.
 # The pinned buffer is kept in the gradient's shape and each backward hands out a detached alias
 # of it: a tensor of its own on the same storage (and version counter), which the storage's use
-# count sees while the user holds it (`destination` in engine/host_grads.py), made without a view's metadata or the
-# parsing of a shape. Never the buffer itself: the count could not see a user holding that tensor.
+# count sees while the user holds it (`destination` in engine/host_grads.py), made without a
+# view's metadata or the parsing of a shape. Never the buffer itself: the count could not see a
+# user holding that tensor.
 
 # Note [one pass per scope's gradients]
 # A device copy's gradient hook does the least it can: it takes the gradient off the copy and

@@ -287,11 +287,10 @@ def test_error_if_a_checkpoint_read_on_demand_is_rewritten_in_place(tmp_path):
 
 
 def test_reads_ahead_made_while_a_checkpoint_was_rewritten_are_never_used(tmp_path, monkeypatch):
-    """Regression (the test above failed on a busy machine): reads ahead of the next pass that ran
-    after the checkpoint was rewritten in place stayed in the staging ring, and once the file was
-    as loaded again the next pass computed with them (the other model's bytes), with no error. A
-    pass that finds a file changed drops every read made before it (Note [checkpoints that
-    change] in storage/files.py)."""
+    """Regression: reads ahead of the next pass that ran after the checkpoint was rewritten in
+    place stayed in the staging ring, and once the file was as loaded again the next pass
+    computed with them (the other model's bytes), with no error. A pass that finds a file changed
+    drops every read made before it (Note [checkpoints that change] in storage/files.py)."""
     import time
 
     from offtensor.storage.files import FileHandle
