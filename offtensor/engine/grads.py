@@ -128,8 +128,7 @@ from .host_grads import CopiesHome, destination, publish, set_grads
 # on with the next scope. A second contribution to one host gradient within a batch (a parameter
 # also used outside its scope) reads the first one's copy, so the batch so far is copied first.
 # A backward that raises adds what it held back before publishing (Note [gradients of a backward
-# that raised]); a stale one forgets it with the rest. CUDA gradients still go one by one until
-# the CUDA suite has run with the batches (the CPU's lagging streams check their protocol).
+# that raised]); a stale one forgets it with the rest.
 _disabled: Any = torch._C._disabled_torch_function_impl  # (fn, types, args), typed loosely
 _GRAD_OF = torch._C.TensorBase.grad.__get__  # type: ignore[union-attr]
 _REQUIRES_GRAD_OF = torch._C.TensorBase.requires_grad.__get__  # type: ignore[attr-defined]
@@ -254,7 +253,7 @@ class GradOffload:
         task = torch._C._current_graph_task_id()
         if task != -1 and task not in self._tasks:
             self.enter_backward()
-        if self.reducer is None and task != -1 and not grad.is_cuda:
+        if self.reducer is None and task != -1:
             self._pending.append((slot, grad))  # Note [one pass per scope's gradients]
         else:
             self._add(slot, grad)
