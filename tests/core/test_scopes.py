@@ -162,6 +162,58 @@ def test_two_forwards_then_one_backward_matches_unwrapped_model(device):
     assert_all_scopes_offloaded(model)
 
 
+class Stashes(nn.Module):
+    """Keeps a penalty on its weight outside its outputs, as a weight regularizer may."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.penalty = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.penalty = self.fc.weight.square().sum()
+        return torch.tanh(self.fc(x))
+
+
+class StashingStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Stashes() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["streamed", "kept"])
+@pytest.mark.parametrize("device", devices)
+def test_a_tensor_stashed_outside_a_scopes_outputs_is_exact_in_the_one_backward(device, kept):
+    # Design, Limits: a tensor a scope's forward keeps outside its outputs is differentiated
+    # exactly when it joins the loss of the one backward: its graph runs inside the scope's
+    # backward (what the forward made after the scope's input runs before that input's
+    # gradient is whole). In a backward of its own, only a kept scope's copy is still there.
+    torch.manual_seed(0)
+    model = StashingStack()
+    reference = unwrapped_reference(model, device)
+    policy = offtensor.Policy(vram_budget=1 << 30) if kept else offtensor.Policy()
+    offtensor.wrap(model, device=device, policy=policy)
+    for step in range(3):
+        x = torch.randn(4, 8, device=device)
+        for m in (model, reference):
+            out = m(x).square().sum()
+            penalties = sum(block.penalty for block in m.blocks)
+            if kept and step == 2:
+                out.backward()
+                penalties.backward()
+            else:
+                (out + penalties).backward()
+        assert_grads_match(model, reference, **tolerances(device))
+        model.zero_grad(), reference.zero_grad()
+    if not kept:
+        assert_all_scopes_offloaded(model)
+
+
 @pytest.mark.parametrize("checkpoint", [None, "non_reentrant", "reentrant"])
 @pytest.mark.parametrize("device", devices)
 def test_a_block_called_twice_per_forward_matches_unwrapped_model(device, checkpoint):
