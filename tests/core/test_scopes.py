@@ -13,6 +13,7 @@ from conftest import (
     assert_all_scopes_offloaded,
     assert_backward_matches,
     assert_grads_match,
+    assert_params_match,
     devices,
     mlp_of_blocks,
     offload,
@@ -212,6 +213,38 @@ def test_a_tensor_stashed_outside_a_scopes_outputs_is_exact_in_the_one_backward(
         model.zero_grad(), reference.zero_grad()
     if not kept:
         assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("then", ["read", "zero_grad", "step", "backward"])
+@pytest.mark.parametrize("device", devices)
+def test_gradients_of_a_backward_that_ran_no_hook_of_ours_count_before_p_grad_is_used(device, then):
+    # Note [gradients on arrival] (engine/grads.py): a stashed penalty's own backward reaches the
+    # device copies of a kept scope without a scope hook; its gradients are added and published
+    # when `p.grad` is next read or written (an optimizer's step, zero_grad) or the next backward
+    # takes them, as plain autograd's `.grad` would have them.
+    torch.manual_seed(0)
+    model = StashingStack()
+    reference = unwrapped_reference(model, device)
+    offtensor.wrap(model, device=device, policy=offtensor.Policy(vram_budget=1 << 30))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        x = torch.randn(4, 8, device=device)
+        for m, o in ((model, opt), (reference, ref_opt)):
+            m(x).square().sum().backward()
+            sum(block.penalty for block in m.blocks).backward()  # no scope hook runs
+            if then == "zero_grad":
+                o.zero_grad()  # drops them, as for a plain parameter
+                m(x).square().sum().backward()
+            elif then == "step":
+                o.step()
+            elif then == "backward":  # the next backward adds to them
+                m(x).sum().backward()
+        assert_grads_match(model, reference, **tolerances(device))
+        for m, o in ((model, opt), (reference, ref_opt)):
+            o.step()
+            o.zero_grad()
+        assert_params_match(model, reference, **tolerances(device))
 
 
 @pytest.mark.parametrize("checkpoint", [None, "non_reentrant", "reentrant"])
