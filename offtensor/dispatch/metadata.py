@@ -74,7 +74,7 @@ def _get_grad(self: Any) -> torch.Tensor | None:
     except AttributeError:  # detached from offtensor (unwrap)
         return _GET_GRAD(self)
     if slot.arrived:  # gradients no hook of ours took yet (Note [gradients on arrival] in engine/grads.py)
-        slot.scope.take_arrived(slot)
+        slot.scope.arrived_outside(slot)
     if slot.pending_step is None and slot.stepped_elsewhere is None:
         return _disabled(_GET_GRAD, (), (self,))  # type: ignore[call-arg]
     return _GET_GRAD(self)  # through __torch_function__: waits for the step
@@ -87,7 +87,7 @@ def _set_grad(self: Any, value: torch.Tensor | None) -> None:
         _SET_GRAD(self, value)
         return
     if slot.arrived:  # added first, as the backward that made them would have
-        slot.scope.take_arrived(slot)
+        slot.scope.arrived_outside(slot)
     if slot.pending_step is None and slot.stepped_elsewhere is None:
         _disabled(_SET_GRAD, (), (self, value))  # type: ignore[call-arg]
     else:

@@ -166,7 +166,7 @@ class SlotScope(Protocol):
 
     def grad_sink(self, slot: ParamSlot, leaf: torch.Tensor) -> None: ...  # a gradient handled as it arrives
 
-    def take_arrived(self, slot: ParamSlot) -> None: ...  # `slot.arrived`, outside the scope's backward
+    def arrived_outside(self, slot: ParamSlot) -> None: ...  # `slot.arrived`, outside the scope's backward
 
     def compute_waits(self, chunk: int | None) -> None: ...
 

@@ -120,18 +120,17 @@ from .host_grads import CopiesHome, destination, publish, set_grads
 # user holding that tensor.
 
 # Note [one pass per scope's gradients]
-# Taking a device copy's gradient (Note [gradients on arrival]) does the least it can: it takes
-# the gradient off the copy and holds it back (`_pending`) when nothing needs it at once: no
-# optimizer worker waits for it (backward_and_step), no user hook runs on it, no rank averages
-# it. The scope's backward end
-# (`scope_done`) or the graph task's end adds the held gradients (`drain`): each one's
+# Taking a device copy's gradient (Note [gradients on arrival]) does the least it can: it takes the
+# gradient off the copy and holds it back (`_pending`) when nothing needs it at once: no optimizer
+# worker waits for it (backward_and_step), no user hook runs on it, no rank averages it. The scope's
+# backward end (`scope_done`) or the graph task's end adds the held gradients (`drain`): each one's
 # destination and sum as before, then one batch of copies home, with one wait for compute and one
-# event (on the CPU one `_foreach_copy_`), instead of a copy, a wait and an event per gradient.
-# The copies start at the scope's end rather than as each gradient is made, while compute goes
-# on with the next scope. A second contribution to one host gradient within a batch (a parameter
-# also used outside its scope) reads the first one's copy, so the batch so far is copied first.
-# A backward that raises adds what it held back before publishing (Note [gradients of a backward
-# that raised]); a stale one forgets it with the rest.
+# event (on the CPU one `_foreach_copy_`), instead of a copy, a wait and an event per gradient. The
+# copies start at the scope's end rather than as each gradient is made, while compute goes on with
+# the next scope. A second contribution to one host gradient within a batch (a parameter also used
+# outside its scope) reads the first one's copy, so the batch so far is copied first. A backward
+# that raises adds what it held back before publishing (Note [gradients of a backward that raised]);
+# a stale one forgets it with the rest.
 
 # Note [gradients on arrival]
 # A device copy's post-accumulate-grad hook is its slot's `arrived.append`: called in C, it lists

@@ -452,7 +452,7 @@ class Scope:
     def master_handed_out(self, slot: ParamSlot) -> None:
         self.engine.writes.master_handed_out(self, slot)
 
-    def take_arrived(self, slot: ParamSlot) -> None:
+    def arrived_outside(self, slot: ParamSlot) -> None:
         self.engine.grads.arrived_outside(slot)
 
     def new_host_memory(self, nbytes: int, what: str) -> torch.Tensor:
