@@ -71,8 +71,6 @@ class GradSink(Protocol):
 
     def on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None: ...
 
-    def arrived_outside(self, slot: ParamSlot) -> None: ...
-
 
 class OpCopies(Protocol):
     """What an op on a parameter computes with (OpAccess in engine/access.py, above)."""
@@ -189,7 +187,7 @@ class Scope:
         self.hooks: CallHooks | None = None  # set by the engine's hooks (install, remove)
         self.streams: Streams = engine.streams
         self.live: LiveScopes = engine.live
-        self.grad_sink = engine.grads.on_leaf_grad  # gradients handled as they arrive (engine/grads.py)
+        self.grad_sink = engine.grads.on_leaf_grad  # where device copies' gradients go (engine/grads.py)
         self.slots: list[ParamSlot] = []
         self.routed: list[ParamSlot] = []  # Note [routed experts] (scopes/experts.py)
         self.masters = HostMasters()
@@ -451,9 +449,6 @@ class Scope:
 
     def master_handed_out(self, slot: ParamSlot) -> None:
         self.engine.writes.master_handed_out(self, slot)
-
-    def arrived_outside(self, slot: ParamSlot) -> None:
-        self.engine.grads.arrived_outside(slot)
 
     def new_host_memory(self, nbytes: int, what: str) -> torch.Tensor:
         """Host memory of the scope's kind (page-locked unless pinning failed, storage/memory.py)."""

@@ -218,10 +218,9 @@ def test_a_tensor_stashed_outside_a_scopes_outputs_is_exact_in_the_one_backward(
 @pytest.mark.parametrize("then", ["read", "zero_grad", "step", "backward"])
 @pytest.mark.parametrize("device", devices)
 def test_gradients_of_a_backward_that_ran_no_hook_of_ours_count_before_p_grad_is_used(device, then):
-    # Note [gradients on arrival] (engine/grads.py): a stashed penalty's own backward reaches the
-    # device copies of a kept scope without a scope hook; its gradients are added and published
-    # when `p.grad` is next read or written (an optimizer's step, zero_grad) or the next backward
-    # takes them, as plain autograd's `.grad` would have them.
+    # A stashed penalty's own backward reaches the device copies of a kept scope without a scope
+    # hook (Design, Limits): its gradients must still be in `p.grad` as plain autograd's are,
+    # whatever reads them next (an optimizer's step, zero_grad, the next backward).
     torch.manual_seed(0)
     model = StashingStack()
     reference = unwrapped_reference(model, device)
@@ -241,7 +240,7 @@ def test_gradients_of_a_backward_that_ran_no_hook_of_ours_count_before_p_grad_is
             elif then == "backward":  # the next backward adds to them
                 m(x).sum().backward()
         assert_grads_match(model, reference, **tolerances(device))
-        for m, o in ((model, opt), (reference, ref_opt)):
+        for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
         assert_params_match(model, reference, **tolerances(device))
