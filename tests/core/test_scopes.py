@@ -176,17 +176,6 @@ class Stashes(nn.Module):
         return torch.tanh(self.fc(x))
 
 
-class StashingStack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Stashes() for _ in range(3)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 @pytest.mark.parametrize("kept", [False, True], ids=["streamed", "kept"])
 @pytest.mark.parametrize("device", devices)
 def test_a_tensor_stashed_outside_a_scopes_outputs_is_exact_in_the_one_backward(device, kept):
@@ -195,7 +184,7 @@ def test_a_tensor_stashed_outside_a_scopes_outputs_is_exact_in_the_one_backward(
     # backward (what the forward made after the scope's input runs before that input's
     # gradient is whole). In a backward of its own, only a kept scope's copy is still there.
     torch.manual_seed(0)
-    model = StashingStack()
+    model = BlocksOf(Stashes)
     reference = unwrapped_reference(model, device)
     policy = offtensor.Policy(vram_budget=1 << 30) if kept else offtensor.Policy()
     offtensor.wrap(model, device=device, policy=policy)
@@ -222,7 +211,7 @@ def test_gradients_of_a_backward_that_ran_no_hook_of_ours_count_before_p_grad_is
     # hook (Design, Limits): its gradients must still be in `p.grad` as plain autograd's are,
     # whatever reads them next (an optimizer's step, zero_grad, the next backward).
     torch.manual_seed(0)
-    model = StashingStack()
+    model = BlocksOf(Stashes)
     reference = unwrapped_reference(model, device)
     offtensor.wrap(model, device=device, policy=offtensor.Policy(vram_budget=1 << 30))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
