@@ -12,8 +12,8 @@ otherwise: one `fstat` per file and pass, nothing per read. The reads the ring m
 check that failed (ahead of that pass, maybe of the new bytes) are never used, even once the file
 is as loaded again. It asks the open descriptor, not the path: an atomic replace (a new file
 renamed over the path) leaves the descriptor on the old file, which reads as loaded, so the model
-goes on as it was. A truncated file fails its read (EOFError) as well. Reads outside passes (`p.data`, `state_dict()`,
-`unwrap`) are not checked.
+goes on as it was. A truncated file fails its read (EOFError) as well. Reads outside passes
+(`p.data`, `state_dict()`, `unwrap`) are not checked.
 """
 
 from __future__ import annotations

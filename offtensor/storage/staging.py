@@ -93,8 +93,7 @@ class _Fill:
     """One scope's bytes on their way into a slot; `finished` is called by the reader threads."""
 
     scope: StagedScope
-    mark: tuple[Any, ...]  # scope.write_mark() when the read started
-    checks: int  # the ring's failed file checks when the read started (StagingRing._check_files)
+    mark: tuple[Any, ...]  # StagingRing._mark(scope) when the read started
     pending: int = 0
     done: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None
@@ -293,7 +292,7 @@ class StagingRing:
             fill = slot.fill
             assert fill is not None
             fill.done.wait()
-            if fill.error is None and fill.mark == scope.write_mark() and fill.checks == self._failed_checks:
+            if fill.error is None and fill.mark == self._mark(scope):
                 break
             self._empty(slot)
             slot = None
@@ -387,10 +386,16 @@ class StagingRing:
                 del self._staged[fill.scope]
         slot.state, slot.fill, slot.copied = SlotState.FREE, None, None
 
+    def _mark(self, scope: StagedScope) -> tuple[Any, ...]:
+        """What a read made now must still match when a load uses it: the ring's failed file
+        checks (Note [checkpoints that change] in storage/files.py) and the scope's writes to its
+        masters (`write_mark`)."""
+        return self._failed_checks, scope.write_mark()
+
     def _fill(self, slot: _Slot, scope: StagedScope, *, urgent: bool, priority: int = 0) -> None:
         """Start reading the scope's bytes into the slot: on the reader threads, or, for a
         pageable scope that a load needs now, here."""
-        fill = _Fill(scope, scope.write_mark(), self._failed_checks)
+        fill = _Fill(scope, self._mark(scope))
         slot.state, slot.fill = SlotState.STAGING, fill
         self._staged[scope] = slot
         files = scope.masters.files
