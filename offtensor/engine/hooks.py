@@ -165,6 +165,8 @@ class ScopeHooks:
                 self.compiled_pre_forward(module, args, kwargs)
                 return
             current = self._pre_forward(module, args, kwargs)
+            if self.scope.state is ScopeState.LOADING:  # Note [a load that landed before its call]
+                self.scope.resident_if_landed()
         finally:
             self._in_pre_hook = False
         if self.scope.state is ScopeState.RESIDENT and self._exposed is None and self._exposure.aliases is None:
@@ -365,7 +367,8 @@ def _check_inputs(scope: Scope, device: torch.device, inputs: list[torch.Tensor]
 # interrupt leaves `parameters()` and `state_dict()` as they are), and ops see plain
 # tensors. A scope still LOADING takes the per-op path, which waits for each op's chunk
 # only, until an op has waited for the last chunk: RESIDENT then, its copies are exposed for
-# the rest of the call (`resident_in_call`). The copies are `ExposedCopy`s, nn.Parameters
+# the rest of the call (`resident_in_call`); one whose load has landed when the call starts is
+# RESIDENT at once (Note [a load that landed before its call]). The copies are `ExposedCopy`s, nn.Parameters
 # whose `.data` aliases are noted: a write in the forward changes the copy, as it changes a
 # plain parameter at once, and at the call's end each copy whose version moved, or whose
 # alias's did, is copied into its master (MasterWrites.exposed_call_ended). A recompute in
@@ -374,6 +377,15 @@ def _check_inputs(scope: Scope, device: torch.device, inputs: list[torch.Tensor]
 # traces; nor a routed expert parameter, whose ops copy the rows they read (Note [routed
 # experts] in scopes/experts.py): the rest of its scope is exposed around it. A write in a call
 # that an interrupt ends is lost.
+
+# Note [a load that landed before its call]
+# A prefetched scope is LOADING when its call starts, even when every copy and conversion of its
+# load has run (on the CPU, where copies are done when issued, always; on a GPU, when compute was
+# the slower of the two): its ops would take the per-op path to wait for chunks there is no more
+# reason to wait for. So the pre-hook asks the load's events that compute has not waited for
+# (`LoadProgress.landed`: queries, the host never waits) and, when all have completed, makes
+# compute wait for them (it returns at once) and the scope RESIDENT: the call is exposed from
+# its first op. A load that has not landed keeps the per-op path and its chunk-by-chunk waits.
 
 # Note [exposed recomputes]
 # A checkpoint's recompute in backward runs the scope's hooks again when the checkpoint wraps

@@ -301,6 +301,18 @@ class LoadProgress:
             event = streams.record(cast)
         self.chunk_ready.append(event)
 
+    def landed(self) -> bool:
+        """Every chunk is enqueued and every copy and conversion of the load has run: waiting
+        for all of them costs compute nothing (Note [a load that landed before its call] in
+        engine/hooks.py). Asks each chunk's event that compute has not waited for (on the CPU,
+        where copies are done when issued, there is none to ask)."""
+        if self.held_back:
+            return False
+        for event in self.chunk_ready[self.chunks_waited:]:  # a loop: asked at each call of a loaded scope
+            if event is not None and not event.query():
+                return False
+        return True
+
     def compute_waits(self, chunk: int | None) -> bool:
         """The compute stream waits (device side) for the chunks up to `chunk` (None: every
         chunk enqueued). True once it has waited for the whole load."""

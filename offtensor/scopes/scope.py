@@ -386,6 +386,12 @@ class Scope:
         if loading.compute_waits(chunk):
             self._to_resident()
 
+    def resident_if_landed(self) -> None:
+        """LOADING -> RESIDENT when the whole load has landed (LoadProgress.landed)."""
+        loading = self.loading
+        if loading is not None and loading.landed():
+            self.compute_waits(None)
+
     def release(self, *, force: bool = False) -> None:
         """-> OFFLOADED: free the device copy, ordered after every queued use of it. A scope
         kept by the VRAM budget stays, unless `force` (its masters changed, or unwrap)."""

@@ -17,6 +17,7 @@ from torch import nn
 
 import offtensor
 import offtensor.scopes.loading as loading_module
+from offtensor.dispatch import param as param_module
 from offtensor.scopes.loading import LoadProgress
 from offtensor.storage.compress import MIN_NUMEL, quantize_dequantize
 
@@ -120,6 +121,44 @@ def test_a_forward_that_raises_mid_load_frees_no_memory_a_conversion_still_write
         assert_all_scopes_offloaded(model)
         with torch.no_grad():
             torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "in flight"])
+def test_a_scope_whose_load_landed_before_its_call_takes_no_torch_function(landed, monkeypatch):
+    """Note [a load that landed before its call] (engine/hooks.py): a prefetched scope whose
+    copies have all run when its call starts has its copies in the modules for the whole call,
+    so no op takes `__torch_function__`; one whose copies are still queued takes the per-op
+    path, each op waiting for its chunk. Both exact."""
+    monkeypatch.setattr(loading_module, "CHUNK_BYTES", 4096)  # several chunks per scope
+    model = mlp_of_blocks(hidden=HIDDEN)
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    calls: list[tuple[int, object]] = []  # (block, function)
+    where = [-1]
+    real = param_module.OffloadedParameter.__torch_function__.__func__
+
+    def counting(cls, func, types, args=(), kwargs=None):
+        calls.append((where[0], func))
+        return real(cls, func, types, args, kwargs)
+
+    with lazy_streams() as made:
+        for i, block in enumerate(model.blocks):  # before wrap: runs before offtensor's pre-hook
+            def enter(module: nn.Module, args: tuple, i: int = i) -> None:
+                where[0] = i
+                if landed:  # every copy queued so far runs: the prefetched loads land
+                    for stream in made:
+                        stream.run_until(stream.issued)
+
+            block.register_forward_pre_hook(enter)
+        offtensor.wrap(model, device="cpu", policy=offtensor.Policy(prefetch=2))
+        with torch.no_grad():
+            model(x)  # learns the copy order: later loads are progressive
+            monkeypatch.setattr(param_module.OffloadedParameter, "__torch_function__", classmethod(counting))
+            out = model(x)
+        prefetched = [f for i, f in calls if i > 0]  # the first block loads in its own pre-hook
+    assert not prefetched if landed else prefetched, prefetched
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
+    assert_all_scopes_offloaded(model)
 
 
 def test_lagging_side_streams_fail_a_load_that_compute_does_not_wait_for(monkeypatch):
