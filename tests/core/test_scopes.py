@@ -163,6 +163,12 @@ def test_two_forwards_then_one_backward_matches_unwrapped_model(device):
     assert_all_scopes_offloaded(model)
 
 
+# Every scope kept from the first pass on, on any device: a timed layout (the default on CUDA)
+# streams them while it measures the first passes, and a stashed tensor's own backward would read
+# a streamed scope's released copy (docs/design.md, Limits).
+KEPT_FROM_THE_START = offtensor.Policy(vram_budget=1 << 30, layout="spread")
+
+
 class Stashes(nn.Module):
     """Keeps a penalty on its weight outside its outputs, as a weight regularizer may."""
 
@@ -186,8 +192,10 @@ def test_a_tensor_stashed_outside_a_scopes_outputs_is_exact_in_the_one_backward(
     torch.manual_seed(0)
     model = BlocksOf(Stashes)
     reference = unwrapped_reference(model, device)
-    policy = offtensor.Policy(vram_budget=1 << 30) if kept else offtensor.Policy()
+    policy = KEPT_FROM_THE_START if kept else offtensor.Policy()
     offtensor.wrap(model, device=device, policy=policy)
+    if kept:
+        assert all(scope.kept for scope in offtensor.summary(model).scopes)
     for step in range(3):
         x = torch.randn(4, 8, device=device)
         for m in (model, reference):
@@ -213,7 +221,8 @@ def test_gradients_of_a_backward_that_ran_no_hook_of_ours_count_before_p_grad_is
     torch.manual_seed(0)
     model = BlocksOf(Stashes)
     reference = unwrapped_reference(model, device)
-    offtensor.wrap(model, device=device, policy=offtensor.Policy(vram_budget=1 << 30))
+    offtensor.wrap(model, device=device, policy=KEPT_FROM_THE_START)
+    assert all(scope.kept for scope in offtensor.summary(model).scopes)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for _ in range(3):
