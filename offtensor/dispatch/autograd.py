@@ -146,6 +146,8 @@ def hook_registrar(table: str, plain: Any) -> Any:
         hooks = getattr(slot, table)
         handle = RemovableHandle(hooks)
         hooks[handle.id] = hook
+        if table == "grad_hooks":
+            slot.hook_at_once()
         return handle
 
     return register

@@ -73,6 +73,8 @@ def _get_grad(self: Any) -> torch.Tensor | None:
         slot = self._ot
     except AttributeError:  # detached from offtensor (unwrap)
         return _GET_GRAD(self)
+    if slot.arrived:  # gradients no hook of ours took yet (Note [gradients on arrival] in engine/grads.py)
+        slot.scope.arrived_outside(slot)
     if slot.pending_step is None and slot.stepped_elsewhere is None:
         return _disabled(_GET_GRAD, (), (self,))  # type: ignore[call-arg]
     return _GET_GRAD(self)  # through __torch_function__: waits for the step
@@ -84,6 +86,8 @@ def _set_grad(self: Any, value: torch.Tensor | None) -> None:
     except AttributeError:
         _SET_GRAD(self, value)
         return
+    if slot.arrived:  # added first, as the backward that made them would have
+        slot.scope.arrived_outside(slot)
     if slot.pending_step is None and slot.stepped_elsewhere is None:
         _disabled(_SET_GRAD, (), (self, value))  # type: ignore[call-arg]
     else:

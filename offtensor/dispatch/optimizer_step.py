@@ -45,6 +45,8 @@ def _before_compiled_step(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             slot = getattr(p, "_ot", None) if isinstance(p, OffloadedParameter) else None
+            if slot is not None and slot.arrived:  # Note [gradients on arrival] in engine/grads.py
+                slot.scope.arrived_outside(slot)
             if slot is not None and master_grad(p) is not None:
                 slot.scope.master_written(slot)
 

@@ -164,7 +164,9 @@ class SlotScope(Protocol):
     @property
     def writes(self) -> WrittenInCall: ...
 
-    def grad_sink(self, slot: ParamSlot, leaf: torch.Tensor) -> None: ...  # a device copy's gradient
+    def grad_sink(self, slot: ParamSlot, leaf: torch.Tensor) -> None: ...  # a gradient handled as it arrives
+
+    def arrived_outside(self, slot: ParamSlot) -> None: ...  # `slot.arrived`, outside the scope's backward
 
     def compute_waits(self, chunk: int | None) -> None: ...
 
@@ -232,7 +234,9 @@ def weakly(method: Any, *bound: Any) -> Any:
     collection breaks: a wrapped model that went out of scope kept its pinned masters, gradients
     and device buffers for the rest of the process. Held weakly, the model (which holds the
     engine and, through each parameter's `_ot`, the slots) is their only owner. (The function is
-    held, not its object: a weakref.WeakMethod would cost a Python call per gradient.)"""
+    held, not its object: a weakref.WeakMethod would cost a Python call per gradient.) A device
+    copy's own hook is its slot's `arrived.append` (Note [gradients on arrival] in
+    engine/grads.py): it holds that list, which holds the copies it lists until they are taken."""
     func, owner = method.__func__, weakref.ref(method.__self__)
     refs = [weakref.ref(b) for b in bound]
     if len(refs) == 1:  # a device copy's gradient hook: one call per parameter and backward
@@ -326,6 +330,11 @@ class ParamSlot:
     packed: StoredMaster | None = None
     post_hooks: OrderedDict = field(default_factory=OrderedDict)  # post-accumulate-grad hooks
     leaf_hooked: bool = False  # device_leaf has the post-accumulate-grad hook (hook_device_leaf)
+    hooked_at_once: bool = False  # and one in Python, handing each gradient over (hook_at_once)
+    hands_at_once: bool = False  # every device copy of it gets that hook (GradOffload.hand_over_at_once)
+    # Its device copies (current or retired) whose gradient autograd accumulated since the
+    # gradient path last looked; appended by their hook (Note [gradients on arrival] in engine/grads.py)
+    arrived: list[torch.Tensor] = field(default_factory=list)
     # Device copies of earlier storages that graphs of create_graph backwards may still read.
     retired: list[weakref.ref] = field(default_factory=list)
     # Temporary copies made with requires_grad for ops outside the scope, while graphs hold
@@ -412,7 +421,20 @@ class ParamSlot:
         for a frozen parameter, once it is unfrozen (use_device_copy)."""
         self.leaf_hooked = self.device_leaf.requires_grad
         if self.leaf_hooked:
+            # `list.append`, called in C: no Python frame per gradient (Note [gradients on arrival]).
+            self.device_leaf.register_post_accumulate_grad_hook(self.arrived.append)
+        self.hooked_at_once = False
+        if self.grad_hooks or self.hands_at_once:
+            self.hook_at_once()
+
+    def hook_at_once(self) -> None:
+        """The device copy's gradients are handled as they arrive (Note [gradients on arrival] in
+        engine/grads.py): the parameter has `register_hook` hooks, which see each gradient as
+        autograd makes it (an exception in one ends the backward there), or its model steps or
+        averages gradients as they land (`hands_at_once`)."""
+        if self.leaf_hooked and not self.hooked_at_once and self.device_leaf.requires_grad:
             self.device_leaf.register_post_accumulate_grad_hook(weakly(self.scope.grad_sink, self))
+            self.hooked_at_once = True
 
     def device_copies_written(self) -> None:
         """The master is written: graphs that saved a device or temporary copy of it must see
@@ -484,4 +506,6 @@ class ParamSlot:
             leaf.requires_grad_(wants)
             if wants and not self.leaf_hooked:
                 self.hook_device_leaf()
+            elif wants and (self.grad_hooks or self.hands_at_once):
+                self.hook_at_once()  # frozen when that was asked for
         return leaf

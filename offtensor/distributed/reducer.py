@@ -50,6 +50,8 @@ class GradReducer:
         self.world = world
         self.ranks = torch.distributed.get_process_group_ranks(group)  # by position in the group
         self.engines = engines
+        for engine in engines:  # averaged as they land, in autograd's order on every rank
+            engine.grads.hand_over_at_once()
         # Every parameter's index in the model (the same on every rank), for the tags of Note
         # [matching the averagings]; checked on the CPU, on CUDA only with CHECK_ENV=1.
         self.names = [name for _, name in names]

@@ -3,7 +3,9 @@
 # Note [gradient path]
 Autograd differentiates the device copies (ParamSlot.device_leaf, or a temporary copy made for
 one op), never the host master, so the master's own AccumulateGrad does not run. Each device copy
-has a post-accumulate-grad hook that hands its gradient here (`on_leaf_grad`):
+has a post-accumulate-grad hook that lists it, and the scope's backward end hands the listed
+gradients here (Note [gradients on arrival]); a temporary copy's hook hands its own at once
+(`on_leaf_grad`). Each gradient then:
 1. user `register_hook` hooks run on the device gradient;
 2. if the parameter already has a host gradient (accumulation over micro-batches, or a second
    contribution in this backward), it is added on the device: the old host gradient was fetched
@@ -118,17 +120,35 @@ from .host_grads import CopiesHome, destination, publish, set_grads
 # user holding that tensor.
 
 # Note [one pass per scope's gradients]
-# A device copy's gradient hook does the least it can: it takes the gradient off the copy and
-# holds it back (`_pending`) when nothing needs it at once: no optimizer worker waits for it
-# (backward_and_step), no user hook runs on it, no rank averages it. The scope's backward end
-# (`scope_done`) or the graph task's end adds the held gradients (`drain`): each one's
+# Taking a device copy's gradient (Note [gradients on arrival]) does the least it can: it takes the
+# gradient off the copy and holds it back (`_pending`) when nothing needs it at once: no optimizer
+# worker waits for it (backward_and_step), no user hook runs on it, no rank averages it. The scope's
+# backward end (`scope_done`) or the graph task's end adds the held gradients (`drain`): each one's
 # destination and sum as before, then one batch of copies home, with one wait for compute and one
-# event (on the CPU one `_foreach_copy_`), instead of a copy, a wait and an event per gradient.
-# The copies start at the scope's end rather than as each gradient is made, while compute goes
-# on with the next scope. A second contribution to one host gradient within a batch (a parameter
-# also used outside its scope) reads the first one's copy, so the batch so far is copied first.
-# A backward that raises adds what it held back before publishing (Note [gradients of a backward
-# that raised]); a stale one forgets it with the rest.
+# event (on the CPU one `_foreach_copy_`), instead of a copy, a wait and an event per gradient. The
+# copies start at the scope's end rather than as each gradient is made, while compute goes on with
+# the next scope. A second contribution to one host gradient within a batch (a parameter also used
+# outside its scope) reads the first one's copy, so the batch so far is copied first. A backward
+# that raises adds what it held back before publishing (Note [gradients of a backward that raised]);
+# a stale one forgets it with the rest.
+
+# Note [gradients on arrival]
+# A device copy's post-accumulate-grad hook is its slot's `arrived.append`: called in C, it lists
+# the copy and runs no Python, where a Python hook per gradient cost a call from autograd and the
+# hook's frames. What that hook did (`on_leaf_grad`) is done when the gradient path looks: the
+# scope's backward end takes its slots' arrivals (`take_arrived`), the graph task's end and a
+# backward that raised take every slot's, before anything is published. Until then the gradient
+# stays on the copy, where autograd adds later contributions. A Python hook that hands each gradient
+# over as it is made is added where that is needed: on a parameter with `register_hook` hooks (they
+# see each gradient as autograd makes it, and one that raises ends the backward there, as on a plain
+# tensor), and on every parameter of a model once backward_and_step (Note [early handover] in
+# optim/step.py) or data_parallel (autograd's order on every rank) uses it (`hand_over_at_once`). A
+# backward that runs no hook of ours (a tensor a scope stashed outside its outputs, differentiated
+# alone) leaves its arrivals listed: the next backward takes them first (`enter_backward`), before
+# it adds to the copies; reading or writing such a parameter's `p.grad` (zero_grad, an optimizer),
+# or a compiled optimizer step's hook, takes and publishes them (`arrived_outside`), as that
+# backward's end would have. Temporary copies (ops outside the scope) keep a Python hook: they are
+# per op and short-lived.
 _disabled: Any = torch._C._disabled_torch_function_impl  # (fn, types, args), typed loosely
 _GRAD_OF = torch._C.TensorBase.grad.__get__  # type: ignore[union-attr]
 _REQUIRES_GRAD_OF = torch._C.TensorBase.requires_grad.__get__  # type: ignore[attr-defined]
@@ -193,6 +213,7 @@ class GradOffload:
         self.late_gradients = False
         self.stepper: Stepper | None = None  # during backward_and_step
         self.reducer: Reducer | None = None  # in data-parallel mode
+        self._at_once = False  # every device copy hands its gradient over as it lands (hand_over_at_once)
 
     def in_backward(self) -> bool:
         """A backward through the wrapped model is running (from its first hook to its end)."""
@@ -207,6 +228,8 @@ class GradOffload:
         end = lambda: self._on_task_end(task)  # noqa: E731  (weakly referenced below)
         self._tasks[task] = weakref.ref(end, lambda ref: self._task_dropped(task, ref))
         Variable._execution_engine.queue_callback(end)
+        if len(self._tasks) == 1:  # what a backward that ran no hook of ours left, added first
+            self._take_all_arrived()
 
     def _task_dropped(self, task: int, ref: weakref.ref) -> None:
         """The autograd engine dropped a graph task's end callback: after it ran, or because the
@@ -282,7 +305,7 @@ class GradOffload:
 
     def _add(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         """Add one gradient, after the user's hooks, to the host gradient, now."""
-        home = self._home(slot, grad)
+        home = _home(self, slot, grad)
         if home is None:
             return
         buf, grad, written = home
@@ -311,7 +334,7 @@ class GradOffload:
                 self._copy(batch, written)
                 batch, written = [], []
                 seen.clear()
-            home = self._home(slot, grad)
+            home = _home(self, slot, grad)
             if home is not None:
                 batch.append((slot, home[0], home[1]))
                 written.append(home[2])
@@ -328,61 +351,51 @@ class GradOffload:
                 self._written.append(slot)
             slot.grads_in_backward += 1
 
-    def _home(self, slot: ParamSlot, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
-        """Where one gradient goes on the host, what is copied there (the sum with the old
-        gradient, in the master's dtype) and whether the host gradient held this backward's
-        contributions already; None when it goes nowhere (frozen) or took another path (sparse,
-        another rank's)."""
-        param = slot.param
-        if not _disabled(_REQUIRES_GRAD_OF, (), (param,)):  # Note [frozen since the forward]
-            if slot.post_hooks and slot not in self._frozen:
-                self._frozen.append(slot)
-            return None
-        # What the host gradient holds: this backward's earlier contributions, or the `p.grad`
-        # of earlier backward calls (accumulation), once a deferred step no longer reads it.
-        written = slot.grads_in_backward > 0
-        if written:
-            current = slot.host_grad
-        else:
-            if slot.pending_step is not None:
-                slot.wait_for_step()
-            current = _disabled(_GRAD_OF, (), (param,))
-        if grad.layout != torch.strided or (current is not None and current.layout != torch.strided):
-            _accumulate_sparse(slot, grad, self)
-            return None
-        reducer = self.reducer
-        if reducer is not None and not reducer.keeps(slot):
-            _send_to_owner(reducer, slot, grad)  # another rank steps it (data_parallel, shard_optimizer)
-            return None
-        if written:
-            buf, accumulate, old = current, True, None
-        else:
-            buf, accumulate = destination(slot, current)
-            slot.host_grad = buf
-            old = slot.scope.take_old_grad(slot) if slot.old_grad is not None else None
-        assert buf is not None
-        if grad.dtype != buf.dtype:
-            grad = grad.to(buf.dtype)  # Policy.compute_dtype: cast up on the device
-        if old is None and accumulate:
-            if written and (grad.is_cuda or self._streams.lagging):
-                self._streams.wait(self._streams.compute(), slot.last_d2h)
-            old = buf.to(grad.device, non_blocking=True)
-        if reducer is not None:  # averaged over the ranks, old included (Note [data parallel])
-            reduced = reducer.reduce(slot, grad, old)
-            assert reduced is not None  # keeps(slot): this rank steps it
-            grad = reduced
-        elif old is not None:
-            grad = grad + old
-        return buf, grad, written
-
     def scope_done(self, scope: Scope) -> None:
         """A scope's backward is over: its gradients are final once its copies land."""
+        self.take_arrived(scope.slots)
         self.drain()
         self._copies.flush(keep=scope)
         if self.stepper is not None:
             self.stepper.scope_done(scope, scope.grads_offloaded)
 
+    def take_arrived(self, slots: list[ParamSlot]) -> None:
+        """Handle the gradients autograd accumulated on these slots' device copies since the last
+        look, as their hook once did (Note [gradients on arrival])."""
+        if _compiler._is_compiling_flag or _compile.eval_frame_callback() is not None:
+            return _compile.run_outside_dynamo(self.take_arrived, (slots,))
+        for slot in slots:
+            arrived = slot.arrived
+            while arrived:  # off the list first: what it calls may look again (`p.grad`)
+                self._on_leaf_grad(slot, arrived.pop(0))
+
+    def hand_over_at_once(self) -> None:
+        """From now on each device copy also hands its gradient over as it lands: to
+        backward_and_step's worker (Note [early handover] in optim/step.py), or to a
+        data-parallel reducer, in autograd's order on every rank."""
+        if not self._at_once:
+            for scope in self._scopes:
+                for slot in scope.slots:
+                    slot.hands_at_once = True
+                    slot.hook_at_once()
+            self._at_once = True  # last: an interrupt in the loop leaves it to the next call
+
+    def _take_all_arrived(self) -> None:
+        for scope in self._scopes:
+            self.take_arrived(scope.slots)
+
+    def arrived_outside(self, slot: ParamSlot) -> None:
+        """`p.grad` of the slot's parameter is read or written while gradients are listed on
+        its device copies (Note [gradients on arrival]): added now, and published unless a
+        backward through the model runs (its end publishes them)."""
+        if _compile.in_compiled_region():  # `p.grad` in a compiled optimizer step
+            return _compile.run_outside_dynamo(self.arrived_outside, (slot,))
+        self.take_arrived([slot])
+        if torch._C._current_graph_task_id() == -1 and not self.in_backward():
+            self._publish_written()
+
     def _on_task_end(self, task: int) -> None:
+        self._take_all_arrived()
         self.drain()
         for slot, grad in self._held.pop(task, {}).values():
             self._add(slot, run_grad_hooks(slot, grad))
@@ -393,6 +406,7 @@ class GradOffload:
     def backward_raised(self) -> None:
         """The outermost backward raised: release what it left on the device, publish what it
         completed and forget the rest (Note [gradients of a backward that raised])."""
+        self._take_all_arrived()
         self.drain()
         self._copies.wait()
         stepper = self.stepper  # the slots handed to its worker are published there
@@ -409,6 +423,19 @@ class GradOffload:
     def finalize(self) -> None:
         """End of the outermost backward: host grads complete, `p.grad` set, hooks fired."""
         self.drain()
+        self._publish_written()
+        frozen, self._frozen = self._frozen, []
+        for slot in frozen:
+            for hook in slot.post_hooks.values():
+                hook(slot.param)
+        self._end_backward()
+        # backward_and_step clears this too once loss.backward() returns; an interrupt can land
+        # before that (Note [interrupts]), and a later plain backward must not hand its
+        # gradients to that call's optimizer worker.
+        self.stepper = None
+
+    def _publish_written(self) -> None:
+        """Wait for the copies home, then point `p.grad` at each host gradient written."""
         self._copies.wait()
         if self.stepper is not None:  # the worker publishes and steps the slots handed to it
             written = [s for s in self._written if not self.stepper.handed(s)]
@@ -421,15 +448,6 @@ class GradOffload:
         self._written = []
         self._copies.forget()
         publish(written)
-        frozen, self._frozen = self._frozen, []
-        for slot in frozen:
-            for hook in slot.post_hooks.values():
-                hook(slot.param)
-        self._end_backward()
-        # backward_and_step clears this too once loss.backward() returns; an interrupt can land
-        # before that (Note [interrupts]), and a later plain backward must not hand its
-        # gradients to that call's optimizer worker.
-        self.stepper = None
 
     def reset_if_stale(self) -> None:
         """A new forward pass began while a backward was unfinished (it raised): forget it."""
@@ -450,6 +468,55 @@ class GradOffload:
             for scope in self._scopes:
                 for slot in scope.slots:
                     slot.device_leaf.grad = None
+                    slot.arrived.clear()
+
+
+def _home(offload: GradOffload, slot: ParamSlot, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    """Where one gradient goes on the host, what is copied there (the sum with the old
+    gradient, in the master's dtype) and whether the host gradient held this backward's
+    contributions already; None when it goes nowhere (frozen) or took another path (sparse,
+    another rank's)."""
+    param = slot.param
+    if not _disabled(_REQUIRES_GRAD_OF, (), (param,)):  # Note [frozen since the forward]
+        if slot.post_hooks and slot not in offload._frozen:
+            offload._frozen.append(slot)
+        return None
+    # What the host gradient holds: this backward's earlier contributions, or the `p.grad`
+    # of earlier backward calls (accumulation), once a deferred step no longer reads it.
+    written = slot.grads_in_backward > 0
+    if written:
+        current = slot.host_grad
+    else:
+        if slot.pending_step is not None:
+            slot.wait_for_step()
+        current = _disabled(_GRAD_OF, (), (param,))
+    if grad.layout != torch.strided or (current is not None and current.layout != torch.strided):
+        _accumulate_sparse(slot, grad, offload)
+        return None
+    reducer = offload.reducer
+    if reducer is not None and not reducer.keeps(slot):
+        _send_to_owner(reducer, slot, grad)  # another rank steps it (data_parallel, shard_optimizer)
+        return None
+    if written:
+        buf, accumulate, old = current, True, None
+    else:
+        buf, accumulate = destination(slot, current)
+        slot.host_grad = buf
+        old = slot.scope.take_old_grad(slot) if slot.old_grad is not None else None
+    assert buf is not None
+    if grad.dtype != buf.dtype:
+        grad = grad.to(buf.dtype)  # Policy.compute_dtype: cast up on the device
+    if old is None and accumulate:
+        if written and (grad.is_cuda or offload._streams.lagging):
+            offload._streams.wait(offload._streams.compute(), slot.last_d2h)
+        old = buf.to(grad.device, non_blocking=True)
+    if reducer is not None:  # averaged over the ranks, old included (Note [data parallel])
+        reduced = reducer.reduce(slot, grad, old)
+        assert reduced is not None  # keeps(slot): this rank steps it
+        grad = reduced
+    elif old is not None:
+        grad = grad + old
+    return buf, grad, written
 
 
 def _accumulate_sparse(slot: ParamSlot, grad: torch.Tensor, offload: GradOffload) -> None:

@@ -165,8 +165,9 @@ class ScopeHooks:
                 self.compiled_pre_forward(module, args, kwargs)
                 return
             current = self._pre_forward(module, args, kwargs)
-            if self.scope.state is ScopeState.LOADING:  # Note [a load that landed before its call]
-                self.scope.resident_if_landed()
+            loading = self.scope.loading  # not None while LOADING
+            if loading is not None and loading.landed():  # Note [a load that landed before its call]
+                self.scope.compute_waits(None)  # returns at once; -> RESIDENT
         finally:
             self._in_pre_hook = False
         if self.scope.state is ScopeState.RESIDENT and self._exposed is None and self._exposure.aliases is None:

@@ -178,6 +178,8 @@ def _prepare(loss: torch.Tensor, optimizer: torch.optim.Optimizer, zero_grad: bo
     wait_for_steps()
     engines = engines_of(optimizer)
     check_engines(engines, device_share)
+    for engine in engines:
+        engine.grads.hand_over_at_once()  # as gradients land (Note [early handover] in optim/step.py)
     install_optimizer_hooks(optimizer)
     fence_state(optimizer)
     watch_clips()  # Note [a clip after the step]

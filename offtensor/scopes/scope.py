@@ -71,6 +71,8 @@ class GradSink(Protocol):
 
     def on_leaf_grad(self, slot: ParamSlot, leaf: torch.Tensor) -> None: ...
 
+    def arrived_outside(self, slot: ParamSlot) -> None: ...
+
 
 class OpCopies(Protocol):
     """What an op on a parameter computes with (OpAccess in engine/access.py, above)."""
@@ -187,7 +189,7 @@ class Scope:
         self.hooks: CallHooks | None = None  # set by the engine's hooks (install, remove)
         self.streams: Streams = engine.streams
         self.live: LiveScopes = engine.live
-        self.grad_sink = engine.grads.on_leaf_grad  # where device copies' gradients go (engine/grads.py)
+        self.grad_sink = engine.grads.on_leaf_grad  # gradients handled as they arrive (engine/grads.py)
         self.slots: list[ParamSlot] = []
         self.routed: list[ParamSlot] = []  # Note [routed experts] (scopes/experts.py)
         self.masters = HostMasters()
@@ -386,12 +388,6 @@ class Scope:
         if loading.compute_waits(chunk):
             self._to_resident()
 
-    def resident_if_landed(self) -> None:
-        """LOADING -> RESIDENT when the whole load has landed (LoadProgress.landed)."""
-        loading = self.loading
-        if loading is not None and loading.landed():
-            self.compute_waits(None)
-
     def release(self, *, force: bool = False) -> None:
         """-> OFFLOADED: free the device copy, ordered after every queued use of it. A scope
         kept by the VRAM budget stays, unless `force` (its masters changed, or unwrap)."""
@@ -455,6 +451,9 @@ class Scope:
 
     def master_handed_out(self, slot: ParamSlot) -> None:
         self.engine.writes.master_handed_out(self, slot)
+
+    def arrived_outside(self, slot: ParamSlot) -> None:
+        self.engine.grads.arrived_outside(slot)
 
     def new_host_memory(self, nbytes: int, what: str) -> torch.Tensor:
         """Host memory of the scope's kind (page-locked unless pinning failed, storage/memory.py)."""

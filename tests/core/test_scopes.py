@@ -163,9 +163,9 @@ def test_two_forwards_then_one_backward_matches_unwrapped_model(device):
     assert_all_scopes_offloaded(model)
 
 
-# Every scope kept from the first pass on, on any device: a timed layout (the default on CUDA)
-# streams them while it measures the first passes, and a stashed tensor's own backward would read
-# a streamed scope's released copy (docs/design.md, Limits).
+# Every scope kept, on any device, by bytes: a timed layout (the default on CUDA) chooses what to
+# keep from measured times once it has measured a pass, and may stream a scope that fits; a
+# stashed tensor's own backward would read that scope's released copy (docs/design.md, Limits).
 KEPT_FROM_THE_START = offtensor.Policy(vram_budget=1 << 30, layout="spread")
 
 
