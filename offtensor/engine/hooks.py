@@ -359,23 +359,22 @@ def _check_inputs(scope: Scope, device: torch.device, inputs: list[torch.Tensor]
 
 
 # Note [calls of a loaded scope]
-# Every op on an OffloadedParameter pays its `__torch_function__`, a Python round trip that
-# can take longer than the short kernels of a DiT block it launches. A scope already
-# RESIDENT when its call starts (kept, or loaded and waited for) needs no per-op decision:
-# every op would get its device copy (Note [ops in a resident scope] in dispatch/ops.py). So
-# for that call its modules' attributes are the device copies (instance attributes, found
-# before nn.Module.__getattr__ reaches `_parameters`, which keeps the parameters: an
-# interrupt leaves `parameters()` and `state_dict()` as they are), and ops see plain
-# tensors. A scope still LOADING takes the per-op path, which waits for each op's chunk
-# only, until an op has waited for the last chunk: RESIDENT then, its copies are exposed for
-# the rest of the call (`resident_in_call`); one whose load has landed when the call starts is
-# RESIDENT at once (Note [a load that landed before its call]). The copies are `ExposedCopy`s, nn.Parameters
-# whose `.data` aliases are noted: a write in the forward changes the copy, as it changes a
-# plain parameter at once, and at the call's end each copy whose version moved, or whose
-# alias's did, is copied into its master (MasterWrites.exposed_call_ended). A recompute in
-# backward is exposed too (Note [exposed recomputes]). Not exposed: a compute dtype, compressed
-# or file masters (a write could not be copied back exactly), torch.func transforms and make_fx
-# traces; nor a routed expert parameter, whose ops copy the rows they read (Note [routed
+# Every op on an OffloadedParameter pays its `__torch_function__`, a Python round trip that can
+# take longer than the short kernels of a DiT block it launches. A scope already RESIDENT when its
+# call starts (kept, or loaded and waited for) needs no per-op decision: every op would get its
+# device copy (Note [ops in a resident scope] in dispatch/ops.py). So for that call its modules'
+# attributes are the device copies (instance attributes, found before nn.Module.__getattr__ reaches
+# `_parameters`, which keeps the parameters: an interrupt leaves `parameters()` and `state_dict()`
+# as they are), and ops see plain tensors. A scope still LOADING takes the per-op path, which waits
+# for each op's chunk only, until an op has waited for the last chunk: RESIDENT then, its copies
+# are exposed for the rest of the call (`resident_in_call`); one whose load has landed when the
+# call starts is RESIDENT at once (Note [a load that landed before its call]). The copies are
+# `ExposedCopy`s, nn.Parameters whose `.data` aliases are noted: a write in the forward changes the
+# copy, as it changes a plain parameter at once, and at the call's end each copy whose version
+# moved, or whose alias's did, is copied into its master (MasterWrites.exposed_call_ended). A
+# recompute in backward is exposed too (Note [exposed recomputes]). Not exposed: a compute dtype,
+# compressed or file masters (a write could not be copied back exactly), torch.func transforms and
+# make_fx traces; nor a routed expert parameter, whose ops copy the rows they read (Note [routed
 # experts] in scopes/experts.py): the rest of its scope is exposed around it. A write in a call
 # that an interrupt ends is lost.
 

@@ -304,8 +304,8 @@ class LoadProgress:
     def landed(self) -> bool:
         """Every chunk is enqueued and every copy and conversion of the load has run: waiting
         for all of them costs compute nothing (Note [a load that landed before its call] in
-        engine/hooks.py). Asks each chunk's event that compute has not waited for (on the CPU,
-        where copies are done when issued, there is none to ask)."""
+        engine/hooks.py). Asks each chunk's event that compute has not waited for (None on the
+        CPU, where copies are done when issued)."""
         if self.held_back:
             return False
         for event in self.chunk_ready[self.chunks_waited:]:  # a loop: asked at each call of a loaded scope
