@@ -27,9 +27,10 @@ _TensorBase = torch._C.TensorBase
 # Python code that an interrupt could leave half done:
 # - it needs no grad mode: its copies read plain, detached tensors (`ParamSlot.master`) and
 #   write tensors that do not require grad, so autograd records nothing;
-# - subclass `__torch_function__` dispatch is turned off only by `without_subclass_dispatch`,
-#   whose C function restores the state itself whatever the function raises (a `with
-#   DisableTorchFunctionSubclass():` is left disabled by an interrupt where `with` calls `__exit__`);
+# - subclass `__torch_function__` dispatch is turned off only by `without_subclass_dispatch`
+#   (or its C function around a `list(map(getter, tensors))`), which restores the state itself
+#   whatever the function raises (a `with DisableTorchFunctionSubclass():` is left disabled by an
+#   interrupt where `with` calls `__exit__`, at the end of its body or at a `return` in it);
 # - what must change for a while (the current CUDA stream during a copy, no_offload's holds, the
 #   latest backward_and_step) is recorded where the next entry point finds and undoes it if an
 #   interrupt skipped the undo (Streams.restore, no_offload's weak set of holds,

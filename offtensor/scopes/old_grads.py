@@ -55,8 +55,7 @@ class OldGrads:
         # master's `.grad` is read in C unless a deferred step must be waited for first.
         if self._params is None or len(self._params) != len(self.slots):
             self._params = tuple(slot.param for slot in self.slots)
-        with torch._C.DisableTorchFunctionSubclass():
-            grads = list(map(_GRAD_OF, self._params))
+        grads = _disabled(list, (), (map(_GRAD_OF, self._params),))  # off in C (Note [interrupts])
         if grads.count(None) == len(grads):
             # No `p.grad` at all (zero_grad's set_to_none): nothing to fetch, read in one `map`.
             # A deferred step, which master_grad would wait for, creates no gradient.

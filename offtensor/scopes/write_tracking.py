@@ -128,9 +128,10 @@ class WriteTracker:
 
 
 def versions_of(params: Sequence[torch.Tensor]) -> list[int]:
-    """The version counters of `params`, read in one `map` without `__torch_function__`."""
-    with torch._C.DisableTorchFunctionSubclass():
-        return list(map(_VERSION_OF, params))
+    """The version counters of `params`, read in one `map` without `__torch_function__`, which
+    is turned off and on again in C: an interrupt cannot leave it off (a `with` block's exit can
+    be skipped, Note [interrupts] in dispatch/masters.py)."""
+    return _disabled(list, (), (map(_VERSION_OF, params),))  # type: ignore[no-any-return]
 
 
 def version_of(p: torch.Tensor) -> int:

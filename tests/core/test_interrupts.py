@@ -329,3 +329,38 @@ def test_interrupt_in_backward_and_steps_cleanup_leaves_no_worker_waiting(one_th
             torch.testing.assert_close(p.detach(), before[n], rtol=0, atol=0, msg=f"line {target}: {n}")
         _check_step(model, x, y, overlap=True)
     assert tried, "no line of the cleanup was interrupted"
+
+
+def test_no_with_block_in_offtensor_turns_subclass_dispatch_off():
+    # Note [interrupts] (dispatch/masters.py): a `with DisableTorchFunctionSubclass():` whose
+    # exit an interrupt skips (at the end of its body, or at a `return` in it, where `with` calls
+    # `__exit__`) leaves `__torch_function__` off for the whole process. The training-step fuzzer
+    # found one in versions_of; this finds any in the package's source.
+    import ast
+    import pathlib
+
+    found = []
+    for path in pathlib.Path(OFFTENSOR_DIR).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.With, ast.AsyncWith)):
+                for item in node.items:
+                    if "DisableTorchFunction" in ast.unparse(item.context_expr):
+                        found.append(f"{path.relative_to(OFFTENSOR_DIR)}:{node.lineno}")
+    assert not found, f"use without_subclass_dispatch (turned off and on in C) instead: {found}"
+
+
+def test_an_interrupt_anywhere_in_reading_versions_leaves_subclass_dispatch_on():
+    from offtensor.scopes.write_tracking import versions_of
+
+    model = mlp_of_blocks()
+    offtensor.wrap(model, device="cpu")
+    params = list(model.blocks.parameters())
+    counter = Interrupter(at=None)
+    counter.run(lambda: versions_of(params))
+    assert counter.events >= 2
+    for at in range(1, counter.events + 1):
+        assert Interrupter(at).run(lambda: versions_of(params)), at
+        enabled = torch._C._is_torch_function_enabled()
+        if not enabled:  # for the tests after this one
+            torch._C.DisableTorchFunctionSubclass().__exit__(None, None, None)
+        assert enabled, f"left off by an interrupt at event {at}"
