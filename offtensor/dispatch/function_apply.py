@@ -4,7 +4,9 @@ replaced once per process, hands them what an op would get.
 
 from __future__ import annotations
 
+import sys
 import threading
+from types import FrameType
 from typing import Any
 
 import torch
@@ -41,16 +43,34 @@ def _function_apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = without_subclass_dispatch(_materialized_arguments, args, kwargs, params)
     if not (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
         return patches.PLAIN_FUNCTION_APPLY(cls, *args, **kwargs)
-    depth = recorded_functions.depth
-    try:  # set and restored inside: an interrupt anywhere leaves the depth as it was (Note [interrupts])
-        recorded_functions.depth = depth + 1
+    frames = recorded_functions.frames
+    frames.append(sys._getframe())
+    try:
         return patches.PLAIN_FUNCTION_APPLY(cls, *args, **kwargs)
     finally:
-        recorded_functions.depth = depth
+        frames.pop()
 
 
 class _RecordedFunctions(threading.local):
-    depth = 0  # custom autograd Functions recorded by autograd whose forward runs on this thread
+    """The custom autograd Functions recorded by autograd whose forward runs on this thread, by
+    the frames of their `_function_apply` calls. An interrupt can skip a call's `finally` (at its
+    first line) and leave its frame listed: `depth` counts only the frames still on the stack
+    and forgets the others (Note [interrupts] in dispatch/masters.py)."""
+
+    def __init__(self) -> None:
+        self.frames: list[FrameType] = []
+
+    @property
+    def depth(self) -> int:
+        frames = self.frames
+        if frames:
+            on_stack: set[int] = set()
+            f: FrameType | None = sys._getframe(1)
+            while f is not None:
+                on_stack.add(id(f))
+                f = f.f_back
+            frames[:] = [frame for frame in frames if id(frame) in on_stack]  # in place: calls pop from it
+        return len(frames)
 
 
 recorded_functions = _RecordedFunctions()

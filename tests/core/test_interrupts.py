@@ -132,7 +132,7 @@ def _restore_global_state(expected: dict[str, object]) -> None:
     torch._C._set_grad_enabled(True)
     torch.set_num_threads(expected["intra-op threads"])  # type: ignore[arg-type]
     _slot.worker_state.active = False
-    recorded_functions.depth = 0
+    recorded_functions.frames.clear()
     if not torch._C._is_torch_function_enabled():
         # An unentered guard's exit sets the state it saved at creation: ENABLED.
         torch._C.DisableTorchFunctionSubclass().__exit__(None, None, None)
@@ -364,3 +364,29 @@ def test_an_interrupt_anywhere_in_reading_versions_leaves_subclass_dispatch_on()
         if not enabled:  # for the tests after this one
             torch._C.DisableTorchFunctionSubclass().__exit__(None, None, None)
         assert enabled, f"left off by an interrupt at event {at}"
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def test_an_interrupt_anywhere_in_a_recorded_function_leaves_no_function_counted():
+    # recorded_functions (dispatch/function_apply.py) counts the custom Functions whose forward
+    # runs; an interrupt at the first line of `_function_apply`'s `finally` skipped the count's
+    # undo, and every later scope call outside grad mode counted as a training call (found by a
+    # deep sweep of the training-step fuzzer, variant vram_budget_reentrant_split).
+    model = mlp_of_blocks()
+    offtensor.wrap(model, device="cpu")  # installs offtensor's Function.apply
+    x = torch.randn(3, requires_grad=True)
+    counter = Interrupter(at=None)
+    counter.run(lambda: _Double.apply(x))
+    assert counter.events >= 3
+    for at in range(1, counter.events + 1):
+        assert Interrupter(at).run(lambda: _Double.apply(x)), at
+        assert recorded_functions.depth == 0, f"a Function still counted after an interrupt at event {at}"
