@@ -55,6 +55,7 @@ a plain parameter, a `p.data` write does not make a saved graph raise.
 
 from __future__ import annotations
 
+import enum
 import threading
 import weakref
 from collections import OrderedDict
@@ -290,6 +291,15 @@ def meta_of(p: torch.Tensor) -> ParamMeta:
                      _disabled(_TensorBase.device.__get__, (), (p,)), len(shape), shape.numel())  # type: ignore[attr-defined, call-arg]
 
 
+class LeafHooks(enum.Enum):
+    """The post-accumulate-grad hooks on a slot's device copy (Note [gradients on arrival] in
+    engine/grads.py)."""
+
+    NONE = "none"  # none yet: a frozen copy is hooked once unfrozen (use_device_copy)
+    LISTED = "listed"  # `arrived.append`: the gradient path takes what it listed when it looks
+    HANDED = "handed"  # and a Python hook handing each gradient over as it lands (hook_at_once)
+
+
 @dataclass(eq=False, repr=False)
 class ParamSlot:
     """Per-parameter bookkeeping, stored on the parameter as `p._ot`."""
@@ -329,8 +339,7 @@ class ParamSlot:
     # (Policy(host_budget), Note [masters in files] in storage/file_masters.py)
     packed: StoredMaster | None = None
     post_hooks: OrderedDict = field(default_factory=OrderedDict)  # post-accumulate-grad hooks
-    leaf_hooked: bool = False  # device_leaf has the post-accumulate-grad hook (hook_device_leaf)
-    hooked_at_once: bool = False  # and one in Python, handing each gradient over (hook_at_once)
+    leaf_hooks: LeafHooks = LeafHooks.NONE  # device_leaf's post-accumulate-grad hooks
     hands_at_once: bool = False  # every device copy of it gets that hook (GradOffload.hand_over_at_once)
     # Its device copies (current or retired) whose gradient autograd accumulated since the
     # gradient path last looked; appended by their hook (Note [gradients on arrival] in engine/grads.py)
@@ -419,22 +428,22 @@ class ParamSlot:
     def hook_device_leaf(self) -> None:
         """Route the device copy's gradients to the host (Note [gradient path] in engine/grads.py);
         for a frozen parameter, once it is unfrozen (use_device_copy)."""
-        self.leaf_hooked = self.device_leaf.requires_grad
-        if self.leaf_hooked:
+        self.leaf_hooks = LeafHooks.NONE
+        if self.device_leaf.requires_grad:
             # `list.append`, called in C: no Python frame per gradient (Note [gradients on arrival]).
             self.device_leaf.register_post_accumulate_grad_hook(self.arrived.append)
-        self.hooked_at_once = False
-        if self.grad_hooks or self.hands_at_once:
-            self.hook_at_once()
+            self.leaf_hooks = LeafHooks.LISTED
+            if self.grad_hooks or self.hands_at_once:
+                self.hook_at_once()
 
     def hook_at_once(self) -> None:
         """The device copy's gradients are handled as they arrive (Note [gradients on arrival] in
         engine/grads.py): the parameter has `register_hook` hooks, which see each gradient as
         autograd makes it (an exception in one ends the backward there), or its model steps or
         averages gradients as they land (`hands_at_once`)."""
-        if self.leaf_hooked and not self.hooked_at_once and self.device_leaf.requires_grad:
+        if self.leaf_hooks is LeafHooks.LISTED and self.device_leaf.requires_grad:
             self.device_leaf.register_post_accumulate_grad_hook(weakly(self.scope.grad_sink, self))
-            self.hooked_at_once = True
+            self.leaf_hooks = LeafHooks.HANDED
 
     def device_copies_written(self) -> None:
         """The master is written: graphs that saved a device or temporary copy of it must see
@@ -504,7 +513,7 @@ class ParamSlot:
         wants = _disabled(_REQUIRES_GRAD, (), (self.param,))  # type: ignore[call-arg]
         if leaf.requires_grad != wants:  # the user froze or unfroze the parameter after wrap
             leaf.requires_grad_(wants)
-            if wants and not self.leaf_hooked:
+            if wants and self.leaf_hooks is LeafHooks.NONE:
                 self.hook_device_leaf()
             elif wants and (self.grad_hooks or self.hands_at_once):
                 self.hook_at_once()  # frozen when that was asked for
