@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import offtensor
 
@@ -207,15 +208,27 @@ def _check(row: MoeRow, out: list[torch.Tensor], refs: dict[str, list[torch.Tens
 WORKLOADS = {"decode": _decode, "infer": _prefill, "frozen-step": _lora_step}
 
 
+# Note [attention kernels of the MoE rows]
+# Every peer's rows run with cuDNN's attention left out of scaled_dot_product_attention's choice.
+# Where PyTorch picks it (CUDA builds on Hopper), cuDNN builds an execution graph for each new
+# key length, and a decode step's cache is one token longer than the last step's: every layer's
+# attention then spends milliseconds of host time building one, in every peer alike. That cost
+# is the attention library's, not the model's compute nor the link's: it would make the resident
+# model slower than routed streaming (whose copies run while the host builds) and the floor
+# below meaningless. Flash, memory-efficient and math kernels remain, as on the CPU.
+_ATTENTION_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _scenario(built: BuiltModel, s: Scenario, device: torch.device, args: argparse.Namespace, row: MoeRow,
               refs: dict[str, list[torch.Tensor]], active: ActiveBytes) -> None:
     if device.type == "cuda":
         sync(device)
         torch.cuda.reset_peak_memory_stats(device)
-    if s.kind == "decode":
-        out = _decode(built, s, device, args, row, active)
-    else:
-        out = WORKLOADS[s.kind](built, s, device, args, row)  # type: ignore[operator]
+    with sdpa_kernel(_ATTENTION_KERNELS):  # Note [attention kernels of the MoE rows]
+        if s.kind == "decode":
+            out = _decode(built, s, device, args, row, active)
+        else:
+            out = WORKLOADS[s.kind](built, s, device, args, row)  # type: ignore[operator]
     row.median_ms = statistics.median(row.times_ms)
     tokens = s.batch if s.kind == "decode" else s.batch * s.seq
     row.tokens_per_s = tokens / (row.median_ms / 1e3)
@@ -262,14 +275,27 @@ def run_moe_peer(peer: str, shape: MoeShape, scenarios: list[Scenario], device: 
     free_memory(device)
 
 
-def format_moe_table(rows: list[MoeRow], head: str) -> str:
+def decode_floor(rows: list[MoeRow], row: MoeRow, h2d: float) -> tuple[float, float] | None:
+    """(decode-1's floor in ms, the row's time over it): the resident model's step plus the bytes
+    the row copied at the link's speed, as if no copy overlapped compute (a routed layer's
+    experts are known only once its router ran)."""
+    resident = next((r for r in rows if r.peer == "resident" and r.scenario == row.scenario), None)
+    if resident is None or resident.median_ms is None or row.median_ms is None or row.bytes_per_step is None:
+        return None
+    floor = resident.median_ms + row.bytes_per_step / h2d * 1e3
+    return floor, row.median_ms / floor
+
+
+def format_moe_table(rows: list[MoeRow], head: str, h2d: float) -> str:
     """One line per peer: each scenario's tokens/s (the LoRA step's ms), decode bytes per step
-    against the active bytes, the expert hit rate, decode-1's host work (Note [host work per
-    step]) and whether the outputs equal resident's."""
+    against the active bytes, the expert hit rate, decode-1 against its floor (`decode_floor`)
+    and against whole-layer streaming, decode-1's host work (Note [host work per step]) and
+    whether the outputs equal resident's."""
     names = list(dict.fromkeys(r.scenario for r in rows))
+    whole = next((r for r in rows if r.peer == "offtensor-whole" and r.scenario == "decode-1"), None)
     lines = [head, "", "| peer | " + " | ".join(names) + " | decode-1 GB/step | x active | hit rate "
-             "| decode-1 calls / reads / copies | = resident |",
-             "| --- | " + " | ".join("---:" for _ in names) + " | ---: | ---: | ---: | ---: | --- |"]
+             "| decode-1 floor ms | x floor | x whole | decode-1 calls / reads / copies | = resident |",
+             "| --- | " + " | ".join("---:" for _ in names) + " | ---:" * 7 + " | --- |"]
     for peer in dict.fromkeys(r.peer for r in rows):
         mine = {r.scenario: r for r in rows if r.peer == peer}
         cells = []
@@ -286,8 +312,12 @@ def format_moe_table(rows: list[MoeRow], head: str) -> str:
         exact = [r.exact for r in mine.values() if r.exact is not None]
         host = (f"{b1.host_calls_per_step} / {b1.host_reads_per_step} / {b1.host_copies_per_step}"
                 if b1 and b1.host_calls_per_step is not None else "-")
+        floor = decode_floor(rows, b1, h2d) if b1 else None
+        floors = f"{floor[0]:.1f} | {floor[1]:.2f}" if floor else "- | -"
+        faster = (f"{whole.median_ms / b1.median_ms:.1f}" if b1 and b1.median_ms and whole and whole.median_ms
+                  and peer.startswith("offtensor-routed") else "-")
         lines.append(f"| {peer} | " + " | ".join(cells) + f" | {moved} | {ratio} | "
-                     + (f"{hits[-1]:.2f}" if hits else "-") + f" | {host} | "
+                     + (f"{hits[-1]:.2f}" if hits else "-") + f" | {floors} | {faster} | {host} | "
                      + (("yes" if all(exact) else "no") if exact else "-") + " |")
     return "\n".join(lines)
 
@@ -332,5 +362,5 @@ def main(args: argparse.Namespace, device: torch.device, json_args: dict[str, An
     write()
     print()
     print(format_moe_table(rows, f"--shape {shape}, bf16, on {env.get('gpu', env['device'])} | "
-                                 f"H2D {bw['h2d'] / 1e9:.1f} GB/s"), flush=True)
+                                 f"H2D {bw['h2d'] / 1e9:.1f} GB/s", bw["h2d"]), flush=True)
     return 0

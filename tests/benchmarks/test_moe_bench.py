@@ -119,3 +119,18 @@ def test_moe_shapes_take_their_own_peers_and_layers():
         cli.parse_args(["--shape", "gpt-oss-20b", "--peers", "offtensor-fp8"])
     with pytest.raises(SystemExit):
         cli.parse_args(["--shape", "gpt-oss-20b", "--compile"])
+
+
+def test_decode_floor_is_the_resident_step_plus_the_bytes_at_the_link_speed():
+    from benchmarks.moe_run import MoeRow, decode_floor, format_moe_table
+
+    resident = MoeRow("decode-1", "resident", "ok", median_ms=10.0, tokens_per_s=100.0)
+    whole = MoeRow("decode-1", "offtensor-whole", "ok", median_ms=300.0, tokens_per_s=3.3, bytes_per_step=int(14e9))
+    routed = MoeRow("decode-1", "offtensor-routed", "ok", median_ms=36.0, tokens_per_s=27.8, bytes_per_step=int(1e9))
+    rows = [resident, whole, routed]
+    floor, ratio = decode_floor(rows, routed, h2d=50e9)
+    assert floor == pytest.approx(30.0) and ratio == pytest.approx(1.2)
+    assert decode_floor(rows, resident, h2d=50e9) is None  # copies nothing: no floor of its own
+    table = format_moe_table(rows, "head", h2d=50e9).splitlines()
+    routed_line = next(line for line in table if line.startswith("| offtensor-routed |"))
+    assert "| 30.0 | 1.20 | 8.3 |" in routed_line  # floor ms, x floor, 300 / 36 ms x whole
