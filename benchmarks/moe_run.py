@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import offtensor
 
+from .dit_profile import where_time_goes
 from .measure import GiB, free_memory, measure_bandwidth, setup_failed, short_error, sync, timed
 from .model import BuiltModel, enable_checkpointing
 from .moe import MOE_SHAPES, QUICK_MOE_SHAPES, ActiveBytes, MoeShape, build_moe, setup_moe_peer, with_cache
@@ -52,6 +53,8 @@ class MoeRow:
     host_calls_per_step: int | None = None  # decode: Note [host work per step]
     host_reads_per_step: int | None = None
     host_copies_per_step: int | None = None
+    compute_busy_ms: float | None = None  # decode-1 on CUDA: one profiled step's kernels (Note [a decode step's floor])
+    link_busy_ms: float | None = None
 
     @property
     def x_active(self) -> float | None:
@@ -105,6 +108,10 @@ def _decode(built: BuiltModel, s: Scenario, device: torch.device, args: argparse
                 row.times_ms.append(timed(device, one) * 1e3)
         _count_since(model, before, row)
         row.host_calls_per_step, row.host_reads_per_step, row.host_copies_per_step = _host_work(one)
+        if s.batch == 1:
+            timeline = where_time_goes(one, device)  # None off CUDA
+            if timeline is not None:
+                row.compute_busy_ms, row.link_busy_ms = timeline["compute_busy_ms"], timeline["link_busy_ms"]
     row.active_bytes = active.per_step()
     active.steps = active.total = 0
     return out
@@ -240,7 +247,9 @@ def _scenario(built: BuiltModel, s: Scenario, device: torch.device, args: argpar
           + (f" ({row.x_active:.2f}x the active bytes)" if row.x_active is not None else "")
           + (f", output {'equal to' if row.exact else 'differs from'} resident" if row.exact is not None else "")
           + (f"; host per step: {row.host_calls_per_step} Python calls, {row.host_reads_per_step} device reads, "
-             f"{row.host_copies_per_step} copies" if row.host_calls_per_step is not None else ""),
+             f"{row.host_copies_per_step} copies" if row.host_calls_per_step is not None else "")
+          + (f"; one profiled step: kernels busy {row.compute_busy_ms:.1f} ms, link busy {row.link_busy_ms:.1f} ms"
+             if row.compute_busy_ms is not None and row.link_busy_ms is not None else ""),
           flush=True)
 
 
@@ -275,14 +284,21 @@ def run_moe_peer(peer: str, shape: MoeShape, scenarios: list[Scenario], device: 
     free_memory(device)
 
 
+# Note [a decode step's floor]
+# A routed layer's experts are known only once its router ran, so its copies cannot start before
+# that layer's compute does: decode-1's floor is the row's copied bytes at the link's speed plus
+# the resident model's compute. On CUDA that compute is the kernels' busy time in one profiled
+# resident step (the resident step's own time is mostly host time at batch 1, which a streamed
+# row's copies may hide); elsewhere the resident step's time, which is all compute.
+
+
 def decode_floor(rows: list[MoeRow], row: MoeRow, h2d: float) -> tuple[float, float] | None:
-    """(decode-1's floor in ms, the row's time over it): the resident model's step plus the bytes
-    the row copied at the link's speed, as if no copy overlapped compute (a routed layer's
-    experts are known only once its router ran)."""
+    """(decode-1's floor in ms, the row's time over it): Note [a decode step's floor]."""
     resident = next((r for r in rows if r.peer == "resident" and r.scenario == row.scenario), None)
     if resident is None or resident.median_ms is None or row.median_ms is None or row.bytes_per_step is None:
         return None
-    floor = resident.median_ms + row.bytes_per_step / h2d * 1e3
+    compute = resident.compute_busy_ms if resident.compute_busy_ms is not None else resident.median_ms
+    floor = compute + row.bytes_per_step / h2d * 1e3
     return floor, row.median_ms / floor
 
 

@@ -134,3 +134,6 @@ def test_decode_floor_is_the_resident_step_plus_the_bytes_at_the_link_speed():
     table = format_moe_table(rows, "head", h2d=50e9).splitlines()
     routed_line = next(line for line in table if line.startswith("| offtensor-routed |"))
     assert "| 30.0 | 1.20 | 8.3 |" in routed_line  # floor ms, x floor, 300 / 36 ms x whole
+    resident.compute_busy_ms = 4.0  # profiled on CUDA: the kernels' busy time, not the host-bound step
+    floor, ratio = decode_floor(rows, routed, h2d=50e9)
+    assert floor == pytest.approx(24.0) and ratio == pytest.approx(1.5)
