@@ -34,7 +34,7 @@ write to a master while a copy from it may still be in flight (`sync_master_read
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -49,6 +49,7 @@ class Streams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
+        self._cuda = _cuda_calls() if self.is_cuda else None  # Note [stream calls without Python wrappers]
         self._side: dict[str, Any] = {}  # the side streams by name, created on first use
         self._h2d: Any = None  # _side["h2d"] once made: asked at each load and each copy of experts
         self._unsynced_h2d: list[Any] = []  # events of copies that may still read host masters
@@ -57,7 +58,15 @@ class Streams:
         self.switched_from: Any = None
 
     def compute(self) -> Any:
-        return torch.cuda.current_stream(self.device) if self.is_cuda else None
+        return self.current() if self.is_cuda else None
+
+    def current(self) -> Any:
+        """The current stream of the model's CUDA device (torch.cuda.current_stream)."""
+        cuda = self._cuda
+        assert cuda is not None
+        index = self.device.index
+        stream_id, index, kind = cuda.get_current(torch.cuda.current_device() if index is None else index)
+        return cuda.new_stream(cuda.stream_type, stream_id=stream_id, device_index=index, device_type=kind)
 
     def h2d(self) -> Any:
         stream = self._h2d
@@ -88,16 +97,20 @@ class Streams:
     def record(stream: Any) -> Any:
         if stream is None:
             return None
+        cuda = _CUDA[0]
+        assert cuda is not None
         # blocking: a host that does wait on it (end of backward, the optimizer worker) sleeps
         # instead of spinning on a core the CPU optimizer could use.
-        event = torch.cuda.Event(blocking=True)
-        event.record(stream)
+        event = cuda.new_event(cuda.event_type, enable_timing=False, blocking=True, interprocess=False)
+        cuda.record(event, stream)  # torch.cuda.Event(blocking=True).record(stream)
         return event
 
     @staticmethod
     def wait(stream: Any, event: Any) -> None:
         if stream is not None and event is not None:
-            stream.wait_event(event)
+            cuda = _CUDA[0]
+            assert cuda is not None
+            cuda.wait(event, stream)  # stream.wait_event(event)
 
     def on(self, stream: Any) -> contextlib.AbstractContextManager:
         """`with streams.on(stream):` enqueues the block's work on `stream` (nothing on the CPU)."""
@@ -108,7 +121,7 @@ class Streams:
         interrupt skipped `_OnStream.__exit__` (Note [interrupts]); called at the entry points."""
         previous = self.switched_from
         if previous is not None:
-            torch.cuda.set_stream(previous)
+            _set_current(previous)
             self.switched_from = None
 
     def reads_masters(self, event: Any) -> None:
@@ -147,12 +160,54 @@ class _OnStream:
 
     def __enter__(self) -> None:
         streams = self.streams
-        self.previous = torch.cuda.current_stream(streams.device)
+        self.previous = streams.current()
         if streams.switched_from is None:  # the outermost switch: what to go back to
             streams.switched_from = self.previous
-        torch.cuda.set_stream(self.stream)
+        _set_current(self.stream)
 
     def __exit__(self, *exc: object) -> None:
-        torch.cuda.set_stream(self.previous)
+        _set_current(self.previous)
         if self.previous is self.streams.switched_from:
             self.streams.switched_from = None
+
+
+# Note [stream calls without Python wrappers]
+# A routed decode step switches streams, records events and waits on them several times per
+# layer, and every streamed scope does at each load. torch.cuda's Python wrappers of those calls
+# (current_stream, set_stream, Event, Event.record, Stream.wait_event) each add frames of argument
+# handling (the device's index resolved, CUDA's lazy initialization checked) around the one C
+# function they end in. Streams calls those C functions itself, with the arguments the wrappers
+# would pass: the same streams and events, in the same order, on the device. CUDA is initialized
+# once, when the first CUDA Streams is made.
+
+
+class _CudaCalls(NamedTuple):
+    get_current: Any  # device index -> (stream id, device index, device type)
+    set_current: Any  # (stream_id=, device_index=, device_type=)
+    new_stream: Any  # _CudaStreamBase.__new__
+    stream_type: type
+    new_event: Any  # _CudaEventBase.__new__
+    event_type: type
+    record: Any  # (event, stream)
+    wait: Any  # (event, stream): the stream waits for the event
+
+
+_CUDA: list[_CudaCalls | None] = [None]
+
+
+def _cuda_calls() -> _CudaCalls:
+    calls = _CUDA[0]
+    if calls is None:
+        torch.cuda.init()
+        C = torch._C
+        calls = _CUDA[0] = _CudaCalls(C._cuda_getCurrentStream, C._cuda_setStream, C._CudaStreamBase.__new__,
+                                      torch.cuda.Stream, C._CudaEventBase.__new__, torch.cuda.Event,
+                                      C._CudaEventBase.record, C._CudaEventBase.wait)
+    return calls
+
+
+def _set_current(stream: Any) -> None:
+    """torch.cuda.set_stream(stream), for a stream that is not None."""
+    cuda = _CUDA[0]
+    assert cuda is not None
+    cuda.set_current(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)

@@ -153,3 +153,31 @@ def test_cast_training_with_deferred_steps_matches_when_one_stream_lags(slow, mo
     offtensor.wait_for_steps()
     assert_params_match(model, reference, **tol)
     assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_streams_switch_record_and_wait_as_torch_cuda_does():
+    # Note [stream calls without Python wrappers] (scopes/streams.py): the C calls give the
+    # streams and events torch.cuda's wrappers would, and a wait orders what follows it.
+    from offtensor.scopes.streams import Streams
+
+    streams = Streams(torch.device("cuda", torch.cuda.current_device()))
+    user = torch.cuda.Stream()
+    x = torch.zeros(1 << 22, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(user):  # the caller's own current stream is the compute stream
+        assert streams.compute() == torch.cuda.current_stream() == user
+        assert type(streams.compute()) is torch.cuda.Stream
+        h2d = streams.h2d()
+        with streams.on(h2d):
+            assert torch.cuda.current_stream() == h2d and streams.switched_from == user
+            torch.cuda._sleep(_SLEEP_CYCLES)
+            x.fill_(1)
+        assert torch.cuda.current_stream() == user and streams.switched_from is None
+        done = streams.record(h2d)
+        assert type(done) is torch.cuda.Event and not done.query()  # the sleep still runs
+        streams.wait(user, done)
+        y = x * 2  # on the caller's stream, after the fill
+    torch.cuda.synchronize()
+    assert done.query() and torch.equal(y, torch.full_like(x, 2))
