@@ -45,6 +45,11 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+try:
+    import resource
+except ImportError:  # not on Windows: no page faults are counted there
+    resource = None  # type: ignore[assignment]
+
 import offtensor
 
 from .dit import fp8_round_trip_
@@ -98,6 +103,7 @@ class Cell:
     ratios: list[float] = field(default_factory=list)  # per round, over the plain model's time
     seconds: list[float] = field(default_factory=list)  # per step, per round
     calls: int | None = None  # Python calls per step
+    faults: list[float] = field(default_factory=list)  # minor page faults per step, per round (Note [page faults])
     check: str = ""  # '=' (bit for bit), 'no grads', or what differs
     error: str | None = None
 
@@ -318,6 +324,23 @@ def _seconds(fn: Callable[[], Any], iters: int) -> float:
     return (time.thread_time() - start) / iters
 
 
+# Note [page faults]
+# On the CPU a streamed scope's device copy is a fresh allocation at every load, as on CUDA, but
+# where CUDA's caching allocator hands back memory it keeps, glibc gives large freed blocks back to
+# the kernel (a block it mmap'd, or the heap's top, trimmed) depending on the sizes freed before,
+# and the next allocation faults its pages in again, zeroed. That cost comes and goes with the
+# heap's history (one process measured Llama's streamed forward at 1.3x plain, another at 2.3x),
+# and a GPU has no such cost: so each peer's minor page faults per step in its timed turns are
+# counted and shown beside its ratios, to read a row's time with.
+
+
+def _minor_faults() -> int:
+    """This thread's minor page faults so far (the process's where the OS counts no thread's)."""
+    if resource is None:
+        return 0
+    return resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt
+
+
 def time_in_turn(steps: dict[str, Callable[[], Any]], cells: dict[str, Cell], rounds: int,
                  target_s: float) -> None:
     """Each step timed in turn, `rounds` times (the order rotated each round), enough iterations
@@ -340,7 +363,9 @@ def _rounds(steps: dict[str, Callable[[], Any]], cells: dict[str, Cell], rounds:
         times: dict[str, float] = {}
         for name in order:
             try:
+                faults = _minor_faults()
                 times[name] = _seconds(steps[name], iters)
+                cells[name].faults.append((_minor_faults() - faults) / iters)  # Note [page faults]
             except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, the rest go on
                 cells[name].error = short_error(exc)
         for name in list(steps):
@@ -481,6 +506,17 @@ def calls_table(rows: list[Row]) -> list[str]:
     return lines
 
 
+def faults_table(rows: list[Row]) -> list[str]:
+    """Each peer's minor page faults per step, the median over its timed turns (Note [page faults])."""
+    peers = [p for p in PEERS if p != "memcpy" and any(p in r.cells for r in rows)]
+    lines = ["| page faults per step | " + " | ".join(peers) + " |", "| --- |" + " ---: |" * len(peers)]
+    for r in rows:
+        faults = [c.faults if (c := r.cells.get(p)) is not None else [] for p in peers]
+        lines.append(f"| {r.workload} {r.mode} | "
+                     + " | ".join(f"{statistics.median(f):.0f}" if f else "-" for f in faults) + " |")
+    return lines
+
+
 def checks(rows: list[Row]) -> str:
     bad = [f"{r.workload} {r.mode} {p}: {c.check}" for r in rows for p, c in r.cells.items()
            if c.error is None and c.check not in ("=", "-") and not (p == "accelerate" and c.check == NO_GRADS)]
@@ -540,6 +576,8 @@ def _run(args: argparse.Namespace) -> int:
         print("\n".join(ops.per_op_table(per_op)))
     print()
     print("\n".join(calls_table(rows)))
+    print()
+    print("\n".join(faults_table(rows)))
     print()
     print("\n".join(table(rows)))
     if args.json is not None:

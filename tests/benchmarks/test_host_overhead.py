@@ -30,7 +30,8 @@ def test_quick_host_overhead_fills_every_row_and_every_peer_matches_the_plain_mo
     table = printed[printed.rindex("| x plain |"):].strip().splitlines()  # the table is printed last
     assert [line.split(" | ")[0].lstrip("| ") for line in table[2:]] == ROWS
     assert "checks: every output and grad equals the plain model's" in printed, printed
-    for section in ("| kept training step, Llama |", "| per op (kept scope) |", "| Python calls per step |"):
+    for section in ("| kept training step, Llama |", "| per op (kept scope) |", "| Python calls per step |",
+                    "| page faults per step |"):
         assert section in printed
     record = json.loads(out.read_text())
     accelerate = "accelerate" in record["rows"][0]["cells"]
@@ -42,6 +43,7 @@ def test_quick_host_overhead_fills_every_row_and_every_peer_matches_the_plain_mo
         for name, cell in cells.items():
             assert cell["error"] is None, (row["mode"], name, cell["error"])
             assert len(cell["ratios"]) == 3 and all(r > 0 for r in cell["ratios"]), (row["mode"], name)
+            assert len(cell["faults"]) == 3 and all(f >= 0 for f in cell["faults"]), (row["mode"], name)
             if name != "memcpy":
                 assert cell["calls"] > 0
                 ok = ("=", NO_GRADS) if name == "accelerate" and row["mode"] == "train" else ("=",)
