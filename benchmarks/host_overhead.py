@@ -23,12 +23,14 @@ calls per step are counted (sys.setprofile 'call' events) in an untimed step; ea
 whose matrices are rounded as fp8 stores them), and in training the plain model's grads must
 all be non-zero (else equal grads prove little). Then: the kept training step's ratio as the
 number of scopes grows (scaling), and single ops and metadata reads on an offloaded parameter
-(host_overhead_ops.py).
+(host_overhead_ops.py). On the CPU, glibc keeps freed memory for reuse for the whole run, for
+every peer (Note [page faults]).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -54,7 +56,7 @@ import offtensor
 
 from .dit import fp8_round_trip_
 from .host_overhead_lora import NOT_APPLICABLE, diffusers_checkpointing, lora_base, transformers_checkpointing
-from .measure import short_error, sync, version
+from .measure import freed_memory_kept, short_error, sync, version
 from .streamed import fp8_compressed
 
 PEERS = ("plain", "kept", "streamed", "fp8", "diffusers", "accelerate", "memcpy")
@@ -328,10 +330,11 @@ def _seconds(fn: Callable[[], Any], iters: int) -> float:
 # On the CPU a streamed scope's device copy is a fresh allocation at every load, as on CUDA, but
 # where CUDA's caching allocator hands back memory it keeps, glibc gives large freed blocks back to
 # the kernel (a block it mmap'd, or the heap's top, trimmed) depending on the sizes freed before,
-# and the next allocation faults its pages in again, zeroed. That cost comes and goes with the
+# and the next allocation faults its pages in again, zeroed. That cost came and went with the
 # heap's history (one process measured Llama's streamed forward at 1.3x plain, another at 2.3x),
-# and a GPU has no such cost: so each peer's minor page faults per step in its timed turns are
-# counted and shown beside its ratios, to read a row's time with.
+# and a GPU has no such cost. So on the CPU the benchmark runs with glibc keeping freed blocks
+# under 32 MiB for reuse, for every peer alike (`freed_memory_kept`, measure.py), and counts each
+# peer's minor page faults per step in its timed turns, shown beside its ratios.
 
 
 def _minor_faults() -> int:
@@ -555,12 +558,18 @@ def main(name: str, argv: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    with freed_memory_kept() if device.type == "cpu" else contextlib.nullcontext("") as memory:
+        return _measure(args, device, memory)
+
+
+def _measure(args: argparse.Namespace, device: torch.device, memory: str) -> int:
     from . import host_overhead_ops as ops
 
-    device = torch.device(args.device)
     print(f"host overhead on {device}: torch {torch.__version__}, diffusers {version('diffusers')}, "
           f"transformers {version('transformers')}, accelerate {version('accelerate')}; one thread, thread "
-          f"time, {args.rounds} rounds, medians of per-round ratios to the plain model", flush=True)
+          f"time, {args.rounds} rounds, medians of per-round ratios to the plain model"
+          + (f"; {memory}" if memory else ""), flush=True)
     notes: dict[str, str] = {}
     rows = [row for w in workloads(args.quick) for row in run_workload(w, device, args, notes)]
     scaling = ops.scaling(args, device)

@@ -27,6 +27,35 @@ def temporarily(get: Callable[[], Any], set_: Callable[[Any], None], value: Any)
         set_(old)
 
 
+# mallopt's parameters (glibc's malloc.h) and glibc's defaults for them
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's largest on 64-bit (HEAP_MAX_SIZE / 2)
+_MALLOC_DEFAULTS = {_M_TRIM_THRESHOLD: 128 * 1024, _M_MMAP_THRESHOLD: 128 * 1024}
+
+
+@contextlib.contextmanager
+def freed_memory_kept() -> Any:
+    """Within the block glibc keeps freed blocks under 32 MiB for the next allocation, as CUDA's
+    caching allocator keeps device memory (Note [page faults] in host_overhead.py): no block under
+    that size is mmap'd, and the heap is not trimmed. Yields how, in words, or why not. After it,
+    glibc's default sizes, without the dynamic threshold that an explicit value ends."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):
+        yield "freed memory: the platform's allocator (no glibc mallopt)"
+        return
+    if not (mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)):
+        yield "freed memory: glibc's defaults (mallopt refused)"
+        return
+    try:
+        yield "freed blocks under 32 MiB kept for reuse (glibc mallopt)"
+    finally:
+        for param, value in _MALLOC_DEFAULTS.items():
+            mallopt(param, value)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

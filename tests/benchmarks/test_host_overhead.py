@@ -5,6 +5,7 @@ Timings are not asserted."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,3 +67,48 @@ def test_quick_host_overhead_fills_every_row_and_every_peer_matches_the_plain_mo
     assert {"p.shape", "p.dtype", "p.device", "p.numel()", "p.requires_grad", "p.grad (set)",
             "p.grad = None"} <= set(ops)
     assert ops["the scope's call, one op"]["calls_offtensor"] > 0
+
+
+
+
+_ROUNDS = """
+import contextlib, ctypes, resource, sys, torch
+from benchmarks.measure import freed_memory_kept
+kept = sys.argv[1] == "kept"
+if not kept:  # glibc's first threshold, held: each block mmap'd (its default moves with the history)
+    ctypes.CDLL(None).mallopt(-3, 128 * 1024)
+with freed_memory_kept() if kept else contextlib.nullcontext("mmap'd") as how:
+    faults = []
+    for _ in range(6):  # twelve blocks of about 1.4 MiB: a streamed scope's copy at the benchmark's shapes
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        blocks = [torch.ones((1400 + 4 * i) * 1024, dtype=torch.uint8) for i in range(12)]
+        del blocks
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(how, *faults)
+"""
+
+
+def _faults_per_round(how: str) -> tuple[str, list[int]]:
+    """In a fresh process (a heap with no history): minor page faults of each round of
+    allocating, writing and freeing twelve blocks; the allocator's setting, in words."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _ROUNDS, how], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    words = done.stdout.split()
+    return " ".join(words[:-6]), [int(f) for f in words[-6:]]
+
+
+def test_freed_memory_is_kept_for_reuse_within_the_benchmark():
+    # Note [page faults] (benchmarks/host_overhead.py): with freed_memory_kept, blocks freed are
+    # given again without faulting their pages in, as CUDA's caching allocator gives device
+    # memory back; mmap'd (as glibc's default does at times), each round faults them in again.
+    pytest.importorskip("resource")
+    pages = sum((1400 + 4 * i) * 1024 for i in range(12)) // 4096
+    how, kept = _faults_per_round("kept")
+    if "kept for reuse" not in how:
+        pytest.skip(how)
+    _, mapped = _faults_per_round("mmap")
+    assert max(kept[3:]) < pages // 20, kept  # the first rounds grow the heap
+    assert min(mapped[3:]) > pages // 2, mapped  # the rounds do fault where memory is not kept
