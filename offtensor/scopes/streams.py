@@ -182,6 +182,8 @@ class _OnStream:
 
 
 class _CudaCalls(NamedTuple):
+    """The C functions torch.cuda's stream and event wrappers call (Note [stream calls without Python wrappers])."""
+
     get_current: Any  # device index -> (stream id, device index, device type)
     set_current: Any  # (stream_id=, device_index=, device_type=)
     new_stream: Any  # _CudaStreamBase.__new__
