@@ -331,10 +331,10 @@ def _seconds(fn: Callable[[], Any], iters: int) -> float:
 # where CUDA's caching allocator hands back memory it keeps, glibc gives large freed blocks back to
 # the kernel (a block it mmap'd, or the heap's top, trimmed) depending on the sizes freed before,
 # and the next allocation faults its pages in again, zeroed. That cost came and went with the
-# heap's history (one process measured Llama's streamed forward at 1.3x plain, another at 2.3x),
-# and a GPU has no such cost. So on the CPU the benchmark runs with glibc keeping freed blocks
-# under 32 MiB for reuse, for every peer alike (`freed_memory_kept`, measure.py), and counts each
-# peer's minor page faults per step in its timed turns, shown beside its ratios.
+# heap's history, between processes of the same benchmark, and a GPU has no such cost. So on the
+# CPU the benchmark runs with glibc keeping freed blocks under 32 MiB for reuse, for every peer
+# alike (`freed_memory_kept`, measure.py), and counts each peer's minor page faults per step in
+# its timed turns, shown beside its ratios.
 
 
 def _minor_faults() -> int:

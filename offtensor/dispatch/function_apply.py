@@ -64,12 +64,13 @@ class _RecordedFunctions(threading.local):
     def depth(self) -> int:
         frames = self.frames
         if frames:
-            on_stack: set[int] = set()
+            missing = {id(frame) for frame in frames}
             f: FrameType | None = sys._getframe(1)
-            while f is not None:
-                on_stack.add(id(f))
+            while f is not None and missing:  # up to the outermost listed frame, unless one is gone
+                missing.discard(id(f))
                 f = f.f_back
-            frames[:] = [frame for frame in frames if id(frame) in on_stack]  # in place: calls pop from it
+            if missing:
+                frames[:] = [frame for frame in frames if id(frame) not in missing]  # in place: calls pop from it
         return len(frames)
 
 

@@ -49,7 +49,8 @@ class Streams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
-        self._cuda = _cuda_calls() if self.is_cuda else None  # Note [stream calls without Python wrappers]
+        if self.is_cuda:
+            _cuda_calls()  # CUDA initialized once (Note [stream calls without Python wrappers])
         self._side: dict[str, Any] = {}  # the side streams by name, created on first use
         self._h2d: Any = None  # _side["h2d"] once made: asked at each load and each copy of experts
         self._unsynced_h2d: list[Any] = []  # events of copies that may still read host masters
@@ -62,8 +63,7 @@ class Streams:
 
     def current(self) -> Any:
         """The current stream of the model's CUDA device (torch.cuda.current_stream)."""
-        cuda = self._cuda
-        assert cuda is not None
+        cuda = _cuda_calls()
         index = self.device.index
         stream_id, index, kind = cuda.get_current(torch.cuda.current_device() if index is None else index)
         return cuda.new_stream(cuda.stream_type, stream_id=stream_id, device_index=index, device_type=kind)
@@ -97,8 +97,7 @@ class Streams:
     def record(stream: Any) -> Any:
         if stream is None:
             return None
-        cuda = _CUDA[0]
-        assert cuda is not None
+        cuda = _cuda_calls()
         # blocking: a host that does wait on it (end of backward, the optimizer worker) sleeps
         # instead of spinning on a core the CPU optimizer could use.
         event = cuda.new_event(cuda.event_type, enable_timing=False, blocking=True, interprocess=False)
@@ -108,8 +107,7 @@ class Streams:
     @staticmethod
     def wait(stream: Any, event: Any) -> None:
         if stream is not None and event is not None:
-            cuda = _CUDA[0]
-            assert cuda is not None
+            cuda = _cuda_calls()
             cuda.wait(event, stream)  # stream.wait_event(event)
 
     def on(self, stream: Any) -> contextlib.AbstractContextManager:
@@ -198,6 +196,7 @@ _CUDA: list[_CudaCalls | None] = [None]
 
 
 def _cuda_calls() -> _CudaCalls:
+    """The C functions, found (and CUDA initialized) on the first call."""
     calls = _CUDA[0]
     if calls is None:
         torch.cuda.init()
@@ -210,6 +209,5 @@ def _cuda_calls() -> _CudaCalls:
 
 def _set_current(stream: Any) -> None:
     """torch.cuda.set_stream(stream), for a stream that is not None."""
-    cuda = _CUDA[0]
-    assert cuda is not None
-    cuda.set_current(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
+    _cuda_calls().set_current(stream_id=stream.stream_id, device_index=stream.device_index,
+                              device_type=stream.device_type)
