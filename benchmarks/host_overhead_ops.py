@@ -9,6 +9,8 @@ one op (and its Python calls); an op inside the kept scope's call ((time with K 
 one) / (K - 1)), with autograd on, under no_grad and under inference_mode; and metadata on the
 offloaded parameter against nn.Parameter's (shape, dtype, device, numel(), requires_grad,
 reading .grad, setting it to None). Each measured in turn with its plain twin, medians over rounds.
+Then a block of CHAIN small Linear layers (2 * CHAIN parameters, one kept scope) called
+with its caches warm and called after EVICT_MIB were written (Note [cold calls]).
 """
 
 from __future__ import annotations
@@ -31,6 +33,18 @@ import offtensor
 from .host_overhead import KEEP_ALL, MODES, Memcpy, llama, python_calls, run_row, setup
 
 K_OPS = 9  # ops in the block's call when an op's own cost is measured
+CHAIN = 10  # Linear layers of the block whose call is timed warm and cold
+EVICT_MIB = 16  # written between two cold calls: more than this host's caches hold
+
+# Note [cold calls]
+# On the CPU the model's compute runs on the host's own cores: between two calls of a scope its
+# matrices and activations pass through the caches and evict what the scope's hooks touch
+# (each parameter's slot, master, device copy and version counter, the modules' dicts). Each of
+# those reads then waits for memory, and a scope's call costs more than its Python calls alone
+# would, as the plain model's own Python does. On a GPU the kernels run on the device and leave
+# the host's caches to the host's Python. So the per-op section times a scope's call both ways:
+# warm (calls in a row) and cold (EVICT_MIB written before each, outside the timing): the
+# difference is what the model rows on the CPU pay per call beyond the Python itself.
 
 
 @dataclass
@@ -99,6 +113,34 @@ class Stack(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.blocks[0](x)  # type: ignore[no-any-return]
+
+
+class Chain(nn.Module):
+    """CHAIN Linear layers of `n` features: a scope of 2 * CHAIN parameters."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(*[nn.Linear(n, n) for _ in range(CHAIN)])])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](x)  # type: ignore[no-any-return]
+
+
+def _chain_calls(chain: Chain, x: torch.Tensor, number: int, evict: torch.Tensor | None) -> Probe:
+    """The chain block's call, with autograd on; `evict`: written before each call, untimed."""
+    block = chain.blocks[0]
+
+    def run() -> float:
+        total = 0.0
+        for _ in range(number):
+            if evict is not None:
+                evict.add_(1)
+            start = time.thread_time()
+            block(x)
+            total += time.thread_time() - start
+        return total / number
+
+    return run
 
 
 @dataclass
@@ -186,6 +228,15 @@ def per_op(args: argparse.Namespace, device: torch.device) -> list[PerOp]:
     if not isinstance(kept.blocks[0].weight, offtensor.OffloadedParameter):
         raise AssertionError("bench host-overhead: the kept block's weight is not offloaded")
     probes = (_probes(plain, x, number), _probes(kept, x, number))
+    evict = torch.zeros(EVICT_MIB * 2**18)  # float32
+    chains = (Chain(n), Chain(n))
+    chains[1].load_state_dict(chains[0].state_dict())
+    offtensor.wrap(chains[1], device=device, policy=offtensor.Policy(vram_budget=KEEP_ALL))
+    for chain, found in zip(chains, probes, strict=True):
+        chain.to(device)
+        chain(x)  # the first pass (offtensor learns the order)
+        found[f"a call of {2 * CHAIN} parameters, warm"] = _chain_calls(chain, x, number // 10, None)
+        found[f"a call of {2 * CHAIN} parameters, cold"] = _chain_calls(chain, x, number // 10, evict)
     out = []
     for what in probes[0]:
         ratios: list[float] = []

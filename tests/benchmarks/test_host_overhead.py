@@ -67,6 +67,8 @@ def test_quick_host_overhead_fills_every_row_and_every_peer_matches_the_plain_mo
     assert {"p.shape", "p.dtype", "p.device", "p.numel()", "p.requires_grad", "p.grad (set)",
             "p.grad = None"} <= set(ops)
     assert ops["the scope's call, one op"]["calls_offtensor"] > 0
+    calls = [ops[f"a call of 20 parameters, {how}"] for how in ("warm", "cold")]
+    assert all(c["plain_us"] > 0 and c["offtensor_us"] > 0 for c in calls), calls
 
 
 
