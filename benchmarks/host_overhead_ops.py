@@ -44,7 +44,7 @@ EVICT_MIB = 16  # written between two cold calls: more than this host's caches h
 # would, as the plain model's own Python does. On a GPU the kernels run on the device and leave
 # the host's caches to the host's Python. So the per-op section times a scope's call both ways:
 # warm (calls in a row) and cold (EVICT_MIB written before each, outside the timing): the
-# difference is what the model rows on the CPU pay per call beyond the Python itself.
+# difference is what cold caches add to a call, which the model rows on the CPU pay.
 
 
 @dataclass
