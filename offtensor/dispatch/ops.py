@@ -79,16 +79,15 @@ SCALAR_TYPES = frozenset({int, float, bool, type(None), str})
 def resident_copies_ready(scope: SlotScope, *, versions_read: bool = False) -> bool:
     """Of a RESIDENT scope: `ready_copy` would return each slot's device copy but a routed expert
     parameter's (whose ops copy the rows they read: they keep the per-op path, Note [calls of a
-    loaded scope] in engine/hooks.py), and no master is compressed or in a file (`packed`); the
-    copies' requires_grad set as `use_device_copy` sets it. The checks of ready_copy, with the
-    version reads one per scope (Note [one version read per scope] in scopes/write_tracking.py):
-    asked at each call of a kept scope. `versions_read`: the masters' versions were just found
-    unchanged since their copies (in the same pre-hook)."""
+    loaded scope] in engine/hooks.py); the copies' requires_grad set as `use_device_copy` sets it.
+    The checks of ready_copy, with the version reads one per scope (Note [one version read per
+    scope] in scopes/write_tracking.py): asked at each call of a kept scope. `versions_read`: the
+    masters' versions were just found unchanged since their copies (in the same pre-hook)."""
     slots = scope.slots
     if scope.calls.running <= 0 or scope.copy_order is None:
         return False
     for slot in slots:  # a loop over plain fields: asked per parameter and call
-        if slot.packed is not None or slot.pending_step is not None or slot.stepped_elsewhere is not None:
+        if slot.pending_step is not None or slot.stepped_elsewhere is not None:
             return False
     if not scope.writes.copies_current(len(slots), versions_read=versions_read):
         return False

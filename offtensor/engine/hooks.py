@@ -195,7 +195,7 @@ class ScopeHooks:
         back as it is (no compute dtype, no compressed or file master, no transform or trace).
         `current`: this call's pre-hook found no master written since its copy was made."""
         scope = self.scope
-        if (scope.casts or self.engine.thread.foreign() or _compile.tracing()
+        if (scope.compute_dtype_differs or self.engine.thread.foreign() or _compile.tracing()
                 or torch._C._functorch.peek_interpreter_stack() is not None):
             return
         if not resident_copies_ready(scope, versions_read=current):
@@ -371,12 +371,13 @@ def _check_inputs(scope: Scope, device: torch.device, inputs: list[torch.Tensor]
 # call starts is RESIDENT at once (Note [a load that landed before its call]). The copies are
 # `ExposedCopy`s, nn.Parameters whose `.data` aliases are noted: a write in the forward changes the
 # copy, as it changes a plain parameter at once, and at the call's end each copy whose version
-# moved, or whose alias's did, is copied into its master (MasterWrites.exposed_call_ended). A
-# recompute in backward is exposed too (Note [exposed recomputes]). Not exposed: a compute dtype,
-# compressed or file masters (a write could not be copied back exactly), torch.func transforms and
-# make_fx traces; nor a routed expert parameter, whose ops copy the rows they read (Note [routed
-# experts] in scopes/experts.py): the rest of its scope is exposed around it. A write in a call
-# that an interrupt ends is lost.
+# moved, or whose alias's did, is copied into its master (MasterWrites.exposed_call_ended); one
+# whose master is compressed or in a file raises there instead, as a write through the parameter
+# does at the op (Note [compressed masters] in storage/compress.py). A recompute in backward is
+# exposed too (Note [exposed recomputes]). Not exposed: a compute dtype (a write could not be
+# copied back exactly), torch.func transforms and make_fx traces; nor a routed expert parameter,
+# whose ops copy the rows they read (Note [routed experts] in scopes/experts.py): the rest of its
+# scope is exposed around it. A write in a call that an interrupt ends is lost.
 
 # Note [a load that landed before its call]
 # A prefetched scope is LOADING when its call starts, even when every copy and conversion of its

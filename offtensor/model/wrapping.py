@@ -301,7 +301,8 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
         [p.numel() * dt.itemsize for (_, p), dt in zip(params, dtypes, strict=True)]
     )
     # A compressed master is dequantized on the device: loaded as a cast is (scopes/loading.py).
-    scope.casts = any(packs) or any(dt != p.dtype for (_, p), dt in zip(params, dtypes, strict=True))
+    scope.compute_dtype_differs = any(dt != p.dtype for (_, p), dt in zip(params, dtypes, strict=True))
+    scope.casts = any(packs) or scope.compute_dtype_differs
     # Each master gets a storage of its own in the scope's one host allocation (Note [one
     # storage per master] in storage/memory.py); host_flat spans them all for the bulk copy.
     files = scope.masters.files

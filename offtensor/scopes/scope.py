@@ -201,8 +201,10 @@ class Scope:
         self.writes = WriteTracker(self.streams, self.slots)
         self.traffic = Traffic()  # bytes to the device since wrap; routed experts' hits
         self.old_grads = OldGrads(self.streams, self.slots, self.traffic)
-        # Policy.compute_dtype differs from a master's dtype: the load casts (Policy.cast).
+        # The load converts: Policy.compute_dtype differs from a master's dtype (the load casts,
+        # Policy.cast), or a master is compressed (dequantized on the device).
         self.casts = False
+        self.compute_dtype_differs = False  # the first of those (ops compute in another dtype)
         self.first_uses: dict[ParamSlot, None] = {}  # first forward: parameters in order of use
         self.copy_order: list[ParamSlot] | None = None  # learned from first_uses
         self.load_plan: LoadPlan | None = None  # a progressive load's copies, from copy_order

@@ -20,11 +20,13 @@ holds no values (a NaN scalar expanded to its shape, so a read that bypassed off
 visibly wrong rather than silently plausible); every read through the parameter gets the unpacked
 values (`packed_torch_function`). Writes through the parameter (`p.copy_`, `load_state_dict`,
 `nn.init`, `p.data = t`) compute on the unpacked values and compress them again: afterwards `p`
-reports the new compressed values, which is what the forward computes. Writes to a tensor taken
-from it (`p.data.add_()`, `p.detach().copy_()`) change a copy and are lost, as both `p` and the
-forward keep the stored values. A compressed parameter cannot be trained (the optimizer would
-step values that compressing again rounds away): setting `requires_grad` on it raises, naming the
-parameter and the fix.
+reports the new compressed values, which is what the forward computes. Not inside its scope's
+forward, which computes with the device copy: there a write raises, naming it, and changes
+nothing (through the parameter at the op, through the copy a loaded scope's modules see at the
+call's end). Writes to a tensor taken from it (`p.data.add_()`, `p.detach().copy_()`) change a
+copy and are lost, as both `p` and the forward keep the stored values. A compressed parameter
+cannot be trained (the optimizer would step values that compressing again rounds away): setting
+`requires_grad` on it raises, naming the parameter and the fix.
 
 Only matrices are compressed (2-D or more: rows are dim 0), of a float dtype of 2 bytes or more;
 1-D parameters (norms, biases) and tensors below `MIN_NUMEL` elements stay in their dtype, costing
@@ -315,6 +317,7 @@ def _write_op(func: Any, args: tuple, kwargs: dict, packed: list[Any], targets: 
     [compressed masters])."""
     for p in targets:
         p._ot.packed.check_write()
+        _refuse_in_call(p._ot)
     for p in targets:
         p._ot.scope.before_master_write(p._ot)
     subs = {id(p): p._ot.packed.unpack() for p in packed}
@@ -333,6 +336,16 @@ def _write_op(func: Any, args: tuple, kwargs: dict, packed: list[Any], targets: 
     if isinstance(result, (list, tuple)):
         return type(result)(back.get(id(r), r) for r in result)
     return back.get(id(result), result)
+
+
+def _refuse_in_call(slot: Any) -> None:
+    """A compressed master is not written inside its scope's forward (Note [compressed masters])."""
+    if slot.scope.calls.running > 0:
+        raise RuntimeError(
+            f"offtensor: parameter {slot.name!r} is written in place inside the forward of its scope "
+            f"{slot.scope.name!r}, where its compressed master (Policy(frozen_format=...)) cannot take "
+            "the write as the forward would see it. Write it outside the forward (before or after it), "
+            "or call offtensor.unwrap(model) first. Nothing was changed")
 
 
 def quantize_dequantize(t: torch.Tensor, fmt: FrozenFormat | str) -> torch.Tensor:

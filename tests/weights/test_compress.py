@@ -277,6 +277,72 @@ def test_writes_through_the_parameter_requantize(device, fmt):
         torch.testing.assert_close(model(x), plain(x), **tolerances(device, torch.bfloat16))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("device", devices)
+def test_a_loaded_compressed_scope_computes_with_plain_device_copies(device, fmt, monkeypatch):
+    """Once a compressed scope is RESIDENT (kept here), its calls expose its dequantized device
+    copies (Note [calls of a loaded scope] in engine/hooks.py): module code reads plain tensors
+    and no op goes through __torch_function__; the outputs stay those of the compressed reference."""
+    model = _model().requires_grad_(False)
+    reference = _compressed_reference(model, fmt, device)
+    _wrap(model, device, frozen_format=fmt, vram_budget=2**40)
+    x = torch.randn(3, 8, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        model(x)  # the first call learns the copy order
+        dispatched, seen = [], []
+        original = offtensor.OffloadedParameter.__torch_function__.__func__
+
+        def counted(cls, func, types, args=(), kwargs=None):
+            dispatched.append(func)
+            return original(cls, func, types, args, kwargs)
+
+        monkeypatch.setattr(offtensor.OffloadedParameter, "__torch_function__", classmethod(counted))
+        hook = model.blocks[1].fc1.register_forward_pre_hook(lambda m, args: seen.append(type(m.weight).__name__))
+        out = model(x)
+        hook.remove()
+    assert seen == ["ExposedCopy"] and dispatched == [], (seen, dispatched)
+    assert _packed_slots(model)
+    with torch.no_grad():
+        torch.testing.assert_close(out, reference(x), **tolerances(device, torch.bfloat16))
+
+
+@pytest.mark.parametrize("how,when", [
+    ("through_the_attribute", "first_call"), ("through_the_attribute", "loaded"),
+    ("through_the_parameter", "first_call"), ("through_the_parameter", "loaded"),
+    ("through_data", "loaded"),  # in a call served op by op `p.data` is a copy: a write is lost
+])
+def test_a_write_to_a_compressed_parameter_inside_its_forward_raises_and_changes_nothing(how, when):
+    """Inside its scope's forward a compressed parameter is a device copy of its dequantized
+    values (or, in a scope's first call, served op by op): a write there raises, naming it, at
+    the op or at the call's end; the master keeps its values and the next forward computes as
+    before (Note [compressed masters] in storage/compress.py)."""
+    model = _model().requires_grad_(False)
+    block = model.blocks[1]
+    _wrap(model, "cpu", frozen_format="fp8", vram_budget=2**40)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        if when == "loaded":
+            model(x)
+        before, expected = block.fc1.weight.detach().clone(), copy.deepcopy(model)(x)
+
+    def write(module, args):
+        with torch.no_grad():
+            if how == "through_the_attribute":
+                module.fc1.weight.mul_(2)
+            elif how == "through_the_parameter":
+                dict(module.named_parameters())["fc1.weight"].mul_(2)
+            else:
+                module.fc1.weight.data.mul_(2)
+
+    handle = block.register_forward_pre_hook(write)
+    with pytest.raises(RuntimeError, match=r"'blocks\.1\.fc1\.weight'.*inside the forward"), torch.no_grad():
+        model(x)
+    handle.remove()
+    assert torch.equal(block.fc1.weight.detach(), before)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+
+
 def test_unfreezing_a_compressed_parameter_raises_naming_it():
     model = _model().requires_grad_(False)
     _wrap(model, "cpu", frozen_format="fp8")
