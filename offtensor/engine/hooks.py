@@ -46,7 +46,8 @@ from ..dispatch.slot import ParamSlot, in_backward
 from ..scopes.experts import fill_all_experts
 from ..scopes.scope import Scope
 from ..scopes.write_tracking import versions_of
-from .engine import Engine, ModelForward
+from .call_checks import Home, check_distributed, check_inputs
+from .engine import Engine
 from .failures import FailureCheck
 from .writes import DeviceVersions
 
@@ -63,18 +64,18 @@ class ScopeHooks:
         # Where the scope's parameters are registered: (module._parameters, key, slot), to
         # notice fully_shard replacing them (Note [data-parallel wrappers] in dispatch/wrapper_guards.py).
         self._homes = _homes(scope)
-        self._exposed: list[_Home] | None = None  # Note [torch.compile]
+        self._exposed: list[Home] | None = None  # Note [torch.compile]
         self._versions: DeviceVersions = []  # of the exposed copies (Note [writes in compiled code])
         # The slots, device copies and their versions of an eager call with them exposed
         # (Note [calls of a loaded scope])
         self._loaded: tuple[list[ParamSlot], list[torch.Tensor], list[int]] | None = None
         self._compared = False  # a compiled call compared the copies with the masters
-        self._places: list[_Home] | None = None  # cache of _current_homes
+        self._places: list[Home] | None = None  # cache of _current_homes
         # The `.data` aliases of the exposed copies and their versions, while an eager call has
         # them exposed (Note [calls of a loaded scope]); shared with the copies
         self._exposure = Exposure()
-        self._attrs: list[_Home] | None = None  # where they are exposed
-        self._attr_places: tuple[list[_Home], list[_Home]] | None = None  # cache of _attribute_homes
+        self._attrs: list[Home] | None = None  # where they are exposed
+        self._attr_places: tuple[list[Home], list[Home]] | None = None  # cache of _attribute_homes
         self._in_pre_hook = False  # a forward pre-hook of the scope runs
 
     def install(self) -> None:
@@ -87,6 +88,10 @@ class ScopeHooks:
         self.handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
 
     def remove(self) -> None:
+        if self._attrs is not None:  # nothing of offtensor's stays in the modules
+            self._unexpose_loaded()
+        if self._exposed is not None:
+            self._hide()
         for h in self.handles:
             h.remove()
         self.handles.clear()
@@ -96,9 +101,16 @@ class ScopeHooks:
         """Forget the calls a KeyboardInterrupt left (FailureCheck)."""
         interrupted = self.calls.drop_interrupted()
         if interrupted:
-            _forget_calls(self.scope, interrupted)
-            if self.scope.calls.running == 0:
-                self._unexpose_loaded()
+            self._end_interrupted(interrupted)
+
+    def _end_interrupted(self, n: int) -> None:
+        """Forget `n` calls a KeyboardInterrupt ended, after taking back the copies they left
+        (Note [writes after an interrupt])."""
+        try:
+            if self._attrs is not None and self._loaded is not None and self.scope.calls.running <= n:
+                self._take_back_exposed()
+        finally:
+            _forget_calls(self.scope, n)
 
     def exposure_live(self) -> bool:
         """The copies are still exposed once the calls an interrupt ended are forgotten (a
@@ -116,17 +128,17 @@ class ScopeHooks:
         # and theirs (`Hook`, `_call` in dispatch/compile.py, or _eager_pre_forward).
         interrupted = self.calls.enter(ours=3)
         if interrupted:
-            _forget_calls(scope, interrupted)
+            self._end_interrupted(interrupted)
         if scope.calls.running == 0:
             if self._exposed is not None:
                 self._hide()  # an interrupted compiled call left its device copies exposed
             if self._attrs is not None:
-                self._unexpose_loaded()  # likewise an eager one
+                self._unexpose_loaded()  # likewise an eager one whose count a new pass reset
         tensors = _tensors(args, kwargs)
         if not backward:
             if _distributed.active():
-                self._check_distributed()
-            _check_inputs(scope, engine.device, tensors)
+                check_distributed(scope, engine, self._homes)
+            check_inputs(scope, engine.device, tensors)
         current = engine.pre_forward(scope, tensors)
         if torch.is_grad_enabled():
             inputs = [t for t in tensors if t.requires_grad]
@@ -232,21 +244,26 @@ class ScopeHooks:
         """The copies taken back, their writes into the masters, then the eager hook (which may
         release the scope)."""
         if self.scope.calls.running <= 1:
-            aliases = self._unexpose_loaded()
-            loaded, self._loaded = self._loaded, None
-            assert loaded is not None
-            aliased = {id(leaf) for leaf, alias, v in aliases if alias._version != v} if aliases else set()
-            slots, leaves, versions = loaded
             try:
-                if aliased or versions_of(leaves) != versions:  # one read per scope (Note [one version read per scope])
-                    self.engine.writes.exposed_call_ended(self.scope, list(zip(slots, leaves, versions, strict=True)),
-                                                          aliased=aliased)
+                self._take_back_exposed()
             except RuntimeError:
                 self._post_forward(module, args, kwargs, output)  # sees the error: a failed call
                 raise
         self._post_forward(module, args, kwargs, output)
 
-    def _attribute_homes(self) -> list[_Home]:
+    def _take_back_exposed(self) -> None:
+        """The copies taken back out of the modules' attributes, and those written while there
+        (through them or their `.data` aliases) copied into their masters."""
+        aliases = self._unexpose_loaded()
+        loaded, self._loaded = self._loaded, None
+        assert loaded is not None
+        aliased = {id(leaf) for leaf, alias, v in aliases if alias._version != v} if aliases else set()
+        slots, leaves, versions = loaded
+        if aliased or versions_of(leaves) != versions:  # one read per scope (Note [one version read per scope])
+            self.engine.writes.exposed_call_ended(self.scope, list(zip(slots, leaves, versions, strict=True)),
+                                                  aliased=aliased)
+
+    def _attribute_homes(self) -> list[Home]:
         """(module.__dict__, name, slot) for each place a parameter of the scope is registered:
         an instance attribute there is found before nn.Module.__getattr__ reaches _parameters."""
         places = self._current_homes()
@@ -316,7 +333,7 @@ class ScopeHooks:
         for params, key, slot in places or ():
             params[key] = slot.param
 
-    def _current_homes(self) -> list[_Home]:
+    def _current_homes(self) -> list[Home]:
         """Where the scope's parameters are registered now (a parameter shared by several
         modules of the scope once per module)."""
         # Not self._homes: the DDP/fully_shard check compares against where they were at wrap.
@@ -333,29 +350,6 @@ class ScopeHooks:
     def inputs_done(self) -> None:
         self.engine.post_backward(self.scope)
 
-    def _check_distributed(self) -> None:
-        """A process group exists: refuse DDP around a scope called outside the wrapped model's
-        forward (Engine.begin_forward checks inside it), and fully_shard having replaced the
-        scope's parameters (Note [data-parallel wrappers] in dispatch/wrapper_guards.py)."""
-        scope = self.scope
-        if self.engine.model_forward is ModelForward.OUTSIDE:
-            _distributed.check_ddp_forward(f"scope {scope.name!r}")
-        for params, key, slot in self._homes:
-            if params.get(key) is not slot.param:
-                raise _distributed.replaced_error(slot.name, scope.name, params.get(key))
-
-
-def _check_inputs(scope: Scope, device: torch.device, inputs: list[torch.Tensor]) -> None:
-    """Each input of a scope's call is on its compute `device` (a 0-d CPU tensor aside)."""
-    for i, t in enumerate(inputs):
-        if t.device != device and not (t.device.type == "cpu" and t.dim() == 0):
-            raise RuntimeError(
-                f"offtensor: input tensor {i} of scope {scope.name!r} "
-                f"(shape {tuple(t.shape)}, {t.dtype}) is on {t.device}, but the scope "
-                f"computes on {device}; move inputs with .to({str(device)!r}) (and "
-                "the model's unwrapped parts with model.to(...); offloaded parameters stay "
-                "on the host)"
-            )
 
 
 # Note [calls of a loaded scope]
@@ -377,7 +371,18 @@ def _check_inputs(scope: Scope, device: torch.device, inputs: list[torch.Tensor]
 # exposed too (Note [exposed recomputes]). Not exposed: a compute dtype (a write could not be
 # copied back exactly), torch.func transforms and make_fx traces; nor a routed expert parameter,
 # whose ops copy the rows they read (Note [routed experts] in scopes/experts.py): the rest of its
-# scope is exposed around it. A write in a call that an interrupt ends is lost.
+# scope is exposed around it. A call that an interrupt ends: Note [writes after an interrupt].
+
+# Note [writes after an interrupt]
+# A KeyboardInterrupt inside an exposed call ends it without the forward hook (nn.Module runs
+# `always_call` hooks for an Exception only), so the copies stay in the modules' attributes until
+# offtensor next looks: the next call of the scope, the model's next forward, a write through one
+# of its parameters, unwrap. Code that reads an attribute in between reads the copy, equal to its
+# master; code that writes through it writes the copy. So when the interrupted call is forgotten,
+# the copies written since the call exposed them (by the call itself, as a plain parameter keeps
+# a write made before an interrupt, or after it through the attribute) are copied into their
+# masters, as the call's end would have done (`_take_back_exposed`), or refused, naming the
+# parameter, where that cannot be done exactly (Note [calls of a loaded scope]).
 
 # Note [a load that landed before its call]
 # A prefetched scope is LOADING when its call starts, even when every copy and conversion of its
@@ -472,10 +477,15 @@ class ModelHooks:
     def _pre(self, module: nn.Module, args: tuple) -> None:
         engine = self.engine
         engine.thread.check("the model's forward")
-        if self.calls.enter():
-            engine.abort()  # an earlier forward was interrupted (KeyboardInterrupt): as if it raised
-        for hooks in self.scope_hooks:  # before anything else runs: FailureCheck.drop_interrupted
-            hooks.drop_interrupted()
+        interrupted = self.calls.enter()
+        try:
+            # Before anything else runs (FailureCheck.drop_interrupted), and before the abort's
+            # release drops copies written since (Note [writes after an interrupt]).
+            for hooks in self.scope_hooks:
+                hooks.drop_interrupted()
+        finally:
+            if interrupted:
+                engine.abort()  # an earlier forward was interrupted (KeyboardInterrupt): as if it raised
         engine.begin_forward()
 
     def _post(self, module: nn.Module, args: tuple, output: object) -> None:
@@ -522,10 +532,9 @@ def _forget_calls(scope: Scope, n: int) -> None:
         scope.release(force=True)
 
 
-_Home = tuple[dict[str, Any], str, ParamSlot]
 
 
-def _homes(scope: Scope) -> list[_Home]:
+def _homes(scope: Scope) -> list[Home]:
     """Where the scope's offloaded parameters are registered now: (module._parameters, key,
     slot), a parameter shared by several modules of the scope once per module."""
     ours = {id(slot.param): slot for slot in scope.slots}

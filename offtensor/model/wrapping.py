@@ -250,6 +250,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def _undo_wrap(engine: Engine, model: nn.Module) -> nn.Module:
     """`unwrap` once no step is pending: also the undo of a wrap that raised."""
+    for hooks in engine.scope_hooks:  # what interrupted calls left (Note [writes after an interrupt], engine/hooks.py)
+        hooks.drop_interrupted()
     engine.live.release_all(force=True)
     if engine.expert_cache is not None:
         engine.expert_cache.clear()
