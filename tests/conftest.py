@@ -657,6 +657,24 @@ def small_llama(checkpointing: bool) -> nn.Module:
     return model
 
 
+def tiny_qwen3_moe() -> nn.Module:
+    """A 2-layer ``Qwen3MoeForCausalLM`` (16 experts, top 2, transformers' grouped_mm experts,
+    random weights) in eval mode. Skips when transformers is absent."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+        moe_intermediate_size=32, num_experts=16, num_experts_per_tok=2, head_dim=16)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.config._experts_implementation = "grouped_mm"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name or "gate" in name:
+                p.normal_(0, 0.2)  # routers initialised to zero would pick the same experts
+    return model.eval()
+
+
 @pytest.fixture
 def most_device_bytes(monkeypatch):
     """The largest sum of the scopes' device weights seen right after any load starts (the

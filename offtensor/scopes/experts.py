@@ -113,10 +113,12 @@ class ExpertRows:
         self.row_bytes = slot.master.nbytes // max(self.count, 1)  # one expert's, as the master holds it
 
     def forget(self) -> None:
-        """No expert is on the device (released, or a load that leaves them to ops)."""
+        """No expert is on the device (released, or a load that leaves them to ops). What says
+        an expert is there goes first: an interrupt in between leaves less claimed, never more
+        (the next load or release forgets again, Note [interrupts] in dispatch/masters.py)."""
+        self.whole = self.hinted = False
         self.loaded = [False] * self.count
         self.held = 0
-        self.whole = self.hinted = False
 
     def all_there(self) -> None:
         """A load or refresh copied the whole parameter."""
@@ -338,13 +340,11 @@ def _hint_hooks(module: nn.Module, slots: list[ParamSlot], name: str, position: 
         for r in rows:
             r.hint, r.hinted = experts, False  # set_hint, inline: once per experts call and parameter
         if experts is not None and _copies_now(scope):
-            grad = torch.is_grad_enabled()  # into the device buffer without grad, as an op's fill;
-            torch._C._set_grad_enabled(False)  # what no_grad() sets, without its Python frames
-            try:
-                for r in rows:
-                    r.start()
-            finally:
-                torch._C._set_grad_enabled(grad)
+            # In the caller's grad mode, as an op's fill: the copies write the device buffer's
+            # plain view from detached tensors, which autograd does not record (an interrupt
+            # could leave a grad mode set here for good: Note [interrupts] in dispatch/masters.py).
+            for r in rows:
+                r.start()
 
     def done(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         for r in rows:

@@ -488,7 +488,8 @@ def _routed_loaded(scope: Scope, progressive: bool) -> bool:
     return True
 
 def _forget_routed(scope: Scope) -> None:
+    """At each load and release: always, as an interrupted one may have left any of the rows'
+    marks set (ExpertRows.forget)."""
     for slot in scope.routed:
-        rows = slot.experts
-        if rows is not None and (rows.held or rows.hinted):  # else nothing to forget: at each load and release
-            rows.forget()
+        if slot.experts is not None:
+            slot.experts.forget()

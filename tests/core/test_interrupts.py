@@ -36,6 +36,7 @@ from conftest import (
     device_layout_bytes,
     mlp_of_blocks,
     split_policy,
+    tiny_qwen3_moe,
 )
 
 import offtensor
@@ -261,6 +262,81 @@ def _fuzz(variant: str) -> tuple[int, list[str]]:
 def test_interrupt_anywhere_in_a_training_step_leaves_no_state_changed(variant, one_thread):
     tried, failures = _fuzz(variant)
     assert not failures, f"{len(failures)} of {tried} interrupt points failed:\n" + "\n".join(failures[:10])
+
+
+def _tiny_routed_moe() -> torch.nn.Module:
+    """A 2-layer Qwen3-MoE (16 experts, top 2, grouped_mm) with its experts routed, on the CPU."""
+    model = tiny_qwen3_moe()
+    offtensor.wrap(model, device="cpu")
+    assert any(s.experts is not None for scope in model._offtensor_engine.scopes for s in scope.slots)
+    return model.train()
+
+
+class _InFunctions(Interrupter):
+    """An Interrupter that counts only the events of offtensor's functions named `names`."""
+
+    def __init__(self, at: int | None, names: frozenset[str]) -> None:
+        super().__init__(at)
+        self.names = names
+
+    def _global(self, frame: FrameType, event: str, arg: object) -> Callable | None:
+        if self.fired or frame.f_code.co_name not in self.names or not _in_scope(frame):
+            return None
+        self._event()  # 'call'
+        return self._local
+
+
+# The routed experts' bookkeeping (scopes/experts.py) and what calls it at a load and a release.
+_ROUTED_FUNCTIONS = frozenset({"chosen", "done", "start", "fill", "_copy", "forget", "all_there",
+                               "_forget_routed", "_routed_loaded", "release"})
+
+
+def test_interrupt_anywhere_in_routed_experts_bookkeeping_leaves_no_state_changed(one_thread):
+    """A training step of a model whose experts are routed (Note [routed experts] in
+    scopes/experts.py), interrupted at events of the routed experts' bookkeeping (every one in
+    the full tier): no setting is left changed and the next step equals a plain copy's.
+    Regressions: the hook that copies the router's choice turned grad mode off before its `try`,
+    so an interrupt there left it off for the process; and an interrupt in `forget` (a release)
+    left `whole` set with no expert on the device, so later ops read rows never copied."""
+    model = _tiny_routed_moe()
+    ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+
+    def step() -> None:
+        model(ids, labels=ids).loss.backward()
+
+    for _ in range(2):  # learn the orders: the interrupted steps copy the router's choice at once
+        step()
+    model.zero_grad()
+    expected = _global_state()
+    counter = _InFunctions(None, _ROUTED_FUNCTIONS)
+    counter.run(step)
+    model.zero_grad()
+    assert counter.events > 50, counter.events
+    points = (list(range(1, counter.events + 1)) if tiers.FULL
+              else sorted(tiers.rng("interrupts:routed").sample(range(1, counter.events + 1), 12)))
+    failures: list[str] = []
+    for at in points:
+        _InFunctions(at, _ROUTED_FUNCTIONS).run(step)
+        try:
+            state = _global_state()
+            changed = {k: (expected[k], v) for k, v in state.items() if v != expected[k]}
+            assert not changed, f"state changed (before, after): {changed}"
+            model.zero_grad()
+            reference = copy.deepcopy(model)
+            loss, ref_loss = model(ids, labels=ids).loss, reference(ids, labels=ids).loss
+            loss.backward()
+            ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+            assert_grads_match(model, reference, rtol=0, atol=0)
+            model.zero_grad()
+        except Exception as e:  # noqa: BLE001 - collected, reported together below
+            failures.append(f"interrupt at event {at}/{counter.events}: {type(e).__name__}: {e}"[:600])
+            _restore_global_state(expected)
+            model = _tiny_routed_moe()
+            for _ in range(2):
+                step()
+            model.zero_grad()
+    assert not failures, f"{len(failures)} of {len(points)} interrupt points failed:\n" + "\n".join(failures[:10])
 
 
 def _lines_of_backward_and_steps_cleanup() -> list[int]:

@@ -11,6 +11,7 @@ import inspect
 
 import pytest
 import torch
+from conftest import tiny_qwen3_moe
 from torch import nn
 
 import offtensor
@@ -19,21 +20,6 @@ from offtensor.dispatch import param as param_module
 transformers = pytest.importorskip("transformers")
 
 EXPERTS, HIDDEN = 8, 16
-
-
-def tiny_qwen3_moe() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=None, bos_token_id=None,
-        moe_intermediate_size=32, num_experts=16, num_experts_per_tok=2, head_dim=16)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.config._experts_implementation = "grouped_mm"
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "experts" in name or "gate" in name:
-                p.normal_(0, 0.2)  # routers initialised to zero would pick the same experts
-    return model.eval()
 
 
 def _routed(p: torch.Tensor) -> bool:
