@@ -298,6 +298,11 @@ def test_interrupt_anywhere_in_routed_experts_bookkeeping_leaves_no_state_change
     Regressions: the hook that copies the router's choice turned grad mode off before its `try`,
     so an interrupt there left it off for the process; and an interrupt in `forget` (a release)
     left `whole` set with no expert on the device, so later ops read rows never copied."""
+    if os.environ.get("OFFTENSOR_LAZY_STREAMS") == "1":
+        # The lagging side streams (tests/lazy_streams.py) keep no state an interrupt can leave
+        # half done for the next entry point to find (Streams.restore is theirs a no-op): work
+        # an interrupt left queued runs at arbitrary later waits.
+        pytest.skip("an interrupt's side-stream state is not modelled by the lazy streams")
     model = _tiny_routed_moe()
     ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(1))
 
