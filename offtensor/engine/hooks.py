@@ -104,13 +104,11 @@ class ScopeHooks:
             self._end_interrupted(interrupted)
 
     def _end_interrupted(self, n: int) -> None:
-        """Forget `n` calls a KeyboardInterrupt ended, after taking back the copies they left
+        """Forget `n` calls a KeyboardInterrupt ended, and the copies they left in the modules
         (Note [writes after an interrupt])."""
-        try:
-            if self._attrs is not None and self._loaded is not None and self.scope.calls.running <= n:
-                self._take_back_exposed()
-        finally:
-            _forget_calls(self.scope, n)
+        _forget_calls(self.scope, n)
+        if self.scope.calls.running == 0 and self._attrs is not None:
+            self._unexpose_loaded()
 
     def exposure_live(self) -> bool:
         """The copies are still exposed once the calls an interrupt ended are forgotten (a
@@ -377,12 +375,12 @@ class ScopeHooks:
 # A KeyboardInterrupt inside an exposed call ends it without the forward hook (nn.Module runs
 # `always_call` hooks for an Exception only), so the copies stay in the modules' attributes until
 # offtensor next looks: the next call of the scope, the model's next forward, a write through one
-# of its parameters, unwrap. Code that reads an attribute in between reads the copy, equal to its
-# master; code that writes through it writes the copy. So when the interrupted call is forgotten,
-# the copies written since the call exposed them (by the call itself, as a plain parameter keeps
-# a write made before an interrupt, or after it through the attribute) are copied into their
-# masters, as the call's end would have done (`_take_back_exposed`), or refused, naming the
-# parameter, where that cannot be done exactly (Note [calls of a loaded scope]).
+# of its parameters, unwrap (which takes them out before it restores the parameters). Code that
+# reads an attribute in between reads the copy, equal to its master; a write through it writes
+# the copy and is lost then (docs/design.md, limits). Copying such writes back when the call is
+# forgotten was tried and taken back: a copy's version also moves by offtensor's own writes in
+# between, which that cannot tell from a user's, and under the lagging test streams
+# (tests/lazy_streams.py) copying those back broke later optimizer steps.
 
 # Note [a load that landed before its call]
 # A prefetched scope is LOADING when its call starts, even when every copy and conversion of its
@@ -477,15 +475,10 @@ class ModelHooks:
     def _pre(self, module: nn.Module, args: tuple) -> None:
         engine = self.engine
         engine.thread.check("the model's forward")
-        interrupted = self.calls.enter()
-        try:
-            # Before anything else runs (FailureCheck.drop_interrupted), and before the abort's
-            # release drops copies written since (Note [writes after an interrupt]).
-            for hooks in self.scope_hooks:
-                hooks.drop_interrupted()
-        finally:
-            if interrupted:
-                engine.abort()  # an earlier forward was interrupted (KeyboardInterrupt): as if it raised
+        if self.calls.enter():
+            engine.abort()  # an earlier forward was interrupted (KeyboardInterrupt): as if it raised
+        for hooks in self.scope_hooks:  # before anything else runs: FailureCheck.drop_interrupted
+            hooks.drop_interrupted()
         engine.begin_forward()
 
     def _post(self, module: nn.Module, args: tuple, output: object) -> None:
