@@ -101,14 +101,9 @@ class ScopeHooks:
         """Forget the calls a KeyboardInterrupt left (FailureCheck)."""
         interrupted = self.calls.drop_interrupted()
         if interrupted:
-            self._end_interrupted(interrupted)
-
-    def _end_interrupted(self, n: int) -> None:
-        """Forget `n` calls a KeyboardInterrupt ended, and the copies they left in the modules
-        (Note [writes after an interrupt])."""
-        _forget_calls(self.scope, n)
-        if self.scope.calls.running == 0 and self._attrs is not None:
-            self._unexpose_loaded()
+            _forget_calls(self.scope, interrupted)
+            if self.scope.calls.running == 0:
+                self._unexpose_loaded()  # Note [writes after an interrupt]
 
     def exposure_live(self) -> bool:
         """The copies are still exposed once the calls an interrupt ended are forgotten (a
@@ -126,12 +121,12 @@ class ScopeHooks:
         # and theirs (`Hook`, `_call` in dispatch/compile.py, or _eager_pre_forward).
         interrupted = self.calls.enter(ours=3)
         if interrupted:
-            self._end_interrupted(interrupted)
+            _forget_calls(scope, interrupted)
         if scope.calls.running == 0:
             if self._exposed is not None:
                 self._hide()  # an interrupted compiled call left its device copies exposed
             if self._attrs is not None:
-                self._unexpose_loaded()  # likewise an eager one whose count a new pass reset
+                self._unexpose_loaded()  # likewise an eager one
         tensors = _tensors(args, kwargs)
         if not backward:
             if _distributed.active():
@@ -201,8 +196,8 @@ class ScopeHooks:
 
     def _expose_loaded(self, current: bool) -> None:
         """Put the device copies where the scope's modules' attribute lookups find them first,
-        for this call, when each is ready as it is (ParamSlot.ready_copy) and can be written
-        back as it is (no compute dtype, no compressed or file master, no transform or trace).
+        for this call, when each is ready as it is (ParamSlot.ready_copy) and a write to it can
+        be copied back exactly or refused (no compute dtype, no transform or trace).
         `current`: this call's pre-hook found no master written since its copy was made."""
         scope = self.scope
         if (scope.compute_dtype_differs or self.engine.thread.foreign() or _compile.tracing()
@@ -242,24 +237,19 @@ class ScopeHooks:
         """The copies taken back, their writes into the masters, then the eager hook (which may
         release the scope)."""
         if self.scope.calls.running <= 1:
+            aliases = self._unexpose_loaded()
+            loaded, self._loaded = self._loaded, None
+            assert loaded is not None
+            aliased = {id(leaf) for leaf, alias, v in aliases if alias._version != v} if aliases else set()
+            slots, leaves, versions = loaded
             try:
-                self._take_back_exposed()
+                if aliased or versions_of(leaves) != versions:  # one read per scope (Note [one version read per scope])
+                    self.engine.writes.exposed_call_ended(self.scope, list(zip(slots, leaves, versions, strict=True)),
+                                                          aliased=aliased)
             except RuntimeError:
                 self._post_forward(module, args, kwargs, output)  # sees the error: a failed call
                 raise
         self._post_forward(module, args, kwargs, output)
-
-    def _take_back_exposed(self) -> None:
-        """The copies taken back out of the modules' attributes, and those written while there
-        (through them or their `.data` aliases) copied into their masters."""
-        aliases = self._unexpose_loaded()
-        loaded, self._loaded = self._loaded, None
-        assert loaded is not None
-        aliased = {id(leaf) for leaf, alias, v in aliases if alias._version != v} if aliases else set()
-        slots, leaves, versions = loaded
-        if aliased or versions_of(leaves) != versions:  # one read per scope (Note [one version read per scope])
-            self.engine.writes.exposed_call_ended(self.scope, list(zip(slots, leaves, versions, strict=True)),
-                                                  aliased=aliased)
 
     def _attribute_homes(self) -> list[Home]:
         """(module.__dict__, name, slot) for each place a parameter of the scope is registered:
@@ -349,7 +339,6 @@ class ScopeHooks:
         self.engine.post_backward(self.scope)
 
 
-
 # Note [calls of a loaded scope]
 # Every op on an OffloadedParameter pays its `__torch_function__`, a Python round trip that can
 # take longer than the short kernels of a DiT block it launches. A scope already RESIDENT when its
@@ -377,10 +366,9 @@ class ScopeHooks:
 # offtensor next looks: the next call of the scope, the model's next forward, a write through one
 # of its parameters, unwrap (which takes them out before it restores the parameters). Code that
 # reads an attribute in between reads the copy, equal to its master; a write through it writes
-# the copy and is lost then (docs/design.md, limits). Copying such writes back when the call is
-# forgotten was tried and taken back: a copy's version also moves by offtensor's own writes in
-# between, which that cannot tell from a user's, and under the lagging test streams
-# (tests/lazy_streams.py) copying those back broke later optimizer steps.
+# the copy and is lost then (docs/design.md, limits). It is not copied back when the call is
+# forgotten: a copy's version also moves by offtensor's own writes in between (a load, a
+# device-side optimizer step), which a version read cannot tell from a user's.
 
 # Note [a load that landed before its call]
 # A prefetched scope is LOADING when its call starts, even when every copy and conversion of its
@@ -523,8 +511,6 @@ def _forget_calls(scope: Scope, n: int) -> None:
     scope.calls.ended(n, failed=True)
     if scope.calls.running == 0:
         scope.release(force=True)
-
-
 
 
 def _homes(scope: Scope) -> list[Home]:
