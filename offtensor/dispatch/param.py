@@ -323,7 +323,11 @@ def _detach(func: Any, args: tuple, kwargs: dict, params: list) -> torch.Tensor:
             "nn.Parameter(p.detach().clone())"
         )
     copy = exposed_copy(p)  # Note [writes through the parameter in an exposed call] (engine/hooks.py)
-    return torch.Tensor.detach(p if copy is None else copy)
+    if copy is not None:
+        return torch.Tensor.detach(copy)
+    if slot is not None:  # Note [a write through an alias may follow at once] (engine/writes.py)
+        slot.scope.master_handed_out(slot, detached=True)
+    return torch.Tensor.detach(p)
 
 
 def _calling(fn: Handler, func: Any, args: tuple, kwargs: dict, params: list) -> Any:

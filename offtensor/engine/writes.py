@@ -28,6 +28,16 @@ master the worker has updated, its fence not cleared yet, would read as written 
 would be loaded twice. So the question skips the parameters whose copies this load has not
 enqueued: they will be copied from the masters as the steps leave them. Writes to the others,
 copied already, are still found.
+
+# Note [a write through an alias may follow at once]
+`p.detach()` and `p.data` hand out the master itself, and a write through them (`p.data.mul_(2)`,
+`p.detach()[0].fill_(x)`) runs on the host at once, past every hook. On a GPU the host runs ahead
+of the device: right after a forward returns, the copy stream may not yet have read the masters
+its loads copy, and a write then reaches the copy the forward computes with, where the plain
+model's forward, stream-ordered, keeps the old values. So handing out an alias first waits for
+every copy that may still read a master (`sync_master_reads`), as an in-place op does before it
+writes. An alias kept and written later, while a later forward's copies may be in flight, is not
+covered (docs/design.md, Limits).
 """
 
 from __future__ import annotations
@@ -89,7 +99,7 @@ class MasterWrites:
         elif written:  # in the scope's own call: Note [writes during a scope's call] (scopes/write_tracking.py)
             scope.writes.in_call[slot] = None
 
-    def master_handed_out(self, scope: Scope, slot: ParamSlot | None = None) -> None:
+    def master_handed_out(self, scope: Scope, slot: ParamSlot | None = None, *, detached: bool = False) -> None:
         """`p.data` of one of the scope's parameters (`slot`'s) was taken (or, for a kept scope,
         its masters were written through a view): writes through it reach the master unseen,
         under a version counter of its own. A device copy that outlives its calls (kept, carried,
@@ -98,7 +108,13 @@ class MasterWrites:
         (the last one of a forward, which its backward would use: Note [writes under a saved
         graph] in dispatch/slot.py). Streamed scopes load afresh, but under Policy(cast="host") from
         a shadow cast from the masters: it is re-cast at the next load. Writes through the alias
-        after that load: Note [p.data aliases] (dispatch/slot.py)."""
+        after that load: Note [p.data aliases] (dispatch/slot.py). `detached`: `p.detach()`, which
+        shares the parameter's version counter, so the loads see writes through it; it only waits
+        for the copies (Note [a write through an alias may follow at once])."""
+        if not on_optimizer_worker():  # no copy reads a master the worker steps
+            self.streams.sync_master_reads()
+        if detached:
+            return
         scope.masters.written()  # so is a staged copy (Note [master sources] in scopes/sources.py)
         if scope.state is ScopeState.OFFLOADED or on_optimizer_worker():
             return
@@ -112,7 +128,6 @@ class MasterWrites:
             return
         if scope.calls.running > 1 or (scope.calls.running == 1 and not scope.writes.written_since_copied()):
             return  # its own forward reads `.data`: no release under it
-        self.streams.sync_master_reads()  # the write may follow at once: no copy may still read
         scope.release(force=True)
 
     def forward_starts(self, scope: Scope) -> bool:

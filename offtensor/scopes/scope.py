@@ -89,7 +89,7 @@ class WritesToMasters(Protocol):
 
     def before_master_write(self, slot: ParamSlot, *, written: bool = True) -> None: ...
 
-    def master_handed_out(self, scope: Scope, slot: ParamSlot | None = None) -> None: ...
+    def master_handed_out(self, scope: Scope, slot: ParamSlot | None = None, *, detached: bool = False) -> None: ...
 
 
 class ScopeEngine(Protocol):
@@ -334,7 +334,7 @@ class Scope:
             source.settle(self)
         host = source.acquire(self)
         whole = _routed_loaded(self, progressive)  # Note [routed experts] (scopes/experts.py)
-        with streams.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
+        with streams.enqueuing(), streams.on(h2d):  # plain tensors, no grad (Note [interrupts])
             if self.casts and not source.device_layout:
                 loading.stage(self.masters.nbytes, self.device.flat.device)
             if progressive:
@@ -361,7 +361,8 @@ class Scope:
         position `need` in copy_order even if the host must wait for their deferred steps."""
         loading = self.loading
         assert loading is not None
-        loading.copy_more(need)
+        with self.streams.enqueuing():  # Note [copies an interrupt left] in scopes/streams.py
+            loading.copy_more(need)
         self.live.holding_back(self, loading.held_back)
 
     def make_resident(self, upto: ParamSlot | None = None) -> None:
@@ -401,6 +402,7 @@ class Scope:
             # conversion the load enqueued, not only its last chunk's (Note [a release after a
             # load's last event]).
             self.loading.compute_waits(None)
+        streams.wait_for_left_copies()  # Note [copies an interrupt left] in scopes/streams.py
         self.old_grads.drop()
         self.writes.in_call.clear()  # the next load copies the masters as they are
         self.device.free(self.slots)  # retired instead under a saved graph (Note [higher-order gradients])
@@ -451,8 +453,8 @@ class Scope:
     def before_master_write(self, slot: ParamSlot, *, written: bool = True) -> None:
         self.engine.writes.before_master_write(slot, written=written)
 
-    def master_handed_out(self, slot: ParamSlot) -> None:
-        self.engine.writes.master_handed_out(self, slot)
+    def master_handed_out(self, slot: ParamSlot, *, detached: bool = False) -> None:
+        self.engine.writes.master_handed_out(self, slot, detached=detached)
 
     def arrived_outside(self, slot: ParamSlot) -> None:
         self.engine.grads.arrived_outside(slot)

@@ -57,6 +57,9 @@ class Streams:
         # The current stream before `on()` made a side stream current; None when none is
         # (Note [interrupts]).
         self.switched_from: Any = None
+        # Set while side-stream copies are enqueued whose event compute does not wait for yet;
+        # still set after an interrupt there (Note [copies an interrupt left]).
+        self.copies_unwaited = False
 
     def compute(self) -> Any:
         return self.current() if self.is_cuda else None
@@ -122,6 +125,20 @@ class Streams:
             _set_current(previous)
             self.switched_from = None
 
+    def enqueuing(self) -> contextlib.AbstractContextManager:
+        """`with streams.enqueuing():` around side-stream copies up to where compute will wait for
+        their events (Note [copies an interrupt left])."""
+        return _Enqueuing(self)
+
+    def wait_for_left_copies(self) -> None:
+        """Before a scope's buffer is freed: compute waits for every copy and conversion so far
+        if an interrupt left some it would not wait for (Note [copies an interrupt left])."""
+        if self.copies_unwaited:
+            compute = self.compute()
+            self.wait(compute, self.record(self.h2d()))
+            self.wait(compute, self.record(self.cast()))
+            self.copies_unwaited = False
+
     def reads_masters(self, event: Any) -> None:
         """`event` follows a copy that reads host masters (sync_master_reads waits for it)."""
         if event is not None:
@@ -142,6 +159,34 @@ class Streams:
             return ""
         return f"; device memory allocated {torch.cuda.memory_allocated(self.device) / 2**20:.1f} MiB"
 
+
+class _Enqueuing:
+    """What `Streams.enqueuing()` returns: sets `copies_unwaited` in the block and puts back what
+    it found when the block ends without an exception (Note [copies an interrupt left])."""
+
+    def __init__(self, streams: Streams) -> None:
+        self.streams = streams
+        self.found = False
+
+    def __enter__(self) -> None:
+        self.found = self.streams.copies_unwaited
+        self.streams.copies_unwaited = True
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.streams.copies_unwaited = self.found
+
+
+# Note [copies an interrupt left]
+# A load's chunks and the routed experts' rows are copied on the copy stream (converted on the
+# cast stream) into the scope's device buffer, and compute waits for their event before the
+# release frees that buffer on compute. A KeyboardInterrupt after a copy is enqueued and before
+# its event is kept (LoadProgress.copy_more, mark_chunk) or waited for (ExpertRows._copy) leaves a
+# copy nothing orders the free after: the caching allocator could hand the memory on while the
+# copy still writes it. So those paths run in `streams.enqueuing()`, which sets `copies_unwaited`
+# and puts back what it found only when they end normally (one an earlier interrupt left stays
+# set); a release that finds it set makes compute wait for both side streams first, which covers
+# every copy and conversion enqueued so far (each stream runs in order).
 
 _NO_SWITCH = contextlib.nullcontext()  # reusable, and reentrant: nothing to switch on the CPU
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BlockStack, assert_all_scopes_offloaded, mlp_of_blocks, random_batch
+from conftest import BlockStack, assert_all_scopes_offloaded, mlp_of_blocks, random_batch, tiny_qwen3_moe
 from lazy_streams import lazy_streams
 from torch import nn
 
@@ -190,3 +191,32 @@ def test_streams_are_themselves_again_after_lagging_side_streams():
     x = torch.randn(4, 8)
     torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
     assert all(s is None for s in offtensor.engine.engine.find_engine(model).streams._side.values())
+
+
+def test_a_release_after_an_interrupt_before_compute_waits_for_expert_copies_waits_for_them():
+    """Note [copies an interrupt left] (scopes/streams.py): a KeyboardInterrupt after a routed
+    expert's rows are enqueued on the copy stream and before compute waits for their event.
+    Regression: the scope's release freed its buffer while the copy was still queued to write
+    it (on a GPU, into memory the allocator may have handed on). The next forward matches the
+    plain model."""
+    model = tiny_qwen3_moe()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    with lazy_streams(), torch.no_grad():
+        offtensor.wrap(model, device="cpu")
+        model(ids)  # learns the orders: the next forward copies the routed experts' rows
+        streams = model._offtensor_engine.streams
+        real_wait = streams.wait
+
+        def wait(stream: object, event: object) -> None:
+            if sys._getframe(1).f_code.co_name == "_copy":  # ExpertRows._copy, once
+                del streams.wait
+                raise KeyboardInterrupt
+            real_wait(stream, event)
+
+        streams.wait = wait  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            model(ids)
+        assert "wait" not in vars(streams), "the interrupt did not come"
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
+    assert_all_scopes_offloaded(model)
