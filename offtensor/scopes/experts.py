@@ -198,25 +198,28 @@ class ExpertRows:
         # format keeps them: Note [frozen formats] in formats.py, or a master to cast)
         staged: list[tuple[slice, tuple[torch.Tensor, ...]]] = []
         runs = _runs(experts)
-        with streams.enqueuing():  # until compute waits (Note [copies an interrupt left] in scopes/streams.py)
-            with streams.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
-                if isinstance(packed, PackedMaster):
-                    for run in runs:
-                        rows = tuple(part.to(view.device, non_blocking=True) for part in packed.rows(run))
-                        staged.append((run, rows))
-                        self.traffic.bytes_to_device += sum(part.nbytes for part in rows)
-                elif master.dtype != view.dtype:
-                    for run in runs:
-                        staged.append((run, (master[run].to(view.device, non_blocking=True),)))
-                    self.traffic.bytes_to_device += len(experts) * self.row_bytes
-                else:
-                    for run in runs:
-                        view[run].copy_(master[run], non_blocking=True)
-                    self.traffic.bytes_to_device += len(experts) * self.row_bytes
-                copied = streams.record(h2d)
-            streams.reads_masters(copied)
-            compute = streams.compute()
-            streams.wait(compute, copied)
+        # Until compute waits, as Streams.enqueuing() would, inline: at each copy of experts (Note
+        # [copies an interrupt left] in scopes/streams.py).
+        left, streams.copies_unwaited = streams.copies_unwaited, True
+        with streams.on(h2d):  # plain tensors, nothing requires grad (Note [interrupts])
+            if isinstance(packed, PackedMaster):
+                for run in runs:
+                    rows = tuple(part.to(view.device, non_blocking=True) for part in packed.rows(run))
+                    staged.append((run, rows))
+                    self.traffic.bytes_to_device += sum(part.nbytes for part in rows)
+            elif master.dtype != view.dtype:
+                for run in runs:
+                    staged.append((run, (master[run].to(view.device, non_blocking=True),)))
+                self.traffic.bytes_to_device += len(experts) * self.row_bytes
+            else:
+                for run in runs:
+                    view[run].copy_(master[run], non_blocking=True)
+                self.traffic.bytes_to_device += len(experts) * self.row_bytes
+            copied = streams.record(h2d)
+        streams.reads_masters(copied)
+        compute = streams.compute()
+        streams.wait(compute, copied)
+        streams.copies_unwaited = left
         for run, rows in staged:  # on compute, the current stream
             if compute is not None:  # allocated on the copy stream, read here
                 for part in rows:
