@@ -185,8 +185,9 @@ class _Enqueuing:
 # copy nothing orders the free after: the caching allocator could hand the memory on while the
 # copy still writes it. So those paths run in `streams.enqueuing()` (a copy of experts, at every
 # layer of a decode step, does the same inline), which sets `copies_unwaited` and puts back what
-# it found only when they end normally (one an earlier interrupt left stays set); a release that finds it set makes compute wait for both side streams first, which covers
-# every copy and conversion enqueued so far (each stream runs in order).
+# it found only when they end normally (one an earlier interrupt left stays set); a release that
+# finds it set makes compute wait for both side streams first, which covers every copy and
+# conversion enqueued so far (each stream runs in order).
 
 _NO_SWITCH = contextlib.nullcontext()  # reusable, and reentrant: nothing to switch on the CPU
 
