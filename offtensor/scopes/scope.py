@@ -324,20 +324,22 @@ class Scope:
     def _start_load(self) -> None:
         """Enqueue the load: progressive along the learned copy order when the source allows it,
         else whole by the source (Note [master sources] in scopes/sources.py). One that raises
-        before the scope is LOADING gives its buffer back, after what it enqueued."""
+        gives the device memory back: before LOADING, after what it enqueued; after, by a release."""
         self.take_back_masters()
         streams = self.streams
-        self.device.allocate(streams)
         try:
-            loading = _enqueue_load(self)
+            self.device.allocate(streams)
+            self._to_loading(_enqueue_load(self))
+            self.live.loaded(self)
         except BaseException:
-            self.live.holding_back(self, False)
-            streams.wait_for_left_copies()  # Note [copies an interrupt left] in scopes/streams.py
-            self.device.free(self.slots)
+            if self.state is ScopeState.OFFLOADED:
+                self.live.released(self)  # off the held-back loads too
+                streams.wait_for_left_copies()  # Note [copies an interrupt left] in scopes/streams.py
+                self.device.free(self.slots)
+            else:
+                self.release(force=True)
             raise
-        self._to_loading(loading)
         self.loads += 1
-        self.live.loaded(self)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("load %s (%.1f MiB)%s", self.name, self.masters.nbytes / 2**20, streams.memory())
 
