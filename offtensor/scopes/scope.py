@@ -324,22 +324,20 @@ class Scope:
     def _start_load(self) -> None:
         """Enqueue the load: progressive along the learned copy order when the source allows it,
         else whole by the source (Note [master sources] in scopes/sources.py). One that raises
-        gives the device memory back: before LOADING, after what it enqueued; after, by a release."""
+        before the scope is LOADING gives its buffer back, after what it enqueued."""
         self.take_back_masters()
         streams = self.streams
+        self.device.allocate(streams)
         try:
-            self.device.allocate(streams)
-            self._to_loading(_enqueue_load(self))
-            self.live.loaded(self)
+            loading = _enqueue_load(self)
         except BaseException:
-            if self.state is ScopeState.OFFLOADED:
-                self.live.released(self)  # off the held-back loads too
-                streams.wait_for_left_copies()  # Note [copies an interrupt left] in scopes/streams.py
-                self.device.free(self.slots)
-            else:
-                self.release(force=True)
+            self.live.holding_back(self, False)
+            streams.wait_for_left_copies()  # Note [copies an interrupt left] in scopes/streams.py
+            self.device.free(self.slots)
             raise
+        self._to_loading(loading)
         self.loads += 1
+        self.live.loaded(self)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("load %s (%.1f MiB)%s", self.name, self.masters.nbytes / 2**20, streams.memory())
 

@@ -179,14 +179,6 @@ def _build(split: bool = False, checkpoint: str | None = None, fp8: bool = False
     return model
 
 
-def _assert_no_offloaded_scope_holds_memory(model) -> None:
-    """Right after the interrupt, before anything looks again: an OFFLOADED scope holds no device
-    buffer (one held would stay until the scope's next load)."""
-    for scope in model._offtensor_engine.scopes:
-        if scope.state is offtensor.ScopeState.OFFLOADED:
-            assert scope.device.storage.nbytes() == 0, f"{scope.name} is OFFLOADED and holds its device buffer"
-
-
 def _check_step(model, x, y, overlap: bool) -> None:
     """One full AdamW step of the wrapped model and of a plain copy of its current values."""
     offtensor.wait_for_steps()
@@ -254,7 +246,6 @@ def _fuzz(variant: str) -> tuple[int, list[str]]:
         try:
             changed = {k: (expected[k], v) for k, v in state.items() if v != expected[k]}
             assert not changed, f"state changed (before, after): {changed}"
-            _assert_no_offloaded_scope_holds_memory(model)
             _check_step(model, x, y, overlap)
         except Exception as e:  # noqa: BLE001 - collected, reported together below
             failures.append(f"{variant}: interrupt at event {at}/{total}: {type(e).__name__}: {e}"[:600])
