@@ -323,18 +323,33 @@ class Scope:
 
     def _start_load(self) -> None:
         """Enqueue the load: progressive along the learned copy order when the source allows it,
-        else whole by the source (Note [master sources] in scopes/sources.py). One that raises
-        before the scope is LOADING gives its buffer back, after what it enqueued."""
+        else whole by the source (Note [master sources] in scopes/sources.py)."""
         self.take_back_masters()
-        streams = self.streams
+        streams, source = self.streams, self.source
+        h2d = streams.h2d()
         self.device.allocate(streams)
-        try:
-            loading = _enqueue_load(self)
-        except BaseException:
-            self.live.holding_back(self, False)
-            streams.wait_for_left_copies()  # Note [copies an interrupt left] in scopes/streams.py
-            self.device.free(self.slots)
-            raise
+        loading = LoadProgress(streams, self.writes.note_copied, self.traffic)  # the scope's once LOADING
+        progressive = self.copy_order is not None and source.progressive
+        if not progressive:
+            source.settle(self)
+        host = source.acquire(self)
+        whole = _routed_loaded(self, progressive)  # Note [routed experts] (scopes/experts.py)
+        with streams.enqueuing(), streams.on(h2d):  # plain tensors, no grad (Note [interrupts])
+            if self.casts and not source.device_layout:
+                loading.stage(self.masters.nbytes, self.device.flat.device)
+            if progressive:
+                assert self.copy_order is not None
+                plan = self.load_plan
+                if plan is None or not plan.current(self.copy_order):  # Note [load plans] (scopes/loading.py)
+                    plan = self.load_plan = LoadPlan(self.copy_order, self.casts, self.device.flat.device,
+                                                     routed=len(self.routed))
+                loading.follow(plan, host, self.device.flat, routed=whole)
+                loading.copy_more(-1)
+                self.live.holding_back(self, loading.held_back)
+            else:
+                source.enqueue(self, loading, host, h2d, whole)
+                streams.reads_masters(loading.weights_ready)
+        source.after_load(self, loading)
         self._to_loading(loading)
         self.loads += 1
         self.live.loaded(self)
@@ -457,35 +472,6 @@ class Scope:
 def scope_of(slot: ParamSlot) -> Scope:
     """The Scope a slot belongs to, for the layers from here up (below, it is a SlotScope)."""
     return cast(Scope, slot.scope)
-
-
-def _enqueue_load(scope: Scope) -> LoadProgress:
-    """The copies of a load, enqueued into the scope's allocated buffer (Scope._start_load)."""
-    streams, source = scope.streams, scope.source
-    h2d = streams.h2d()
-    loading = LoadProgress(streams, scope.writes.note_copied, scope.traffic)  # the scope's once LOADING
-    progressive = scope.copy_order is not None and source.progressive
-    if not progressive:
-        source.settle(scope)
-    host = source.acquire(scope)
-    whole = _routed_loaded(scope, progressive)  # Note [routed experts] (scopes/experts.py)
-    with streams.enqueuing(), streams.on(h2d):  # plain tensors, no grad (Note [interrupts])
-        if scope.casts and not source.device_layout:
-            loading.stage(scope.masters.nbytes, scope.device.flat.device)
-        if progressive:
-            assert scope.copy_order is not None
-            plan = scope.load_plan
-            if plan is None or not plan.current(scope.copy_order):  # Note [load plans] (scopes/loading.py)
-                plan = scope.load_plan = LoadPlan(scope.copy_order, scope.casts, scope.device.flat.device,
-                                                  routed=len(scope.routed))
-            loading.follow(plan, host, scope.device.flat, routed=whole)
-            loading.copy_more(-1)
-            scope.live.holding_back(scope, loading.held_back)
-        else:
-            source.enqueue(scope, loading, host, h2d, whole)
-            streams.reads_masters(loading.weights_ready)
-    source.after_load(scope, loading)
-    return loading
 
 
 def _routed_loaded(scope: Scope, progressive: bool) -> bool:

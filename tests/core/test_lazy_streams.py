@@ -18,10 +18,8 @@ from torch import nn
 
 import offtensor
 import offtensor.scopes.loading as loading_module
-import offtensor.scopes.scope as scope_module
 from offtensor.dispatch import param as param_module
 from offtensor.scopes.loading import LoadProgress
-from offtensor.scopes.write_tracking import WriteTracker
 from offtensor.storage.compress import MIN_NUMEL, quantize_dequantize
 
 HIDDEN = 64  # 64 x 64 block matrices: MIN_NUMEL elements, compressed by a frozen format
@@ -222,35 +220,3 @@ def test_a_release_after_an_interrupt_before_compute_waits_for_expert_copies_wai
         assert "wait" not in vars(streams), "the interrupt did not come"
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
     assert_all_scopes_offloaded(model)
-
-
-@pytest.mark.parametrize("at", ["before any copy", "the second chunk"])
-def test_a_load_that_raises_gives_its_buffer_back_after_what_it_enqueued(at, monkeypatch):
-    """Scope._start_load: an exception before the scope is LOADING (reading its masters from a
-    file, allocating its staging, an interrupt) frees the buffer it allocated, after the copies
-    it had enqueued. Regression: the scope stayed OFFLOADED and held its device buffer until its
-    next load. The next forward matches the plain model."""
-    monkeypatch.setattr(loading_module, "CHUNK_BYTES", 4096)  # several chunks per scope
-    model = mlp_of_blocks(hidden=HIDDEN)
-    reference = copy.deepcopy(model)
-    x = torch.randn(4, 8)
-    calls = [0]
-
-    def failing(*args: object) -> None:
-        calls[0] += 1
-        if at == "before any copy" or calls[0] == 2:
-            raise _Boom
-
-    with lazy_streams(), torch.no_grad():
-        offtensor.wrap(model, device="cpu")
-        model(x)  # learns the copy order: later loads are progressive, chunk by chunk
-        with monkeypatch.context() as patch:
-            if at == "before any copy":
-                patch.setattr(scope_module, "_routed_loaded", failing)
-            else:
-                real = WriteTracker.note_copied  # told of each chunk before its copies
-                patch.setattr(WriteTracker, "note_copied", lambda self, slots: (failing(), real(self, slots)))
-            with pytest.raises(_Boom):
-                model(x)
-        assert_all_scopes_offloaded(model)
-        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
