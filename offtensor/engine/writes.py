@@ -111,12 +111,13 @@ class MasterWrites:
         after that load: Note [p.data aliases] (dispatch/slot.py). `detached`: `p.detach()`, which
         shares the parameter's version counter, so the loads see writes through it; it only waits
         for the copies (Note [a write through an alias may follow at once])."""
-        if not on_optimizer_worker():  # no copy reads a master the worker steps
+        worker = on_optimizer_worker()  # no copy reads a master the worker steps
+        if not worker:
             self.streams.sync_master_reads()
         if detached:
             return
         scope.masters.written()  # so is a staged copy (Note [master sources] in scopes/sources.py)
-        if scope.state is ScopeState.OFFLOADED or on_optimizer_worker():
+        if scope.state is ScopeState.OFFLOADED or worker:
             return
         if scope.calls.running and slot is not None:
             # Written through `.data` in the scope's own call, perhaps: Note [writes during a
