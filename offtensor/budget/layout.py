@@ -303,7 +303,12 @@ def copy_ms_per_byte(src: torch.Tensor, device: torch.device, h2d: object) -> fl
         t0 = time.perf_counter()
         dst.copy_(src)
         return (time.perf_counter() - t0) * 1e3 / n
-    stream = h2d if h2d is not None else torch.cuda.current_stream(device)
+    stream = torch.cuda.current_stream(device)
+    if h2d is not None:
+        # `dst` was allocated on compute: its memory may have just been freed there and still be
+        # read by queued kernels (Note [ordering across streams] in scopes/streams.py).
+        h2d.wait_stream(stream)  # type: ignore[attr-defined]
+        stream = h2d
     with torch.cuda.stream(stream):  # type: ignore[arg-type]
         dst.copy_(src, non_blocking=True)  # warm: the first copy maps the pages
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -311,3 +311,27 @@ def test_a_write_between_forward_and_backward_differentiates_as_unwrapped_when_o
         losses[-1].backward()
     torch.testing.assert_close(losses[1], losses[0], **tolerances("cuda"))
     assert_grads_match(model, reference, **tolerances("cuda"))
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_the_timed_copy_leaves_memory_compute_just_freed_to_the_kernels_still_reading_it():
+    """`layout="timed"` times one copy into a buffer allocated on compute, written from the copy
+    stream. The caching allocator may hand it memory compute freed a moment ago whose last
+    readers are still queued: the copy must wait for them. Regression: it wrote at once, and a
+    queued read on compute saw the copied bytes."""
+    from offtensor.budget.layout import copy_ms_per_byte
+
+    n = 64 << 20
+    src = torch.full((n,), 7, dtype=torch.uint8).pin_memory()
+    x = torch.full((n,), 3, dtype=torch.uint8, device="cuda")
+    h2d = torch.cuda.Stream()
+    with torch.cuda.stream(h2d):
+        x.clone().copy_(src, non_blocking=True)  # the first launch of a kernel may wait for the device
+    torch.cuda._sleep(1)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(5 * _SLEEP_CYCLES)  # compute lags by about 50 ms
+    y = x.clone()  # queued behind the sleep
+    del x  # its memory goes back to compute's pool now, before the clone has read it
+    copy_ms_per_byte(src, torch.device("cuda"), h2d)
+    assert torch.equal(y, torch.full_like(y, 3))
