@@ -29,6 +29,7 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -303,7 +304,7 @@ def copy_ms_per_byte(src: torch.Tensor, device: torch.device, h2d: object) -> fl
         t0 = time.perf_counter()
         dst.copy_(src)
         return (time.perf_counter() - t0) * 1e3 / n
-    stream = torch.cuda.current_stream(device)
+    stream: Any = torch.cuda.current_stream(device)
     if h2d is not None:
         # `dst` was allocated on compute: its memory may have just been freed there and still be
         # read by queued kernels (Note [ordering across streams] in scopes/streams.py).
