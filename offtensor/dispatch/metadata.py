@@ -10,7 +10,10 @@ itself, which `__torch_function__` would hand them (Note [dispatch of an offload
 in dispatch/param.py): so OffloadedParameter defines them as Python properties, found before
 TensorBase's own. Shape, dtype, device and numel cannot change after wrap (a dtype change or
 a new shape is refused, the master never leaves its host buffer): the slot holds them
-(`ParamMeta`, dispatch/slot.py). `requires_grad` and `.grad` are read from the master with subclass dispatch off.
+(`ParamMeta`, dispatch/slot.py). `requires_grad` is the slot's copy of the master's flag, taken
+again after each write of it (every such write comes through `__torch_function__`: Note
+[requires_grad changes] in dispatch/ops.py); `.grad` is read from the master with subclass
+dispatch off.
 A `.grad` read or write still waits for a pending optimizer step (the worker reads and may
 write it): with a fence pending, or a shared master another rank steps, these take the
 dispatched path. Writes to `requires_grad` (refused on compressed masters) always do.
@@ -102,7 +105,10 @@ grad = property(_get_grad, _set_grad, _del_grad)
 
 
 def _get_requires_grad(self: Any) -> bool:
-    return _disabled(_GET_REQUIRES_GRAD, (), (self,))  # type: ignore[call-arg]
+    try:
+        return self._ot.requires_grad  # type: ignore[no-any-return]
+    except AttributeError:
+        return _disabled(_GET_REQUIRES_GRAD, (), (self,))  # type: ignore[call-arg]
 
 
 def _set_requires_grad(self: Any, value: bool) -> None:

@@ -246,13 +246,27 @@ def _plain_property(func: Any, args: tuple, kwargs: dict, params: list) -> Any:
 @implements(_accessor("requires_grad", "__set__"))
 def _set_requires_grad(func: Any, args: tuple, kwargs: dict, params: list) -> Any:
     requires_grad_changed()  # Note [requires_grad changes] (dispatch/ops.py)
-    return func(*args, **kwargs)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _note_requires_grad(params)
 
 
-@implements(torch.Tensor.requires_grad_)
+@implements(torch.Tensor.requires_grad_, torch.Tensor.detach_)
 def _requires_grad_(func: Any, args: tuple, kwargs: dict, params: list) -> Any:
     requires_grad_changed()  # Note [requires_grad changes] (dispatch/ops.py)
-    return dispatch(func, args, kwargs, params)
+    try:
+        return dispatch(func, args, kwargs, params)
+    finally:
+        _note_requires_grad(params)
+
+
+def _note_requires_grad(params: list) -> None:
+    """The slots' copies of the flag follow the masters' (Note [metadata without dispatch])."""
+    for p in params:
+        slot = getattr(p, "_ot", None)
+        if slot is not None:
+            slot.note_requires_grad()
 
 
 def _reads_only(func: Any) -> bool:

@@ -355,9 +355,17 @@ class ParamSlot:
     # A routed expert parameter: the experts its device copy holds (Note [routed experts] in scopes/experts.py)
     experts: RoutedRows | None = None
     meta: ParamMeta = field(init=False)  # shape, dtype, device: Note [metadata without dispatch]
+    # The master's requires_grad, as `p.requires_grad` answers it (Note [metadata without
+    # dispatch]); set again by every write of the flag (`note_requires_grad`)
+    requires_grad: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.meta = meta_of(self.param)
+        self.note_requires_grad()
+
+    def note_requires_grad(self) -> None:
+        """Take the master's requires_grad flag again: after a write of it (dispatch/param.py)."""
+        self.requires_grad = _disabled(_REQUIRES_GRAD, (), (self.param,))  # type: ignore[call-arg]
 
     @property
     def grad_written(self) -> bool:
@@ -504,13 +512,13 @@ class ParamSlot:
             if self.chunk >= loading.chunks_waited:
                 scope.compute_waits(self.chunk)
         leaf = self.device_leaf
-        if leaf.requires_grad == _disabled(_REQUIRES_GRAD, (), (self.param,)):  # type: ignore[call-arg]
+        if leaf.requires_grad == self.requires_grad:
             return leaf  # what use_device_copy returns, without the call: asked per parameter and call
         return self.use_device_copy()
 
     def use_device_copy(self) -> torch.Tensor:
         leaf = self.device_leaf
-        wants = _disabled(_REQUIRES_GRAD, (), (self.param,))  # type: ignore[call-arg]
+        wants = self.requires_grad
         if leaf.requires_grad != wants:  # the user froze or unfroze the parameter after wrap
             leaf.requires_grad_(wants)
             if wants and self.leaf_hooks is LeafHooks.NONE:

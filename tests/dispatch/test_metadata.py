@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -52,6 +53,59 @@ def test_grad_set_read_and_deleted_like_the_plain_parameter():
         assert not p.requires_grad
         p.requires_grad_(True)
         assert p.requires_grad
+
+
+def _flag(p: torch.Tensor) -> bool:
+    """The requires_grad flag the tensor itself holds (read in C, no subclass dispatch)."""
+    return torch._C._disabled_torch_function_impl(torch._C.TensorBase.requires_grad.__get__, (), (p,))
+
+
+@pytest.mark.parametrize("budget", [None, 2**30], ids=["streamed", "kept"])
+def test_requires_grad_reads_the_flag_each_way_of_setting_it_left(budget):
+    """`p.requires_grad` answers from the slot's copy of the master's flag: every way of setting
+    the flag, inside the scope's call or outside it, a refused one included, leaves the two
+    equal, and the training that follows matches the plain model's."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=budget))
+    x = torch.randn(3, 8)
+
+    def setter(p, value):
+        p.requires_grad = value
+
+    ways = [setter, lambda p, v: p.requires_grad_(v), lambda p, v: torch.Tensor.requires_grad_(p, v),
+            lambda p, v: torch._C.TensorBase.requires_grad.__set__(p, v),
+            lambda p, v: p.detach_() if not v else p.requires_grad_(True)]
+    for way in ways:
+        for value in (False, True):
+            for m in (model, reference):
+                way(m[0][0].weight, value)
+            p = model[0][0].weight
+            assert p.requires_grad is _flag(p) is value
+            with torch.no_grad():
+                way(p, not value)
+            assert p.requires_grad is _flag(p) is (not value)
+            way(p, value)
+    for m in (model, reference):
+        m.requires_grad_(False)
+        m[0][1].requires_grad_(True)
+        m[0][0].bias.requires_grad = True
+    inside = []
+    hook = model[0][1].register_forward_pre_hook(lambda module, args: inside.append(module.weight.requires_grad))
+    for _ in range(2):
+        for m in (model, reference):
+            m.zero_grad()
+            m[0][1](m[0][0](x).double()).sum().backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert p.requires_grad is _flag(p) is q.requires_grad
+            assert (p.grad is None) is (q.grad is None)
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    hook.remove()
+    assert inside == [True, True]
+    with pytest.raises(RuntimeError, match="must be a bool"):
+        model[0][0].weight.requires_grad = "yes"  # refused by the flag's own setter
+    assert all(p.requires_grad is _flag(p) for p in model.parameters())
 
 
 def test_metadata_of_an_unwrapped_parameter_is_its_own():
