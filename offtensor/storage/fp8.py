@@ -1,6 +1,29 @@
 """`Policy(frozen_format="fp8")`: row-scaled float8 e4m3 (Note [row-scaled formats] in
 storage/row_scaled.py), restored on CUDA by one Triton kernel per matrix, or per chunk of a load
-(Note [fused fp8 dequantization] in storage/kernels.py), where Triton is installed."""
+(Note [fused fp8 dequantization] in storage/kernels.py), where Triton is installed, and on the CPU
+through float16 bits (Note [fp8 on the CPU]).
+
+# Note [fp8 on the CPU]
+PyTorch converts float8_e4m3fn to a wider float one value at a time on the CPU (about 3 ns a
+value, most of an fp8 load's host time there). The bits make a float16 at integer speed instead:
+the byte read as int8 and widened to int16 (sign-extended), shifted left 7 and masked with 0xBF80
+keeps the sign in bit 15 and puts e4m3's 4 exponent and 3 mantissa bits under a float16 exponent
+field whose top bit is 0. Both formats keep subnormals at exponent field 0 and their biases differ
+by 8, so the float16 is the e4m3 value times 2**-8 exactly, subnormals included. That float16
+converts exactly to every master dtype (2 bytes or more), and `scale * 256` is exact while
+|scale| <= max / 256, so the one multiplication sees the exact product `value * scale` and rounds
+it as `RowScaled.dequantize` does (the same kernel, the same dtype): the same bits, which
+tests/weights/test_compress.py checks for every code, float dtype and a wide range of scales.
+Two cases take the two-kernel way instead, each rare and each checked, not assumed:
+- the NaN codes (0x7F, 0xFF) read as +-480 * 2**-8 in the float16, not NaN; packing stores them
+  for a row holding NaN or inf (the clamp keeps NaN, inf / inf is NaN), so a block whose float16
+  reaches beyond 448 * 2**-8 = 1.75 holds one;
+- a scale beyond max / 256, NaN or infinite (pack's scales are at most max / 448, or inf for a
+  row holding inf), where `scale * 256` would not be exact.
+A float16 target is its own scratch (every op in place on its bytes). Other targets take a
+scratch of at most `_SCRATCH_NUMEL` values at a time, in blocks of rows: a large matrix costs
+512 KiB more, not 2 bytes a value, and the block stays in cache between its passes.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +36,10 @@ from ..formats import Conversion, register_frozen_format
 from .compress import rows_cols
 from .row_scaled import RowScaled, scale_offset
 
+_SCRATCH_NUMEL = 2**18  # values per block on the CPU: a 512 KiB int16 scratch (Note [fp8 on the CPU])
+_FLOAT16_BITS = -16512  # 0xBF80 as int16: keeps bit 15 (the sign) and 13-7 (e4m3's other bits), clears 14
+_LARGEST_FLOAT16 = 448 / 256  # the largest e4m3 value in the float16; the NaN codes read beyond it
+
 
 class Float8Rows(RowScaled):
     """fp8: torch.float8_e4m3fn values, per-row scale = absmax / 448."""
@@ -23,11 +50,62 @@ class Float8Rows(RowScaled):
     def dequantize(self, values: torch.Tensor, scale: torch.Tensor, target: torch.Tensor) -> None:
         if target.is_cuda and (fused := _fused_dequantize()) is not None:
             fused(values, scale, target)  # one kernel (Note [fused fp8 dequantization])
+        elif target.device.type == "cpu":
+            self._dequantize_on_cpu(values, scale, target)
         else:
             super().dequantize(values, scale, target)
 
+    def _restored(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if values.device.type != "cpu":
+            return super()._restored(values, scale)
+        out = torch.empty(values.shape, dtype=scale.dtype)
+        self._dequantize_on_cpu(values, scale, out)
+        return out
+
+    def _dequantize_on_cpu(self, values: torch.Tensor, scale: torch.Tensor, target: torch.Tensor) -> None:
+        """`dequantize` on the CPU, bit for bit, through float16 bits (Note [fp8 on the CPU])."""
+        if not values.numel() or not _doubles_exactly(scale):
+            super().dequantize(values, scale, target)
+            return
+        scaled = scale * 256  # exact: the values come 2**-8 too small
+        if target.dtype == torch.float16:
+            self._dequantize_block(values, scale, scaled, target, target.view(torch.int16))
+            return
+        rows, cols = values.shape
+        step = max(1, _SCRATCH_NUMEL // cols)
+        if rows <= step:  # one block: slicing costs more than the work of a small matrix
+            self._dequantize_block(values, scale, scaled, target, torch.empty(values.shape, dtype=torch.int16))
+            return
+        scratch = torch.empty(step * cols, dtype=torch.int16)
+        for start in range(0, rows, step):
+            stop = min(start + step, rows)
+            bits = scratch[: (stop - start) * cols].view(stop - start, cols)
+            self._dequantize_block(values[start:stop], scale[start:stop], scaled[start:stop], target[start:stop], bits)
+
+    def _dequantize_block(self, values: torch.Tensor, scale: torch.Tensor, scaled: torch.Tensor,
+                          target: torch.Tensor, bits: torch.Tensor) -> None:
+        """Rows of `_dequantize_on_cpu`: `bits` (int16, the rows' shape) is the scratch, or the
+        float16 target's own bytes; `scaled` is `scale * 256`."""
+        bits.copy_(values.view(torch.int8))  # sign-extended
+        bits.bitwise_left_shift_(7).bitwise_and_(_FLOAT16_BITS)
+        half = bits.view(torch.float16)  # the values times 2**-8
+        low, high = torch.aminmax(half)
+        if float(low) < -_LARGEST_FLOAT16 or float(high) > _LARGEST_FLOAT16:  # a NaN code
+            super().dequantize(values, scale, target)
+            return
+        if target.dtype != torch.float16:
+            target.copy_(half)  # exact
+        target.mul_(scaled[:, None])
+
     def fuse(self, chunks: list[list[Conversion]], device: torch.device) -> FusedDequantization | None:
         return FusedDequantization.plan(chunks, device)
+
+
+def _doubles_exactly(scale: torch.Tensor) -> bool:
+    """Whether `scale * 256` is exact: every scale within max / 256 of its dtype (NaN is not)."""
+    low, high = torch.aminmax(scale)
+    limit = torch.finfo(scale.dtype).max / 256
+    return -limit <= float(low) and float(high) <= limit
 
 
 @functools.cache

@@ -9,7 +9,8 @@ cast to its 1-byte dtype (int8 rounds to nearest first). A row of zeros gets the
 bytes are the values (rows x cols), then the scales at the next multiple of SCALE_ALIGN bytes. The
 parameter's values are `values.to(dtype) * scale[:, None]`, computed in the parameter's dtype
 (exact conversion of the 1-byte values, one rounding of the product), the very operation the
-device runs when it restores a load (`unpack_into`), one kernel or two. Each row is restored
+device runs when it restores a load (`unpack_into`), one kernel or two (or, for fp8 on the CPU,
+the same bits through float16: Note [fp8 on the CPU] in storage/fp8.py). Each row is restored
 alone, so the rows of one routed expert give the bytes the whole master gives them (a 3-D expert
 weight has one scale per expert). Quantizing runs in float32 on blocks of rows, on the value's
 device when it is a tensor on an accelerator: IEEE division and round-to-nearest casts give the
@@ -102,9 +103,7 @@ class RowScaled:
 
     def unpack(self, host: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
         values, scale = self.parts(host, dtype, shape)
-        out = values.to(dtype)
-        out.mul_(scale[:, None])
-        return out.view(shape)
+        return self._restored(values, scale).view(shape)
 
     def unpack_into(self, out: torch.Tensor, host: torch.Tensor, dtype: torch.dtype) -> None:
         values, scale = self.parts(host, dtype, out.shape)
@@ -129,7 +128,12 @@ class RowScaled:
         if target.dtype == scale.dtype:
             self.dequantize(values, scale, target)
         else:
-            target.copy_(values.to(scale.dtype).mul_(scale[:, None]))
+            target.copy_(self._restored(values, scale))
+
+    def _restored(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The rows' values in the master's dtype (`scale`'s): a new tensor on values' device."""
+        out = values.to(scale.dtype)
+        return out.mul_(scale[:, None])
 
     def dequantize(self, values: torch.Tensor, scale: torch.Tensor, target: torch.Tensor) -> None:
         """_rows_into where the compute dtype is the master's: two kernels, as PyTorch does not

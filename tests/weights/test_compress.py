@@ -8,7 +8,9 @@ CPU. The error against the unquantized model is measured separately, and bounded
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 import pickle
 
 import pytest
@@ -610,3 +612,163 @@ def test_an_exception_in_a_compressed_model_leaves_no_device_copy_and_the_next_s
         if r.requires_grad:
             torch.testing.assert_close(host(p.grad), host(r.grad), msg=name, **tolerances(device))
     assert_all_scopes_offloaded(model)
+
+
+# Note [fp8 on the CPU]: the CPU restores fp8 through float16 bits; each test below compares it
+# bit for bit with the two kernels it replaces, `values.to(dtype)` then `mul_(scale)`.
+FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _fp8_codes(nan: bool) -> torch.Tensor:
+    """Every e4m3 code (uint8 0..255), or every one but the two NaN codes."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    return (codes if nan else codes[(codes & 0x7F) != 0x7F]).view(torch.float8_e4m3fn)
+
+
+def _wide_scales(dtype: torch.dtype) -> torch.Tensor:
+    """Scales over dtype's range up to max / 256: every power of two from the smallest subnormal,
+    random mantissas at random exponents, the edges, zero and negatives."""
+    info = torch.finfo(dtype)
+    limit, smallest = info.max / 256, info.tiny * info.eps
+    low, high = round(math.log2(smallest)), math.floor(math.log2(limit))
+    gen = torch.Generator().manual_seed(0)
+    powers = torch.ldexp(torch.ones(high - low + 1, dtype=torch.float64), torch.arange(low, high + 1))
+    random = torch.ldexp(1 + torch.rand(512, generator=gen, dtype=torch.float64),
+                         torch.randint(low, high + 1, (512,), generator=gen))
+    edges = torch.tensor([smallest, info.tiny - smallest, info.tiny, 1 / 3, info.max / 448, limit, 0.0],
+                         dtype=torch.float64)
+    scales = torch.cat([powers, random, edges]).to(dtype).clamp(max=limit)
+    return torch.cat([scales, -scales[::7]])
+
+
+def _two_kernels(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What RowScaled.dequantize computes: PyTorch's fp8 conversion, then the scale."""
+    out = torch.empty(values.shape, dtype=scale.dtype)
+    out.copy_(values)
+    out.mul_(scale[:, None])
+    return out
+
+
+def _cpu_restores(values: torch.Tensor, scale: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each CPU restore of fp8 host bytes holding `values` and `scale`, with what the two kernels
+    give: a load's (`unpack_into`, into the master's dtype and into another compute dtype) and a
+    read's (`unpack`)."""
+    from offtensor.storage.fp8 import FP8
+
+    dtype, shape = scale.dtype, values.shape
+    host = torch.empty(FP8.nbytes(shape, dtype), dtype=torch.uint8)
+    stored_values, stored_scale = FP8.parts(host, dtype, shape)
+    stored_values.view(torch.uint8).copy_(values.view(torch.uint8))
+    stored_scale.copy_(scale)
+    expected = _two_kernels(values, scale)
+    loaded = torch.full(shape, float("nan"), dtype=dtype)
+    FP8.unpack_into(loaded, host, dtype)
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    cast = torch.full(shape, float("nan"), dtype=other)
+    FP8.unpack_into(cast, host, dtype)
+    return {"unpack_into": (loaded, expected), "unpack_into another dtype": (cast, expected.to(other)),
+            "unpack": (FP8.unpack(host, dtype, shape), expected)}
+
+
+def _assert_same_bits(restores: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for how, (got, expected) in restores.items():
+        bits = _INT_OF_SIZE[got.element_size()]
+        assert got.dtype == expected.dtype and torch.equal(got.view(bits), expected.view(bits)), how
+
+
+@pytest.fixture
+def two_kernel_restores(monkeypatch) -> list[int]:
+    """The row counts of the restores that take the two kernels (RowScaled.dequantize)."""
+    from offtensor.storage.row_scaled import RowScaled
+
+    calls: list[int] = []
+    two_kernels = RowScaled.dequantize
+
+    def counted(self, values, scale, target):
+        calls.append(values.shape[0])
+        two_kernels(self, values, scale, target)
+
+    monkeypatch.setattr(RowScaled, "dequantize", counted)
+    return calls
+
+
+@contextlib.contextmanager
+def _denormals(flushed: bool):
+    """Denormals as usual, or flushed to zero (torch.set_flush_denormal) on one thread: PyTorch
+    sets the mode for the calling thread only, so an op split over its other threads would mix
+    both modes and give bits that depend on the split."""
+    if not flushed:
+        yield
+        return
+    threads = torch.get_num_threads()
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("flushed", [False, True], ids=["denormals", "flush_denormal"])
+@pytest.mark.parametrize("blocks", ["one_block", "many_blocks"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_cpu_fp8_restore_is_bit_identical_to_the_two_kernels(dtype, blocks, flushed, two_kernel_restores,
+                                                               monkeypatch):
+    """Every non-NaN code times scales over the dtype's whole range (subnormal results, overflow
+    to inf, tiny and huge scales) gives the two kernels' bits, through float16 (no two-kernel
+    restore), in one scratch block or in blocks that end mid-matrix, denormals flushed or not."""
+    if blocks == "many_blocks":
+        monkeypatch.setattr("offtensor.storage.fp8._SCRATCH_NUMEL", 254 * 37)
+    scales = _wide_scales(dtype)
+    values = _fp8_codes(nan=False).expand(len(scales), -1).contiguous()
+    with _denormals(flushed):
+        _assert_same_bits(_cpu_restores(values, scales))
+    assert two_kernel_restores == []
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_cpu_fp8_nan_codes_restore_as_nan_through_the_two_kernels(dtype, two_kernel_restores, monkeypatch):
+    """The NaN codes would read as +-480 through float16: a block holding one takes the two
+    kernels, the others do not (a float16 target is restored whole, in place)."""
+    monkeypatch.setattr("offtensor.storage.fp8._SCRATCH_NUMEL", 256)  # a row a block
+    values = _fp8_codes(nan=True).expand(4, -1).contiguous()
+    codes = values.view(torch.uint8)
+    codes[0, [0x7F, 0xFF]] = 0  # row 0 holds no NaN code, row 1 only 0x7F, row 2 only 0xFF, row 3 both
+    codes[1, 0xFF] = 0
+    codes[2, 0x7F] = 0
+    restores = _cpu_restores(values, torch.tensor([0.5, 3.0, 2.0**-10, 1.0], dtype=dtype))
+    _assert_same_bits(restores)
+    assert restores["unpack"][0].isnan().sum(dim=1).tolist() == [0, 1, 1, 2]
+    per_restore = [4] if dtype == torch.float16 else [1, 1, 1]
+    assert two_kernel_restores == per_restore * 3
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_cpu_fp8_scales_beyond_max_over_256_restore_through_the_two_kernels(dtype, two_kernel_restores):
+    """`scale * 256` would overflow (or is not a number): the matrix takes the two kernels."""
+    info = torch.finfo(dtype)
+    limit = torch.tensor(info.max / 256, dtype=dtype)
+    values = _fp8_codes(nan=False).expand(2, -1).contiguous()
+    for beyond in [torch.nextafter(limit, torch.tensor(math.inf, dtype=dtype)), info.max, math.inf, -math.inf,
+                   math.nan]:
+        two_kernel_restores.clear()
+        _assert_same_bits(_cpu_restores(values, torch.tensor([1.0, beyond], dtype=dtype)))
+        assert two_kernel_restores == [2, 2, 2], beyond
+
+
+def test_packing_stores_nan_codes_for_rows_holding_nan_or_inf():
+    """Why the CPU restore checks for NaN codes (Note [fp8 on the CPU]): the clamp keeps NaN and
+    a row holding inf gets the scale inf (inf / inf is NaN); both read back as NaN."""
+    from offtensor.storage.fp8 import FP8
+
+    w = torch.ones(3, 4)
+    w[1, 2], w[2, 3] = math.nan, math.inf
+    host = torch.empty(FP8.nbytes(w.shape, w.dtype), dtype=torch.uint8)
+    FP8.pack(host, w, w.dtype, w.shape, "w")
+    values, scale = FP8.parts(host, w.dtype, w.shape)
+    assert (values.view(torch.uint8) & 0x7F).eq(0x7F).sum(dim=1).tolist() == [0, 1, 1]
+    assert torch.equal(scale, torch.tensor([1 / 448, 1.0, math.inf]))
+    assert FP8.unpack(host, w.dtype, w.shape).isnan().sum(dim=1).tolist() == [0, 1, 4]
