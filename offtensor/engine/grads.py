@@ -500,7 +500,7 @@ def _home(offload: GradOffload, slot: ParamSlot, grad: torch.Tensor) -> tuple[to
     if written:
         buf, accumulate, old = current, True, None
     else:
-        buf, accumulate = destination(slot, current)
+        buf, accumulate = destination(slot, current, grad, reducer is None and not offload._streams.lagging)
         slot.host_grad = buf
         old = slot.scope.take_old_grad(slot) if slot.old_grad is not None else None
     assert buf is not None

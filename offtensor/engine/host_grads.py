@@ -1,6 +1,19 @@
 """The host end of the gradient path (Note [gradient path] in engine/grads.py): each parameter's
 pinned gradient buffer, the copies into it (Note [one pass per scope's gradients]), and `p.grad`
-set on the masters."""
+set on the masters.
+
+# Note [gradients computed on the host]
+With the CPU as the compute device, a device copy's gradient already lies in host memory, and
+step 3 of Note [gradient path] (engine/grads.py) would copy every gradient of every backward
+into the buffer, a memcpy the plain model never makes. So a gradient that is the first of its backward for a
+parameter without `.grad` becomes `p.grad` itself when it has the master's dtype and shape and
+is contiguous (`destination`): AccumulateGrad gives the device copy a tensor nothing else holds
+(it takes the incoming gradient only when no other reference to it exists, else a clone), as
+it would give a plain parameter's `.grad`, and the copy keeps none (`_on_leaf_grad`). Further
+contributions add into it as into any host gradient. Not on a GPU (the copy is the transfer),
+under data parallelism (the reducer averages first), nor under the tests' lagging streams,
+which keep the copy path checked on the CPU.
+"""
 
 from __future__ import annotations
 
@@ -34,7 +47,9 @@ class CopiesHome:
         slots, bufs, grads = (list(column) for column in zip(*batch, strict=True))
         first = grads[0]
         if not (first.is_cuda or streams.lagging):
-            torch._foreach_copy_(bufs, grads)
+            moved = [i for i, (buf, grad) in enumerate(zip(bufs, grads, strict=True)) if buf is not grad]
+            if moved:  # not the adopted ones (Note [gradients computed on the host])
+                torch._foreach_copy_([bufs[i] for i in moved], [grads[i] for i in moved])
             return
         d2h = streams.d2h()
         streams.wait(d2h, streams.record(torch.cuda.current_stream(first.device) if first.is_cuda
@@ -75,12 +90,15 @@ class CopiesHome:
         self.last = None
 
 
-def destination(slot: ParamSlot, current: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
-    """Where this backward's gradient for the slot goes, and whether it adds to what is
+def destination(slot: ParamSlot, current: torch.Tensor | None, grad: torch.Tensor,
+                adopt: bool) -> tuple[torch.Tensor, bool]:
+    """Where this backward's gradient `grad` for the slot goes, and whether it adds to what is
     there: into `p.grad` (`current`, read once its deferred step was done: Note [deferred
-    steps]) when it exists (accumulation, in place, as PyTorch does), else the slot's pinned
-    buffer from earlier steps, unless the user still holds a tensor on it (after
-    `zero_grad(set_to_none=True)` a kept gradient must keep its values): then a new one."""
+    steps]) when it exists (accumulation, in place, as PyTorch does), else `grad` itself where
+    it may be adopted (`adopt`: no reducer, no lagging streams; Note [gradients computed on the
+    host]), else the slot's pinned buffer from earlier steps, unless the user still holds a
+    tensor on it (after `zero_grad(set_to_none=True)` a kept gradient must keep its values):
+    then a new one."""
     if current is not None:
         return current, True
     # `p.grad` is None: a fetched old gradient is stale, and its reference to the previous
@@ -88,6 +106,10 @@ def destination(slot: ParamSlot, current: torch.Tensor | None) -> tuple[torch.Te
     if slot.old_grad is not None:
         slot.scope.take_old_grad(slot)
     slot.host_grad = None  # ours: a `p.grad` the user kept is now held by the user only
+    meta = slot.meta
+    if (adopt and grad.device.type == "cpu" and grad.dtype == meta.dtype and grad.shape == meta.shape
+            and grad.is_contiguous()):
+        return grad, False
     buffer = slot.grad_buffer
     # storage_uses, without the storage object (Note [one gradient's host work] in engine/grads.py)
     if buffer is None or torch._C._storage_Use_Count(slot.grad_storage) != slot.grad_buffer_uses:

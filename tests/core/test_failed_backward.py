@@ -248,11 +248,11 @@ def test_a_backward_interrupted_while_adding_a_scopes_gradients_publishes_none_i
     model.zero_grad(set_to_none=True)  # the buffers stay, for the next backward to reuse
     real, calls = grads.destination, []
 
-    def failing(slot, current):
+    def failing(slot, current, *more):
         calls.append(slot)
         if len(calls) == 2:
             raise InjectedFailure("injected failure while adding a scope's gradients")
-        return real(slot, current)
+        return real(slot, current, *more)
 
     monkeypatch.setattr(grads, "destination", failing)
     with pytest.raises(InjectedFailure):

@@ -3,7 +3,9 @@ bases (Policy.param_filter), gradient buffers reused across steps."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import re
 
 import pytest
@@ -494,25 +496,51 @@ def test_error_if_unwrap_is_called_on_a_part_holding_only_some_scopes():
 # --------------------------------------------------------------------------------------------
 
 
-def test_host_grad_buffers_are_reused_across_steps_not_reallocated():
+def _gradient_path(path: str) -> contextlib.AbstractContextManager:
+    """`copied`: the gradients are copied into the host buffers, as from a GPU (the side streams
+    lag on the CPU: Note [lazy streams] in tests/lazy_streams.py); `adopted`: the CPU's own
+    gradients become `.grad` (Note [gradients computed on the host] in engine/host_grads.py)."""
+    if os.environ.get("OFFTENSOR_LAZY_STREAMS") == "1":  # every test's streams lag already
+        if path == "adopted":
+            pytest.skip("with lagging streams the gradients are copied, never adopted")
+        return contextlib.nullcontext()
+    if path == "adopted":
+        return contextlib.nullcontext()
+    from lazy_streams import lazy_streams
+
+    return lazy_streams()
+
+
+@pytest.mark.parametrize("path", ["copied", "adopted"])
+def test_host_grad_buffers_are_reused_across_steps_not_reallocated(path):
     # Regression: a fresh (pinned) host buffer per step costs an allocation and, on CUDA, a
-    # page-locking call on the hot path.
-    model = offload(mlp_of_blocks(), "cpu")
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    pointers = []
-    for x, y in _batches("cpu", 4):
-        F.mse_loss(model(x), y).backward()
-        pointers.append({n: p.grad.data_ptr() for n, p in offloaded_parameters(model)})
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    assert all(p == pointers[0] for p in pointers[1:])
+    # page-locking call on the hot path. The CPU's own gradients allocate none: each is `.grad`.
+    with _gradient_path(path):
+        model = offload(mlp_of_blocks(), "cpu")
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        pointers, slots = [], [p._ot for _, p in offloaded_parameters(model)]
+        for x, y in _batches("cpu", 4):
+            F.mse_loss(model(x), y).backward()
+            pointers.append({n: p.grad.data_ptr() for n, p in offloaded_parameters(model)})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    if path == "copied":
+        assert all(p == pointers[0] for p in pointers[1:])
+    else:
+        assert all(slot.grad_buffer is None for slot in slots)
 
 
+@pytest.mark.parametrize("path", ["copied", "adopted"])
 @pytest.mark.parametrize("kept", ["the gradient", "a view of it", "a row of it", "nothing"])
-def test_a_gradient_the_user_kept_after_zero_grad_keeps_its_values(kept):
+def test_a_gradient_the_user_kept_after_zero_grad_keeps_its_values(kept, path):
     """After zero_grad(set_to_none=True) the next backward reuses the pinned buffer only if no
     tensor on it is held outside offtensor: a kept `p.grad`, a view or a slice of it keeps
     the values of its step, as with a plain parameter."""
+    with _gradient_path(path):
+        _gradients_kept_after_zero_grad(kept, path)
+
+
+def _gradients_kept_after_zero_grad(kept: str, path: str) -> None:
     model = mlp_of_blocks()
     reference = copy.deepcopy(model)
     offload(model, "cpu")
@@ -533,19 +561,27 @@ def test_a_gradient_the_user_kept_after_zero_grad_keeps_its_values(kept):
             o.zero_grad(set_to_none=True)
     for mine, theirs in zip(held, ref_held, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    if path == "adopted":
+        return  # autograd's own tensors, allocated as for the plain model
     if kept == "nothing":
         assert pointers[1:] == pointers[:1] * 2  # reused
     else:
         assert len(set(pointers)) == 3  # a new buffer each time one was kept
 
 
+@pytest.mark.parametrize("path", ["copied", "adopted"])
 @pytest.mark.parametrize("kept", ["the gradient", "the gradient, as another tensor's .grad only"])
-def test_a_gradient_kept_from_a_reused_buffer_keeps_its_values(kept):
+def test_a_gradient_kept_from_a_reused_buffer_keeps_its_values(kept, path):
     """A `p.grad` handed out from a buffer reused since an earlier step, then kept past
     zero_grad(set_to_none=True), is seen as held, also when only C++ holds it (another
     tensor's `.grad`): the next backward writes a new buffer, not the tensor the user holds.
     Each backward hands out a tensor of its own on the buffer, which the storage's use count
     sees (Note [one gradient's host work]); handed out itself, the buffer was overwritten here."""
+    with _gradient_path(path):
+        _gradients_kept_from_reused_buffers(kept)
+
+
+def _gradients_kept_from_reused_buffers(kept: str) -> None:
     model = mlp_of_blocks()
     reference = copy.deepcopy(model)
     offload(model, "cpu")
