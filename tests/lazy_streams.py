@@ -24,7 +24,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+)
 
 from offtensor.scopes import device_buffer, streams
 
@@ -122,6 +127,14 @@ def _run(func: Any, args: tuple, kwargs: dict, stream: LazyStream) -> None:
 _COMPUTE = object()  # the compute stream: immediate
 
 
+def _drop_left_queues() -> None:
+    """`Streams.restore` at offtensor's entry points: on CUDA it makes the stream that an
+    interrupt left current (one that skipped `on()`'s exit) the compute stream again; here the
+    queueing mode such an interrupt left pushed goes."""
+    while (stack := _get_current_dispatch_mode_stack()) and isinstance(stack[-1], _Queue):
+        _pop_mode()
+
+
 @contextlib.contextmanager
 def lazy_streams() -> Iterator[list[LazyStream]]:
     """Patch `Streams` so that side streams lag (Note [lazy streams]); yields the streams made.
@@ -174,7 +187,7 @@ def lazy_streams() -> Iterator[list[LazyStream]]:
     streams.Streams.record = staticmethod(record)  # type: ignore[method-assign, assignment]
     streams.Streams.wait = staticmethod(wait)  # type: ignore[method-assign, assignment]
     streams.Streams.on = on  # type: ignore[method-assign, assignment]
-    streams.Streams.restore = lambda self: None  # type: ignore[method-assign]
+    streams.Streams.restore = lambda self: _drop_left_queues()  # type: ignore[method-assign]
     device_buffer.DeviceBuffer.allocate = allocate  # type: ignore[method-assign]
     device_buffer.DeviceBuffer.free = free  # type: ignore[method-assign]
     torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign, assignment]
