@@ -500,7 +500,8 @@ def _home(offload: GradOffload, slot: ParamSlot, grad: torch.Tensor) -> tuple[to
     if written:
         buf, accumulate, old = current, True, None
     else:
-        buf, accumulate = destination(slot, current, grad, reducer is None and not offload._streams.lagging)
+        adopt = reducer is None and not offload._streams.lagging and not slot.grad_hooks
+        buf, accumulate = destination(slot, current, grad, adopt)
         slot.host_grad = buf
         old = slot.scope.take_old_grad(slot) if slot.old_grad is not None else None
     assert buf is not None

@@ -5,14 +5,16 @@ set on the masters.
 # Note [gradients computed on the host]
 With the CPU as the compute device, a device copy's gradient already lies in host memory, and
 step 3 of Note [gradient path] (engine/grads.py) would copy every gradient of every backward
-into the buffer, a memcpy the plain model never makes. So a gradient that is the first of its backward for a
-parameter without `.grad` becomes `p.grad` itself when it has the master's dtype and shape and
-is contiguous (`destination`): AccumulateGrad gives the device copy a tensor nothing else holds
-(it takes the incoming gradient only when no other reference to it exists, else a clone), as
-it would give a plain parameter's `.grad`, and the copy keeps none (`_on_leaf_grad`). Further
-contributions add into it as into any host gradient. Not on a GPU (the copy is the transfer),
-under data parallelism (the reducer averages first), nor under the tests' lagging streams,
-which keep the copy path checked on the CPU.
+into the buffer, a memcpy the plain model never makes. So a gradient that is the first of its
+backward for a parameter without `.grad` becomes `p.grad` itself when it has the master's dtype
+and shape and is contiguous (`destination`): AccumulateGrad gives the device copy a tensor
+nothing else holds (it takes the incoming gradient only when no other reference to it exists,
+else a clone), as it would give a plain parameter's `.grad`, and the copy keeps none
+(`_on_leaf_grad`). Further contributions add into it as into any host gradient. Not for a
+parameter with `register_hook` hooks (a hook may return a tensor it keeps, which autograd would
+clone before making it `.grad`), on a GPU (the copy is the transfer), under data parallelism
+(the reducer averages first), nor under the tests' lagging streams, which keep the copy path
+checked on the CPU.
 """
 
 from __future__ import annotations
@@ -95,8 +97,8 @@ def destination(slot: ParamSlot, current: torch.Tensor | None, grad: torch.Tenso
     """Where this backward's gradient `grad` for the slot goes, and whether it adds to what is
     there: into `p.grad` (`current`, read once its deferred step was done: Note [deferred
     steps]) when it exists (accumulation, in place, as PyTorch does), else `grad` itself where
-    it may be adopted (`adopt`: no reducer, no lagging streams; Note [gradients computed on the
-    host]), else the slot's pinned buffer from earlier steps, unless the user still holds a
+    it may be adopted (`adopt`: no reducer, hooks or lagging streams; Note [gradients computed
+    on the host]), else the slot's pinned buffer from earlier steps, unless the user still holds a
     tensor on it (after `zero_grad(set_to_none=True)` a kept gradient must keep its values):
     then a new one."""
     if current is not None:

@@ -527,6 +527,24 @@ def test_freezing_and_unfreezing_layers_between_steps_with_dropout_trains_like_u
     _assert_evaluates_like(model, reference, tol)
 
 
+@pytest.mark.parametrize("device", devices)
+def test_a_gradient_a_hook_returned_and_kept_keeps_its_values_as_gradients_accumulate(device):
+    """A `register_hook` hook that returns a tensor it also keeps: autograd gives the parameter a
+    copy of it as `.grad`, so the accumulation of the next backward leaves the kept tensor as it
+    was. Offloaded, the same (Note [gradients computed on the host] in engine/host_grads.py)."""
+    model, reference = mlp_and_reference(device)
+    x, y = torch.randn(4, 8, device=device), torch.randn(4, 4, device=device)
+    kept: dict[int, list[torch.Tensor]] = {id(model): [], id(reference): []}
+    for m in (model, reference):
+        m.blocks[0].fc1.weight.register_hook(lambda g, held=kept[id(m)]: held.append(g) or g)
+    for _ in range(2):  # the second backward adds into `.grad`
+        for m in (model, reference):
+            F.mse_loss(m(x), y).backward()
+    for mine, theirs in zip(kept[id(model)], kept[id(reference)], strict=True):
+        torch.testing.assert_close(host(mine), host(theirs), **tolerances(device))
+    assert_grads_match(model, reference, **tolerances(device))
+
+
 @pytest.mark.parametrize("overlapped", [False, True], ids=["step", "backward_and_step"])
 def test_a_parameter_frozen_between_forward_and_backward_gets_no_gradient_like_unwrapped(overlapped):
     """Regression: a block (and the tied embedding, whose head is outside its scope) frozen
