@@ -534,13 +534,21 @@ def test_a_gradient_a_hook_returned_and_kept_keeps_its_values_as_gradients_accum
     was. Offloaded, the same (Note [gradients computed on the host] in engine/host_grads.py)."""
     model, reference = mlp_and_reference(device)
     x, y = torch.randn(4, 8, device=device), torch.randn(4, 4, device=device)
-    kept: dict[int, list[torch.Tensor]] = {id(model): [], id(reference): []}
-    for m in (model, reference):
-        m.blocks[0].fc1.weight.register_hook(lambda g, held=kept[id(m)]: held.append(g) or g)
+    kept: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+
+    def keeping(held: list[torch.Tensor]):
+        def hook(g: torch.Tensor) -> torch.Tensor:
+            held.append(g)
+            return g
+
+        return hook
+
+    for m, held in zip((model, reference), kept, strict=True):
+        m.blocks[0].fc1.weight.register_hook(keeping(held))
     for _ in range(2):  # the second backward adds into `.grad`
         for m in (model, reference):
             F.mse_loss(m(x), y).backward()
-    for mine, theirs in zip(kept[id(model)], kept[id(reference)], strict=True):
+    for mine, theirs in zip(*kept, strict=True):
         torch.testing.assert_close(host(mine), host(theirs), **tolerances(device))
     assert_grads_match(model, reference, **tolerances(device))
 
