@@ -103,9 +103,9 @@ def resident_copies_ready(scope: SlotScope, *, versions_read: bool = False) -> b
 # A device copy's requires_grad follows its parameter's, set when an op gets it
 # (`use_device_copy`). A kept scope's call checks all of them at once, but only when some
 # parameter's requires_grad was set since its last check: every such write (`p.requires_grad =`,
-# `p.requires_grad_()`, nn.Module.requires_grad_, `p.detach_()`) reaches an offloaded parameter through
-# `__torch_function__`, which counts it here; a device copy is made with its parameter's flag
-# (wrap) or its predecessor's (retire_device_copy), so no other change can part them.
+# `p.requires_grad_()`, nn.Module.requires_grad_, `p.detach_()`) reaches an offloaded parameter
+# through `__torch_function__`, which counts it here; a device copy is made with its parameter's
+# flag (wrap) or its predecessor's (retire_device_copy), so no other change can part them.
 REQUIRES_GRAD_CHANGES = [0]  # writes of requires_grad to offloaded parameters, since import
 
 

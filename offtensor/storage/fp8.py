@@ -4,25 +4,21 @@ storage/row_scaled.py), restored on CUDA by one Triton kernel per matrix, or per
 through float16 bits (Note [fp8 on the CPU]).
 
 # Note [fp8 on the CPU]
-PyTorch converts float8_e4m3fn to a wider float one value at a time on the CPU (about 3 ns a
-value, most of an fp8 load's host time there). The bits make a float16 at integer speed instead:
-the byte read as int8 and widened to int16 (sign-extended), shifted left 7 and masked with 0xBF80
-keeps the sign in bit 15 and puts e4m3's 4 exponent and 3 mantissa bits under a float16 exponent
-field whose top bit is 0. Both formats keep subnormals at exponent field 0 and their biases differ
-by 8, so the float16 is the e4m3 value times 2**-8 exactly, subnormals included. That float16
-converts exactly to every master dtype (2 bytes or more), and `scale * 256` is exact while
-|scale| <= max / 256, so the one multiplication sees the exact product `value * scale` and rounds
-it as `RowScaled.dequantize` does (the same kernel, the same dtype): the same bits, which
-tests/weights/test_compress.py checks for every code, float dtype and a wide range of scales.
-Two cases take the two-kernel way instead, each rare and each checked, not assumed:
-- the NaN codes (0x7F, 0xFF) read as +-480 * 2**-8 in the float16, not NaN; packing stores them
-  for a row holding NaN or inf (the clamp keeps NaN, inf / inf is NaN), so a block whose float16
-  reaches beyond 448 * 2**-8 = 1.75 holds one;
-- a scale beyond max / 256, NaN or infinite (pack's scales are at most max / 448, or inf for a
-  row holding inf), where `scale * 256` would not be exact.
-A float16 target is its own scratch (every op in place on its bytes). Other targets take a
-scratch of at most `_SCRATCH_NUMEL` values at a time, in blocks of rows: a large matrix costs
-512 KiB more, not 2 bytes a value, and the block stays in cache between its passes.
+PyTorch converts float8_e4m3fn to a wider float one value at a time on the CPU; the bits make a
+float16 at integer speed instead. The byte read as int8, widened to int16 (sign-extended),
+shifted left 7 and masked with 0xBF80 keeps the sign in bit 15 and puts e4m3's 4 exponent and
+3 mantissa bits under a float16 exponent field whose top bit is 0. Both formats keep
+subnormals at exponent field 0 and their biases differ by 8, so the float16 is the e4m3 value
+times 2**-8 exactly. It converts exactly to every master dtype (2 bytes or more), and
+`scale * 256` is exact while |scale| <= max / 256, so the one multiplication rounds the exact
+product `value * scale` as `RowScaled.dequantize` does: the same bits (checked for every code,
+float dtype and a wide range of scales by tests/weights/test_compress.py). Two cases take the
+two kernels instead, each checked on the data:
+- the NaN codes (0x7F, 0xFF), which read as +-480 * 2**-8: packing stores them for a row
+  holding NaN or inf, and a block whose float16 reaches beyond 448 * 2**-8 holds one;
+- a scale beyond max / 256, NaN or infinite, where `scale * 256` would not be exact.
+A float16 target is its own scratch; other targets take one of at most `_SCRATCH_NUMEL` values,
+in blocks of rows, which stays in cache between its passes.
 """
 
 from __future__ import annotations
