@@ -14,10 +14,13 @@ The transitions are Scope.load (OFFLOADED -> LOADING), make_resident (-> RESIDEN
 (-> OFFLOADED); they change `state` and `loading` together, only in `_to_loading`,
 `_to_resident` and `_to_offloaded`, each asserting the state it leaves. A load is built on the
 side and the scope becomes LOADING once its copies are enqueued, so a load that raises leaves
-the scope OFFLOADED without a `LoadProgress`. The other per-scope enums are `Residency`, how
-long a copy outlives its calls (Note [VRAM budget] in budget/vram.py), and `MasterHome`, where
-the masters live, which its source answers (Note [master sources] in scopes/sources.py). The
-scopes of one model that are not OFFLOADED are listed, in load order, in their `LiveScopes`.
+the scope OFFLOADED without a `LoadProgress`, and its device buffer freed (`_free_failed_load`:
+a file read, a staging buffer or an interrupt can fail after the allocation and some copies; the
+free, on compute, follows them, and so does the host, whose staging the copies read). The
+other per-scope enums are `Residency`, how long a copy outlives its calls (Note [VRAM budget] in
+budget/vram.py), and `MasterHome`, where the masters live, which its source answers (Note
+[master sources] in scopes/sources.py). The scopes of one model that are not OFFLOADED are
+listed, in load order, in their `LiveScopes`.
 
 A scope delegates to its parts, each in a module of its own with its Notes: the host side
 (`HostMasters`, scopes/host_masters.py: Note [masters moved out of the host buffer]), where its
@@ -325,9 +328,22 @@ class Scope:
         """Enqueue the load: progressive along the learned copy order when the source allows it,
         else whole by the source (Note [master sources] in scopes/sources.py)."""
         self.take_back_masters()
+        self.device.allocate(self.streams)
+        try:
+            loading = self._enqueue_load()
+        except BaseException:
+            self._free_failed_load()
+            raise
+        self._to_loading(loading)
+        self.loads += 1
+        self.live.loaded(self)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("load %s (%.1f MiB)%s", self.name, self.masters.nbytes / 2**20, self.streams.memory())
+
+    def _enqueue_load(self) -> LoadProgress:
+        """The copies (and conversions) of a load into the allocated device buffer, enqueued."""
         streams, source = self.streams, self.source
         h2d = streams.h2d()
-        self.device.allocate(streams)
         loading = LoadProgress(streams, self.writes.note_copied, self.traffic)  # the scope's once LOADING
         progressive = self.copy_order is not None and source.progressive
         if not progressive:
@@ -350,11 +366,19 @@ class Scope:
                 source.enqueue(self, loading, host, h2d, whole)
                 streams.reads_masters(loading.weights_ready)
         source.after_load(self, loading)
-        self._to_loading(loading)
-        self.loads += 1
-        self.live.loaded(self)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("load %s (%.1f MiB)%s", self.name, self.masters.nbytes / 2**20, streams.memory())
+        return loading
+
+    def _free_failed_load(self) -> None:
+        """A load raised before the scope was LOADING (Note [scope states]): free its buffer
+        after whatever the load enqueued."""
+        streams = self.streams
+        ends = [streams.record(streams.h2d()), streams.record(streams.cast())]
+        compute = streams.compute()
+        for end in ends:
+            streams.wait(compute, end)  # the free, on compute, follows every copy into the buffer
+            if end is not None:
+                end.synchronize()  # host memory the copies read (staging, a cast shadow) is reusable
+        self.device.free(self.slots)
 
     def copy_more(self, need: int) -> None:
         """Enqueue the next copies of a progressive load (LoadProgress.copy_more): those up to

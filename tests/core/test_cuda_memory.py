@@ -224,3 +224,37 @@ def test_exception_inside_block_releases_its_device_memory_and_model_stays_usabl
     training_step(model, x)
     assert all(p.grad is not None for p in model.blocks.parameters())
     assert_all_scopes_offloaded(model)
+
+
+def test_a_load_that_raises_after_its_copies_leaves_no_device_memory_and_the_model_usable(empty_device):
+    """A load that fails between its allocation and LOADING, after its copies are enqueued (Note
+    [scope states] in scopes/scope.py): its buffer is freed, after those copies, and the next
+    forward matches the first."""
+    model = offloaded(big_model())
+    x = torch.randn(BATCH, HIDDEN, device="cuda")
+    with torch.no_grad():
+        before = model(x)
+    settle()
+    baseline = torch.cuda.memory_allocated()
+    target = model._offtensor_engine.scopes[3]
+    source = type(target.source)
+    real = source.after_load
+
+    def failing(self, scope, loading):
+        if scope is target:
+            raise RuntimeError("injected failure")
+        real(self, scope, loading)
+
+    source.after_load = failing
+    try:
+        with torch.no_grad(), pytest.raises(RuntimeError, match="injected failure"):
+            model(x)
+    finally:
+        source.after_load = real
+    settle()
+    assert torch.cuda.memory_allocated() == baseline, (
+        f"{(torch.cuda.memory_allocated() - baseline) / MiB:.1f} MiB left on the device by the failed load"
+    )
+    assert_all_scopes_offloaded(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=0, atol=0)

@@ -220,3 +220,43 @@ def test_a_release_after_an_interrupt_before_compute_waits_for_expert_copies_wai
         assert "wait" not in vars(streams), "the interrupt did not come"
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
     assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("where", ["after its copies", "before its copies"])
+@pytest.mark.parametrize("error", [_Boom, KeyboardInterrupt])
+def test_a_load_that_raises_before_its_scope_is_loading_frees_its_device_buffer(where, error, monkeypatch):
+    """A load that raises between its allocation and LOADING (a file read, a converting load's
+    staging, an interrupt in its copies: Note [scope states] in scopes/scope.py) leaves its scope
+    OFFLOADED with no device memory, freed after the copies it enqueued ran (the lazy streams
+    report a free under queued work), and the next forward matches the plain model. Regression:
+    the buffer stayed allocated until the scope's next load."""
+    monkeypatch.setattr(loading_module, "CHUNK_BYTES", 4096)  # several chunks per scope
+    model = mlp_of_blocks(hidden=HIDDEN)
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    with lazy_streams() as made, torch.no_grad():
+        offtensor.wrap(model, device="cpu", policy=offtensor.Policy(prefetch=2))
+        model(x)  # learns the orders: the next loads are progressive and prefetched
+        engine = model._offtensor_engine
+        target = engine.scopes[1]
+        source = type(target.source)
+        hook = "after_load" if where == "after its copies" else "acquire"
+        real = getattr(source, hook)
+
+        def failing(self, scope, *args):
+            if scope is target:
+                raise error
+            return real(self, scope, *args)
+
+        monkeypatch.setattr(source, hook, failing)
+        queued = sum(stream.issued for stream in made)
+        with pytest.raises(error):
+            model(x)
+        if where == "after its copies":
+            assert sum(stream.issued for stream in made) > queued, "the failed load enqueued no copy"
+        assert target.state is offtensor.ScopeState.OFFLOADED
+        assert target.device.storage.nbytes() == 0, "the failed load's buffer is still allocated"
+        monkeypatch.setattr(source, hook, real)
+        if error is _Boom:  # (an interrupted forward's other scopes go at the next forward)
+            assert_all_scopes_offloaded(model)
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
