@@ -51,9 +51,9 @@ faster than they copy starts behind and stays behind. So under a VRAM budget the
 back resident (`Residency.CARRIED`): the streamed scopes at the head of the next pass
 (`Schedule.first_of_next_pass` and on, skipping kept ones), as many as fit the streaming room less
 one block, which stays free for the next copy. A backward leaves them as its last scopes end, so
-they never raise its footprint. A forward that no backward follows (no call of the pass can add to
-a gradient, or it infers in eval mode) loads them once the rest of its order is loaded or loading
-(`Schedule.prefetch_forward`), in room its own scopes no longer need, while its last scopes compute.
+they never raise its footprint. The model's forward, when no backward follows (no call of the pass
+can add to a gradient, or it infers in eval mode), loads them once the rest of its order is loaded
+or loading (`Schedule.prefetch_forward`), in room its own scopes no longer need.
 They count against the room like any streamed scope (one backward through two forwards' graphs
 releases them as it loads: `make_room`). A carried scope outlives its calls as a kept one does
 (`MasterWrites.outlives_calls`): a write to its masters releases it (an optimizer step ends the carry
