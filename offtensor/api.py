@@ -34,7 +34,7 @@ class Residency(enum.Enum):
 
     STREAMED = "streamed"  # loaded for its calls, released when they end
     KEPT = "kept"  # resident by Policy.vram_budget: only a forced release offloads it
-    CARRIED = "carried"  # streamed, left resident by a backward for the next forward; any release ends it
+    CARRIED = "carried"  # streamed, left resident by a pass's end for the next forward; any release ends it
 
 
 class MasterHome(enum.Enum):
@@ -101,8 +101,9 @@ class Policy:
             rest are kept resident (`layout` chooses which): in inference they load once; in
             training, once per optimizer step (the step changes their masters, so it frees their
             copies and the next forward loads them again) instead of in forward and again in
-            backward. A backward also leaves the streamed scopes the next forward starts with
-            resident, as many as fit in the streaming room ("carried"). `summary()` marks kept
+            backward. A backward, or a forward that no backward follows (inference), also leaves
+            the streamed scopes the next forward starts with resident, as many as fit in the
+            streaming room less one block ("carried"). `summary()` marks kept
             and carried scopes. Gradients on their way to the host and activations come on top.
             `"auto"`: the budget is the streaming room alone until the second pass has been
             measured; when the third starts, it grows by the device memory the measured step
@@ -299,7 +300,7 @@ class ScopeSummary:
     loads: int = 0  # host-to-device loads since wrap
     loads_on_demand: int = 0  # of which not prefetched in time: the compute waited for the copy
     kept: bool = False  # resident by Policy.vram_budget
-    carried: bool = False  # left resident by a backward for the next forward (Policy.vram_budget)
+    carried: bool = False  # left resident by a backward or inference pass for the next forward (Policy.vram_budget)
     masters: MasterHome = MasterHome.PINNED  # where the masters live
     file_bytes: int = 0  # bytes of the masters read from files at each load (MasterHome.FILE)
     # The parameters' bytes as the model sees them (numel x element size; a quantized weight's

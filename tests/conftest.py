@@ -621,7 +621,7 @@ def assert_all_scopes_offloaded(model: nn.Module) -> None:
     """No scope holds a device copy: every state is OFFLOADED and device_bytes is 0; except
     the scopes Policy(vram_budget=...) keeps or a backward carried for the next forward, which
     hold exactly their weights, equal to the masters (a stale copy would be a silent wrong
-    answer at the next forward)."""
+    answer at the next forward); a load of theirs still in flight is waited for first."""
     import offtensor
     from offtensor.engine.engine import find_engine as _find_engine
 
@@ -632,6 +632,8 @@ def assert_all_scopes_offloaded(model: nn.Module) -> None:
         if (s.kept or s.carried) and s.state != offtensor.ScopeState.OFFLOADED:
             scope = next(x for x in engine.scopes if x.name == s.name)
             assert s.device_bytes == scope.device.nbytes, f"{s.name} holds {s.device_bytes} device bytes"
+            if scope.state is offtensor.ScopeState.LOADING:  # carried by an inference pass's end
+                scope.make_resident()
             if scope.device.flat.is_cuda:
                 torch.cuda.synchronize()
             for slot in scope.slots:

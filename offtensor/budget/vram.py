@@ -43,21 +43,24 @@ blocks behind, and its compute lets them catch up. Passes that are transfer-boun
 compute-bound move the same bytes either way.
 
 # Note [carried into the next forward]
-A backward ends with the scopes the next forward computes first (the forward order reversed).
-Released, they would be copied again as the next forward begins: pure loss where nothing changes
-their masters in between (gradient accumulation, frozen layers), and a forward whose blocks
-compute faster than they copy would start behind and stay behind. So under a VRAM budget the
-backward leaves them resident (`Residency.CARRIED`): the streamed scopes at the head of the next
-pass (`Schedule.first_of_next_pass` and on, skipping kept ones), as many as fit the streaming
-room less one block, which stays free for the next copy. They are the backward's last scopes, so
-they never raise its footprint, and they count against the room like any streamed scope (when
-one backward runs through two forwards' graphs, a scope loading on demand releases them:
-`make_room`). A carried scope outlives its calls as a kept one does (`MasterWrites.outlives_calls`): a
-write to its masters releases it (an optimizer step ends the carry of what it writes; a frozen
-layer is carried across steps), and so do an unused pass, an exception, `unwrap`. Its next
-forward uses it, then streams it. Not carried: trainable scopes under backward_and_step (the
-worker writes their masters unseen), under data parallelism (ranks load together), and after a
-backward that built a graph.
+A pass ends with the scopes the next forward computes first: a backward computes them last (the
+forward order reversed), an inference pass released them long before. Copied again as the next
+forward begins, they are pure loss where nothing changes their masters in between (gradient
+accumulation, frozen layers, denoising steps, decoding), and a forward whose first blocks compute
+faster than they copy starts behind and stays behind. So under a VRAM budget they stay or come
+back resident (`Residency.CARRIED`): the streamed scopes at the head of the next pass
+(`Schedule.first_of_next_pass` and on, skipping kept ones), as many as fit the streaming room less
+one block, which stays free for the next copy. A backward leaves them as its last scopes end, so
+they never raise its footprint. The model's forward, when no backward follows (no call of the pass
+can add to a gradient, or it infers in eval mode), loads them once the rest of its order is loaded
+or loading (`Schedule.prefetch_forward`), in room its own scopes no longer need.
+They count against the room like any streamed scope (one backward through two forwards' graphs
+releases them as it loads: `make_room`). A carried scope outlives its calls as a kept one does
+(`MasterWrites.outlives_calls`): a write to its masters releases it (an optimizer step ends the carry
+of what it writes), and so do an unused pass, an exception, `unwrap`. Its next forward uses it, then
+streams it. Not carried: trainable scopes under backward_and_step (the worker writes their masters
+unseen), under data parallelism (ranks load together) or no_offload(), after a backward that built a
+graph.
 """
 
 from __future__ import annotations
@@ -124,10 +127,14 @@ class NoBudget:
     def make_room(self, scope: Scope, needed_in_backward: Callable[[Scope], bool]) -> None:
         """Before `scope` loads on demand in backward (Note [the streaming room])."""
 
-    def carries(self, scope: Scope, head: Callable[[], list[Scope]]) -> bool:
-        """The scope's backward is over: leave it resident for the next forward, whose first
-        scopes are `head()` (Note [carried into the next forward])."""
-        return False
+    def carry(self, head: Callable[[], list[Scope]]) -> list[Scope]:
+        """The streamed scopes to leave resident for the next forward, whose first scopes are
+        `head()`: chosen once per backward or pass (Note [carried into the next forward])."""
+        return []
+
+    def carrying(self) -> list[Scope]:
+        """What `carry` chose in this backward or pass (none yet: empty)."""
+        return []
 
     def forget_backward(self) -> None:
         """No backward in progress: the next one chooses its carried scopes anew."""
@@ -170,9 +177,9 @@ class VramBudget(NoBudget):
         self.streaming_room: int | None = None
         self.largest_block = 0
         self.prediction: Prediction | None = None  # the timed layout's
-        # The scopes the current backward leaves resident for the next forward (None: not
-        # chosen yet in this backward; Note [carried into the next forward]).
-        self._carry: set[Scope] | None = None
+        # The scopes the current backward or pass leaves resident for the next forward (None:
+        # not chosen yet; Note [carried into the next forward]).
+        self._carry: list[Scope] | None = None
 
     def ready(self, largest_block: int) -> None:
         """Choose the scopes the budget keeps by bytes (Note [kept scopes spread])."""
@@ -240,23 +247,26 @@ class VramBudget(NoBudget):
         """The resident scopes `make_room` may release, in the order it tries them: latest first."""
         return list(reversed(list(self.live)))
 
-    def carries(self, scope: Scope, head: Callable[[], list[Scope]]) -> bool:
+    def carry(self, head: Callable[[], list[Scope]]) -> list[Scope]:
         if self.streaming_room is None:
-            return False
+            return []
         if self._carry is None:
-            self._carry = set()
+            self._carry = []
             room = self.carry_room()
             for ahead in head():
                 if ahead.residency is Residency.KEPT:
                     continue
                 if ahead.device.nbytes > room:
                     break
-                self._carry.add(ahead)
+                self._carry.append(ahead)
                 room -= ahead.device.nbytes
-        return scope in self._carry
+        return self._carry
+
+    def carrying(self) -> list[Scope]:
+        return self._carry or []
 
     def carry_room(self) -> int:
-        """The bytes a backward may leave carried: the room less one block to copy into."""
+        """The bytes a backward or pass may leave carried: the room less one block to copy into."""
         assert self.streaming_room is not None
         return self.streaming_room - self.largest_block
 

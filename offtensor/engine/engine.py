@@ -225,10 +225,15 @@ class Engine:
         if scope.state is ScopeState.OFFLOADED:
             scope.loads_on_demand += 1
             scope.load(with_grads=False)  # (without gradients, a load of a loaded scope does nothing)
-        self.schedule.prefetch_forward(scope)
+        self._carried_fresh |= self.schedule.prefetch_forward(scope, carry=self._carries_ahead)
         self.budget.started(scope, "forward")
         # No wait here: each op waits for the chunk holding its weights (materialize).
         return current
+
+    def _carries_ahead(self, scope: Scope) -> bool:
+        """No backward follows this pass (Note [carried into the next forward] in budget/vram.py)."""
+        return self.model_forward is ModelForward.IN_PASS and self.grads.reducer is None and not self.hold() and (
+            not self.calls.pass_counted or (self.training is TrainingState.INFERENCE and not scope.module.training))
 
     def _advance(self, scope: Scope) -> None:
         """The scope's forward starts: move along the learned order; a new pass starts here
@@ -293,7 +298,7 @@ class Engine:
         """The wrapped model's forward ends. After an exception (also one outside every scope),
         nothing it loaded stays. Otherwise the order is cut where this pass ended, and what the
         pass loaded without using (the scope begin_forward loaded, a prefetch along the cut tail)
-        is released."""
+        is released, but not what it carries into the next pass."""
         if in_backward():
             return
         in_pass = self.model_forward is ModelForward.IN_PASS
@@ -304,7 +309,7 @@ class Engine:
             return
         if in_pass:
             self.schedule.cut()
-            unused = [s for s in self.live if s.calls.this_pass == 0]
+            unused = [s for s in self.live if s.calls.this_pass == 0 and s not in self.budget.carrying()]
         else:  # no scope ran in this forward
             unused = [preloaded] if preloaded is not None else []
         if not self.hold():
@@ -377,9 +382,8 @@ class Engine:
             scope.release()
 
     def _carries(self, scope: Scope) -> bool:
-        """Leave the scope resident for the next forward (Note [carried into the next forward]
-        in budget/vram.py)."""
-        if self.calls.create_graph or self.grads.reducer is not None or not self.schedule.carries(scope):
+        """Leave the scope resident for the next forward (Note [carried into the next forward] in budget/vram.py)."""
+        if self.calls.create_graph or self.grads.reducer is not None or scope not in self.schedule.carry():
             return False
         return self.grads.stepper is None or not trainable(scope)
 

@@ -45,7 +45,7 @@ decides is the same as with the scan.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ..api import Policy, Residency, ScopeState
 from ..budget.vram import NoBudget
@@ -100,14 +100,14 @@ class Schedule:
         self.largest_block = max(blocks.values(), default=0)
         self.prefetch_bytes = self._policy.prefetch * self.largest_block
 
-    def prefetch(self, candidates: Iterable[Scope], current: Scope, *, with_grads: bool) -> None:
+    def prefetch(self, candidates: Iterable[Scope], current: Scope, *, with_grads: bool) -> bool:
         """Load the candidates in order while their bytes fit the prefetch budget; scopes under
         1/TINY of the largest do not count (Note [prefetch order]). Under a VRAM budget the
         streamed ones fill the budget's streaming room instead (Note [the streaming room] in
-        budget/vram.py)."""
+        budget/vram.py). True when it went through every candidate."""
         limit = self.prefetch_bytes
         if limit == 0:
-            return
+            return False
         in_flight = 0
         room = self.budget.free_streaming_room()
         kept_ahead = self._policy.prefetch + 1  # kept scopes whose old gradients may be fetched now
@@ -115,7 +115,7 @@ class Schedule:
             if scope is current:
                 continue
             if scope.state is ScopeState.OFFLOADED and not scope.source.ready(scope):
-                return  # its read is not done: its own forward loads it (Note [staged loads], storage/staging.py)
+                return False  # its read is not done: its own forward loads it (Note [staged loads], storage/staging.py)
             if scope.residency is Residency.KEPT:  # its weights are in the budget's kept part; old gradients are not
                 if not with_grads and scope.state is not ScopeState.OFFLOADED:
                     continue  # loaded, nothing to fetch
@@ -128,7 +128,7 @@ class Schedule:
                         continue
                 grads = scope.old_grads.nbytes() if with_grads else 0
                 if in_flight + grads > limit:
-                    return
+                    return False
                 if grads == 0 and scope.state is not ScopeState.OFFLOADED:
                     continue  # loaded, no old gradient to fetch: a load would find the same
                 scope.load(with_grads=with_grads)
@@ -138,15 +138,16 @@ class Schedule:
             if room is not None:
                 if scope.state is ScopeState.OFFLOADED:
                     if size > room:
-                        return
+                        return False
                     room -= size
                 scope.load(with_grads=with_grads)
                 continue
             counted = size if size * TINY >= self.largest else 0
             if in_flight + counted > limit:
-                return
+                return False
             scope.load(with_grads=with_grads)
             in_flight += counted
+        return True
 
     def expected_after(self, scope: Scope, *, in_backward: bool, backward_next: bool) -> list[Scope]:
         """The scopes expected to load after `scope`, nearest first: the rest of this backward
@@ -158,17 +159,36 @@ class Schedule:
             return _after(backward, scope) + forward
         return _after(forward, scope) + (backward if backward_next else forward)
 
-    def prefetch_forward(self, scope: Scope) -> None:
+    def prefetch_forward(self, scope: Scope, carry: Callable[[Scope], bool] | None = None) -> bool:
         """The scope's forward starts: prefetch what the override names, else the next scopes
-        of the learned order."""
+        of the learned order and, once those are all loaded or loading and `carry(scope)` says
+        no backward follows, the next pass's first scopes, carried (Note [carried into the next
+        forward] in budget/vram.py). True when it carried some."""
         override = self.forward_override.get(scope)
         if override is not None:
             for other in override:
                 other.load(with_grads=False)
-        elif self.learned:
-            start, order = self._past_kept(), self.order
-            if start < len(order):  # (kept and loaded to the end: nothing to prefetch)
-                self.prefetch((order[i] for i in range(start, len(order))), scope, with_grads=False)
+            return False
+        if not self.learned:
+            return False
+        start, order = self._past_kept(), self.order
+        if start < len(order) and not self.prefetch((order[i] for i in range(start, len(order))), scope,
+                                                    with_grads=False):
+            return False  # (kept and loaded to the end: nothing to prefetch)
+        return carry is not None and carry(scope) and self._carry_ahead(scope)
+
+    def _carry_ahead(self, current: Scope) -> bool:
+        """Load the next pass's first scopes that the budget carries, as the room allows, and
+        mark those loaded carried; True if it marked some."""
+        ahead = self.carry()
+        self.prefetch(ahead, current, with_grads=False)
+        carried = False
+        for scope in ahead:
+            if (scope.state is not ScopeState.OFFLOADED and scope.residency is Residency.STREAMED
+                    and not scope.calls.running):
+                scope.set_residency(Residency.CARRIED)
+                carried = True
+        return carried
 
     def _past_kept(self) -> int:
         """The position in the learned order past the kept, loaded scopes that the current pass
@@ -281,10 +301,10 @@ class Schedule:
         self._bwd_seen.clear()
         self.budget.forget_backward()
 
-    def carries(self, scope: Scope) -> bool:
-        """The scope's backward is over: leave it resident for the next forward, which computes
-        it first (Note [carried into the next forward] in budget/vram.py)."""
-        return self.learned and self.budget.carries(scope, self._from_next_pass_start)
+    def carry(self) -> list[Scope]:
+        """The streamed scopes to leave resident for the next forward, which computes them first
+        (Note [carried into the next forward] in budget/vram.py)."""
+        return self.budget.carry(self._from_next_pass_start) if self.learned else []
 
     def _from_next_pass_start(self) -> list[Scope]:
         first = self.first_of_next_pass()

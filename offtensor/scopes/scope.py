@@ -164,7 +164,7 @@ class LiveScopes:
 
     def release_all(self, *, force: bool = False, keep_carried: bool = False) -> None:
         """Release every scope on the device; `force`: kept ones too; `keep_carried`: not the
-        ones a backward carries into the next forward."""
+        ones carried into the next forward."""
         for scope in list(self._loaded):
             if not (keep_carried and scope.residency is Residency.CARRIED):
                 scope.release(force=force)
@@ -216,8 +216,8 @@ class Scope:
         self.loads = 0  # host-to-device loads of the weights, since wrap
         self.loads_on_demand = 0  # of which not prefetched: offloaded when the scope needed them
         # STREAMED, or KEPT by Policy.vram_budget (only a forced release offloads it), or
-        # CARRIED: streamed, left resident by a backward's end for the next forward, which
-        # computes it first (Note [carried into the next forward] in budget/vram.py).
+        # CARRIED: streamed, left resident by a backward's or an inference pass's end for the
+        # next forward, which computes it first (Note [carried into the next forward] in budget/vram.py).
         self.residency = Residency.STREAMED  # set by set_residency
 
     def set_residency(self, residency: Residency) -> None:

@@ -187,10 +187,14 @@ def test_inference_loads_kept_scopes_once_and_streams_the_rest(device, most_devi
     streamed = [i for i in range(N_BLOCKS) if i not in kept]
     loads = _loads(model)
     assert [loads[f"blocks.{i}"] for i in kept] == [1, 1, 1]
-    assert all(loads[f"blocks.{i}"] == 4 for i in streamed), loads
+    # Blocks 1 and 2 once more: the last call's end loaded them for a next one, carried (Note
+    # [carried into the next forward] in budget/vram.py); the next call would start on them.
+    carried = [1, 2]
+    assert all(loads[f"blocks.{i}"] == 4 + (i in carried) for i in streamed), loads
     states = {s.name: s.state for s in offtensor.summary(model).scopes}
     assert all(states[f"blocks.{i}"] is offtensor.ScopeState.RESIDENT for i in kept)
-    assert all(states[f"blocks.{i}"] is offtensor.ScopeState.OFFLOADED for i in streamed)
+    assert all((states[f"blocks.{i}"] is offtensor.ScopeState.OFFLOADED) is (i not in carried) for i in streamed)
+    assert [s.name for s in offtensor.summary(model).scopes if s.carried] == ["blocks.1", "blocks.2"]
     assert most_device_bytes[0] <= budget
     offtensor.unwrap(model)  # releases the kept scopes too; the masters come back as plain parameters
     with torch.no_grad():
@@ -231,12 +235,18 @@ def test_streamed_scopes_fill_the_streaming_room_while_kept_scopes_compute(devic
     def expected(i: int) -> list[int]:
         streamed_after = [j for j in range(i + 1, n_blocks) if j not in kept]
         computing = [] if i in kept else [i]
-        return sorted(kept + computing + streamed_after[:3 - len(computing)])
+        ahead = streamed_after[:3 - len(computing)]
+        if ahead == streamed_after:  # the pass's own copies are done: the next call's first
+            # streamed blocks follow, carried, in the room less one block (Note [carried into
+            # the next forward] in budget/vram.py)
+            ahead += [1, 2][:min(2, 3 - len(computing) - len(ahead))]
+        return sorted(kept + computing + ahead)
 
     assert on_device[0] == [0, 1, 2, 3, 6, 11]  # kept 0 computes: 1, 2, 3 fill the room
     assert on_device[5] == [0, 5, 6, 7, 8, 11]  # 5 computes, 7 and 8 ahead (past kept 6)
     assert on_device[6] == [0, 6, 7, 8, 9, 11]  # kept 6 computes: 7, 8, 9 fill the room
-    assert on_device[10] == [0, 6, 10, 11]
+    assert on_device[9] == [0, 1, 6, 9, 10, 11]  # 10 is the last to load: block 1 follows, for the next call
+    assert on_device[10] == [0, 1, 2, 6, 10, 11]
     assert on_device == {i: expected(i) for i in range(n_blocks)}
     assert most_device_bytes[0] <= budget
 

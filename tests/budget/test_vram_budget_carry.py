@@ -152,8 +152,8 @@ def test_a_write_between_backward_and_forward_reaches_the_carried_scope(device, 
 @pytest.mark.parametrize("device", devices)
 def test_carried_scopes_go_when_the_next_forward_fails_or_does_not_use_them(device):
     """An exception before the carried scopes compute releases them, as it releases every
-    streamed scope; an evaluation that uses them streams them as usual; the model trains on
-    like the unwrapped one."""
+    streamed scope; an evaluation without grad uses them and, no backward following it, carries
+    them again into the next forward; the model trains on like the unwrapped one."""
     model, reference, _ = _wrapped_with_one_kept(device)
     x, y = random_batch(device)
     _backward_both(model, reference, device, (x, y))
@@ -176,7 +176,7 @@ def test_carried_scopes_go_when_the_next_forward_fails_or_does_not_use_them(devi
     model.eval(), reference.eval()
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x), **tolerances(device))
-    assert _carried(model) == []  # used by the evaluation, then released as it went
+    assert _carried(model) == ["blocks.1", "blocks.2"]  # used by the evaluation, loaded again at its end
     assert_all_scopes_offloaded(model)
     model.train(), reference.train()
     _backward_both(model, reference, device, (x, y))
@@ -661,3 +661,220 @@ def test_old_gradients_no_gradient_takes_leave_the_kept_and_carried_scopes(devic
         opt.step(), ref_opt.step()
         opt.zero_grad(set_to_none=False), ref_opt.zero_grad(set_to_none=False)
     assert_params_match(model, reference, **tolerances(device))
+
+
+# ---- inference loops -------------------------------------------------------------------------
+
+
+def _infer_both(model, reference, x: torch.Tensor) -> torch.Tensor:
+    """One inference call of each model (no grad), their outputs bit-identical; the output."""
+    with torch.no_grad():
+        out = model(x)
+        ref_out = reference(x)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    return out
+
+
+def _head_loads(model) -> list[dict[str, int]]:
+    """A list that gets, at each call of block 3, every scope's loads so far (from the engine,
+    as summary() does): what the call loaded before it left the carried head."""
+    from offtensor.engine.engine import find_engine
+
+    seen: list[dict[str, int]] = []
+    scopes = find_engine(model).scopes
+    model.blocks[3].register_forward_pre_hook(lambda *_: seen.append({s.name: s.loads for s in scopes}))
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("device", devices)
+def test_an_inference_loop_carries_the_next_forwards_first_scopes_between_calls(device, mode, most_device_bytes):
+    """Denoising steps, decoding: forwards without grad and no backward between. Once the order
+    is learned, each call's last blocks load blocks 1 and 2 for the next call (carried, the room
+    less one block), so between calls they are resident beside kept block 0, and the next call
+    starts on them without loading (it loads them again at its end): before block 3 computes,
+    the call has loaded nothing of them, where the first learned call loaded both. The model's
+    mode does not matter: without grad no backward can follow."""
+    model, reference, budget = _wrapped_with_one_kept(device)
+    getattr(model, mode)(), getattr(reference, mode)()
+    block = device_layout_bytes(model.blocks[0])
+    at_block_3 = _head_loads(model)
+    x = random_batch(device)[0]
+    for call in range(5):
+        before, on_demand = _loads(model), {n: r.loads_on_demand for n, r in _rows(model).items()}
+        _infer_both(model, reference, x)
+        head = {n: at_block_3[-1][n] - before[n] for n in ("blocks.1", "blocks.2")}
+        loads = {n: c - before[n] for n, c in _loads(model).items()}
+        if call == 0:  # learns the order: carries nothing
+            assert _carried(model) == []
+            continue
+        assert _carried(model) == ["blocks.1", "blocks.2"]
+        assert all(_rows(model)[n].state is not offtensor.ScopeState.OFFLOADED for n in ("blocks.1", "blocks.2"))
+        assert offtensor.summary(model).device_bytes == 3 * block  # kept block 0, carried 1 and 2; nothing else
+        assert head == ({"blocks.1": 1, "blocks.2": 1} if call == 1 else {"blocks.1": 0, "blocks.2": 0}), (call, head)
+        assert loads["blocks.0"] == 0  # kept
+        assert [loads[f"blocks.{i}"] for i in range(1, 3)] == ([2, 2] if call == 1 else [1, 1]), loads
+        assert [loads[f"blocks.{i}"] for i in range(3, N_BLOCKS)] == [1] * (N_BLOCKS - 3), loads
+        assert all(r.loads_on_demand == on_demand[n] for n, r in _rows(model).items())  # all prefetched
+        assert_all_scopes_offloaded(model)  # carried copies equal their masters
+    assert most_device_bytes[0] <= budget
+
+
+def _sgd_step(m) -> None:
+    for p in m.parameters():
+        if p.grad is not None:
+            with torch.no_grad():
+                p.sub_(0.1 * p.grad)
+
+
+WRITES_BETWEEN_INFERENCE_CALLS = {
+    **WRITES_BYPASSING_THE_PARAMETER,
+    # an optimizer step on gradients kept from one backward before the loop
+    "optimizer_step": None,
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES_BETWEEN_INFERENCE_CALLS))
+@pytest.mark.parametrize("device", devices)
+def test_a_write_between_inference_calls_reaches_the_carried_scope(device, write, most_device_bytes):
+    """A carried copy waits between calls of an inference loop: a write to its masters in
+    between (seen by an op or not, an optimizer step) must reach the next call's output, which
+    equals the unwrapped model's bit for bit and differs from the call before."""
+    model, reference, budget = _wrapped_with_one_kept(device)
+    x = random_batch(device)[0]
+    opts = None
+    if write == "optimizer_step":
+        _backward_both(model, reference, device)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    model.eval(), reference.eval()
+    last = None
+    for call in range(6):
+        out = _infer_both(model, reference, x)
+        if call == 0:  # learns the order: carries nothing, no write after it
+            continue
+        if call == 2:  # (later writes may repeat the same values: view_fill)
+            assert not torch.equal(out, last)  # the write before it reached this call
+        assert _carried(model) == ["blocks.1", "blocks.2"]
+        assert_all_scopes_offloaded(model)
+        last = out
+        if opts is not None:
+            for opt in opts:
+                opt.step()
+        else:
+            with torch.no_grad():
+                for m in (model, reference):
+                    WRITES_BETWEEN_INFERENCE_CALLS[write](m.blocks[1].fc1.weight)
+                    WRITES_BETWEEN_INFERENCE_CALLS[write](m.blocks[2].fc2.weight)
+        if write in ("in_place", "optimizer_step"):  # ops on the parameter: released at once
+            assert _carried(model) == []
+    assert_params_match(model, reference, rtol=0, atol=0)
+    assert most_device_bytes[0] <= budget
+
+
+@pytest.mark.parametrize("device", devices)
+def test_no_budget_holds_nothing_between_inference_calls(device):
+    """Without Policy(vram_budget) an inference loop keeps the promise of minimal device memory:
+    nothing is carried, nothing resident between calls."""
+    model = mlp_of_blocks(n_blocks=4)
+    reference = reference_then_offload(model, device)
+    model.eval(), reference.eval()
+    x = random_batch(device)[0]
+    for _ in range(3):
+        _infer_both(model, reference, x)
+        assert _carried(model) == []
+        assert offtensor.summary(model).device_bytes == 0
+        assert_all_scopes_offloaded(model)
+
+
+#: where an inference call raises, with blocks 1 and 2 carried by the call before
+RAISES_IN_INFERENCE = {
+    # before the carried blocks compute
+    "before_carried": lambda m: m.blocks[1].register_forward_pre_hook(_raise),
+    # in the last block, after its prefetch loaded blocks 1 and 2 for the next call
+    "after_carrying": lambda m: m.blocks[N_BLOCKS - 1].register_forward_hook(_raise),
+    # after every block, in the model's head (not wrapped), inside the model's forward
+    "after_the_blocks": lambda m: m.head.register_forward_hook(_raise),
+}
+
+
+def _raise(*_):
+    raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("where", list(RAISES_IN_INFERENCE))
+@pytest.mark.parametrize("device", devices)
+def test_an_inference_call_that_raises_leaves_nothing_carried(device, where, most_device_bytes):
+    """A forward that raises releases every streamed scope, those it carried for the next call
+    too; the next calls carry again and match the unwrapped model."""
+    model, reference, budget = _wrapped_with_one_kept(device)
+    model.eval(), reference.eval()
+    x = random_batch(device)[0]
+    for _ in range(2):
+        _infer_both(model, reference, x)
+    assert _carried(model) == ["blocks.1", "blocks.2"]
+    handle = RAISES_IN_INFERENCE[where](model)
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad():
+        model(x)
+    handle.remove()
+    assert _carried(model) == []
+    assert [r.state for r in offtensor.summary(model).scopes][1:] == [offtensor.ScopeState.OFFLOADED] * (N_BLOCKS - 1)
+    assert_all_scopes_offloaded(model)
+    for _ in range(2):
+        _infer_both(model, reference, x)
+    assert _carried(model) == ["blocks.1", "blocks.2"]
+    assert most_device_bytes[0] <= budget
+
+
+@pytest.mark.parametrize("device", devices)
+def test_unwrap_after_an_inference_call_that_carried_leaves_no_device_copies(device):
+    """unwrap frees the carried copies with the kept one: no scope holds device memory, and the
+    plain model computes what the reference does."""
+    from offtensor.engine.engine import find_engine
+
+    model, reference, _ = _wrapped_with_one_kept(device)
+    model.eval(), reference.eval()
+    x = random_batch(device)[0]
+    for _ in range(3):
+        _infer_both(model, reference, x)
+    assert _carried(model) == ["blocks.1", "blocks.2"]
+    scopes = find_engine(model).scopes
+    offtensor.unwrap(model)
+    assert all(s.device.storage.nbytes() == 0 for s in scopes), [(s.name, s.device.storage.nbytes()) for s in scopes]
+    assert not offtensor.is_wrapped(model)
+    model.to(device)
+    _infer_both(model, reference, x)
+
+
+@pytest.mark.parametrize("checkpoint", [None, "reentrant"])
+@pytest.mark.parametrize("device", devices)
+def test_training_after_inference_calls_matches_the_unwrapped_model(device, checkpoint, most_device_bytes):
+    """Rollouts, then training, then rollouts again: the training forward after inference calls
+    starts on the blocks they carried, its backward and step match the unwrapped model's, and the
+    step releases what it wrote; the inference after it sees the stepped weights. A training
+    forward carries nothing ahead, reentrant checkpointing (a forward without grad) included."""
+    model, reference, budget = _wrapped_with_one_kept(device)
+    model.checkpoint = reference.checkpoint = checkpoint
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    tol = tolerances(device)
+    x = random_batch(device)[0]
+    for _ in range(3):
+        model.eval(), reference.eval()
+        for _ in range(3):
+            _infer_both(model, reference, x)
+        assert _carried(model) == ["blocks.1", "blocks.2"]
+        model.train(), reference.train()
+        for micro in range(2):
+            carried_before = _carried(model)
+            x_train, y = random_batch(device)
+            out = model(x_train)
+            if micro:  # a training forward carries nothing for the next one: its backward does
+                assert _carried(model) == [] and carried_before == ["blocks.1", "blocks.2"]
+            F.mse_loss(out, y).backward()
+            F.mse_loss(reference(x_train), y).backward()
+            assert_grads_match(model, reference, **tol)
+            assert_all_scopes_offloaded(model)
+        step_both(model, reference, opt, ref_opt, tol)
+        assert _carried(model) == []  # the step wrote them
+    assert_params_match(model, reference, **tol)
+    assert most_device_bytes[0] <= budget

@@ -85,20 +85,22 @@ def _count_forwards(model: torch.nn.Module) -> Counter:
 def _assert_loads(model: torch.nn.Module, calls: Counter, extra: dict[str, int] | None = None,
                   offloaded: tuple[str, ...] = ()) -> None:
     """Since wrap, a kept scope loaded once in all and is resident, a streamed one loaded once per
-    forward (`calls`), plus `extra`; a kept one is resident, but those in `offloaded`."""
+    forward (`calls`), and once more when carried into a forward still to come (the last one's
+    end loaded it: Note [carried into the next forward] in budget/vram.py), plus `extra`; a kept
+    one is resident, but those in `offloaded`."""
     for s in offtensor.summary(model).scopes:
         if s.kept:
             assert s.loads == 1 + (extra or {}).get(s.name, 0), f"kept {s.name}: {s.loads} loads"
             want_state = offtensor.ScopeState.OFFLOADED if s.name in offloaded else offtensor.ScopeState.RESIDENT
             assert s.state is want_state, f"kept {s.name} is {s.state}"
         else:
-            want = calls[s.name] + (extra or {}).get(s.name, 0)
+            want = calls[s.name] + s.carried + (extra or {}).get(s.name, 0)
             assert s.loads == want, f"{s.name}: {s.loads} loads for {want}"
 
 
 class _CheckBetweenForwards(transformers.LogitsProcessor):
     """Runs between two forwards of `generate()`: no streamed scope holds device memory, and
-    each kept scope holds its masters' values. The identity otherwise."""
+    each kept or carried scope holds its masters' values. The identity otherwise."""
 
     def __init__(self, model: torch.nn.Module | None):
         self.model, self.seen = model, 0
