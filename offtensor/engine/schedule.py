@@ -85,6 +85,9 @@ class Schedule:
         # The positions [start, end) of the order found kept and loaded, the order's and the
         # scopes' changes when found (Note [kept runs])
         self._kept_run: tuple[int, int, int, int] = (0, 0, -1, -1)
+        # This pass's carry has loaded all it chooses (or chooses none): the rest of the pass's
+        # calls skip it (Note [carried into the next forward] in budget/vram.py).
+        self._carry_settled = False
         self._order_changes = 0
         # offtensor.set_prefetch: the scopes to load when a scope's forward (backward) starts,
         # instead of the learned order's.
@@ -175,19 +178,21 @@ class Schedule:
         if start < len(order) and not self.prefetch((order[i] for i in range(start, len(order))), scope,
                                                     with_grads=False):
             return False  # (kept and loaded to the end: nothing to prefetch)
-        return carry is not None and carry(scope) and self._carry_ahead(scope)
+        return carry is not None and not self._carry_settled and carry(scope) and self._carry_ahead(scope)
 
     def _carry_ahead(self, current: Scope) -> bool:
         """Load the next pass's first scopes that the budget carries, as the room allows, and
         mark those loaded carried; True if it marked some."""
         ahead = self.carry()
         self.prefetch(ahead, current, with_grads=False)
-        carried = False
+        carried, settled = False, True
         for scope in ahead:
-            if (scope.state is not ScopeState.OFFLOADED and scope.residency is Residency.STREAMED
-                    and not scope.calls.running):
+            if scope.state is ScopeState.OFFLOADED:
+                settled = False  # no room yet: a later call of the pass tries again
+            elif scope.residency is Residency.STREAMED and not scope.calls.running:
                 scope.set_residency(Residency.CARRIED)
                 carried = True
+        self._carry_settled = settled
         return carried
 
     def _past_kept(self) -> int:
@@ -299,6 +304,7 @@ class Schedule:
         """No backward in progress: the next one starts at the head of the backward order."""
         self._bwd_pos = 0
         self._bwd_seen.clear()
+        self._carry_settled = False
         self.budget.forget_backward()
 
     def carry(self) -> list[Scope]:
