@@ -54,6 +54,16 @@ class DeviceBuffer:
         else:
             self.flat.untyped_storage().resize_(0)
 
+    def free_after_enqueued(self, streams: Streams, slots: list[ParamSlot]) -> None:
+        """`free`, after every copy and conversion enqueued into the buffer so far: for a load
+        that raised before its scope was LOADING (Note [scope states] in scopes/scope.py)."""
+        compute = streams.compute()
+        for end in (streams.record(streams.h2d()), streams.record(streams.cast())):
+            streams.wait(compute, end)  # the free, on compute, follows every copy into the buffer
+            if end is not None:
+                end.synchronize()  # host memory the copies read (staging, a cast shadow) is reusable
+        self.free(slots)
+
     def _retire(self, slots: list[ParamSlot]) -> None:
         """A new, empty storage and new device copies; the old ones are left to the graphs
         that hold them."""

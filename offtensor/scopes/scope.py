@@ -14,7 +14,7 @@ The transitions are Scope.load (OFFLOADED -> LOADING), make_resident (-> RESIDEN
 (-> OFFLOADED); they change `state` and `loading` together, only in `_to_loading`,
 `_to_resident` and `_to_offloaded`, each asserting the state it leaves. A load is built on the
 side and the scope becomes LOADING once its copies are enqueued, so a load that raises leaves
-the scope OFFLOADED without a `LoadProgress`, and its device buffer freed (`_free_failed_load`:
+the scope OFFLOADED without a `LoadProgress`, and its device buffer freed (`DeviceBuffer.free_after_enqueued`:
 a file read, a staging buffer or an interrupt can fail after the allocation and some copies; the
 free, on compute, follows them, and so does the host, whose staging the copies read). The
 other per-scope enums are `Residency`, how long a copy outlives its calls (Note [VRAM budget] in
@@ -330,55 +330,15 @@ class Scope:
         self.take_back_masters()
         self.device.allocate(self.streams)
         try:
-            loading = self._enqueue_load()
-        except BaseException:
-            self._free_failed_load()
+            loading = _enqueue_load(self)
+        except BaseException:  # Note [scope states]: nothing may hold the buffer now
+            self.device.free_after_enqueued(self.streams, self.slots)
             raise
         self._to_loading(loading)
         self.loads += 1
         self.live.loaded(self)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("load %s (%.1f MiB)%s", self.name, self.masters.nbytes / 2**20, self.streams.memory())
-
-    def _enqueue_load(self) -> LoadProgress:
-        """The copies (and conversions) of a load into the allocated device buffer, enqueued."""
-        streams, source = self.streams, self.source
-        h2d = streams.h2d()
-        loading = LoadProgress(streams, self.writes.note_copied, self.traffic)  # the scope's once LOADING
-        progressive = self.copy_order is not None and source.progressive
-        if not progressive:
-            source.settle(self)
-        host = source.acquire(self)
-        whole = _routed_loaded(self, progressive)  # Note [routed experts] (scopes/experts.py)
-        with streams.enqueuing(), streams.on(h2d):  # plain tensors, no grad (Note [interrupts])
-            if self.casts and not source.device_layout:
-                loading.stage(self.masters.nbytes, self.device.flat.device)
-            if progressive:
-                assert self.copy_order is not None
-                plan = self.load_plan
-                if plan is None or not plan.current(self.copy_order):  # Note [load plans] (scopes/loading.py)
-                    plan = self.load_plan = LoadPlan(self.copy_order, self.casts, self.device.flat.device,
-                                                     routed=len(self.routed))
-                loading.follow(plan, host, self.device.flat, routed=whole)
-                loading.copy_more(-1)
-                self.live.holding_back(self, loading.held_back)
-            else:
-                source.enqueue(self, loading, host, h2d, whole)
-                streams.reads_masters(loading.weights_ready)
-        source.after_load(self, loading)
-        return loading
-
-    def _free_failed_load(self) -> None:
-        """A load raised before the scope was LOADING (Note [scope states]): free its buffer
-        after whatever the load enqueued."""
-        streams = self.streams
-        ends = [streams.record(streams.h2d()), streams.record(streams.cast())]
-        compute = streams.compute()
-        for end in ends:
-            streams.wait(compute, end)  # the free, on compute, follows every copy into the buffer
-            if end is not None:
-                end.synchronize()  # host memory the copies read (staging, a cast shadow) is reusable
-        self.device.free(self.slots)
 
     def copy_more(self, need: int) -> None:
         """Enqueue the next copies of a progressive load (LoadProgress.copy_more): those up to
@@ -519,3 +479,32 @@ def _forget_routed(scope: Scope) -> None:
     for slot in scope.routed:
         if slot.experts is not None:
             slot.experts.forget()
+
+
+def _enqueue_load(scope: Scope) -> LoadProgress:
+    """The copies (and conversions) of the scope's load into its allocated device buffer, enqueued."""
+    streams, source = scope.streams, scope.source
+    h2d = streams.h2d()
+    loading = LoadProgress(streams, scope.writes.note_copied, scope.traffic)  # the scope's once LOADING
+    progressive = scope.copy_order is not None and source.progressive
+    if not progressive:
+        source.settle(scope)
+    host = source.acquire(scope)
+    whole = _routed_loaded(scope, progressive)  # Note [routed experts] (scopes/experts.py)
+    with streams.enqueuing(), streams.on(h2d):  # plain tensors, no grad (Note [interrupts])
+        if scope.casts and not source.device_layout:
+            loading.stage(scope.masters.nbytes, scope.device.flat.device)
+        if progressive:
+            assert scope.copy_order is not None
+            plan = scope.load_plan
+            if plan is None or not plan.current(scope.copy_order):  # Note [load plans] (scopes/loading.py)
+                plan = scope.load_plan = LoadPlan(scope.copy_order, scope.casts, scope.device.flat.device,
+                                              routed=len(scope.routed))
+            loading.follow(plan, host, scope.device.flat, routed=whole)
+            loading.copy_more(-1)
+            scope.live.holding_back(scope, loading.held_back)
+        else:
+            source.enqueue(scope, loading, host, h2d, whole)
+            streams.reads_masters(loading.weights_ready)
+    source.after_load(scope, loading)
+    return loading
