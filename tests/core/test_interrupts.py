@@ -264,6 +264,50 @@ def test_interrupt_anywhere_in_a_training_step_leaves_no_state_changed(variant, 
     assert not failures, f"{len(failures)} of {tried} interrupt points failed:\n" + "\n".join(failures[:10])
 
 
+def test_interrupt_anywhere_in_an_inference_call_that_carries_leaves_no_state_changed(one_thread):
+    """Inference calls under a VRAM budget, whose ends load the next call's first scopes and carry
+    them (Note [carried into the next forward] in budget/vram.py), interrupted at spread-out
+    points: no setting is left changed, the next calls equal a plain copy's, nothing but kept
+    and carried scopes holds device memory, and a training step after them is exact."""
+    model = _build(budget=True).eval()
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+
+    def call() -> None:
+        with torch.no_grad():
+            model(x)
+
+    for _ in range(3):  # learn the order: the calls' ends carry
+        call()
+    assert any(s.carried for s in offtensor.summary(model).scopes), "nothing carried between calls"
+    expected = _global_state()
+    counter = Interrupter(at=None)
+    counter.run(call)
+    total = counter.events
+    assert total > 100, total
+    points = _interrupt_points("inference_carry", total)
+    failures: list[str] = []
+    for at in points:
+        Interrupter(at).run(call)
+        try:
+            state = _global_state()
+            changed = {k: (expected[k], v) for k, v in state.items() if v != expected[k]}
+            assert not changed, f"state changed (before, after): {changed}"
+            reference = copy.deepcopy(model)
+            with torch.no_grad():
+                for _ in range(2):
+                    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+            assert_all_scopes_offloaded(model)
+            _check_step(model, x, y, overlap=False)
+            call()  # (the step released what the calls carried: carry again)
+        except Exception as e:  # noqa: BLE001 - collected, reported together below
+            failures.append(f"interrupt at event {at}/{total}: {type(e).__name__}: {e}"[:600])
+            _restore_global_state(expected)
+            model = _build(budget=True).eval()
+            for _ in range(3):
+                call()
+    assert not failures, f"{len(failures)} of {len(points)} interrupt points failed:\n" + "\n".join(failures[:10])
+
+
 def _tiny_routed_moe() -> torch.nn.Module:
     """A 2-layer Qwen3-MoE (16 experts, top 2, grouped_mm) with its experts routed, on the CPU."""
     model = tiny_qwen3_moe()
