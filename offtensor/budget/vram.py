@@ -56,11 +56,11 @@ can add to a gradient, or it infers in eval mode), loads them once the rest of i
 or loading (`Schedule.prefetch_forward`), in room its own scopes no longer need.
 They count against the room like any streamed scope (one backward through two forwards' graphs
 releases them as it loads: `make_room`). A carried scope outlives its calls as a kept one does
-(`MasterWrites.outlives_calls`): a write to its masters releases it (an optimizer step ends the carry
-of what it writes), and so do an unused pass, an exception, `unwrap`. Its next forward uses it, then
-streams it. Not carried: trainable scopes under backward_and_step (the worker writes their masters
-unseen), under data parallelism (ranks load together) or no_offload(), after a backward that built a
-graph.
+(`MasterWrites.outlives_calls`): a write to its masters releases it (an optimizer step ends the
+carry of what it writes), and so do an unused pass, an exception, `unwrap`, a new layout (its room
+may be smaller). Its next forward uses it, then streams it. Not carried: trainable scopes under
+backward_and_step (the worker writes their masters unseen), under data parallelism (ranks load
+together) or no_offload(), after a backward that built a graph.
 """
 
 from __future__ import annotations
@@ -196,12 +196,13 @@ class VramBudget(NoBudget):
 
     def apply(self, kept: set[Scope], budget: int, prediction: Prediction | None) -> None:
         """Keep exactly `kept` from now on, within `budget` (a timed layout, chosen between two
-        passes): a kept scope no longer kept is released; everything the budget does not keep is
-        the streaming room."""
+        passes): a kept scope no longer kept is released, and so is one carried into this pass
+        (chosen for the old streaming room, which may be larger than the new one); everything
+        the budget does not keep is the streaming room."""
         for scope in self.scopes:
             if scope in kept:
                 scope.set_residency(Residency.KEPT)
-            elif scope.residency is Residency.KEPT:
+            elif scope.residency is not Residency.STREAMED:
                 scope.set_residency(Residency.STREAMED)
                 scope.release()
         self.bytes = budget + self.cache_bytes

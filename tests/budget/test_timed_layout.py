@@ -106,6 +106,42 @@ def test_the_chosen_layout_is_applied_between_passes(monkeypatch):
     assert rows["blocks.0"].carried and rows["blocks.1"].carried
 
 
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_a_new_layout_releases_what_was_carried_for_the_old_one(training, monkeypatch, most_device_bytes):
+    """Scopes carried into the next forward were chosen for the old layout's streaming room (Note
+    [carried into the next forward] in budget/vram.py); a layout that keeps more leaves less
+    room, and they would have stood beside the new pass's streamed scopes over the budget. The
+    new layout releases them. Regression: six blocks' weights on the device under a five-block
+    budget; results exact either way."""
+    model = mlp_of_blocks(n_blocks=6)
+    block = device_layout_bytes(model.blocks[0])
+    budget = 5 * block
+    reference = reference_then_offload(model, "cpu", policy=offtensor.Policy(vram_budget=budget, layout="timed"))
+    assert _kept(model) == ["blocks.0", "blocks.5"]  # by bytes until the layout is timed
+
+    def pick(costs, forward, backward, budget, prefetch):  # keeps the last three: room for two
+        return {3, 4, 5}, simulate(costs, forward, backward, {3, 4, 5}, budget - 3 * block)
+
+    monkeypatch.setattr(_timed, "choose", pick)
+    for _ in range(4):
+        carried = [s.name for s in offtensor.summary(model).scopes if s.carried]
+        x, y = random_batch("cpu")
+        if training:
+            out = model(x)
+            torch.nn.functional.mse_loss(out, y).backward()
+            torch.nn.functional.mse_loss(reference(x), y).backward()
+            assert_grads_match(model, reference, rtol=0, atol=0)
+        else:
+            with torch.no_grad():
+                out = model(x)
+        torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
+        if _kept(model) == ["blocks.3", "blocks.4", "blocks.5"]:
+            break
+    assert _kept(model) == ["blocks.3", "blocks.4", "blocks.5"]
+    assert carried == ["blocks.1", "blocks.2"]  # into the pass that took the new layout
+    assert most_device_bytes[0] <= budget, f"{most_device_bytes[0] / block:.1f} blocks under a 5-block budget"
+
+
 def test_auto_budget_keeps_what_the_spare_memory_holds(monkeypatch):
     model = mlp_of_blocks(n_blocks=6)
     total = sum(device_layout_bytes(b) for b in model.blocks)
