@@ -85,8 +85,8 @@ class Schedule:
         # The positions [start, end) of the order found kept and loaded, the order's and the
         # scopes' changes when found (Note [kept runs])
         self._kept_run: tuple[int, int, int, int] = (0, 0, -1, -1)
-        # This pass's carry has loaded all it chooses (or chooses none): the rest of the pass's
-        # calls skip it (Note [carried into the next forward] in budget/vram.py).
+        # This pass's carry has loaded all it chooses, chooses none, or a backward follows the
+        # pass: the rest of its calls skip it (Note [carried into the next forward] in budget/vram.py).
         self._carry_settled = False
         self._order_changes = 0
         # offtensor.set_prefetch: the scopes to load when a scope's forward (backward) starts,
@@ -178,7 +178,12 @@ class Schedule:
         if start < len(order) and not self.prefetch((order[i] for i in range(start, len(order))), scope,
                                                     with_grads=False):
             return False  # (kept and loaded to the end: nothing to prefetch)
-        return carry is not None and not self._carry_settled and carry(scope) and self._carry_ahead(scope)
+        if carry is None or self._carry_settled:
+            return False
+        if not carry(scope):  # a backward follows: this pass carries nothing ahead
+            self._carry_settled = True
+            return False
+        return self._carry_ahead(scope)
 
     def _carry_ahead(self, current: Scope) -> bool:
         """Load the next pass's first scopes that the budget carries, as the room allows, and
