@@ -676,6 +676,18 @@ def _infer_both(model, reference, x: torch.Tensor, **tolerance: float) -> torch.
     return out
 
 
+def _carrying_in_eval(device: str, calls: int) -> tuple:
+    """`_wrapped_with_one_kept`'s model and reference in eval mode after `calls` inference calls,
+    the first learning the order, the others carrying blocks 1 and 2; and their input."""
+    model, reference, budget = _wrapped_with_one_kept(device)
+    model.eval(), reference.eval()
+    x = random_batch(device)[0]
+    for _ in range(calls):
+        _infer_both(model, reference, x)
+    assert _carried(model) == ["blocks.1", "blocks.2"]
+    return model, reference, budget, x
+
+
 def _head_loads(model) -> list[dict[str, int]]:
     """A list that gets, at each call of block 3, every scope's loads so far (from the engine,
     as summary() does): what the call loaded before it left the carried head."""
@@ -807,12 +819,7 @@ def _raise(*_):
 def test_an_inference_call_that_raises_leaves_nothing_carried(device, where, most_device_bytes):
     """A forward that raises releases every streamed scope, those it carried for the next call
     too; the next calls carry again and match the unwrapped model."""
-    model, reference, budget = _wrapped_with_one_kept(device)
-    model.eval(), reference.eval()
-    x = random_batch(device)[0]
-    for _ in range(2):
-        _infer_both(model, reference, x)
-    assert _carried(model) == ["blocks.1", "blocks.2"]
+    model, reference, budget, x = _carrying_in_eval(device, calls=2)
     handle = RAISES_IN_INFERENCE[where](model)
     with pytest.raises(RuntimeError, match="boom"), torch.no_grad():
         model(x)
@@ -832,12 +839,7 @@ def test_unwrap_after_an_inference_call_that_carried_leaves_no_device_copies(dev
     plain model computes what the reference does."""
     from offtensor.engine.engine import find_engine
 
-    model, reference, _ = _wrapped_with_one_kept(device)
-    model.eval(), reference.eval()
-    x = random_batch(device)[0]
-    for _ in range(3):
-        _infer_both(model, reference, x)
-    assert _carried(model) == ["blocks.1", "blocks.2"]
+    model, reference, _, x = _carrying_in_eval(device, calls=3)
     scopes = find_engine(model).scopes
     offtensor.unwrap(model)
     assert all(s.device.storage.nbytes() == 0 for s in scopes), [(s.name, s.device.storage.nbytes()) for s in scopes]

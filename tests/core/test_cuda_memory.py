@@ -196,12 +196,7 @@ def test_device_memory_returns_to_baseline_after_backward(empty_device, checkpoi
 def test_exception_inside_block_releases_its_device_memory_and_model_stays_usable(
     empty_device, grad_enabled
 ):
-    model = offloaded(big_model())
-    x = torch.randn(BATCH, HIDDEN, device="cuda")
-    with torch.no_grad():
-        before = model(x)
-    settle()
-    baseline = torch.cuda.memory_allocated()
+    model, x, before, baseline = _run_once()
 
     def fail(module, inputs, output):
         raise RuntimeError("injected failure")
@@ -213,14 +208,7 @@ def test_exception_inside_block_releases_its_device_memory_and_model_stays_usabl
     ):
         model(x)
     handle.remove()
-    settle()
-
-    assert torch.cuda.memory_allocated() == baseline, (
-        f"{(torch.cuda.memory_allocated() - baseline) / MiB:.1f} MiB left on the device by the failed forward"
-    )
-    assert_all_scopes_offloaded(model)
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+    _nothing_left(model, baseline, x, before, "the failed forward")
     training_step(model, x)
     assert all(p.grad is not None for p in model.blocks.parameters())
     assert_all_scopes_offloaded(model)
@@ -230,12 +218,7 @@ def test_a_load_that_raises_after_its_copies_leaves_no_device_memory_and_the_mod
     """A load that fails between its allocation and LOADING, after its copies are enqueued (Note
     [scope states] in scopes/scope.py): its buffer is freed, after those copies, and the next
     forward matches the first."""
-    model = offloaded(big_model())
-    x = torch.randn(BATCH, HIDDEN, device="cuda")
-    with torch.no_grad():
-        before = model(x)
-    settle()
-    baseline = torch.cuda.memory_allocated()
+    model, x, before, baseline = _run_once()
     target = model._offtensor_engine.scopes[3]
     source = type(target.source)
     real = source.after_load
@@ -251,9 +234,26 @@ def test_a_load_that_raises_after_its_copies_leaves_no_device_memory_and_the_mod
             model(x)
     finally:
         source.after_load = real
+    _nothing_left(model, baseline, x, before, "the failed load")
+
+
+def _run_once() -> tuple[BlockStack, torch.Tensor, torch.Tensor, int]:
+    """An offloaded model after one inference call, its input, its output and the device memory
+    in use after it."""
+    model = offloaded(big_model())
+    x = torch.randn(BATCH, HIDDEN, device="cuda")
+    with torch.no_grad():
+        before = model(x)
+    settle()
+    return model, x, before, torch.cuda.memory_allocated()
+
+
+def _nothing_left(model: nn.Module, baseline: int, x: torch.Tensor, before: torch.Tensor, what: str) -> None:
+    """After `what` raised: the device holds what it held before, no scope a copy, and the model
+    computes `before` again."""
     settle()
     assert torch.cuda.memory_allocated() == baseline, (
-        f"{(torch.cuda.memory_allocated() - baseline) / MiB:.1f} MiB left on the device by the failed load"
+        f"{(torch.cuda.memory_allocated() - baseline) / MiB:.1f} MiB left on the device by {what}"
     )
     assert_all_scopes_offloaded(model)
     with torch.no_grad():
