@@ -60,7 +60,8 @@ releases them as it loads: `make_room`). A carried scope outlives its calls as a
 carry of what it writes), and so do an unused pass, an exception, `unwrap`, a new layout (its room
 may be smaller). Its next forward uses it, then streams it. Not carried: trainable scopes under
 backward_and_step (the worker writes their masters unseen), under data parallelism (ranks load
-together) or no_offload(), after a backward that built a graph.
+together) or no_offload(), after a backward that built a graph, out of a timed layout's measured
+pass (the next one starts with the new layout).
 """
 
 from __future__ import annotations
@@ -249,8 +250,8 @@ class VramBudget(NoBudget):
         return list(reversed(list(self.live)))
 
     def carry(self, head: Callable[[], list[Scope]]) -> list[Scope]:
-        if self.streaming_room is None:
-            return []
+        if self.streaming_room is None or (self.timed is not None and self.timed.measuring):
+            return []  # (a measured pass: the next one starts with a new layout, and its room)
         if self._carry is None:
             self._carry = []
             room = self.carry_room()
