@@ -49,13 +49,14 @@ forward begins, they are pure loss where nothing changes their masters in betwee
 accumulation, frozen layers, denoising steps, decoding), and a forward whose first blocks compute
 faster than they copy starts behind and stays behind. So under a VRAM budget they stay or come
 back resident (`Residency.CARRIED`): the streamed scopes at the head of the next pass
-(`Schedule.first_of_next_pass` and on, skipping kept ones), as many as fit the streaming room less
-one block, which stays free for the next copy. A backward leaves them as its last scopes end, so
-they never raise its footprint. The model's forward, when no backward follows (no call of the pass
-can add to a gradient, or it infers in eval mode), loads them once the rest of its order is loaded
-or loading (`Schedule.prefetch_forward`), in room its own scopes no longer need.
-They count against the room like any streamed scope (one backward through two forwards' graphs
-releases them as it loads: `make_room`). A carried scope outlives its calls as a kept one does
+(`Schedule.first_of_next_pass` and on, skipping kept ones and those read from files, which the
+staging ring reads ahead), as many as fit the streaming room less one block, kept free for a
+copy. A backward leaves them as its last scopes end, so they never raise its footprint. The
+model's forward, when no backward follows (no call of the pass can add to a gradient, or it infers
+in eval mode), loads them once the rest of its order is loaded or loading
+(`Schedule.prefetch_forward`), in room its own scopes no longer need. They count against the
+room like any streamed scope (one backward through two forwards' graphs releases them as it
+loads: `make_room`). A carried scope outlives its calls as a kept one does
 (`MasterWrites.outlives_calls`): a write to its masters releases it (an optimizer step ends the
 carry of what it writes), and so do an unused pass, an exception, `unwrap`, a new layout (its room
 may be smaller). Its next forward uses it, then streams it. Not carried: trainable scopes under
@@ -70,7 +71,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..api import Layout, Policy, Residency, ScopeState
+from ..api import Layout, MasterHome, Policy, Residency, ScopeState
 from ..scopes.grad_calls import trainable
 from ..scopes.scope import LiveScopes, Scope
 from ..scopes.streams import Streams
@@ -256,8 +257,8 @@ class VramBudget(NoBudget):
             self._carry = []
             room = self.carry_room()
             for ahead in head():
-                if ahead.residency is Residency.KEPT:
-                    continue
+                if ahead.residency is Residency.KEPT or ahead.source.home is MasterHome.FILE:
+                    continue  # (read from a file: the staging ring reads it ahead instead)
                 if ahead.device.nbytes > room:
                     break
                 self._carry.append(ahead)
