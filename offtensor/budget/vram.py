@@ -49,20 +49,19 @@ forward begins, they are pure loss where nothing changes their masters in betwee
 accumulation, frozen layers, denoising steps, decoding), and a forward whose first blocks compute
 faster than they copy starts behind and stays behind. So under a VRAM budget they stay or come
 back resident (`Residency.CARRIED`): the streamed scopes at the head of the next pass
-(`Schedule.first_of_next_pass` and on, skipping kept ones and those read from files, which the
+(`Schedule.first_of_next_pass` and on; not kept ones, nor those read from files, which the
 staging ring reads ahead), as many as fit the streaming room less one block, kept free for a
 copy. A backward leaves them as its last scopes end, so they never raise its footprint. The
-model's forward, when no backward follows (no call of the pass can add to a gradient, or it infers
-in eval mode), loads them once the rest of its order is loaded or loading
-(`Schedule.prefetch_forward`), in room its own scopes no longer need. They count against the
+model's forward, when no backward follows (no call of the pass can add to a gradient, or eval
+mode), loads them once the rest of its order is loading (`Schedule.prefetch_forward`), in room
+its own scopes no longer need. They count against the
 room like any streamed scope (one backward through two forwards' graphs releases them as it
 loads: `make_room`). A carried scope outlives its calls as a kept one does
 (`MasterWrites.outlives_calls`): a write to its masters releases it (an optimizer step ends the
 carry of what it writes), and so do an unused pass, an exception, `unwrap`, a new layout (its room
 may be smaller). Its next forward uses it, then streams it. Not carried: trainable scopes under
 backward_and_step (the worker writes their masters unseen), under data parallelism (ranks load
-together) or no_offload(), after a backward that built a graph, out of a timed layout's measured
-pass (the next one starts with the new layout).
+together) or no_offload(), after a backward that built a graph, out of a timed measured pass.
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ class Schedule:
         start, order = self._past_kept(), self.order
         if start < len(order) and not self.prefetch((order[i] for i in range(start, len(order))), scope,
                                                     with_grads=False):
-            return False  # (kept and loaded to the end: nothing to prefetch)
+            return False  # some of the order's rest is not loading yet: no carry before it
         if carry is None or self._carry_settled:
             return False
         if not carry(scope):  # a backward follows: this pass carries nothing ahead
