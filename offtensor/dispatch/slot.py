@@ -100,10 +100,12 @@ class RoutedRows(Protocol):
     # The running call's router choice is on the device (or on its way): an op that does not
     # index the parameter reads only those rows (Note [which experts an op reads])
     hinted: bool
+    # Rows a graph saved may still read were forgotten (Note [routed experts in backward])
+    saved_lost: bool
 
     def before_op(self, func: Any, args: tuple, param: torch.Tensor) -> None: ...
 
-    def forget(self) -> None: ...
+    def forget(self, *, graph_reads: bool = False) -> None: ...
 
     def all_there(self) -> None: ...
 

@@ -363,7 +363,7 @@ class Engine:
             self.budget.make_room(scope, self.schedule.needed_in_backward)
         scope.load(with_grads=True)
         self.schedule.prefetch_backward(scope)
-        scope.make_resident()
+        scope.resident_for_backward()
         self.budget.started(scope, "backward")
 
     @outside_transforms

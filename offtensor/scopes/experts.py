@@ -58,7 +58,11 @@ included; experts no op read get zero gradients, as in plain autograd. Backward 
 it saved without an op on the parameter, so a load in backward (`in_backward`) copies the routed
 experts whole, as do a scope's first load when it converts (it has no load plan yet), the staging
 ring's, sharded and cast="host" loads, the refresh of a write during the call, and compiled code
-(`fill_all`).
+(`fill_all`). The saved views read the device copy's storage, which a release frees and the next
+load fills anew: a release or load that forgets the rows while a call of the scope since the last
+backward could add to a gradient marks them lost (`saved_lost`), and a scope whose backward finds
+it loaded by a load in forward (reloaded for a second call of the same forward, carried into the
+next call) copies every expert before it runs (`Scope.resident_for_backward`).
 
 # Note [recognising experts]
 `Policy(experts="auto")` (default) routes the parameters of a module named `experts` of at least
@@ -106,25 +110,31 @@ class ExpertRows:
         self.loaded = [False] * self.count  # expert e's rows are on the device (or on their way)
         self.held = 0  # how many are
         self.whole = False
+        # Rows a graph saved may still read were forgotten (Note [routed experts in backward])
+        self.saved_lost = False
         self.hint: list[int] | None = None  # the router's experts for the running call
         # The hint's experts were filled in this call (Note [one copy per run]): an op that does
         # not index the parameter gets the device copy by the short path (ParamSlot.ready_copy)
         self.hinted = False
         self.row_bytes = slot.master.nbytes // max(self.count, 1)  # one expert's, as the master holds it
 
-    def forget(self) -> None:
+    def forget(self, *, graph_reads: bool = False) -> None:
         """No expert is on the device (released, or a load that leaves them to ops). What says
         an expert is there goes first: an interrupt in between leaves less claimed, never more
-        (the next load or release forgets again, Note [interrupts] in dispatch/masters.py)."""
+        (the next load or release forgets again, Note [interrupts] in dispatch/masters.py).
+        `graph_reads`: a graph saved by a forward call may still read the rows."""
         self.whole = self.hinted = False
         self.loaded = [False] * self.count
         self.held = 0
+        if graph_reads:
+            self.saved_lost = True
 
     def all_there(self) -> None:
         """A load or refresh copied the whole parameter."""
         self.loaded = [True] * self.count
         self.held = self.count
         self.whole = True
+        self.saved_lost = False
 
     def fill_all(self) -> None:
         self.fill(range(self.count))
@@ -186,6 +196,8 @@ class ExpertRows:
             loaded[e] = True
         self.held += added
         self.whole = self.held == self.count
+        if self.whole:
+            self.saved_lost = False
 
     def _copy(self, experts: list[int]) -> None:
         """Copy the experts' rows into the device copy, one copy per run of consecutive experts

@@ -367,6 +367,14 @@ class Scope:
                 self.copy_more(need)
         self.compute_waits(None if upto is None else upto.chunk)
 
+    def resident_for_backward(self) -> None:
+        """make_resident, then every routed expert if rows a graph saved may read were
+        forgotten since (Note [routed experts in backward] in scopes/experts.py)."""
+        self.make_resident()
+        for slot in self.routed:
+            if slot.experts is not None and slot.experts.saved_lost:
+                slot.experts.fill_all()
+
     def compute_waits(self, chunk: int | None) -> None:
         """The compute stream waits (device side) for the load's chunks up to `chunk` (None:
         every chunk enqueued); -> RESIDENT once it has waited for the whole load."""
@@ -475,10 +483,12 @@ def _routed_loaded(scope: Scope, progressive: bool) -> bool:
 
 def _forget_routed(scope: Scope) -> None:
     """At each load and release: always, as an interrupted one may have left any of the rows'
-    marks set (ExpertRows.forget)."""
+    marks set (ExpertRows.forget); marked lost to a graph while a call since the last backward
+    could add to a gradient (Note [routed experts in backward] in scopes/experts.py)."""
+    graph_reads = scope.calls.grad_since_backward > 0
     for slot in scope.routed:
         if slot.experts is not None:
-            slot.experts.forget()
+            slot.experts.forget(graph_reads=graph_reads)
 
 
 def _enqueue_load(scope: Scope) -> LoadProgress:
