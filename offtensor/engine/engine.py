@@ -142,7 +142,7 @@ class Engine:
         self.budget = _budget(self, shared)
         # Routed expert rows kept across loads (Note [expert cache] in scopes/expert_cache.py)
         self.expert_cache = ExpertCache(policy.expert_cache) if isinstance(policy.expert_cache, int) else None
-        self.schedule = Schedule(self.scopes, policy, self.budget)
+        self.schedule = Schedule(self.scopes, policy, self.budget, self.hold)
         self.thread = ThreadOwner(lambda: self._computing() or self.grads.in_backward())
         # What an op on an offloaded parameter gets, and what a write to a master does: asked
         # through each scope (SlotScope in dispatch/slot.py), by dispatch, weights and the optimizer.

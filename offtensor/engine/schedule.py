@@ -40,6 +40,15 @@ it starts past it, until the order changes (`_order_changes`) or any scope is of
 residency set (`Scope.kept_changes`, bumped by `_to_offloaded` and `set_residency`): the only
 ways a scope of the run stops being kept and loaded. Loads never end a run. What the prefetch
 decides is the same as with the scan.
+
+# Note [the last scope of an extended order]
+The forward's last scope stays resident for the backward that starts with it (`is_last`,
+Engine.post_forward). A pass that runs past the order's end (the first pass raised midway and
+the order was cut there, or ran fewer blocks than this one) appends each further scope as the
+order's end for the moment, and each would stay: the whole tail resident until the backward,
+whatever the VRAM budget. So no scope of such a pass counts as last, and the one that was the
+order's end is released when the pass runs past it (`_left_behind`); the backward loads its
+first scope as a streamed one, and the next pass follows the whole order.
 """
 
 from __future__ import annotations
@@ -63,12 +72,14 @@ class Schedule:
     """The order in which scopes start their forward and first need their backward, learned
     from the passes so far, and which scopes to prefetch from it."""
 
-    def __init__(self, scopes: list[Scope], policy: Policy, budget: NoBudget) -> None:
+    def __init__(self, scopes: list[Scope], policy: Policy, budget: NoBudget, hold: Callable[[], bool]) -> None:
         self.scopes = scopes
+        self._hold = hold  # no_offload() holds the model: nothing is released
         self.budget = budget  # the VRAM budget (budget/vram.py): its streaming room and carried scopes
         self.order: list[Scope] = []  # forward order
         self.pos = 0  # where the current pass is in it
         self.learned = False  # a pass has followed the order from its head
+        self._extended = False  # the current pass ran past the order's end (Note [the last scope of an extended order])
         self._index: dict[Scope, int] = {}
         self._bwd_order: list[Scope] = []  # scopes in order of first need in backward
         self._bwd_pos = 0
@@ -233,7 +244,7 @@ class Schedule:
 
     def is_last(self, scope: Scope) -> bool:
         """The scope ends the learned forward order, and the current pass is there."""
-        return self.learned and self.pos == len(self.order) and self.order[-1] is scope
+        return self.learned and not self._extended and self.pos == len(self.order) and self.order[-1] is scope
 
     def first_of_next_pass(self) -> Scope | None:
         """The scope where the next pass of the model's forward will likely start."""
@@ -266,6 +277,7 @@ class Schedule:
                 # (decoding from cached encoder outputs, a text-only sample of a vision-language
                 # model, a dropped first layer): follow the order from there.
                 self.learned = True
+                self._extended = False
                 self.pos = i + 1
                 return True
             if order and order[0] is not scope:  # starts at a scope never seen: learn anew
@@ -280,13 +292,17 @@ class Schedule:
             # A new pass. Inside the model's forward only its start begins one: a first scope
             # called again there (a looped block) continues the pass.
             self.learned = True
+            self._extended = False
             new_pass = True
             self.pos = 1
         else:
             if self.learned:
                 logger.debug("scope order changed at %s; relearning", scope.name)
+            if order and self.pos == len(order) and not self._extended and not self._hold():
+                _left_behind(order[-1])
             del order[self.pos :]
             order.append(scope)
+            self._extended = True
             self._order_changes += 1
             self.pos = len(order)
         self._index[scope] = self.pos - 1
@@ -357,3 +373,10 @@ def _after(order: list[Scope], scope: Scope) -> list[Scope]:
         if s is scope:
             return order[i + 1 :]
     return list(order)
+
+
+def _left_behind(scope: Scope) -> None:
+    """A pass runs past `scope`, the order's end as its forward ended: released as the end of a
+    streamed scope's forward releases it (Note [the last scope of an extended order])."""
+    if scope.residency is Residency.STREAMED and not scope.calls.running and not scope.policy.keep_for_backward:
+        scope.release()

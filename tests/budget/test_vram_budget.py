@@ -504,6 +504,36 @@ def test_an_exception_in_forward_releases_the_streamed_scopes_and_keeps_the_kept
     assert_grads_match(model, reference, **tolerances(device))
 
 
+@pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("first", ["raised", "shorter"])
+def test_a_pass_past_the_learned_order_leaves_its_blocks_to_stream(device, first):
+    """The first forward raised midway (an out-of-memory a batch-size finder catches) or ran fewer
+    blocks: the next training forward runs past the learned order's end. Each block it appends
+    was once the order's end, kept for a backward starting with it: the whole tail stayed on the
+    device, whatever the budget (Note [the last scope of an extended order])."""
+    model = mlp_of_blocks(n_blocks=N_BLOCKS)
+    budget = _budget(model, kept=0)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=budget))
+    x, y = random_batch(device)
+    if first == "raised":
+        handle = model.blocks[2].register_forward_pre_hook(lambda module, args: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            model(x)
+        handle.remove()
+    else:
+        for m in (model, reference):
+            blocks = m.blocks
+            m.blocks = torch.nn.ModuleList(list(blocks)[:2])
+            F.mse_loss(m(x), y).backward()
+            m.blocks = blocks
+    loss = F.mse_loss(model(x), y)
+    held = sum(s.device_bytes for s in offtensor.summary(model).scopes)
+    assert held <= _block_bytes(model), f"{held / _block_bytes(model):.0f} blocks held for the backward"
+    loss.backward()
+    F.mse_loss(reference(x), y).backward()
+    assert_grads_match(model, reference, **tolerances(device))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_peak_device_memory_of_the_weights_stays_within_the_budget():
