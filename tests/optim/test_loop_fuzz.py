@@ -55,7 +55,9 @@ from conftest import (
 import offtensor
 
 DEVICE = "cpu"
-EXACT = {"rtol": 0.0, "atol": 0.0}
+# NaN equals NaN in the same place: a plan that doubles the learning rate can make the plain
+# model diverge on its own (seeds 837, 928, 971, 1849), and the wrapped one must diverge alike.
+EXACT = {"rtol": 0.0, "atol": 0.0, "equal_nan": True}
 QUICK_SEEDS = 4  # drawn from the 40 in the quick tier, one of them a Llama seed
 
 
