@@ -694,6 +694,34 @@ def most_device_bytes(monkeypatch):
     return seen
 
 
+def fuzz_optimizer(cfg: dict, model: nn.Module) -> torch.optim.Optimizer:
+    """The fuzzers' optimizer: cfg["optimizer"] (sgd, adamw, adagrad), over all parameters or the
+    trainable ones (cfg["opt_over"]), foreach or not."""
+    params = [p for p in model.parameters() if cfg["opt_over"] == "all" or p.requires_grad]
+    if cfg["optimizer"] == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=cfg["foreach"])
+    if cfg["optimizer"] == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, foreach=cfg["foreach"])
+    return torch.optim.Adagrad(params, lr=0.05, foreach=cfg["foreach"])
+
+
+class FuzzError(Exception):
+    """Raised by an armed `Trap` in a scope's forward: the fuzzers' models both raise it alike."""
+
+
+class Trap:
+    """A forward hook that raises FuzzError once, when armed (the fuzzers' failing forwards)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+
+    def __call__(self, module, args, output):
+        if self.armed:
+            self.armed = False
+            raise FuzzError("raised by the fuzzer's forward hook")
+        return None
+
+
 def copy_of(obj, how: str):
     """`obj` deep-copied (`how="deepcopy"`), or saved with torch.save and loaded back."""
     if how == "deepcopy":

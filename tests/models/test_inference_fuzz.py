@@ -1,63 +1,23 @@
-"""A seeded, randomized fuzzer of inference loops, writes between calls and mixture-of-experts
-models: silent wrong answers, checked bit-exactly on the CPU.
+"""A seeded fuzzer of inference loops, writes between calls and mixture-of-experts models,
+checked bit for bit against the plain model on the CPU: what tests/optim/test_loop_fuzz.py does
+not reach (the carry under a VRAM budget, KV-cache decoding and `generate()`, inference_mode,
+eval/train switches, every way a parameter is written between calls, `p.data` aliases kept and
+written later, routed experts with and without an expert cache, MoE LoRA over fp8/int8 experts).
 
-It reaches what the training-loop fuzzer (tests/optim/test_loop_fuzz.py) does not: inference
-under a VRAM budget (a call with no backward after it loads the next call's first streamed
-scopes and leaves them CARRIED between calls: Note [carried into the next forward] in
-budget/vram.py), KV-cache decoding and `generate()`, `torch.inference_mode()`, eval/train
-switches, every way a parameter is written between calls (optimizer steps, `backward_and_step`,
-`p.mul_` and `p[i] = v` under no_grad, `p.copy_`, `p.data.copy_`, `p.data = t`, `p.data.add_`,
-`p.detach().mul_`, `p[0].fill_`, a `p.data` or `p.detach()` alias kept and written several calls
-later, `nn.init`, `load_state_dict`), writes to `p.grad`, `requires_grad` toggles (of one
-parameter or a whole scope), input gradients (`torch.autograd.grad` w.r.t. the input only),
-bfloat16 models, routed experts (only the chosen experts' rows are copied: Note [routed experts]
-in scopes/experts.py) with and without an expert cache, LoRA-style training of a MoE with frozen
-(optionally fp8/int8-compressed) experts under `param_filter=frozen_only`, forwards that raise,
-`no_offload`, snapshots, `deepcopy` and `unwrap`.
+Each seed builds a tiny model (by `seed % 10`: a BlockStack MLP, user stacked-expert layers, an
+HF Llama, an HF MoE), deep-copies its reference before `wrap`, draws a configuration (scopes,
+prefetch, budget, layout, experts, cache, pinning, frozen formats, checkpointing, optimizer) and
+10-22 operations, applied to both models in turn with the same RNG state. After each: outputs,
+raises, parameters, buffers, gradients equal; streamed scopes hold nothing; kept and carried
+copies equal their masters; weights within the budget; no stale expert-cache row. A compressed
+model's reference holds the quantize-dequantized values (Note [compressed masters]).
+Tolerated (docs/design.md, Limits): a graph dropped without its backward, a backward that raised
+early, and a no_grad forward whose inputs require grad (transformers' checkpointing hook) leave
+the scopes kept for a backward resident until the next forward.
 
-For each seed a tiny model is built (by `seed % 10`: a BlockStack MLP with residual, batch-norm
-and dropout blocks; a model of user-written stacked-expert layers routed by an `experts=`
-callable; a tiny HF Llama; a tiny HF MoE: Qwen3-MoE, Qwen2-MoE, Mixtral or OLMoE, eager or
-grouped_mm experts), its unwrapped reference is deep-copied before `wrap`, and a configuration
-is drawn: which modules are scopes (one of them `keep_for_backward`; HF embeddings, final norm
-or head among them at times), split scopes, `prefetch`, `vram_budget` (none, `"auto"`, or room
-for 0..n kept blocks beside streaming), `layout`, `experts`, `expert_cache`, `pin_memory`,
-frozen parameters with `param_filter=frozen_only` and `frozen_format`, activation checkpointing,
-the optimizer. Then 10-22 operations are drawn and applied to the wrapped model and to the
-reference, one after the other (never interleaved), each with the same RNG state (dropout).
-After each: outputs equal bit for bit, both raised or neither, parameters, buffers, gradients
-and `requires_grad` equal (after most operations: reading them waits for deferred steps, which
-changes what runs; always at the end), no streamed scope holds device memory and every kept or
-carried copy equals its master, the weights' device bytes never exceed the budget less the
-expert cache, the expert cache stays within its size and holds no row it would use whose master
-changed.
-
-The reference of a `frozen_format` model holds the quantize-dequantized values; a write through
-a compressed parameter is followed on the reference by quantize-dequantizing it again (what
-writing it does, Note [compressed masters] in storage/compress.py), and only writes through the
-parameter are drawn for those (writes to a tensor taken from one are documented as lost).
-
-Tolerated, as designed: a forward with grad whose graph is dropped without a backward
-(`forward_only`), or a backward that raised before a scope's backward started (docs/design.md,
-Limits), leaves what it kept or prefetched for the expected backward on the device until the
-next forward; those scopes are checked as kept ones until then.
-
-Also tolerated: a no_grad forward of a Hugging Face model with gradient checkpointing, in
-training mode, holds its last layer until the next forward: transformers' input-grad hook makes
-the embeddings' output require grad under no_grad, and such a call counts as one that can add to
-a gradient (Note [calls inside a checkpointed region] in scopes/grad_calls.py: counting too many
-calls costs memory, too few an early handover in backward_and_step).
-
-This fuzzer found, and checks: a forward with grad in eval mode under a VRAM budget carried
-routed scopes whose reload lacked the expert rows their backward read (wrong gradients; Note
-[routed experts in backward] in scopes/experts.py); a pass past the end of the learned order
-held every scope beyond it until its backward, over the budget (Note [the last scope of an
-extended order] in engine/schedule.py).
-
-A failure names its seed and prints the configuration and the operations run so far; rerun with
-`OFFTENSOR_INFER_FUZZ_SEEDS=7:8 python -m pytest -q tests/models/test_inference_fuzz.py`
-(`OFFTENSOR_FUZZ_TRACEBACK=1` shows the original traceback). Seeds 0-39 run in the full tier,
-four of them (one per model family) in the quick tier."""
+Rerun one seed: `OFFTENSOR_INFER_FUZZ_SEEDS=7:8 python -m pytest -q tests/models/test_inference_fuzz.py`
+(`OFFTENSOR_FUZZ_TRACEBACK=1`: the original traceback). Seeds 0-39 run in the full tier, one per
+model family in the quick tier."""
 
 from __future__ import annotations
 
@@ -74,8 +34,11 @@ import torch.nn.functional as F
 from conftest import (
     BatchNormBlock,
     BlockStack,
+    FuzzError,
     ResidualBlock,
+    Trap,
     device_layout_bytes,
+    fuzz_optimizer,
     host,
     param_bytes,
 )
@@ -83,7 +46,6 @@ from torch import nn
 
 import offtensor
 from offtensor.engine.engine import find_engine
-from offtensor.scopes import scope as scope_module
 from offtensor.scopes.expert_cache import _mark
 from offtensor.storage.compress import quantize_dequantize
 
@@ -114,9 +76,6 @@ SEEDS = _seeds()
 
 LAZY = os.environ.get("OFFTENSOR_LAZY_STREAMS") == "1"
 
-
-class FuzzError(Exception):
-    """Raised by an armed trap in a scope's forward: both models raise it alike."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -373,14 +332,6 @@ def _predicate(cfg: dict):
     return predicate
 
 
-def _make_optimizer(cfg: dict, model: nn.Module):
-    params = [p for p in model.parameters() if cfg["opt_over"] == "all" or p.requires_grad]
-    if cfg["optimizer"] == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=cfg["foreach"])
-    if cfg["optimizer"] == "adamw":
-        return torch.optim.AdamW(params, lr=1e-2, foreach=cfg["foreach"])
-    return torch.optim.Adagrad(params, lr=0.05, foreach=cfg["foreach"])
-
 
 # --------------------------------------------------------------------------------------------
 # Operations: drawn once, applied to both models
@@ -494,17 +445,6 @@ def _describe(op: dict) -> str:
                            if k not in skip) + "}"
 
 
-class _Trap:
-    """A forward hook that raises FuzzError while armed."""
-
-    def __init__(self) -> None:
-        self.armed = False
-
-    def __call__(self, module, args, output):
-        if self.armed:
-            self.armed = False
-            raise FuzzError("raised by the fuzzer's forward hook")
-
 
 def _cache_key(fn) -> str:
     params = inspect.signature(fn).parameters
@@ -517,9 +457,9 @@ class _Side:
     def __init__(self, model: nn.Module, opt, cfg: dict, wrapped: bool, packed: set[str]) -> None:
         self.model, self.opt, self.cfg, self.wrapped, self.packed = model, opt, cfg, wrapped, packed
         self.aliases: dict[str, torch.Tensor] = {}
-        self.traps: dict[str, _Trap] = {}
+        self.traps: dict[str, Trap] = {}
         for name in cfg["selected"]:
-            trap = _Trap()
+            trap = Trap()
             model.get_submodule(name).register_forward_hook(trap)
             self.traps[name] = trap
 
@@ -855,25 +795,11 @@ def _cache_check(model: nn.Module) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def weight_bytes(monkeypatch):
-    """The most device bytes the scopes' weights took together, seen as each load starts."""
-    seen = [0]
-    real = scope_module.Scope._start_load
-
-    def spy(scope):
-        real(scope)
-        seen[0] = max(seen[0], sum(s.device.storage.nbytes() for s in scope.engine.scopes))
-
-    monkeypatch.setattr(scope_module.Scope, "_start_load", spy)
-    return seen
-
-
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("fuzz_seed", [pytest.param(s, id=f"seed{s}") for s in SEEDS])
-def test_inference_fuzz(fuzz_seed, weight_bytes, one_thread):
+def test_inference_fuzz(fuzz_seed, most_device_bytes, one_thread):
     rng, cfg = _draw_config(fuzz_seed)
     torch.manual_seed(fuzz_seed)
     model = _build_model(cfg)
@@ -914,8 +840,8 @@ def test_inference_fuzz(fuzz_seed, weight_bytes, one_thread):
     budget = engine.policy.vram_budget
     cache = engine.policy.expert_cache or 0
 
-    side = _Side(model, _make_optimizer(cfg, model), cfg, True, packed)
-    ref_side = _Side(reference, _make_optimizer(cfg, reference), cfg, False, packed)
+    side = _Side(model, fuzz_optimizer(cfg, model), cfg, True, packed)
+    ref_side = _Side(reference, fuzz_optimizer(cfg, reference), cfg, False, packed)
     gen = torch.Generator().manual_seed(1000 + fuzz_seed)
     n_ops = rng.randint(10, 22)
     lingering = False
@@ -947,9 +873,10 @@ def test_inference_fuzz(fuzz_seed, weight_bytes, one_thread):
             _scope_check(model, wait=cfg["deep_check"], lingering=lingering)
             _cache_check(model)
             if op["kind"] == "no_offload":
-                weight_bytes[0] = 0  # no_offload keeps what loads resident, beyond the budget
+                most_device_bytes[0] = 0  # no_offload keeps what loads resident, beyond the budget
             if isinstance(budget, int):
-                assert weight_bytes[0] <= budget - cache, f"weights took {weight_bytes[0]} > {budget} - {cache}"
+                took = most_device_bytes[0]
+                assert took <= budget - cache, f"weights took {took} > {budget} - {cache}"
         offtensor.wait_for_steps()
         _compare_state(model, reference)
         _scope_check(model, wait=True, lingering=lingering)

@@ -226,6 +226,9 @@ def test_training_grads_equal_the_plain_models(implementation, experts_frozen, c
             torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
 
 
+BLOCK_BYTES = 35 * 1024  # a StackedExperts block's weights on the device (33.5 KiB), and a little more
+
+
 class SharedBlocks(torch.nn.Module):
     """Each block called twice in one forward (weight sharing, a looped model)."""
 
@@ -247,8 +250,7 @@ def test_a_block_called_twice_in_a_forward_gets_exact_expert_grads(budget_blocks
     torch.manual_seed(0)
     model = SharedBlocks()
     reference = copy.deepcopy(model)
-    block = 35 * 1024  # one block's weights on the device (33.5 KiB) and a little more
-    budget = None if budget_blocks is None else budget_blocks * block
+    budget = None if budget_blocks is None else budget_blocks * BLOCK_BYTES
     offtensor.wrap(model, lambda name, m: isinstance(m, StackedExperts), device="cpu",
                    policy=offtensor.Policy(vram_budget=budget, experts=lambda name, p: name.endswith("stacked")))
     for _ in range(4):  # the order is learned at the first pass
@@ -266,9 +268,9 @@ def test_a_backward_after_a_forward_in_eval_mode_that_carried_routed_scopes_is_e
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[StackedExperts() for _ in range(6)]).eval()
     reference = copy.deepcopy(model)
-    block = 35 * 1024
     offtensor.wrap(model, lambda name, m: isinstance(m, StackedExperts), device="cpu",
-                   policy=offtensor.Policy(vram_budget=4 * block, experts=lambda name, p: name.endswith("stacked")))
+                   policy=offtensor.Policy(vram_budget=4 * BLOCK_BYTES,
+                                           experts=lambda name, p: name.endswith("stacked")))
     x = torch.randn(4, 32)
     with torch.no_grad():  # learns the order
         model(x)
