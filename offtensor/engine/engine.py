@@ -426,3 +426,45 @@ class Engine:
             self.live.release_all()
         for callback in self.on_abort:
             callback()
+
+
+# Note [steady calls]
+# Most calls of a kept scope find nothing to decide: the scope RESIDENT and kept, no other call of
+# it running, the pass on its learned order with this scope next, no master written since its
+# copy, nothing held back for an optimizer step. Engine.pre_forward and post_forward handle such a
+# call through a dozen entry points that each ask again what the others asked, a cost per call
+# that a host-bound model pays at each of its blocks. So the hooks ask `kept_call_is_steady`
+# first, which only reads; if it holds, `start_kept_call` makes exactly the changes pre_forward
+# would make in that case (the call counted, the order stepped, the prefetch and the budget told),
+# and the call ends by `end_kept_call` if that finds the same at its end and it is not the
+# order's last scope (whose end prefetches for backward). Any other call takes the full
+# path, before anything changed. The hooks' side: ScopeHooks._steady_pre and _steady_end.
+
+
+def kept_call_is_steady(engine: Engine, scope: Scope) -> bool:
+    """A forward call of `scope` starting now, inside the model's forward on this thread and
+    outside backward, is steady (Note [steady calls]); reads only."""
+    return (engine.model_forward is ModelForward.IN_PASS and scope.state is ScopeState.RESIDENT
+            and scope.residency is Residency.KEPT and scope.calls.running == 0
+            and engine.streams.switched_from is None and not engine.live.holds_back
+            and engine.schedule.next_in_order(scope) and not scope.writes.written_since_copied())
+
+
+def start_kept_call(engine: Engine, scope: Scope, inputs: list[torch.Tensor]) -> None:
+    """What Engine.pre_forward does for a steady call (Note [steady calls]); its copies are current."""
+    scope.calls.started(in_pass=True)
+    engine.schedule.advance(scope, begins=False, outside_model=False, bounded=False)
+    engine.calls.count(scope, inputs)
+    engine._carried_fresh |= engine.schedule.prefetch_forward(scope, carry=engine._carries_ahead)
+    engine.budget.started(scope, "forward")
+
+
+def end_kept_call(engine: Engine, scope: Scope) -> bool:
+    """If the only call of `scope` running, which did not raise, can end steady (Note [steady
+    calls]): what Engine.post_forward does at its end, and True; else False, nothing changed."""
+    if not (scope.state is ScopeState.RESIDENT and scope.residency is Residency.KEPT and scope.calls.running == 1
+            and not scope.writes.in_call and not engine.schedule.is_last(scope)):
+        return False
+    scope.calls.ended()
+    engine.budget.ended(scope, "forward")
+    return True

@@ -35,7 +35,7 @@ class FailureCheck:
         `ours`: how many frames, the caller's first and then outwards, are surely offtensor's:
         the walk starts past them (Note [the module call's frame])."""
         frame = _outside_offtensor(sys._getframe(1 + ours))
-        interrupted = self.drop_interrupted(frame)
+        interrupted = self.drop_interrupted(frame) if self._calls else 0  # none recorded: none to drop
         self._calls.append((threading.get_ident(), frame, sys.exc_info()[1]))
         return interrupted
 
@@ -62,6 +62,11 @@ class FailureCheck:
         interrupted = len(self._calls) - len(live)
         self._calls = live
         return interrupted
+
+    @property
+    def none_recorded(self) -> bool:
+        """No call is recorded: none runs, and none an interrupt left is waiting to be dropped."""
+        return not self._calls
 
     def failed(self) -> bool:
         thread = threading.get_ident()

@@ -29,27 +29,29 @@ plain parameter's, whatever dtypes its scope mixes.
 
 from __future__ import annotations
 
-import itertools
-from collections import OrderedDict
+import sys
 from typing import Any
 
 import torch
-import torch.utils._pytree as _pytree
 from torch import nn
 
 from ..api import ScopeState
 from ..dispatch import compile as _compile
 from ..dispatch import wrapper_guards as _distributed
-from ..dispatch.device_copies import ExposedCopy, Exposure, mark_exposed, unmark_exposed
-from ..dispatch.ops import SCALAR_TYPES, resident_copies_ready
-from ..dispatch.slot import ParamSlot, in_backward
+from ..dispatch.device_copies import Exposure, unmark_exposed
+from ..dispatch.ops import resident_copies_ready
+from ..dispatch.slot import in_backward
 from ..scopes.experts import fill_all_experts
 from ..scopes.scope import Scope
 from ..scopes.write_tracking import versions_of
+from .call_args import call_tensors, on_grad
 from .call_checks import Home, check_distributed, check_inputs
-from .engine import Engine
+from .engine import Engine, end_kept_call, kept_call_is_steady, start_kept_call
+from .exposure import ExposurePlan
 from .failures import FailureCheck
 from .writes import DeviceVersions
+
+_graph_task = torch._C._current_graph_task_id  # -1 outside backward (in_backward, without its call)
 
 
 class ScopeHooks:
@@ -66,16 +68,16 @@ class ScopeHooks:
         self._homes = _homes(scope)
         self._exposed: list[Home] | None = None  # Note [torch.compile]
         self._versions: DeviceVersions = []  # of the exposed copies (Note [writes in compiled code])
-        # The slots, device copies and their versions of an eager call with them exposed
+        # The plan of an eager call with the copies exposed and their versions at its start
         # (Note [calls of a loaded scope])
-        self._loaded: tuple[list[ParamSlot], list[torch.Tensor], list[int]] | None = None
+        self._loaded: tuple[ExposurePlan, list[int]] | None = None
+        self._plan: ExposurePlan | None = None  # of the current load (Note [an exposure plan])
         self._compared = False  # a compiled call compared the copies with the masters
         self._places: list[Home] | None = None  # cache of _current_homes
         # The `.data` aliases of the exposed copies and their versions, while an eager call has
         # them exposed (Note [calls of a loaded scope]); shared with the copies
         self._exposure = Exposure()
-        self._attrs: list[Home] | None = None  # where they are exposed
-        self._attr_places: tuple[list[Home], list[Home]] | None = None  # cache of _attribute_homes
+        self._attrs: ExposurePlan | None = None  # while they are exposed
         self._in_pre_hook = False  # a forward pre-hook of the scope runs
 
     def install(self) -> None:
@@ -127,18 +129,14 @@ class ScopeHooks:
                 self._hide()  # an interrupted compiled call left its device copies exposed
             if self._attrs is not None:
                 self._unexpose_loaded()  # likewise an eager one
-        tensors = _tensors(args, kwargs)
+        tensors = call_tensors(args, kwargs)
         if not backward:
             if _distributed.active():
                 check_distributed(scope, engine, self._homes)
             check_inputs(scope, engine.device, tensors)
         current = engine.pre_forward(scope, tensors)
         if torch.is_grad_enabled():
-            inputs = [t for t in tensors if t.requires_grad]
-            if inputs:
-                done = _AllInputGrads(self, len(inputs))
-                for t in inputs:
-                    _on_grad(t, done)
+            _hook_inputs(self, tensors)
         return current
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -146,14 +144,8 @@ class ScopeHooks:
         if engine.thread.foreign():
             return  # refused by ThreadOwner.check: this call changed nothing
         failed = self.calls.failed()
-        outputs = [] if failed or not torch.is_grad_enabled() else [
-            t for t in _tensors(output) if t.requires_grad
-        ]
-        if outputs:
-            first = _FirstOutputGrad(self)
-            for t in outputs:
-                _on_grad(t, first)
-        engine.post_forward(self.scope, failed=failed, backward_expected=bool(outputs))
+        expected = not failed and torch.is_grad_enabled() and _hook_outputs(self, output)
+        engine.post_forward(self.scope, failed=failed, backward_expected=expected)
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         # Autograd runs a backward with grad mode set to its create_graph flag.
@@ -164,6 +156,8 @@ class ScopeHooks:
     def _eager_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The forward pre-hook run by eager code; the compiled path for a module whose own
         `forward` is compiled (Note [a compiled forward method] in dispatch/compile.py)."""
+        if self._steady_pre(args, kwargs):
+            return
         self._in_pre_hook = True
         try:
             if _compile.compiled_function(module.forward):
@@ -186,11 +180,47 @@ class ScopeHooks:
 
     def _eager_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self._exposure.aliases is not None:  # exposed by _expose_loaded
-            self._end_loaded_call(module, args, kwargs, output)
+            if not self._steady_end(output):
+                self._end_loaded_call(module, args, kwargs, output)
         elif self._exposed is not None:  # exposed by _eager_pre_forward or a compiled caller
             self.compiled_post_forward(module, args, kwargs, output)
         else:
             self._post_forward(module, args, kwargs, output)
+
+    def _steady_pre(self, args: tuple, kwargs: dict) -> bool:
+        """The pre-hook of a steady call (Note [steady calls] in engine/engine.py), if this is
+        one: what _eager_pre_forward would do, and True; else False, nothing changed."""
+        scope, engine = self.scope, self.engine
+        if (self._attrs is not None or self._exposed is not None or self._exposure.aliases is not None
+                or scope.routed or scope.compute_dtype_differs or not self.calls.none_recorded
+                or not engine.thread.owned_here() or _graph_task() != -1 or _compile.tracing()
+                or torch._C._functorch.peek_interpreter_stack() is not None or _distributed.active()
+                or not kept_call_is_steady(engine, scope)):
+            return False
+        self.calls.enter(ours=3)  # this frame, _eager_pre_forward's, Hook's: nothing to drop
+        tensors = call_tensors(args, kwargs)
+        check_inputs(scope, engine.device, tensors)
+        start_kept_call(engine, scope, tensors)
+        if torch.is_grad_enabled():
+            _hook_inputs(self, tensors)
+        if resident_copies_ready(scope, versions_read=True):
+            self._expose_plan()
+        return True
+
+    def _steady_end(self, output: Any) -> bool:
+        """The forward hook of an exposed call that can end steady: what _end_loaded_call would
+        do, and True; else False, nothing changed (Note [steady calls] in engine/engine.py)."""
+        engine, loaded = self.engine, self._loaded
+        if (loaded is None or self._exposure.aliases or sys.exc_info()[1] is not None
+                or not engine.thread.owned_here() or _graph_task() != -1 or versions_of(loaded[0].leaves) != loaded[1]
+                or not end_kept_call(engine, self.scope)):
+            return False  # .data aliases taken, an exception, a copy written: the full path
+        self._unexpose_loaded()
+        self._loaded = None
+        self.calls.failed()  # this call's record; no exception is being handled
+        if torch.is_grad_enabled():
+            _hook_outputs(self, output)
+        return True
 
     # ---- eager calls of a loaded scope (Note [calls of a loaded scope]) -------------------------
 
@@ -203,32 +233,27 @@ class ScopeHooks:
         if (scope.compute_dtype_differs or self.engine.thread.foreign() or _compile.tracing()
                 or torch._C._functorch.peek_interpreter_stack() is not None):
             return
-        if not resident_copies_ready(scope, versions_read=current):
-            return
-        slots = [slot for slot in scope.slots if slot.experts is None] if scope.routed else scope.slots
-        leaves = [slot.device_leaf for slot in slots]
-        self._loaded = (slots, leaves, versions_of(leaves))
-        attrs = self._attribute_homes()
-        exposure = self._exposure
-        # Recorded before the first attribute is set: an interrupt in the loop leaves what
+        if resident_copies_ready(scope, versions_read=current):
+            self._expose_plan()
+
+    def _expose_plan(self) -> None:
+        scope, plan = self.scope, self._plan
+        if plan is None or not plan.fits(scope):
+            self._plan = plan = ExposurePlan(scope, self._current_homes(), self._exposure)
+        self._loaded = (plan, versions_of(plan.leaves))
+        # Recorded before the attributes are set: an interrupt between the two leaves what
         # _unexpose_loaded takes back at the next call (Note [interrupts]).
-        exposure.aliases, self._attrs = [], attrs
-        for namespace, key, slot in attrs:
-            leaf = slot.device_leaf
-            # Marked once per copy (Note [copies of an exposed call] in dispatch/device_copies.py)
-            if type(leaf) is not ExposedCopy or leaf.__dict__.get("_ot_exposure") is not exposure:
-                mark_exposed(leaf, exposure, slot.param)
-            namespace[key] = leaf
+        self._exposure.aliases, self._attrs = [], plan
+        plan.expose()
         scope.exposed = True
 
     def _unexpose_loaded(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """Take the device copies back out of the modules' attributes; the `.data` aliases
         noted while they were there."""
-        attrs, aliases = self._attrs, self._exposure.aliases
+        plan, aliases = self._attrs, self._exposure.aliases
         self.scope.exposed = False  # first: writes through the parameters reach the masters again
-        for namespace, key, slot in attrs or ():
-            if namespace.get(key) is slot.device_leaf:
-                del namespace[key]
+        if plan is not None:
+            plan.take_back()
         # Forgotten once every attribute is back: an interrupt in the loop leaves them recorded.
         self._attrs, self._exposure.aliases = None, None
         return aliases or []
@@ -241,25 +266,16 @@ class ScopeHooks:
             loaded, self._loaded = self._loaded, None
             assert loaded is not None
             aliased = {id(leaf) for leaf, alias, v in aliases if alias._version != v} if aliases else set()
-            slots, leaves, versions = loaded
+            plan, versions = loaded
             try:
-                if aliased or versions_of(leaves) != versions:  # one read per scope (Note [one version read per scope])
-                    self.engine.writes.exposed_call_ended(self.scope, list(zip(slots, leaves, versions, strict=True)),
-                                                          aliased=aliased)
+                # One read per scope (Note [one version read per scope])
+                if aliased or versions_of(plan.leaves) != versions:
+                    self.engine.writes.exposed_call_ended(
+                        self.scope, list(zip(plan.slots, plan.leaves, versions, strict=True)), aliased=aliased)
             except RuntimeError:
                 self._post_forward(module, args, kwargs, output)  # sees the error: a failed call
                 raise
         self._post_forward(module, args, kwargs, output)
-
-    def _attribute_homes(self) -> list[Home]:
-        """(module.__dict__, name, slot) for each place a parameter of the scope is registered:
-        an instance attribute there is found before nn.Module.__getattr__ reaches _parameters."""
-        places = self._current_homes()
-        if self._attr_places is None or self._attr_places[0] is not places:
-            names = {id(m._parameters): m.__dict__ for m in self.scope.module.modules()}
-            self._attr_places = (places, [(names[id(params)], key, slot) for params, key, slot in places
-                                          if slot.experts is None])  # routed experts: per op
-        return self._attr_places[1]
 
     def compiled_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The forward pre-hook when compiled code calls the module: the eager hook, then the
@@ -302,6 +318,7 @@ class ScopeHooks:
             scope.set_copy_order(list(scope.slots))
         if self._exposed is not None:
             return  # a nested call of the same scope
+        self._plan = None  # its copies become nn.Parameters: marked again for an eager call
         self._exposed = places = self._current_homes()
         for params, key, slot in places:
             leaf = slot.use_device_copy()
@@ -501,6 +518,26 @@ class _InertHook:
         return None
 
 
+def _hook_inputs(hooks: ScopeHooks, tensors: list[torch.Tensor]) -> None:
+    """The last gradient to reach an input of the call that requires grad ends the scope's backward."""
+    inputs = [t for t in tensors if t.requires_grad]
+    if inputs:
+        done = _AllInputGrads(hooks, len(inputs))
+        for t in inputs:
+            on_grad(t, done)
+
+
+def _hook_outputs(hooks: ScopeHooks, output: Any) -> bool:
+    """The first gradient to reach an output of the call starts the scope's backward; True if
+    one requires grad (a backward is expected)."""
+    outputs = [t for t in call_tensors(output) if t.requires_grad]
+    if outputs:
+        first = _FirstOutputGrad(hooks)
+        for t in outputs:
+            on_grad(t, first)
+    return bool(outputs)
+
+
 def _forget_calls(scope: Scope, n: int) -> None:
     """`n` calls of the scope never ended: a KeyboardInterrupt (or SystemExit) left them, which
     runs no hook (FailureCheck). Forget them; the device copy they kept resident is released
@@ -519,57 +556,3 @@ def _homes(scope: Scope) -> list[Home]:
     ours = {id(slot.param): slot for slot in scope.slots}
     return [(m._parameters, k, ours[id(p)]) for m in scope.module.modules()
             for k, p in m._parameters.items() if p is not None and id(p) in ours]
-
-
-# Note [hooks on a call's inputs and outputs]
-# Each call of a scope hooks every input and output that requires grad (Note [backward
-# triggers]), and never removes those hooks: they go with the tensors. `Tensor.register_hook`
-# makes a RemovableHandle for each, most of its cost; so for a plain tensor `_on_grad` does what
-# it does without the handle: the tensor's hook dict, registered with its
-# grad_fn when first made, and the hook under a key of its own, negative so that no handle's id
-# (counting up from 0) can meet it. A tensor subclass keeps `register_hook` (its
-# `__torch_function__` may have its own say).
-_HOOK_KEYS = itertools.count(-1, -1)
-
-
-def _on_grad(t: torch.Tensor, hook: Any) -> None:
-    """`t.register_hook(hook)` for good (Note [hooks on a call's inputs and outputs])."""
-    if type(t) is not torch.Tensor:
-        t.register_hook(hook)
-        return
-    hooks = t._backward_hooks
-    if hooks is None:
-        t._backward_hooks = hooks = OrderedDict()
-        grad_fn = t.grad_fn
-        if grad_fn is not None:
-            grad_fn._register_hook_dict(t)
-    hooks[next(_HOOK_KEYS)] = hook
-
-
-def _tensors(*trees: Any) -> list[torch.Tensor]:
-    """The tensors in `trees`, as pytree finds them: a module's inputs or outputs. Tuples,
-    lists and dicts are walked here (a decoder layer's kwargs: a few dozen objects at each call,
-    where tree_flatten costs ~20 us); other containers pytree knows (ModelOutput) by pytree."""
-    found: list[torch.Tensor] = []
-    _collect(trees, found)
-    return found
-
-
-def _collect(tree: Any, found: list[torch.Tensor]) -> None:
-    kind = type(tree)
-    if kind is tuple or kind is list or kind is dict:
-        for x in (tree.values() if kind is dict else tree):
-            # Plain tensors and flags without a call each: a decoder layer's arguments, at each call
-            sort = type(x)
-            if sort is torch.Tensor:
-                found.append(x)
-            elif sort not in SCALAR_TYPES:
-                _collect(x, found)
-    elif isinstance(tree, torch.Tensor):
-        found.append(tree)
-    elif isinstance(tree, tuple):  # a namedtuple, torch.return_types: pytree takes their fields
-        for x in tree:
-            _collect(x, found)
-    elif kind in _pytree.SUPPORTED_NODES:
-        leaves, _ = _pytree.tree_flatten(tree)
-        found.extend(t for t in leaves if isinstance(t, torch.Tensor))

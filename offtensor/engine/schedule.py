@@ -212,8 +212,7 @@ class Schedule:
         return carried
 
     def _past_kept(self) -> int:
-        """The position in the learned order past the kept, loaded scopes that the current pass
-        starts next (Note [kept runs])."""
+        """Where the current pass goes past the kept, loaded scopes next (Note [kept runs])."""
         order, start = self.order, self.pos
         run_start, run_end, order_seen, scopes_seen = self._kept_run
         if run_start <= start <= run_end and order_seen == self._order_changes and scopes_seen == Scope.kept_changes:
@@ -241,6 +240,10 @@ class Schedule:
     def forward_position(self, scope: Scope) -> int:
         """Where the scope comes in the learned forward order (after all others if unknown)."""
         return self._index.get(scope, len(self.order))
+
+    def next_in_order(self, scope: Scope) -> bool:
+        """The pass follows the learned order, `scope` next: its forward only steps along (`advance`)."""
+        return self.learned and not self._extended and self.pos < len(self.order) and self.order[self.pos] is scope
 
     def is_last(self, scope: Scope) -> bool:
         """The scope ends the learned forward order, and the current pass is there."""

@@ -35,6 +35,10 @@ class ThreadOwner:
             )
         self._thread = thread
 
+    def owned_here(self) -> bool:
+        """The caller's thread ran the model's latest forward (`check` would return at once)."""
+        return self._thread == threading.get_ident()
+
     def run_by_another(self) -> bool:
         """The model's latest forward ran on another thread than the caller's, which owns what
         it left on the device (Note [no_offload in several threads] in model/controls.py)."""

@@ -35,6 +35,7 @@ class DeviceBuffer:
         # A create_graph backward used the device copies: its graph may read them later, so
         # the release retires the storage instead of freeing it (Note [higher-order gradients]).
         self.graph_saved = False
+        self.copies_made = 1  # sets of device copies made: at wrap, then at each `_retire`
 
     @property
     def storage(self) -> torch.UntypedStorage:
@@ -73,3 +74,4 @@ class DeviceBuffer:
         flat.untyped_storage().resize_(0)
         self.flat = flat
         self.graph_saved = False
+        self.copies_made += 1

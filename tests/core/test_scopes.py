@@ -316,7 +316,7 @@ def test_a_tensor_passed_twice_to_a_scope_ends_its_backward_once_its_gradient_is
 
 
 def test_hooks_on_a_calls_tensors_run_once_per_place_beside_the_users():
-    from offtensor.engine.hooks import _on_grad
+    from offtensor.engine.call_args import on_grad as _on_grad
 
     calls: list[str] = []
     for leaf in (True, False):  # a leaf, then a tensor with a grad_fn
