@@ -16,7 +16,7 @@ import torch
 
 from . import compile as _compile
 from .masters import MASTER_ONLY
-from .slot import SlotScope, exposed_copy, on_optimizer_worker, worker_state
+from .slot import HOLDS, SlotScope, exposed_copy, on_optimizer_worker, worker_state
 from .writes import is_inplace, written
 
 # Note [ops in a resident scope]
@@ -86,9 +86,12 @@ def resident_copies_ready(scope: SlotScope, *, versions_read: bool = False) -> b
     slots = scope.slots
     if scope.calls.running <= 0 or scope.copy_order is None:
         return False
-    for slot in slots:  # a loop over plain fields: asked per parameter and call
-        if slot.pending_step is not None or slot.stepped_elsewhere is not None:
-            return False
+    holds = HOLDS[0]
+    if scope.holds_seen != holds:  # Note [masters held from ops] (dispatch/slot.py)
+        for slot in slots:  # a loop over plain fields: asked per parameter
+            if slot.pending_step is not None or slot.stepped_elsewhere is not None:
+                return False
+        scope.holds_seen = holds
     if not scope.writes.copies_current(len(slots), versions_read=versions_read):
         return False
     changes = REQUIRES_GRAD_CHANGES[0]

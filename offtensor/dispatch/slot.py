@@ -139,6 +139,7 @@ class SlotScope(Protocol):
     slots: list[ParamSlot]
     grads_offloaded: Any  # event on the d2h stream after this backward's gradients
     requires_grad_seen: int  # REQUIRES_GRAD_CHANGES when its copies' flags were last matched
+    holds_seen: int  # HOLDS when none of its masters was found held (Note [masters held from ops])
     # Its device copies stand in for its parameters in an eager call now (Note [calls of a loaded
     # scope] in engine/hooks.py): the parameter's value is its copy's (exposed_copy).
     exposed: bool
@@ -262,6 +263,21 @@ def weakly(method: Any, *bound: Any) -> Any:
 
 def alive(refs: list[weakref.ref]) -> list[weakref.ref]:
     return [r for r in refs if r() is not None]
+
+
+# Note [masters held from ops]
+# A master that a deferred optimizer step may still write (`pending_step`) or that another rank
+# steps (`stepped_elsewhere`) is not read by an op's short path; a kept scope's call asks that of
+# each of its parameters (ops.resident_copies_ready). `HOLDS[0]` counts the times either was set
+# to a value, counted before the first is set (an interrupt between them leaves only an extra
+# look): a scope that found none set at one count need not look again until the count moves
+# (`SlotScope.holds_seen`). Clearing one never makes that answer wrong.
+HOLDS = [0]
+
+
+def holding_masters() -> None:
+    """Some slots' `pending_step` or `stepped_elsewhere` are about to be set (Note [masters held from ops])."""
+    HOLDS[0] += 1
 
 
 def in_backward() -> bool:

@@ -57,7 +57,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..dispatch.param import OffloadedParameter
-from ..dispatch.slot import ParamSlot, in_backward, on_optimizer_worker, weakly
+from ..dispatch.slot import ParamSlot, holding_masters, in_backward, on_optimizer_worker, weakly
 from ..engine.engine import Engine, owning_engine
 from ..optim.overlap import wait_for_steps
 from ..storage import shm as _shm
@@ -244,6 +244,7 @@ class Sharding:
                 "offtensor.data_parallel(model, shard_optimizer=True)"
             )
         if self.state is not MastersState.MAY_CHANGE:
+            holding_masters()
             for other, other_owner in self.owner.items():
                 if other_owner != self.rank:
                     other.stepped_elsewhere = self  # until the fence (refuse_read)

@@ -7,7 +7,7 @@ import enum
 import threading
 from typing import Any
 
-from ..dispatch.slot import ParamSlot, StepFence
+from ..dispatch.slot import ParamSlot, StepFence, holding_masters
 from .device_steps import DeviceStep, DeviceSteps
 from .pieces import Piece
 
@@ -53,6 +53,7 @@ class PieceQueue:
         # Queued before marked pending: the worker clears the marks of what it was given, so an
         # interrupt between the two leaves no mark that nothing would clear.
         self._pieces.append(piece)
+        holding_masters()
         for slot in piece.slots:
             slot.pending_step = fence  # Note [deferred step fences] in dispatch/slot.py
 

@@ -188,6 +188,7 @@ class Scope:
         self.policy = policy
         self.engine = engine
         self.requires_grad_seen = -1  # Note [requires_grad changes] (dispatch/ops.py)
+        self.holds_seen = -1  # Note [masters held from ops] (dispatch/slot.py)
         self.exposed = False  # its copies stand in for its parameters in a call (engine/hooks.py)
         self.hooks: CallHooks | None = None  # set by the engine's hooks (install, remove)
         self.streams: Streams = engine.streams
