@@ -430,8 +430,9 @@ class Engine:
 
 # Note [steady calls]
 # Most calls of a kept scope find nothing to decide: the scope RESIDENT and kept, no other call of
-# it running, the pass on its learned order with this scope next, no master written since its
-# copy, nothing held back for an optimizer step. Engine.pre_forward and post_forward handle such a
+# it running, the pass on its learned order with this scope next (or, as the model's forward
+# starts, at the order's head: a new pass), no master written since its copy, nothing held back
+# for an optimizer step. Engine.pre_forward and post_forward handle such a
 # call through a dozen entry points that each ask again what the others asked, a cost per call
 # that a host-bound model pays at each of its blocks. So the hooks ask `kept_call_is_steady`
 # first, which only reads; if it holds, `start_kept_call` makes exactly the changes pre_forward
@@ -444,16 +445,23 @@ class Engine:
 def kept_call_is_steady(engine: Engine, scope: Scope) -> bool:
     """A forward call of `scope` starting now, inside the model's forward on this thread and
     outside backward, is steady (Note [steady calls]); reads only."""
-    return (engine.model_forward is ModelForward.IN_PASS and scope.state is ScopeState.RESIDENT
-            and scope.residency is Residency.KEPT and scope.calls.running == 0
+    forward, schedule = engine.model_forward, engine.schedule
+    return (scope.state is ScopeState.RESIDENT and scope.residency is Residency.KEPT and scope.calls.running == 0
             and engine.streams.switched_from is None and not engine.live.holds_back
-            and engine.schedule.next_in_order(scope) and not scope.writes.written_since_copied())
+            and (schedule.next_in_order(scope) if forward is ModelForward.IN_PASS
+                 else forward is ModelForward.STARTING and bool(schedule.order) and schedule.order[0] is scope)
+            and not scope.writes.written_since_copied())
 
 
 def start_kept_call(engine: Engine, scope: Scope, inputs: list[torch.Tensor]) -> None:
     """What Engine.pre_forward does for a steady call (Note [steady calls]); its copies are current."""
-    scope.calls.started(in_pass=True)
-    engine.schedule.advance(scope, begins=False, outside_model=False, bounded=False)
+    if engine.model_forward is ModelForward.STARTING:  # the pass starts here, at the order's head
+        scope.calls.started()
+        engine._advance(scope)
+        scope.calls.counted_in_pass()
+    else:
+        scope.calls.started(in_pass=True)
+        engine.schedule.advance(scope, begins=False, outside_model=False, bounded=False)
     engine.calls.count(scope, inputs)
     engine._carried_fresh |= engine.schedule.prefetch_forward(scope, carry=engine._carries_ahead)
     engine.budget.started(scope, "forward")
