@@ -156,7 +156,7 @@ class ScopeHooks:
     def _eager_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The forward pre-hook run by eager code; the compiled path for a module whose own
         `forward` is compiled (Note [a compiled forward method] in dispatch/compile.py)."""
-        if self._steady_pre(args, kwargs):
+        if self._steady_pre(module, args, kwargs):
             return
         self._in_pre_hook = True
         try:
@@ -187,7 +187,7 @@ class ScopeHooks:
         else:
             self._post_forward(module, args, kwargs, output)
 
-    def _steady_pre(self, args: tuple, kwargs: dict) -> bool:
+    def _steady_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
         """The pre-hook of a steady call (Note [steady calls] in engine/engine.py), if this is
         one: what _eager_pre_forward would do, and True; else False, nothing changed."""
         scope, engine = self.scope, self.engine
@@ -195,7 +195,7 @@ class ScopeHooks:
                 or scope.routed or scope.compute_dtype_differs or not self.calls.none_recorded
                 or not engine.thread.owned_here() or _graph_task() != -1 or _compile.tracing()
                 or torch._C._functorch.peek_interpreter_stack() is not None or _distributed.active()
-                or not kept_call_is_steady(engine, scope)):
+                or _compile.compiled_function(module.forward) or not kept_call_is_steady(engine, scope)):
             return False
         self.calls.enter(ours=3)  # this frame, _eager_pre_forward's, Hook's: nothing to drop
         tensors = call_tensors(args, kwargs)

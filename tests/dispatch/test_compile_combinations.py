@@ -453,6 +453,27 @@ def test_compiled_forward_methods_of_blocks_are_one_graph_each_and_train_exactly
     assert not any(t.untyped_storage().data_ptr() in masters for t in params)
 
 
+@pytest.mark.parametrize("device", devices)
+def test_compiled_forward_methods_of_kept_blocks_see_their_copies_as_parameters(device):
+    """The same with every block kept (Policy(vram_budget=...)): a kept scope's calls would take
+    the steady path (Note [steady calls] in engine/engine.py), which exposes the copies as an
+    eager call does; a compiled forward method keeps the compiled path (nn.Parameters in
+    `_parameters`), one graph for the blocks, training exactly, nothing left in the modules."""
+    model = mlp_of_blocks(n_blocks=3)
+    reference = reference_then_offload(model, device, policy=offtensor.Policy(vram_budget=1 << 30))
+    recorder = GraphRecorder()
+    for m, backend in ((model, recorder), (reference, "aot_eager")):
+        for block in m.blocks:
+            block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
+    train_both(model, reference, mlp_batches(device, 4), mse, tolerances(device, "aot_eager"))
+    assert len(recorder.graphs) == 1
+    for graph in recorder.graphs:
+        params = [t for t in graph[1] if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
+        assert [type(t) for t in params] == [nn.Parameter] * 6
+    for block in model.blocks:  # nothing of a call left in the modules' dicts
+        assert not any(isinstance(v, torch.Tensor) for m in block.modules() for v in vars(m).values())
+
+
 @pytest.mark.full_tier  # compiling costs seconds each: the full tier (CI, GPU check) runs it
 @pytest.mark.parametrize("device", devices)
 def test_dynamic_shapes_with_changing_batch_sizes_match_compiled_model(device):
