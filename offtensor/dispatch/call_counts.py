@@ -33,11 +33,8 @@ class CallCounts:
         self.grad_this_pass = 0  # of those, the ones in the current pass
         self._forgotten = 0  # running calls forgotten by `forget_running` that have not ended
 
-    def started(self, *, in_pass: bool = False) -> None:
-        """A call starts; `in_pass`: one of the forward pass (`counted_in_pass`)."""
+    def started(self) -> None:
         self.running += 1
-        if in_pass:
-            self.this_pass += 1
 
     def counted_in_pass(self) -> None:
         """The call that started is one of the forward pass (not a recompute in backward)."""

@@ -455,13 +455,12 @@ def kept_call_is_steady(engine: Engine, scope: Scope) -> bool:
 
 def start_kept_call(engine: Engine, scope: Scope, inputs: list[torch.Tensor]) -> None:
     """What Engine.pre_forward does for a steady call (Note [steady calls]); its copies are current."""
+    scope.calls.started()
     if engine.model_forward is ModelForward.STARTING:  # the pass starts here, at the order's head
-        scope.calls.started()
         engine._advance(scope)
-        scope.calls.counted_in_pass()
     else:
-        scope.calls.started(in_pass=True)
         engine.schedule.advance(scope, begins=False, outside_model=False, bounded=False)
+    scope.calls.counted_in_pass()  # after a new pass's start, which counts the pass afresh
     engine.calls.count(scope, inputs)
     engine._carried_fresh |= engine.schedule.prefetch_forward(scope, carry=engine._carries_ahead)
     engine.budget.started(scope, "forward")

@@ -1,4 +1,4 @@
-"""Where a scope's device copies go for an eager call of it, worked out once per load:
+"""Where a scope's device copies go for an eager call of it, worked out once per set of copies:
 `ExposurePlan` (Note [an exposure plan])."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from .call_checks import Home
 # a parameter registered anew: so a plan holds, for one set of copies, the modules' dicts, the
 # names and the copies as parallel tuples, each copy marked once as the plan is made, and the
 # calls act on them through `map` (C loops). A module no longer under the scope's (replaced by
-# PEFT's merge, say) is left out: no call of the scope reaches it. At each call the registrations are checked
-# first (a parameter replaced since: the plan is made again); at its end, every copy still in
-# its place is taken out at once, and anything else (a module attribute set or deleted in the
-# call) by the one-at-a-time path, which leaves what it did not put there.
+# PEFT's merge, say) is left out: no call of the scope reaches it. At each call the
+# registrations are checked first (a parameter replaced since: the plan is made again); at its
+# end, every copy still in its place is taken out at once, and anything else (a module attribute
+# set or deleted in the call) by the one-at-a-time path, which leaves what it did not put there.
 
 _is, _get, _set, _delete = operator.is_, dict.get, operator.setitem, operator.delitem
 

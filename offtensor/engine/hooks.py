@@ -71,7 +71,7 @@ class ScopeHooks:
         # The plan of an eager call with the copies exposed and their versions at its start
         # (Note [calls of a loaded scope])
         self._loaded: tuple[ExposurePlan, list[int]] | None = None
-        self._plan: ExposurePlan | None = None  # of the current load (Note [an exposure plan])
+        self._plan: ExposurePlan | None = None  # of the current device copies (Note [an exposure plan])
         self._compared = False  # a compiled call compared the copies with the masters
         self._places: list[Home] | None = None  # cache of _current_homes
         # The `.data` aliases of the exposed copies and their versions, while an eager call has
