@@ -153,6 +153,35 @@ def hook_registrar(table: str, plain: Any) -> Any:
     return register
 
 
+# Note [gradient hooks registered before wrap]
+# Hooks a parameter had when it was wrapped (a framework that registers them at setup, an
+# optimizer-in-backward's post-accumulate-grad hooks) sit on the master, whose AccumulateGrad
+# never runs once it is offloaded: left there, they would never fire, and the gradients they
+# change would silently differ from the plain model's. So wrap moves them to the slot
+# (`take_tensor_hooks`), keeping each table's dict itself: the RemovableHandles the user holds
+# refer to it, and remove from it as before. The `register_hook` dict is detached from the
+# master (setting `_backward_hooks` to None clears its hooks in C); the post-accumulate-grad dict
+# stays registered there too, inert while the master is offloaded. Unwrap puts both back on the
+# parameter (`give_back_tensor_hooks`), with the hooks registered while it was wrapped.
+
+
+def take_tensor_hooks(p: torch.Tensor) -> tuple[Any, Any]:
+    """The `register_hook` and post-accumulate-grad hook dicts of a plain parameter about to be
+    offloaded, taken off it (Note [gradient hooks registered before wrap])."""
+    grad_hooks, post_hooks = p._backward_hooks, p._post_accumulate_grad_hooks
+    if grad_hooks is not None:
+        p._backward_hooks = None  # type: ignore[assignment]
+    return grad_hooks, post_hooks
+
+
+def give_back_tensor_hooks(p: torch.Tensor, slot: ParamSlot) -> None:
+    """The slot's hooks onto its parameter, made plain again by unwrap (subclass dispatch off)."""
+    if slot.grad_hooks:
+        p._backward_hooks = slot.grad_hooks  # type: ignore[assignment]
+    if slot.post_hooks:
+        p._post_accumulate_grad_hooks = slot.post_hooks  # type: ignore[assignment]
+
+
 REGISTRARS = {
     torch.Tensor.register_post_accumulate_grad_hook: hook_registrar(
         "post_hooks", torch.Tensor.register_post_accumulate_grad_hook

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..api import Policy
 from ..budget.shared import SharedBudget
+from ..dispatch.autograd import give_back_tensor_hooks, take_tensor_hooks
 from ..dispatch.device_copies import device_copy
 from ..dispatch.function_apply import intercept_function_apply
 from ..dispatch.masters import master_values, without_subclass_dispatch
@@ -285,6 +286,7 @@ def _restore_params(scope: Scope) -> None:
         del p._ot  # type: ignore[attr-defined]
         p.__class__ = nn.Parameter  # type: ignore[assignment]
         p.data = data
+        give_back_tensor_hooks(p, slot)
         if grad is not None:
             p.grad = grad.clone()
 
@@ -337,6 +339,7 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
         del value  # a weight read from a checkpoint goes now (Note [loading scope by scope])
         grad = p.grad
         p.grad = None
+        grad_hooks, post_hooks = take_tensor_hooks(p)  # Note [gradient hooks registered before wrap]
         leaf, view = device_copy(scope.device.flat, dev_offset, dt, p.shape, p.requires_grad)
         if p.is_meta:  # offtensor.load: `p.data =` cannot change a meta tensor's device
             torch.utils.swap_tensors(p, nn.Parameter(host, requires_grad=p.requires_grad))
@@ -347,6 +350,8 @@ def _offload_params(scope: Scope, params: list[tuple[str, nn.Parameter]], device
         slot = ParamSlot(param=offloaded, name=qual, scope=scope, offset=offset,
                          device_offset=dev_offset, device_leaf=leaf, device_view=view, master=host,
                          packed=packed)
+        slot.grad_hooks = grad_hooks if grad_hooks is not None else slot.grad_hooks
+        slot.post_hooks = post_hooks if post_hooks is not None else slot.post_hooks
         offloaded._ot = slot
         slot.hook_device_leaf()
         if grad is not None:

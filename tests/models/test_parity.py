@@ -351,3 +351,46 @@ def test_forward_after_optimizer_step_uses_updated_weights(device):
     torch.testing.assert_close(before, expected_before, **tolerances(device))
     torch.testing.assert_close(after, expected_after, **tolerances(device))
     assert all(isinstance(p, offtensor.OffloadedParameter) for _, p in offloaded_parameters(model))
+
+
+@pytest.mark.parametrize("device", devices)
+def test_gradient_hooks_registered_before_wrap_fire_and_come_back_at_unwrap(device):
+    """Note [gradient hooks registered before wrap] in dispatch/autograd.py: hooks on a parameter
+    before wrap run as on the plain model, their handles still remove them, and unwrap gives
+    back every hook the parameter has."""
+
+    def hook(m: nn.Module, seen: list[str]) -> list:
+        params = dict(m.named_parameters())
+        fc1, fc2 = params["blocks.0.fc1.weight"], params["blocks.1.fc1.weight"]
+        return [fc1.register_hook(lambda g: g * 3.0),
+                fc2.register_post_accumulate_grad_hook(lambda p: seen.append("post fc2")),
+                fc1.register_post_accumulate_grad_hook(lambda p: seen.append("post fc1"))]
+
+    model = mlp_of_blocks()
+    reference = unwrapped_reference(model, device)
+    seen: tuple[list[str], list[str]] = ([], [])
+    handles = [hook(model, seen[0]), hook(reference, seen[1])]
+    offload(model, device)
+    assert isinstance(dict(model.named_parameters())["blocks.0.fc1.weight"], offtensor.OffloadedParameter)
+
+    def backward_both(step: int) -> None:
+        x, y = make_batches(1, device)[0]
+        for m, s in zip((model, reference), seen, strict=True):
+            m.zero_grad()
+            s.clear()
+            loss_fn(m, x, y).backward()
+        assert sorted(seen[0]) == sorted(seen[1])
+        assert_grads_match(model, reference, **tolerances(device))
+
+    backward_both(0)
+    assert seen[0]
+    for hs in handles:  # removed through the handles taken before wrap
+        hs[1].remove()
+    backward_both(1)
+    assert seen[0] == ["post fc1"]
+    offtensor.unwrap(model)
+    backward_both(2)  # the `register_hook` hook and fc1's post hook are back on the plain parameters
+    assert seen[0] == ["post fc1"]
+    for hs in handles:
+        hs[0].remove()
+    backward_both(3)
