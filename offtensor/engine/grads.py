@@ -72,19 +72,6 @@ existing `.grad` writes it in place either way.) A parameter with several leaves
 had only some of its contributions added; autograd would leave none: a partial gradient is
 what accumulation into `.grad` gives as well. Held sums (hooked, several leaves) are dropped:
 their hooks run at the task's end, which never came.
-
-# Note [sparse gradients]
-`nn.Embedding(sparse=True)` and `nn.EmbeddingBag(sparse=True)` give a sparse COO gradient, and
-a plain parameter's `p.grad` is then sparse (SparseAdam requires it; SGD and Adagrad step only
-its rows). A pinned dense buffer cannot hold one (`copy_` from sparse to dense is not
-implemented; densifying would change what optimizers do), so such a gradient, or any gradient
-added to a sparse `p.grad`, takes another path (`_accumulate_sparse`): it is copied to the host
-(a blocking copy: its number of entries is known only once computed) and summed there with the
-host `p.grad` the way autograd's AccumulateGrad does: kept as it is when there is none, added in
-place to a dense or sparse `p.grad`, and a dense gradient added to a sparse `p.grad` makes a new
-dense one. The result becomes `p.grad` at the end of backward as on the dense path. The old
-gradient is never fetched to the device for it (`OldGrads.to_fetch` skips sparse ones).
-Not supported with `data_parallel` (raises): sparse gradients are not averaged.
 """
 
 from __future__ import annotations
@@ -99,11 +86,11 @@ from torch.autograd import Variable
 
 from ..dispatch import compile as _compile
 from ..dispatch.autograd import run_grad_hooks
-from ..dispatch.masters import master_grad, without_subclass_dispatch
 from ..dispatch.slot import ParamSlot
 from ..scopes.scope import Scope
 from ..scopes.streams import Streams
-from .host_grads import CopiesHome, destination, publish, set_grads
+from .host_grads import CopiesHome, destination, publish
+from .rare_grads import accumulate_sparse, graph_grad_error, handed_twice_error, send_to_owner
 
 # Note [one gradient's host work]
 # The gradient path runs once per parameter and backward, so its Python cost grows with the
@@ -152,6 +139,7 @@ from .host_grads import CopiesHome, destination, publish, set_grads
 _disabled: Any = torch._C._disabled_torch_function_impl  # (fn, types, args), typed loosely
 _GRAD_OF = torch._C.TensorBase.grad.__get__  # type: ignore[union-attr]
 _REQUIRES_GRAD_OF = torch._C.TensorBase.requires_grad.__get__  # type: ignore[attr-defined]
+_STRIDED = torch.strided
 
 
 class Stepper(Protocol):
@@ -267,7 +255,7 @@ class GradOffload:
         if grad is None:
             return
         if grad.requires_grad:
-            raise _graph_grad_error(slot)
+            raise graph_grad_error(slot)
         if self.stepper is not None or slot.grad_hooks:
             self.accumulate(slot, grad)
             return
@@ -288,7 +276,7 @@ class GradOffload:
         if self.stepper is not None and self.stepper.handed(slot):
             if not slot.single_grad:  # handed at its scope's end: calls were miscounted, maybe in other scopes too
                 self.late_gradients = True
-            raise _handed_twice_error(slot)
+            raise handed_twice_error(slot)
         if slot.grad_hooks:
             if slot.used_outside or slot.retired:  # several leaves: Note [hooks on the sum]
                 self._hold(slot, grad)
@@ -364,6 +352,10 @@ class GradOffload:
         look, as their hook once did (Note [gradients on arrival])."""
         if _compiler._is_compiling_flag or _compile.eval_frame_callback() is not None:
             return _compile.run_outside_dynamo(self.take_arrived, (slots,))
+        if self.stepper is None and self.reducer is None and not self._pending:
+            taken = _take_common(self, slots)
+            if taken:
+                slots = slots[taken:]
         for slot in slots:
             arrived = slot.arrived
             while arrived:  # off the list first: what it calls may look again (`p.grad`)
@@ -491,11 +483,15 @@ def _home(offload: GradOffload, slot: ParamSlot, grad: torch.Tensor) -> tuple[to
             slot.wait_for_step()
         current = _disabled(_GRAD_OF, (), (param,))
     if grad.layout != torch.strided or (current is not None and current.layout != torch.strided):
-        _accumulate_sparse(slot, grad, offload)
+        if accumulate_sparse(slot, grad, data_parallel=offload.reducer is not None):
+            offload._written.append(slot)
+        slot.grads_in_backward += 1
+        if offload.stepper is not None and slot.single_grad:
+            offload.stepper.grad_final(slot, None)  # already on the host
         return None
     reducer = offload.reducer
     if reducer is not None and not reducer.keeps(slot):
-        _send_to_owner(reducer, slot, grad)  # another rank steps it (data_parallel, shard_optimizer)
+        send_to_owner(reducer, slot, grad)  # another rank steps it (data_parallel, shard_optimizer)
         return None
     if written:
         buf, accumulate, old = current, True, None
@@ -520,78 +516,56 @@ def _home(offload: GradOffload, slot: ParamSlot, grad: torch.Tensor) -> tuple[to
     return buf, grad, written
 
 
-def _accumulate_sparse(slot: ParamSlot, grad: torch.Tensor, offload: GradOffload) -> None:
-    """A sparse gradient, or one added to a sparse `p.grad`: summed on the host as
-    autograd's AccumulateGrad sums it (Note [sparse gradients])."""
-    if offload.reducer is not None:
-        raise RuntimeError(
-            f"offtensor.data_parallel: offloaded parameter {slot.name!r} got a sparse gradient "
-            "(nn.Embedding(sparse=True) or nn.EmbeddingBag(sparse=True)), which is not "
-            "averaged over the ranks. Use sparse=False for modules of a data-parallel model"
-        )
-    if slot.grad_written:
-        current = slot.host_grad
-    else:
-        slot.wait_for_step()  # a deferred step still reads p.grad (Note [deferred steps])
-        slot.scope.take_old_grad(slot)  # a dense fetch is not used: the sum is made here
-        current = master_grad(slot.param)
-    # A blocking copy: the sparse tensor's size (its nnz) is known only once it is computed.
-    grad = grad.to(device="cpu", dtype=slot.param.dtype, copy=True)
-    if current is None:
-        current = grad
-    elif current.layout != torch.strided and grad.layout == torch.strided:
-        current = grad + current  # a dense sum; autograd's order of the operands
-    else:
-        current += grad  # into p.grad in place, dense or sparse, as autograd does
-    slot.host_grad = current
-    if not slot.grad_written:
-        offload._written.append(slot)
-    slot.grads_in_backward += 1
-    if offload.stepper is not None and slot.single_grad:
-        offload.stepper.grad_final(slot, None)  # already on the host
+# Note [a scope's gradients in one loop]
+# At a scope's backward end most of its parameters have one gradient, on their device copy, that
+# needs nothing but the common way home: no optimizer worker or rank waits for it, no hook runs on
+# it, no earlier contribution, old `p.grad` or fetched gradient is added to it, no deferred step
+# reads `p.grad`, and the parameter still requires grad. Taken through the general path
+# (take_arrived, _on_leaf_grad, drain, _home) that is a handful of Python calls per parameter and
+# backward, each asking again what the others asked. `_take_common` takes the slots in order in
+# one loop while each is such a case, with the general path's outcome (`destination` decides
+# where it goes; the copies home go as one batch, counted as written after it), and stops at the
+# first slot that is not: it and the slots after it take the general path, so `_written`, whose
+# order the post-accumulate-grad hooks run in, keeps the slots' order. Only with nothing held
+# back from earlier (`_pending`), whose gradients would otherwise be added after later ones.
 
 
-def _send_to_owner(reducer: Reducer, slot: ParamSlot, grad: torch.Tensor) -> None:
-    """Data parallel with a sharded optimizer: another rank owns this parameter's gradient.
-    Send this rank's part, with what it accumulated under no_sync, and keep none: `p.grad`
-    becomes None (Note [one host copy per node] in distributed/shared_masters.py)."""
-    grad = grad.to(slot.param.dtype)
-    current = master_grad(slot.param)
-    old = slot.scope.take_old_grad(slot)
-    if old is None and current is not None:
-        slot.wait_for_step()
-        old = current.to(grad.device)  # not non_blocking: `current` may be freed below
-    reducer.reduce(slot, grad, old)
-    if current is not None:
-        without_subclass_dispatch(set_grads, [slot], [None])
-    slot.host_grad = None
-
-
-def _handed_twice_error(slot: ParamSlot) -> RuntimeError:
-    """A gradient for a parameter already handed to backward_and_step's worker. One handed on its
-    own gradient makes its scope's next ones wait for the scope's end."""
-    if slot.single_grad:
-        for other in slot.scope.slots:
-            other.single_grad = False
-        later = "hands it over once its whole scope's backward is done"
-    else:
-        later = "steps this model's offloaded parameters after backward, without overlap"
-    return RuntimeError(
-        f"offtensor.backward_and_step: parameter {slot.name!r} received another gradient "
-        "contribution after it was handed to the optimizer, which may already have "
-        "stepped it on the partial gradient: this step's update of it is wrong. Its "
-        "gradient came in one piece in the last backward and in several now (a module "
-        "whose use changed, or reentrant checkpointing of parts of one scope). The next "
-        f"backward_and_step {later}; or use loss.backward() then optimizer.step()."
-    )
-
-
-def _graph_grad_error(slot: ParamSlot) -> RuntimeError:
-    return RuntimeError(
-        f"offtensor: backward(create_graph=True) would give offloaded parameter "
-        f"{slot.name!r} a .grad that carries a graph, but its .grad lives on the host and "
-        "cannot. For a gradient penalty, take the gradients you differentiate with "
-        "torch.autograd.grad(y, inputs, create_graph=True) over tensors that are not "
-        "offloaded parameters (supported), then call backward() without create_graph")
-
-
+def _take_common(offload: GradOffload, slots: list[ParamSlot]) -> int:
+    """Take the slots' gradients in order while each is the common case (Note [a scope's
+    gradients in one loop]); returns how many slots it went through. Inside a backward only: a
+    gradient taken outside one is added at once, by the general path."""
+    task = torch._C._current_graph_task_id()
+    if task == -1:
+        return 0
+    if task not in offload._tasks:
+        offload.enter_backward()
+    adopt = not offload._streams.lagging  # no reducer, no hooks: Note [gradients computed on the host]
+    batch: list[tuple[ParamSlot, torch.Tensor, torch.Tensor]] = []  # (slot, host buffer, gradient) to copy
+    taken: list[ParamSlot] = []
+    n = 0
+    for slot in slots:
+        arrived = slot.arrived
+        if arrived:
+            leaf, param = arrived[0], slot.param
+            grad = leaf.grad
+            if (grad is None or len(arrived) > 1 or leaf is not slot.device_leaf or slot.grad_hooks
+                    or slot.grads_in_backward or slot.pending_step is not None or slot.old_grad is not None
+                    or grad.requires_grad or grad.layout is not _STRIDED
+                    or not _disabled(_REQUIRES_GRAD_OF, (), (param,)) or _disabled(_GRAD_OF, (), (param,)) is not None):
+                break
+            arrived.pop()
+            leaf.grad = None  # the device copy keeps no gradient: it lives on the host
+            buf, _ = destination(slot, None, grad, adopt)
+            slot.host_grad = buf
+            if grad.dtype != buf.dtype:
+                grad = grad.to(buf.dtype)  # Policy.compute_dtype: cast up on the device
+            if buf is not grad:
+                batch.append((slot, buf, grad))
+            taken.append(slot)
+        n += 1
+    if batch:
+        offload._copies.copy(batch)
+    offload._written += taken
+    for slot in taken:
+        slot.grads_in_backward = 1
+    return n

@@ -48,7 +48,7 @@ class OldGrads:
     def to_fetch(self) -> list[tuple[ParamSlot, torch.Tensor]]:
         """(slot, its host `p.grad`) for each parameter whose existing gradient is not fetched
         yet and not already added to in this backward; not a sparse one, which is added to on
-        the host (Note [sparse gradients] in engine/grads.py), nor one of a frozen parameter, which
+        the host (Note [sparse gradients] in engine/rare_grads.py), nor one of a frozen parameter, which
         gets no gradient to add to it (Note [stale gradient fetches])."""
         # `.grad` first: after zero_grad(set_to_none=True), the common case, it alone decides.
         # Asked at each backward of each scope and for the kept scopes a prefetch looks at: the
