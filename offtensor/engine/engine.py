@@ -31,6 +31,7 @@ from torch import nn
 from ..api import Policy, Residency, ScopeState
 from ..budget.shared import ModelCalls, SharedBudget
 from ..budget.vram import NoBudget, budget_for
+from ..dispatch import compile as _compile
 from ..dispatch import wrapper_guards as _distributed
 from ..dispatch.optimizer_step import watch_compiled_steps
 from ..dispatch.param import OffloadedParameter
@@ -474,4 +475,38 @@ def end_kept_call(engine: Engine, scope: Scope) -> bool:
         return False
     scope.calls.ended()
     engine.budget.ended(scope, "forward")
+    return True
+
+
+# Note [steady backward of a kept scope]
+# A kept scope's backward usually finds nothing to do but note itself: its copies resident and
+# unwritten since made, its graph task already this backward's (not the first scope, which sets
+# the backward up), no create_graph, optimizer worker, reducer or prefetch override, and no
+# `p.grad` anywhere in the model as the backward began (`GradOffload.grads_absent`), so no old
+# gradient to fetch for it or for the scopes after it. Engine.pre_backward reaches that outcome
+# through a dozen entry points that each ask again, a cost per scope that a host-bound training
+# step pays at each block. So the output-gradient hook asks `start_kept_backward` first, which
+# asks once and then makes only the changes pre_backward makes in that case: the scope noted as
+# backward's, the backward order stepped and the scopes ahead prefetched (weights only), the
+# budget told. A `p.grad` a hook sets during the backward is still added to: the gradient path
+# reads `p.grad` as it adds (`_home` in engine/grads.py); only its fetch ahead is left out.
+
+
+def start_kept_backward(engine: Engine, scope: Scope) -> bool:
+    """If the backward of `scope`, not building a graph, is steady (Note [steady backward of a
+    kept scope]): what Engine.pre_backward does then, and True; else False, nothing changed."""
+    grads = engine.grads
+    if not (scope.state is ScopeState.RESIDENT and scope.residency is Residency.KEPT and grads.grads_absent
+            and grads.stepper is None and grads.reducer is None and not engine.calls.create_graph
+            and engine.streams.switched_from is None and not engine.schedule.backward_override
+            and grads.task_known() and not _compile.tracing()
+            and torch._C._functorch.peek_interpreter_stack() is None
+            and not scope.writes.written_since_copied()):
+        return False
+    engine.access.backward_scope = scope
+    engine.training = TrainingState.TRAINING
+    schedule = engine.schedule
+    schedule.prefetch(schedule.backward_needs(scope), scope, with_grads=False)
+    scope.resident_for_backward()
+    engine.budget.started(scope, "backward")
     return True

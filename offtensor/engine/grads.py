@@ -202,6 +202,9 @@ class GradOffload:
         self.stepper: Stepper | None = None  # during backward_and_step
         self.reducer: Reducer | None = None  # in data-parallel mode
         self._at_once = False  # every device copy hands its gradient over as it lands (hand_over_at_once)
+        # No parameter had a `p.grad` as the outermost backward began: nothing to fetch (Note
+        # [steady backward of a kept scope] in engine/engine.py); taken again at each one's start.
+        self.grads_absent = False
 
     def in_backward(self) -> bool:
         """A backward through the wrapped model is running (from its first hook to its end)."""
@@ -217,7 +220,12 @@ class GradOffload:
         self._tasks[task] = weakref.ref(end, lambda ref: self._task_dropped(task, ref))
         Variable._execution_engine.queue_callback(end)
         if len(self._tasks) == 1:  # what a backward that ran no hook of ours left, added first
+            self.grads_absent = all(scope.old_grads.none_held() for scope in self._scopes)
             self._take_all_arrived()
+
+    def task_known(self) -> bool:
+        """The running graph task is one of this backward's (its scopes' hooks ran in it)."""
+        return torch._C._current_graph_task_id() in self._tasks
 
     def _task_dropped(self, task: int, ref: weakref.ref) -> None:
         """The autograd engine dropped a graph task's end callback: after it ran, or because the

@@ -46,7 +46,7 @@ from ..scopes.scope import Scope
 from ..scopes.write_tracking import versions_of
 from .call_args import call_tensors, on_grad
 from .call_checks import Home, check_distributed, check_inputs
-from .engine import Engine, end_kept_call, kept_call_is_steady, start_kept_call
+from .engine import Engine, end_kept_call, kept_call_is_steady, start_kept_backward, start_kept_call
 from .exposure import ExposurePlan
 from .failures import FailureCheck
 from .writes import DeviceVersions
@@ -146,10 +146,6 @@ class ScopeHooks:
         failed = self.calls.failed()
         expected = not failed and torch.is_grad_enabled() and _hook_outputs(self, output)
         engine.post_forward(self.scope, failed=failed, backward_expected=expected)
-
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
-        # Autograd runs a backward with grad mode set to its create_graph flag.
-        self.engine.pre_backward(self.scope, create_graph=torch.is_grad_enabled())
 
     # ---- torch.compile (Note [torch.compile] in dispatch/compile.py) -------------------------------
 
@@ -461,7 +457,10 @@ class _FirstOutputGrad:
                 and hooks.engine.access.backward_scope is scope):
             return
         self.task = task
-        hooks._on_output_grad(grad)
+        # Autograd runs a backward with grad mode set to its create_graph flag.
+        create_graph = torch.is_grad_enabled()
+        if create_graph or not start_kept_backward(hooks.engine, scope):
+            hooks.engine.pre_backward(scope, create_graph=create_graph)
 
 
 class ModelHooks:

@@ -53,12 +53,7 @@ class OldGrads:
         # `.grad` first: after zero_grad(set_to_none=True), the common case, it alone decides.
         # Asked at each backward of each scope and for the kept scopes a prefetch looks at: the
         # master's `.grad` is read in C unless a deferred step must be waited for first.
-        if self._params is None or len(self._params) != len(self.slots):
-            self._params = tuple(slot.param for slot in self.slots)
-        grads = _disabled(list, (), (map(_GRAD_OF, self._params),))  # off in C (Note [interrupts])
-        if grads.count(None) == len(grads):
-            # No `p.grad` at all (zero_grad's set_to_none): nothing to fetch, read in one `map`.
-            # A deferred step, which master_grad would wait for, creates no gradient.
+        if self.none_held():
             return []
         todo = []
         for slot in self.slots:
@@ -69,6 +64,14 @@ class OldGrads:
             if g is not None and master_requires_grad(p) and g.layout == torch.strided:
                 todo.append((slot, g))
         return todo
+
+    def none_held(self) -> bool:
+        """No parameter of the scope has a `p.grad` (zero_grad's set_to_none), read in one `map`.
+        A deferred step, which master_grad would wait for, creates no gradient."""
+        if self._params is None or len(self._params) != len(self.slots):
+            self._params = tuple(slot.param for slot in self.slots)
+        grads = _disabled(list, (), (map(_GRAD_OF, self._params),))  # off in C (Note [interrupts])
+        return grads.count(None) == len(grads)
 
     def nbytes(self) -> int:
         """Bytes a fetch would copy now."""

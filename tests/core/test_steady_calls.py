@@ -178,6 +178,15 @@ def test_kept_scopes_with_steady_calls_match_the_unwrapped_model_through_a_seede
 
     monkeypatch.setattr(hooks_module, "start_kept_call", counting_start)
     monkeypatch.setattr(hooks_module, "end_kept_call", counting_end)
+    backwards = {True: 0, False: 0}  # Note [steady backward of a kept scope]: taken or not
+    start_backward = hooks_module.start_kept_backward
+
+    def counting_backward(*args):
+        steady_backward = start_backward(*args)
+        backwards[steady_backward] += 1
+        return steady_backward
+
+    monkeypatch.setattr(hooks_module, "start_kept_backward", counting_backward)
     rng = random.Random(seed)
     pair = Pair(seed)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(seed))
@@ -186,6 +195,16 @@ def test_kept_scopes_with_steady_calls_match_the_unwrapped_model_through_a_seede
         what, outs = _operation(pair, rng, x)
         pair.check(outs, f"operation {i}: {what}")
         calls += outs[0] is not None
+    # Then backward without any `p.grad` (steady past the first scope), and with (accumulation:
+    # the old gradients fetched by the full path).
+    for accumulate in (False, True):
+        if not accumulate:
+            for opt in pair.opts:
+                opt.zero_grad(set_to_none=True)
+        before = dict(backwards)
+        pair.check(_forward(pair, x, "train"), f"train, accumulating={accumulate}")
+        assert backwards[True] - before[True] == (0 if accumulate else 3), backwards
+        assert backwards[False] - before[False] == (4 if accumulate else 1), backwards
     assert calls == 0 or steady[0] > 0, "no call took the steady path"
     assert steady[0] == 0 or ended[0] > 0, "no steady call ended steady"
     for scope in offtensor.summary(pair.wrapped).scopes:
