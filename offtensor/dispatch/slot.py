@@ -56,6 +56,7 @@ a plain parameter, a `p.data` write does not make a saved graph raise.
 from __future__ import annotations
 
 import enum
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -318,7 +319,15 @@ class LeafHooks(enum.Enum):
     HANDED = "handed"  # and a Python hook handing each gradient over as it lands (hook_at_once)
 
 
-@dataclass(eq=False, repr=False)
+# Note [slots of a ParamSlot]
+# The gradient path, the hooks and every op read a few fields of each parameter's slot, once per
+# parameter and step at least; where Python allows (3.11, weakref_slot), the fields are
+# `__slots__`: read and written at fixed offsets, the object smaller, and nothing can be set on it
+# that is not a field.
+_SLOTTED: dict[str, bool] = {"slots": True, "weakref_slot": True} if sys.version_info >= (3, 11) else {}
+
+
+@dataclass(eq=False, repr=False, **_SLOTTED)
 class ParamSlot:
     """Per-parameter bookkeeping, stored on the parameter as `p._ot`."""
 

@@ -490,6 +490,8 @@ def end_kept_call(engine: Engine, scope: Scope) -> bool:
 # backward's, the backward order stepped and the scopes ahead prefetched (weights only), the
 # budget told. A `p.grad` a hook sets during the backward is still added to: the gradient path
 # reads `p.grad` as it adds (`_home` in engine/grads.py); only its fetch ahead is left out.
+# A kept scope's backward ends with its gradients and the budget only (`end_kept_backward`):
+# what Engine.post_backward does after them (a carry, a release) never applies to a kept scope.
 
 
 def start_kept_backward(engine: Engine, scope: Scope) -> bool:
@@ -509,4 +511,17 @@ def start_kept_backward(engine: Engine, scope: Scope) -> bool:
     schedule.prefetch(schedule.backward_needs(scope), scope, with_grads=False)
     scope.resident_for_backward()
     engine.budget.started(scope, "backward")
+    return True
+
+
+def end_kept_backward(engine: Engine, scope: Scope) -> bool:
+    """If `scope` is kept: what Engine.post_backward does at the end of its backward, and True
+    (Note [steady backward of a kept scope]); else False, nothing changed."""
+    if not (scope.residency is Residency.KEPT and scope.state is not ScopeState.OFFLOADED
+            and not _compile.tracing() and torch._C._functorch.peek_interpreter_stack() is None):
+        return False
+    if engine.access.backward_scope is scope:
+        engine.access.backward_scope = None
+    engine.grads.scope_done(scope)
+    engine.budget.ended(scope, "backward")
     return True

@@ -46,7 +46,14 @@ from ..scopes.scope import Scope
 from ..scopes.write_tracking import versions_of
 from .call_args import call_tensors, on_grad
 from .call_checks import Home, check_distributed, check_inputs
-from .engine import Engine, end_kept_call, kept_call_is_steady, start_kept_backward, start_kept_call
+from .engine import (
+    Engine,
+    end_kept_backward,
+    end_kept_call,
+    kept_call_is_steady,
+    start_kept_backward,
+    start_kept_call,
+)
 from .exposure import ExposurePlan
 from .failures import FailureCheck
 from .writes import DeviceVersions
@@ -434,7 +441,9 @@ class _AllInputGrads:
     def __call__(self, grad: torch.Tensor) -> None:
         self.remaining -= 1
         if self.remaining == 0:
-            self.hooks.inputs_done()
+            hooks = self.hooks
+            if not end_kept_backward(hooks.engine, hooks.scope):
+                hooks.inputs_done()
 
 
 class _FirstOutputGrad:

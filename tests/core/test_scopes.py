@@ -295,6 +295,7 @@ def test_a_tensor_passed_twice_to_a_scope_ends_its_backward_once_its_gradient_is
     # Each input and output of a call is hooked once per place it holds (Note [hooks on a
     # call's inputs and outputs] in engine/hooks.py): each scope's backward ends once, when the
     # gradient of its input is whole, in the reverse order of the forward.
+    from offtensor.engine import hooks as hooks_module
     from offtensor.engine.hooks import ScopeHooks
 
     torch.manual_seed(0)
@@ -303,8 +304,16 @@ def test_a_tensor_passed_twice_to_a_scope_ends_its_backward_once_its_gradient_is
     reference = unwrapped_reference(model, device)
     offtensor.wrap(model, device=device, policy=policy)
     ended: list[str] = []
-    inputs_done = ScopeHooks.inputs_done
+    inputs_done, end_kept = ScopeHooks.inputs_done, hooks_module.end_kept_backward
+
+    def ending_kept(engine, scope):  # a kept scope's end (Note [steady backward of a kept scope])
+        done = end_kept(engine, scope)
+        if done:
+            ended.append(scope.name)
+        return done
+
     monkeypatch.setattr(ScopeHooks, "inputs_done", lambda self: (ended.append(self.scope.name), inputs_done(self)))
+    monkeypatch.setattr(hooks_module, "end_kept_backward", ending_kept)
     x = torch.randn(4, 8, device=device, requires_grad=True)
     for _ in range(2):
         ended.clear()
