@@ -76,6 +76,7 @@ their hooks run at the task's end, which never came.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -140,6 +141,7 @@ _disabled: Any = torch._C._disabled_torch_function_impl  # (fn, types, args), ty
 _GRAD_OF = torch._C.TensorBase.grad.__get__  # type: ignore[union-attr]
 _REQUIRES_GRAD_OF = torch._C.TensorBase.requires_grad.__get__  # type: ignore[attr-defined]
 _STRIDED = torch.strided
+_ARRIVED = operator.attrgetter("arrived")
 
 
 class Stepper(Protocol):
@@ -382,7 +384,8 @@ class GradOffload:
 
     def _take_all_arrived(self) -> None:
         for scope in self._scopes:
-            self.take_arrived(scope.slots)
+            if any(map(_ARRIVED, scope.slots)):  # asked in C: at each backward's start and end
+                self.take_arrived(scope.slots)
 
     def arrived_outside(self, slot: ParamSlot) -> None:
         """`p.grad` of the slot's parameter is read or written while gradients are listed on

@@ -19,6 +19,7 @@ checked on the CPU.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from ..scopes.scope import Scope, scope_of
 from ..scopes.streams import Streams
 
 _SET_GRAD = torch._C.TensorBase.grad.__set__  # type: ignore[union-attr]
+_POST_HOOKS = operator.attrgetter("post_hooks")
 
 
 class CopiesHome:
@@ -123,6 +125,8 @@ def publish(slots: list[ParamSlot]) -> None:
     """Point each parameter's `.grad` at its completed host gradient, then run the user's
     post-accumulate-grad hooks (all grads first, as autograd would have them)."""
     without_subclass_dispatch(set_grads, slots, [slot.host_grad for slot in slots])
+    if not any(map(_POST_HOOKS, slots)):  # asked in C: none, most often
+        return
     for slot in slots:
         for hook in slot.post_hooks.values():
             hook(slot.param)

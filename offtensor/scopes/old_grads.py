@@ -22,6 +22,8 @@ gets (Note [frozen since the forward] in engine/grads.py).
 
 from __future__ import annotations
 
+import operator
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -33,6 +35,8 @@ from .streams import Streams
 
 _disabled: Any = torch._C._disabled_torch_function_impl  # (fn, types, args), typed loosely
 _GRAD_OF = torch._C.TensorBase.grad.__get__  # type: ignore[union-attr]
+_FETCHED = operator.attrgetter("old_grad_source")  # set with old_grad, the source first
+_is_not = operator.is_not
 
 
 class OldGrads:
@@ -107,6 +111,8 @@ class OldGrads:
     def drop(self) -> None:
         """Free the fetched gradients no gradient took, after their copies: the end of a
         backward that leaves the scope resident, or its release (Note [stale gradient fetches])."""
+        if self.ready is None and not any(map(_is_not, map(_FETCHED, self.slots), repeat(None))):
+            return  # nothing fetched (asked in C: for every kept scope at each backward's end)
         streams = self.streams
         streams.wait(streams.compute(), self.ready)
         if self.ready is not None and any(s.old_grad_source is not None for s in self.slots):
