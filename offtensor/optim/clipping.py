@@ -53,11 +53,18 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 from torch.nn.utils.clip_grad import _get_total_norm
-from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
+from torch.utils._foreach_utils import _has_foreach_support
 
 from .. import patches
 from ..dispatch.param import OffloadedParameter
 from ..engine.engine import owning_engine
+
+# torch's helpers decorated with `no_grad` turn grad mode off and on in Python, where an interrupt
+# can land between the two and leave it off (Note [interrupts] in dispatch/masters.py): the
+# grouping is called as its C function, and the norm of a model with nothing offloaded undecorated,
+# on detached gradients (no graph to record either way).
+_group_tensors_by_device_and_dtype = torch._C._group_tensors_by_device_and_dtype
+_total_norm_of = getattr(_get_total_norm, "__wrapped__", _get_total_norm)
 
 
 class BeforeStep:
@@ -116,7 +123,7 @@ class BeforeStep:
         norms measured in backward where they are still good (Note [norms taken in backward])."""
         grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]  # all have one
         if not any(isinstance(p, OffloadedParameter) for p in params):
-            return _get_total_norm(grads, 2.0, False, None)  # clip_grad_norm_'s own first half
+            return _total_norm_of([g.detach() for g in grads], 2.0, False, None)  # clip_grad_norm_'s own first half
         norms: list[torch.Tensor | None] = []
         for p, g in zip(params, grads, strict=True):
             entry = self._measured.get(id(p))
@@ -128,7 +135,7 @@ class BeforeStep:
                 stand_ins[d, g.dtype] = torch.empty(0, dtype=g.dtype, device=d)
         ordered: list[torch.Tensor] = []
         for (device, _), (_, indices) in _group_tensors_by_device_and_dtype(
-                [[stand_ins[d, g.dtype] for g, d in zip(grads, places, strict=True)]], with_indices=True).items():
+                [[stand_ins[d, g.dtype] for g, d in zip(grads, places, strict=True)]], True).items():
             if _has_foreach_support([grads[i] for i in indices], device):
                 missing = [i for i in indices if norms[i] is None]
                 if missing:

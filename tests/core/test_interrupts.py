@@ -264,6 +264,61 @@ def test_interrupt_anywhere_in_a_training_step_leaves_no_state_changed(variant, 
     assert not failures, f"{len(failures)} of {tried} interrupt points failed:\n" + "\n".join(failures[:10])
 
 
+class _InPrepare(Interrupter):
+    """Counts only the events inside BeforeStep.prepare (`active`, set by the test's wrapper)."""
+
+    active = False
+
+    def _event(self) -> None:
+        if self.active:
+            super()._event()
+
+
+def test_interrupt_at_every_event_of_the_clipped_steps_total_norm_leaves_no_state_changed(one_thread, monkeypatch):
+    """Every event of the total norm a clipped backward_and_step takes between backward and its
+    first step (BeforeStep.prepare), interrupted in turn: torch's helpers decorated with no_grad
+    turned grad mode off there, and an interrupt between their off and on left it off."""
+    from offtensor.optim import clipping
+
+    model = _build()
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    current: list[_InPrepare] = []
+    real = clipping.BeforeStep.prepare
+
+    def prepare(self):
+        current[0].active = True
+        try:
+            return real(self)
+        finally:
+            current[0].active = False
+
+    monkeypatch.setattr(clipping.BeforeStep, "prepare", prepare)
+
+    def step() -> None:
+        offtensor.backward_and_step(F.mse_loss(model(x), y), opt, zero_grad=True, max_grad_norm=0.1)
+
+    def run(at: int | None) -> _InPrepare:
+        current[:] = [_InPrepare(at)]
+        current[0].run(step)
+        offtensor.wait_for_steps()
+        return current[0]
+
+    for _ in range(2):
+        run(None)
+    expected = _global_state()
+    total = run(None).events
+    assert total > 20, total
+    # Every event in the full tier; the quick one every 8th from a drawn offset (the window the
+    # decorated helpers left open was 9 events wide).
+    points = range(1, total + 1) if tiers.FULL else range(tiers.rng("total norm").randrange(8) + 1, total + 1, 8)
+    for at in points:
+        assert run(at).fired, at
+        state = _global_state()
+        assert state == expected, f"interrupt at event {at} of {total} in the total norm: {state}"
+    _check_step(model, x, y, overlap=True)
+
+
 def test_interrupt_anywhere_in_an_inference_call_that_carries_leaves_no_state_changed(one_thread):
     """Inference calls under a VRAM budget, whose ends load the next call's first scopes and carry
     them (Note [carried into the next forward] in budget/vram.py), interrupted at spread-out
