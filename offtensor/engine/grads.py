@@ -551,8 +551,7 @@ def _take_common(offload: GradOffload, slots: list[ParamSlot]) -> int:
     if task not in offload._tasks:
         offload.enter_backward()
     adopt = not offload._streams.lagging  # no reducer, no hooks: Note [gradients computed on the host]
-    batch: list[tuple[ParamSlot, torch.Tensor, torch.Tensor]] = []  # (slot, host buffer, gradient) to copy
-    taken: list[ParamSlot] = []
+    batch: list[tuple[ParamSlot, torch.Tensor, torch.Tensor]] = []  # (slot, host buffer, gradient)
     n = 0
     for slot in slots:
         arrived = slot.arrived
@@ -570,13 +569,8 @@ def _take_common(offload: GradOffload, slots: list[ParamSlot]) -> int:
             slot.host_grad = buf
             if grad.dtype != buf.dtype:
                 grad = grad.to(buf.dtype)  # Policy.compute_dtype: cast up on the device
-            if buf is not grad:
-                batch.append((slot, buf, grad))
-            taken.append(slot)
+            batch.append((slot, buf, grad))  # an adopted one is not copied (CopiesHome.copy)
         n += 1
     if batch:
-        offload._copies.copy(batch)
-    offload._written += taken
-    for slot in taken:
-        slot.grads_in_backward = 1
+        offload._copy(batch, [False] * len(batch))  # none held this backward's contributions yet
     return n
