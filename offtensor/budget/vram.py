@@ -117,6 +117,10 @@ class NoBudget:
     """No VRAM budget: every scope streams. The calls the engine and the schedule make on a
     budget, each doing nothing here (VramBudget does the work)."""
 
+    # The timed layout, whose timer alone is told of calls' starts and ends (`started`, `ended`):
+    # None, and the steady path (Note [steady calls] in engine/engine.py) tells nothing.
+    timed: TimedLayout | None = None
+
     def ready(self, largest_block: int) -> None:
         """Every scope is built; `largest_block`: the largest block's device bytes."""
 

@@ -40,6 +40,16 @@ class CallCounts:
         """The call that started is one of the forward pass (not a recompute in backward)."""
         self.this_pass += 1
 
+    def started_in_pass(self, *, grad: bool) -> None:
+        """A call of the forward pass starts, with the pass already under way (`started`,
+        `counted_in_pass` and, if `grad`, `grad_call` in one: Note [steady calls] in
+        engine/engine.py)."""
+        self.running += 1
+        self.this_pass += 1
+        if grad:
+            self.grad_since_backward += 1
+            self.grad_this_pass += 1
+
     def ended(self, n: int = 1, *, failed: bool = False) -> None:
         """`n` calls ended; `failed`: they raised or an interrupt abandoned them, maybe before
         they started (Note [call counts])."""

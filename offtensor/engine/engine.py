@@ -446,25 +446,32 @@ class Engine:
 def kept_call_is_steady(engine: Engine, scope: Scope) -> bool:
     """A forward call of `scope` starting now, inside the model's forward on this thread and
     outside backward, is steady (Note [steady calls]); reads only."""
+    if not (scope.state is ScopeState.RESIDENT and scope.residency is Residency.KEPT and scope.calls.running == 0
+            and engine.streams.switched_from is None and not engine.live.holds_back):
+        return False
     forward, schedule = engine.model_forward, engine.schedule
-    return (scope.state is ScopeState.RESIDENT and scope.residency is Residency.KEPT and scope.calls.running == 0
-            and engine.streams.switched_from is None and not engine.live.holds_back
-            and (schedule.next_in_order(scope) if forward is ModelForward.IN_PASS
-                 else forward is ModelForward.STARTING and bool(schedule.order) and schedule.order[0] is scope)
-            and not scope.writes.written_since_copied())
+    if forward is ModelForward.IN_PASS:
+        if not schedule.next_in_order(scope):
+            return False
+    elif forward is not ModelForward.STARTING or not schedule.order or schedule.order[0] is not scope:
+        return False
+    return not scope.writes.written_since_copied()
 
 
 def start_kept_call(engine: Engine, scope: Scope, inputs: list[torch.Tensor]) -> None:
     """What Engine.pre_forward does for a steady call (Note [steady calls]); its copies are current."""
-    scope.calls.started()
+    schedule = engine.schedule
     if engine.model_forward is ModelForward.STARTING:  # the pass starts here, at the order's head
+        scope.calls.started()
         engine._advance(scope)
+        scope.calls.counted_in_pass()  # after a new pass's start, which counts the pass afresh
+        engine.calls.count(scope, inputs)
     else:
-        engine.schedule.advance(scope, begins=False, outside_model=False, bounded=False)
-    scope.calls.counted_in_pass()  # after a new pass's start, which counts the pass afresh
-    engine.calls.count(scope, inputs)
-    engine._carried_fresh |= engine.schedule.prefetch_forward(scope, carry=engine._carries_ahead)
-    engine.budget.started(scope, "forward")
+        schedule.step(scope)
+        scope.calls.started_in_pass(grad=engine.calls.counts(inputs))
+    engine._carried_fresh |= schedule.prefetch_forward(scope, carry=engine._carries_ahead)
+    if engine.budget.timed is not None:
+        engine.budget.started(scope, "forward")
 
 
 def end_kept_call(engine: Engine, scope: Scope) -> bool:
@@ -474,7 +481,8 @@ def end_kept_call(engine: Engine, scope: Scope) -> bool:
             and not scope.writes.in_call and not engine.schedule.is_last(scope)):
         return False
     scope.calls.ended()
-    engine.budget.ended(scope, "forward")
+    if engine.budget.timed is not None:
+        engine.budget.ended(scope, "forward")
     return True
 
 

@@ -27,16 +27,17 @@ class FailureCheck:
     interrupt's own traceback holds them as well.)"""
 
     def __init__(self) -> None:
-        # One per call in progress: (thread, frame of the call, exception handled at entry).
-        self._calls: list[tuple[int, FrameType | None, BaseException | None]] = []
+        # One per call in progress: (thread, frame of the call, exception handled at entry); read
+        # directly, empty or not, by the steady path (Note [steady calls] in engine/engine.py).
+        self.records: list[tuple[int, FrameType | None, BaseException | None]] = []
 
     def enter(self, ours: int = 0) -> int:
         """Record a call; return how many earlier calls were found to have been interrupted.
         `ours`: how many frames, the caller's first and then outwards, are surely offtensor's:
         the walk starts past them (Note [the module call's frame])."""
         frame = _outside_offtensor(sys._getframe(1 + ours))
-        interrupted = self.drop_interrupted(frame) if self._calls else 0  # none recorded: none to drop
-        self._calls.append((threading.get_ident(), frame, sys.exc_info()[1]))
+        interrupted = self.drop_interrupted(frame) if self.records else 0  # none recorded: none to drop
+        self.records.append((threading.get_ident(), frame, sys.exc_info()[1]))
         return interrupted
 
     def drop_interrupted(self, frame: FrameType | None = None) -> int:
@@ -47,7 +48,7 @@ class FailureCheck:
         checkpointed call it would pop that call's hooks instead (the model's forward therefore
         drops every scope's interrupted calls before anything else runs)."""
         thread = threading.get_ident()
-        for c in self._calls:  # a loop, not any(): asked at each call of a scope
+        for c in self.records:  # a loop, not any(): asked at each call of a scope
             if c[0] == thread:
                 break
         else:
@@ -58,22 +59,18 @@ class FailureCheck:
         while f is not None:
             on_stack.add(id(f))
             f = f.f_back
-        live = [c for c in self._calls if c[0] != thread or id(c[1]) in on_stack]
-        interrupted = len(self._calls) - len(live)
-        self._calls = live
+        live = [c for c in self.records if c[0] != thread or id(c[1]) in on_stack]
+        interrupted = len(self.records) - len(live)
+        self.records = live
         return interrupted
 
-    @property
-    def none_recorded(self) -> bool:
-        """No call is recorded: none runs, and none an interrupt left is waiting to be dropped."""
-        return not self._calls
 
     def failed(self) -> bool:
         thread = threading.get_ident()
         at_entry = None
-        for i in range(len(self._calls) - 1, -1, -1):
-            if self._calls[i][0] == thread:
-                at_entry = self._calls.pop(i)[2]
+        for i in range(len(self.records) - 1, -1, -1):
+            if self.records[i][0] == thread:
+                at_entry = self.records.pop(i)[2]
                 break
         current = sys.exc_info()[1]
         return current is not None and current is not at_entry

@@ -30,6 +30,7 @@ plain parameter's, whatever dtypes its scope mixes.
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -59,6 +60,8 @@ from .failures import FailureCheck
 from .writes import DeviceVersions
 
 _graph_task = torch._C._current_graph_task_id  # -1 outside backward (in_backward, without its call)
+_transforms = torch._C._functorch.peek_interpreter_stack  # None outside torch.func transforms
+_thread_id = threading.get_ident
 
 
 class ScopeHooks:
@@ -194,10 +197,11 @@ class ScopeHooks:
         """The pre-hook of a steady call (Note [steady calls] in engine/engine.py), if this is
         one: what _eager_pre_forward would do, and True; else False, nothing changed."""
         scope, engine = self.scope, self.engine
+        # The other objects' fields read directly, not through their methods: asked at each call
         if (self._attrs is not None or self._exposed is not None or self._exposure.aliases is not None
-                or scope.routed or scope.compute_dtype_differs or not self.calls.none_recorded
-                or not engine.thread.owned_here() or _graph_task() != -1 or _compile.tracing()
-                or torch._C._functorch.peek_interpreter_stack() is not None or _distributed.active()
+                or scope.routed or scope.compute_dtype_differs or self.calls.records
+                or engine.thread.owner != _thread_id() or _graph_task() != -1 or _compile.tracing()
+                or _transforms() is not None or _distributed.active()
                 or _compile.compiled_function(module.forward) or not kept_call_is_steady(engine, scope)):
             return False
         self.calls.enter(ours=3)  # this frame, _eager_pre_forward's, Hook's: nothing to drop
@@ -215,7 +219,8 @@ class ScopeHooks:
         do, and True; else False, nothing changed (Note [steady calls] in engine/engine.py)."""
         engine, loaded = self.engine, self._loaded
         if (loaded is None or self._exposure.aliases or sys.exc_info()[1] is not None
-                or not engine.thread.owned_here() or _graph_task() != -1 or versions_of(loaded[0].leaves) != loaded[1]
+                or engine.thread.owner != _thread_id() or _graph_task() != -1
+                or versions_of(loaded[0].leaves) != loaded[1]
                 or not end_kept_call(engine, self.scope)):
             return False  # .data aliases taken, an exception, a copy written: the full path
         self._unexpose_loaded()
@@ -234,7 +239,7 @@ class ScopeHooks:
         `current`: this call's pre-hook found no master written since its copy was made."""
         scope = self.scope
         if (scope.compute_dtype_differs or self.engine.thread.foreign() or _compile.tracing()
-                or torch._C._functorch.peek_interpreter_stack() is not None):
+                or _transforms() is not None):
             return
         if resident_copies_ready(scope, versions_read=current):
             self._expose_plan()

@@ -15,36 +15,34 @@ class ThreadOwner:
 
     def __init__(self, busy: Callable[[], bool]) -> None:
         self._busy = busy  # a forward or backward of the model is in progress
-        self._thread: int | None = None  # the thread of the latest forward
+        # The thread of the latest forward; read directly by the steady path (Note [steady calls] in
+        # engine/engine.py)
+        self.owner: int | None = None
 
     def check(self, where: str, name: str | None = None) -> None:
         """Take the engine for this thread; refuse, before any state changes, while another
         thread's forward or backward is in progress (its post-forward hooks then do nothing:
         `foreign`). The error names `where`, followed by `name` quoted (formatted only then)."""
         thread = threading.get_ident()
-        if self._thread == thread:
+        if self.owner == thread:
             return
         if name is not None:
             where = f"{where} {name!r}"
-        if self._thread is not None and self._busy():
+        if self.owner is not None and self._busy():
             raise RuntimeError(
-                f"offtensor: {where} was called from thread {thread} while thread {self._thread} "
+                f"offtensor: {where} was called from thread {thread} while thread {self.owner} "
                 "is in a forward or backward of the same wrapped model. A wrapped model runs one forward (and "
                 "backward) at a time: use one wrapped model per thread, or serialize the calls "
                 "with a lock"
             )
-        self._thread = thread
-
-    def owned_here(self) -> bool:
-        """The caller's thread ran the model's latest forward (`check` would return at once)."""
-        return self._thread == threading.get_ident()
+        self.owner = thread
 
     def run_by_another(self) -> bool:
         """The model's latest forward ran on another thread than the caller's, which owns what
         it left on the device (Note [no_offload in several threads] in model/controls.py)."""
-        return self._thread is not None and self._thread != threading.get_ident()
+        return self.owner is not None and self.owner != threading.get_ident()
 
     def foreign(self) -> bool:
         """A forward hook runs on another thread than the forward in progress (`check` refused
         its call). Backward runs on autograd's threads: never foreign."""
-        return self._thread is not None and threading.get_ident() != self._thread and not in_backward()
+        return self.owner is not None and threading.get_ident() != self.owner and not in_backward()

@@ -61,6 +61,12 @@ class GradCalls:
         forward that reentrant checkpointing runs without grad, a call inside a Function that
         autograd records, an input that requires grad, or an earlier call of this pass that
         counted."""
+        if self.counts(inputs):
+            scope.calls.grad_call()
+
+    def counts(self, inputs: list[torch.Tensor]) -> bool:
+        """Whether a call with these `inputs` starting now counts (`count`), noted for the
+        pass if it does; the scope's own count is the caller's."""
         counts = torch.is_grad_enabled() or self.pass_counted or recorded_functions.depth
         if not counts:
             for t in inputs:  # a loop, not any(): asked at each call of a scope
@@ -68,8 +74,8 @@ class GradCalls:
                     counts = True
                     break
         if counts:
-            scope.calls.grad_call()
             self.pass_counted = True
+        return bool(counts)
 
     def pass_started(self) -> None:
         self.create_graph = False  # a create_graph backward that raised never reached its end

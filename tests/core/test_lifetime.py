@@ -631,7 +631,7 @@ def test_a_scope_call_records_the_frame_of_its_module_call(forward):
     seen = []
 
     def look(module, args):  # registered after offtensor's pre-hook: runs after it
-        (record,) = hooks.calls._calls
+        (record,) = hooks.calls.records
         frame = record[1]
         on_stack, f = [], sys._getframe()
         while f is not None:
@@ -643,4 +643,4 @@ def test_a_scope_call_records_the_frame_of_its_module_call(forward):
     block.register_forward_pre_hook(look)
     model(torch.randn(2, 8))
     assert seen == [("torch.nn.modules.module", True, True)]
-    assert hooks.calls._calls == []
+    assert hooks.calls.records == []
