@@ -513,7 +513,8 @@ class Hook:
         self.compiled_fn = fn if compiled_fn is None else compiled_fn
 
     def __call__(self, *args: Any) -> Any:
-        if _compile.in_compiled_region():
+        # in_compiled_region(), inlined: asked at each call of a scope, twice
+        if torch.compiler.is_compiling() or _compile.eval_frame_callback() is not None:
             return _compile.run_outside_dynamo(self.compiled_fn, args)
         return self.fn(*args)
 
