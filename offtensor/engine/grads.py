@@ -141,6 +141,7 @@ _disabled: Any = torch._C._disabled_torch_function_impl  # (fn, types, args), ty
 _GRAD_OF = torch._C.TensorBase.grad.__get__  # type: ignore[union-attr]
 _REQUIRES_GRAD_OF = torch._C.TensorBase.requires_grad.__get__  # type: ignore[attr-defined]
 _STRIDED = torch.strided
+_PARAM = operator.attrgetter("param")
 _ARRIVED = operator.attrgetter("arrived")
 
 
@@ -552,16 +553,20 @@ def _take_common(offload: GradOffload, slots: list[ParamSlot]) -> int:
         offload.enter_backward()
     adopt = not offload._streams.lagging  # no reducer, no hooks: Note [gradients computed on the host]
     batch: list[tuple[ParamSlot, torch.Tensor, torch.Tensor]] = []  # (slot, host buffer, gradient)
+    # The parameters' requires_grad and `p.grad`, read for all at once in C (nothing below sets them)
+    params = list(map(_PARAM, slots))
+    wanted = _disabled(list, (), (map(_REQUIRES_GRAD_OF, params),))
+    held = _disabled(list, (), (map(_GRAD_OF, params),))
     n = 0
-    for slot in slots:
+    for slot, requires_grad, param_grad in zip(slots, wanted, held, strict=True):
         arrived = slot.arrived
         if arrived:
-            leaf, param = arrived[0], slot.param
+            leaf = arrived[0]
             grad = leaf.grad
             if (grad is None or len(arrived) > 1 or leaf is not slot.device_leaf or slot.grad_hooks
                     or slot.grads_in_backward or slot.pending_step is not None or slot.old_grad is not None
-                    or grad.requires_grad or grad.layout is not _STRIDED
-                    or not _disabled(_REQUIRES_GRAD_OF, (), (param,)) or _disabled(_GRAD_OF, (), (param,)) is not None):
+                    or grad.requires_grad or grad.layout is not _STRIDED or not requires_grad
+                    or param_grad is not None):
                 break
             arrived.pop()
             leaf.grad = None  # the device copy keeps no gradient: it lives on the host

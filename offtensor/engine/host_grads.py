@@ -31,6 +31,8 @@ from ..scopes.streams import Streams
 
 _SET_GRAD = torch._C.TensorBase.grad.__set__  # type: ignore[union-attr]
 _POST_HOOKS = operator.attrgetter("post_hooks")
+_PARAM = operator.attrgetter("param")
+_HOST_GRAD = operator.attrgetter("host_grad")
 
 
 class CopiesHome:
@@ -124,7 +126,7 @@ def destination(slot: ParamSlot, current: torch.Tensor | None, grad: torch.Tenso
 def publish(slots: list[ParamSlot]) -> None:
     """Point each parameter's `.grad` at its completed host gradient, then run the user's
     post-accumulate-grad hooks (all grads first, as autograd would have them)."""
-    without_subclass_dispatch(set_grads, slots, [slot.host_grad for slot in slots])
+    without_subclass_dispatch(set_grads, slots, list(map(_HOST_GRAD, slots)))
     if not any(map(_POST_HOOKS, slots)):  # asked in C: none, most often
         return
     for slot in slots:
@@ -135,8 +137,8 @@ def publish(slots: list[ParamSlot]) -> None:
 def set_grads(slots: list[ParamSlot], grads: list[torch.Tensor | None]) -> None:
     """`slot.param.grad = grad` on the masters; call with subclass dispatch off. (TensorBase's
     setter, not OffloadedParameter's Python property, which would call it.)"""
-    for slot, grad in zip(slots, grads, strict=True):
-        _SET_GRAD(slot.param, grad)
+    assert len(slots) == len(grads)
+    any(map(_SET_GRAD, map(_PARAM, slots), grads))  # a loop in C: each setter returns None
 
 
 def new_host_grad(slot: ParamSlot) -> torch.Tensor:
