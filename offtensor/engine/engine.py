@@ -467,7 +467,7 @@ def start_kept_call(engine: Engine, scope: Scope, inputs: list[torch.Tensor]) ->
         scope.calls.counted_in_pass()  # after a new pass's start, which counts the pass afresh
         engine.calls.count(scope, inputs)
     else:
-        schedule.step(scope)
+        schedule.advance(scope, begins=False, outside_model=False, bounded=False)
         scope.calls.started_in_pass(grad=engine.calls.counts(inputs))
     engine._carried_fresh |= schedule.prefetch_forward(scope, carry=engine._carries_ahead)
     if engine.budget.timed is not None:

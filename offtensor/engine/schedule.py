@@ -245,11 +245,6 @@ class Schedule:
         """The pass follows the learned order, `scope` next: its forward only steps along (`advance`)."""
         return self.learned and not self._extended and self.pos < len(self.order) and self.order[self.pos] is scope
 
-    def step(self, scope: Scope) -> None:
-        """`scope`, next in the learned order (`next_in_order`), starts: what `advance` does then."""
-        assert self.order[self.pos] is scope, "a pass stepped past a scope it was not at"
-        self.pos += 1
-
     def is_last(self, scope: Scope) -> bool:
         """The scope ends the learned forward order, and the current pass is there."""
         return self.learned and not self._extended and self.pos == len(self.order) and self.order[-1] is scope
