@@ -76,15 +76,16 @@ def resident_copies(args: tuple, kwargs: dict, *,
 SCALAR_TYPES = frozenset({int, float, bool, type(None), str})
 
 
-def resident_copies_ready(scope: SlotScope, *, versions_read: bool = False) -> bool:
+def resident_copies_ready(scope: SlotScope, *, versions_read: bool = False, in_call: bool = True) -> bool:
     """Of a RESIDENT scope: `ready_copy` would return each slot's device copy but a routed expert
     parameter's (whose ops copy the rows they read: they keep the per-op path, Note [calls of a
     loaded scope] in engine/hooks.py); the copies' requires_grad set as `use_device_copy` sets it.
     The checks of ready_copy, with the version reads one per scope (Note [one version read per
     scope] in scopes/write_tracking.py): asked at each call of a kept scope. `versions_read`: the
-    masters' versions were just found unchanged since their copies (in the same pre-hook)."""
+    masters' versions were just found unchanged since their copies (in the same pre-hook).
+    `in_call=False`: asked before any call of the scope (Note [exposed passes] in engine/model_hooks.py)."""
     slots = scope.slots
-    if scope.calls.running <= 0 or scope.copy_order is None:
+    if (in_call and scope.calls.running <= 0) or scope.copy_order is None:
         return False
     holds = HOLDS[0]
     if scope.holds_seen != holds:  # Note [masters held from ops] (dispatch/slot.py)

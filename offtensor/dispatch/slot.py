@@ -519,15 +519,15 @@ class ParamSlot:
 
     def ready_copy(self) -> torch.Tensor | None:
         """The device copy an op gets (`OpAccess.materialize`, engine/access.py) when that takes no
-        host work, else None: the scope computing (in a call, or in its backward: a recompute that
-        runs no hook, Note [exposed recomputes] in engine/hooks.py), its copy order learned, no
+        host work, else None: the scope computing (in a call, exposed for a pass, or in its backward:
+        a recompute that runs no hook, Note [exposed recomputes] in engine/hooks.py), its copy order learned, no
         deferred step pending or shared step elsewhere, no write in this call, and the copy loaded or on its
         way (the scope resident, or every chunk of its load enqueued, nothing held back: the
         compute stream then waits for the chunk holding it, Note [progressive loads] in
         scopes/loading.py). Note [ops in a resident scope] in dispatch/ops.py."""
         scope = self.scope
         experts = self.experts  # routed: every expert there, or the call's choice (Note [ops in a resident scope])
-        if ((scope.calls.running <= 0 and not scope.in_its_backward()) or scope.copy_order is None
+        if ((scope.calls.running <= 0 and not scope.exposed and not scope.in_its_backward()) or scope.copy_order is None
                 or self.pending_step is not None or self.stepped_elsewhere is not None
                 or (experts is not None and not (experts.whole or experts.hinted))
                 or scope.writes.written_in_this_call(self)):

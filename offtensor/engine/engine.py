@@ -63,6 +63,7 @@ class ModelForward(enum.Enum):
     OUTSIDE = "outside"  # not in the model's forward (or no hook: a ModuleList was wrapped)
     STARTING = "starting"  # in it, before any scope: the next scope's forward starts a pass
     IN_PASS = "in pass"  # in it, the pass started
+    EXPOSED = "exposed"  # in it, every scope exposed at once (Note [exposed passes] in engine/model_hooks.py)
 
 
 class TrainingState(enum.Enum):

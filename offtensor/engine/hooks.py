@@ -29,17 +29,18 @@ plain parameter's, whatever dtypes its scope mixes.
 
 from __future__ import annotations
 
+import operator
 import sys
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from ..api import ScopeState
+from ..api import Residency, ScopeState
 from ..dispatch import compile as _compile
 from ..dispatch import wrapper_guards as _distributed
-from ..dispatch.device_copies import Exposure, unmark_exposed
+from ..dispatch.device_copies import unmark_exposed
 from ..dispatch.ops import resident_copies_ready
 from ..dispatch.slot import in_backward
 from ..scopes.experts import fill_all_experts
@@ -55,40 +56,40 @@ from .engine import (
     start_kept_backward,
     start_kept_call,
 )
-from .exposure import ExposurePlan
+from .exposed_calls import EagerExposure, homes_of
 from .failures import FailureCheck
 from .writes import DeviceVersions
 
 _graph_task = torch._C._current_graph_task_id  # -1 outside backward (in_backward, without its call)
 _transforms = torch._C._functorch.peek_interpreter_stack  # None outside torch.func transforms
 _thread_id = threading.get_ident
+_PACKED = operator.attrgetter("packed")
 
 
-class ScopeHooks:
+class PassPort(Protocol):
+    """What a scope's hooks ask of the model's exposed pass (ExposedPass in engine/model_hooks.py)."""
+
+    def live(self) -> bool: ...  # the pass runs: its model call was not left by an interrupt
+    def end_for_calls(self) -> None: ...  # a call that cannot skip its hooks: the pass goes on as a plain one
+
+
+class ScopeHooks(EagerExposure):
     """The forward hooks of one scope's module and the tensor hooks they place on its inputs
     and outputs (Note [backward triggers])."""
 
     def __init__(self, scope: Scope, engine: Engine) -> None:
-        self.scope = scope
-        self.engine = engine
+        super().__init__(scope, engine)
         self.calls = FailureCheck()  # did the module's forward raise (in _post_forward)
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         # Where the scope's parameters are registered: (module._parameters, key, slot), to
         # notice fully_shard replacing them (Note [data-parallel wrappers] in dispatch/wrapper_guards.py).
-        self._homes = _homes(scope)
+        self._homes = homes_of(scope)
         self._exposed: list[Home] | None = None  # Note [torch.compile]
         self._versions: DeviceVersions = []  # of the exposed copies (Note [writes in compiled code])
-        # The plan of an eager call with the copies exposed and their versions at its start
-        # (Note [calls of a loaded scope])
-        self._loaded: tuple[ExposurePlan, list[int]] | None = None
-        self._plan: ExposurePlan | None = None  # of the current device copies (Note [an exposure plan])
         self._compared = False  # a compiled call compared the copies with the masters
-        self._places: list[Home] | None = None  # cache of _current_homes
-        # The `.data` aliases of the exposed copies and their versions, while an eager call has
-        # them exposed (Note [calls of a loaded scope]); shared with the copies
-        self._exposure = Exposure()
-        self._attrs: ExposurePlan | None = None  # while they are exposed
         self._in_pre_hook = False  # a forward pre-hook of the scope runs
+        self.exposed_pass: PassPort | None = None  # set by the model's hooks (engine/model_hooks.py)
+        self._compiled_seen = False  # compiled code called the module: never exposed for a pass
 
     def install(self) -> None:
         module = self.scope.module
@@ -100,6 +101,7 @@ class ScopeHooks:
         self.handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
 
     def remove(self) -> None:
+        self.in_pass = False
         if self._attrs is not None:  # nothing of offtensor's stays in the modules
             self._unexpose_loaded()
         if self._exposed is not None:
@@ -120,6 +122,8 @@ class ScopeHooks:
     def exposure_live(self) -> bool:
         """The copies are still exposed once the calls an interrupt ended are forgotten (a
         stack walk: asked only for a write through a parameter whose copies are exposed)."""
+        if self.in_pass and self.exposed_pass is not None:
+            return self.exposed_pass.live()
         self.drop_interrupted()
         return self.scope.exposed
 
@@ -162,6 +166,14 @@ class ScopeHooks:
     def _eager_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The forward pre-hook run by eager code; the compiled path for a module whose own
         `forward` is compiled (Note [a compiled forward method] in dispatch/compile.py)."""
+        if self.in_pass:  # Note [exposed passes] in engine/model_hooks.py: the checks inline, asked at each call
+            plan, thread = self._attrs, _thread_id()
+            if (not torch.is_grad_enabled() and _graph_task() == -1 and _transforms() is None
+                    and self.engine.thread.owner == thread and self.scope.state is ScopeState.RESIDENT
+                    and plan is not None and plan.fits(self.scope)):
+                return
+            if self.engine.thread.owner == thread and self.exposed_pass is not None:
+                self.exposed_pass.end_for_calls()  # (another thread's call is refused below)
         if self._steady_pre(module, args, kwargs):
             return
         self._in_pre_hook = True
@@ -185,6 +197,8 @@ class ScopeHooks:
             self._expose_loaded(False)
 
     def _eager_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.in_pass:
+            return  # a call of an exposed pass, or one refused on another thread: nothing to end
         if self._exposure.aliases is not None:  # exposed by _expose_loaded
             if not self._steady_end(output):
                 self._end_loaded_call(module, args, kwargs, output)
@@ -244,50 +258,37 @@ class ScopeHooks:
         if resident_copies_ready(scope, versions_read=current):
             self._expose_plan()
 
-    def _expose_plan(self) -> None:
-        scope, plan = self.scope, self._plan
-        if plan is None or not plan.fits(scope):
-            self._plan = plan = ExposurePlan(scope, self._current_homes(), self._exposure)
-        self._loaded = (plan, versions_of(plan.leaves))
-        # Recorded before the attributes are set: an interrupt between the two leaves what
-        # _unexpose_loaded takes back at the next call (Note [interrupts]).
-        self._exposure.aliases, self._attrs = [], plan
-        plan.expose()
-        scope.exposed = True
-
-    def _unexpose_loaded(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        """Take the device copies back out of the modules' attributes; the `.data` aliases
-        noted while they were there."""
-        plan, aliases = self._attrs, self._exposure.aliases
-        self.scope.exposed = False  # first: writes through the parameters reach the masters again
-        if plan is not None:
-            plan.take_back()
-        # Forgotten once every attribute is back: an interrupt in the loop leaves them recorded.
-        self._attrs, self._exposure.aliases = None, None
-        return aliases or []
-
     def _end_loaded_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """The copies taken back, their writes into the masters, then the eager hook (which may
         release the scope)."""
         if self.scope.calls.running <= 1:
-            aliases = self._unexpose_loaded()
-            loaded, self._loaded = self._loaded, None
-            assert loaded is not None
-            aliased = {id(leaf) for leaf, alias, v in aliases if alias._version != v} if aliases else set()
-            plan, versions = loaded
             try:
-                # One read per scope (Note [one version read per scope])
-                if aliased or versions_of(plan.leaves) != versions:
-                    self.engine.writes.exposed_call_ended(
-                        self.scope, list(zip(plan.slots, plan.leaves, versions, strict=True)), aliased=aliased)
+                self._take_back_loaded()
             except RuntimeError:
                 self._post_forward(module, args, kwargs, output)  # sees the error: a failed call
                 raise
         self._post_forward(module, args, kwargs, output)
 
+    # ---- exposed passes (Note [exposed passes] in engine/model_hooks.py) -------------------------
+
+    def exposable(self) -> bool:
+        """The scope can be exposed for a whole inference pass: kept, resident, its copies current,
+        none of its calls running or recorded, nothing compiled, no master compressed or in a file
+        (whose writes are refused inside a call, which an exposed pass does not count); reads only."""
+        scope = self.scope
+        return (scope.state is ScopeState.RESIDENT and scope.residency is Residency.KEPT and scope.calls.running == 0
+                and not scope.routed and not scope.compute_dtype_differs and not any(map(_PACKED, scope.slots))
+                and self._attrs is None
+                and self._exposed is None and self._exposure.aliases is None and not self.calls.records
+                and not self._compiled_seen and not _compile.compiled_function(scope.module.forward)
+                and getattr(scope.module, "_compiled_call_impl", None) is None
+                and not scope.writes.written_since_copied()
+                and resident_copies_ready(scope, versions_read=True, in_call=False))
+
     def compiled_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The forward pre-hook when compiled code calls the module: the eager hook, then the
         whole scope resident and its device copies in place of the parameters."""
+        self._compiled_seen = True
         was, self._in_pre_hook = self._in_pre_hook, True  # not exposed as for an eager call
         try:
             self._pre_forward(module, args, kwargs)
@@ -345,20 +346,6 @@ class ScopeHooks:
         places, self._exposed = self._exposed, None
         for params, key, slot in places or ():
             params[key] = slot.param
-
-    def _current_homes(self) -> list[Home]:
-        """Where the scope's parameters are registered now (a parameter shared by several
-        modules of the scope once per module)."""
-        # Not self._homes: the DDP/fully_shard check compares against where they were at wrap.
-        places = self._places
-        if places is not None:
-            for params, key, slot in places:  # a loop, not any(): asked at each call of a kept scope
-                if key not in params or params[key] is not slot.param:
-                    break
-            else:
-                return places
-        self._places = _homes(self.scope)
-        return self._places
 
     def inputs_done(self) -> None:
         self.engine.post_backward(self.scope)
@@ -477,33 +464,6 @@ class _FirstOutputGrad:
             hooks.engine.pre_backward(scope, create_graph=create_graph)
 
 
-class ModelHooks:
-    """The hooks on the wrapped model's own forward: it starts the first scope's load
-    (Engine.begin_forward) and, if it raises, releases every scope."""
-
-    def __init__(self, engine: Engine, scope_hooks: list[ScopeHooks]) -> None:
-        self.engine = engine
-        self.scope_hooks = scope_hooks
-        self.calls = FailureCheck()
-
-    def install(self, model: nn.Module) -> None:
-        self.engine.handles.append(model.register_forward_pre_hook(Hook(self._pre)))
-        self.engine.handles.append(model.register_forward_hook(Hook(self._post), always_call=True))
-
-    def _pre(self, module: nn.Module, args: tuple) -> None:
-        engine = self.engine
-        engine.thread.check("the model's forward")
-        if self.calls.enter():
-            engine.abort()  # an earlier forward was interrupted (KeyboardInterrupt): as if it raised
-        for hooks in self.scope_hooks:  # before anything else runs: FailureCheck.drop_interrupted
-            hooks.drop_interrupted()
-        engine.begin_forward()
-
-    def _post(self, module: nn.Module, args: tuple, output: object) -> None:
-        if not self.engine.thread.foreign():  # a call refused by ThreadOwner.check: nothing to undo
-            self.engine.end_forward(failed=self.calls.failed())
-
-
 class Hook:
     """A module hook calling `fn`, or `compiled_fn` outside dynamo when compiled code calls it
     (Note [torch.compile] in dispatch/compile.py); its copies do nothing (Note [copies of a wrapped model])."""
@@ -562,11 +522,3 @@ def _forget_calls(scope: Scope, n: int) -> None:
     scope.calls.ended(n, failed=True)
     if scope.calls.running == 0:
         scope.release(force=True)
-
-
-def _homes(scope: Scope) -> list[Home]:
-    """Where the scope's offloaded parameters are registered now: (module._parameters, key,
-    slot), a parameter shared by several modules of the scope once per module."""
-    ours = {id(slot.param): slot for slot in scope.slots}
-    return [(m._parameters, k, ours[id(p)]) for m in scope.module.modules()
-            for k, p in m._parameters.items() if p is not None and id(p) in ours]

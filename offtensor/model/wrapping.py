@@ -32,8 +32,9 @@ from ..dispatch.param import OffloadedParameter
 from ..dispatch.slot import ParamSlot
 from ..dispatch.wrapper_guards import check_model
 from ..engine.engine import ENGINE_ATTR, Engine, engine_of
-from ..engine.hooks import ModelHooks, ScopeHooks
+from ..engine.hooks import ScopeHooks
 from ..engine.host_grads import new_host_grad
+from ..engine.model_hooks import ModelHooks
 from ..formats import RowReader, frozen_format
 from ..optim.overlap import wait_for_steps
 from ..scopes.experts import route_experts

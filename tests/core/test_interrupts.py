@@ -363,6 +363,53 @@ def test_interrupt_anywhere_in_an_inference_call_that_carries_leaves_no_state_ch
     assert not failures, f"{len(failures)} of {len(points)} interrupt points failed:\n" + "\n".join(failures[:10])
 
 
+def test_interrupt_anywhere_in_an_exposed_inference_pass_leaves_no_state_changed(one_thread):
+    """Inference forwards of a model whose scopes are all kept, each an exposed pass (Note
+    [exposed passes] in engine/model_hooks.py), interrupted at spread-out points (every event in
+    the full tier): no setting is left changed, the next forwards equal a plain copy's and leave
+    no copy in the modules' attributes, and a training step after them is exact."""
+    model = mlp_of_blocks(n_blocks=3)
+    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=1 << 30))
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+
+    def call() -> None:
+        with torch.no_grad():
+            model(x)
+
+    for _ in range(3):  # learn the order and load: later calls are exposed passes
+        call()
+    assert model._offtensor_engine.scopes and all(s.kept for s in offtensor.summary(model).scopes)
+    expected = _global_state()
+    counter = Interrupter(at=None)
+    counter.run(call)
+    total = counter.events
+    assert total > 50, total
+    points = list(range(1, total + 1)) if tiers.FULL else _interrupt_points("exposed_pass", total)
+    failures: list[str] = []
+    for at in points:
+        Interrupter(at).run(call)
+        try:
+            state = _global_state()
+            changed = {k: (expected[k], v) for k, v in state.items() if v != expected[k]}
+            assert not changed, f"state changed (before, after): {changed}"
+            reference = copy.deepcopy(model)
+            with torch.no_grad():
+                for _ in range(2):
+                    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+            exposed = [(name, key) for name, m in model.named_modules() for key in m._parameters if key in m.__dict__]
+            assert not exposed, f"copies left in the modules' attributes: {exposed}"
+            _check_step(model, x, y, overlap=False)
+            call()
+        except Exception as e:  # noqa: BLE001 - collected, reported together below
+            failures.append(f"interrupt at event {at}/{total}: {type(e).__name__}: {e}"[:600])
+            _restore_global_state(expected)
+            model = mlp_of_blocks(n_blocks=3)
+            offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=1 << 30))
+            for _ in range(3):
+                call()
+    assert not failures, f"{len(failures)} of {len(points)} interrupt points failed:\n" + "\n".join(failures[:10])
+
+
 def _tiny_routed_moe() -> torch.nn.Module:
     """A 2-layer Qwen3-MoE (16 experts, top 2, grouped_mm) with its experts routed, on the CPU."""
     model = tiny_qwen3_moe()

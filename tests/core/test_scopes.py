@@ -740,12 +740,13 @@ def test_a_kept_scope_released_during_a_pass_is_prefetched_again():
     reference = unwrapped_reference(model, "cpu")
     offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=1 << 30))
     x = torch.randn(4, 8)
-    with torch.no_grad():
-        for _ in range(2):
-            model(x)  # the order is learned, every scope kept and loaded
-        released = model.blocks[3].fc.weight._ot.scope
-        assert released.state is ScopeState.RESIDENT
-        before = released.loads_on_demand
-        model.blocks[1].release = released  # after the pass's first prefetch remembered blocks 1-4
-        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    # With grad on: a no_grad forward of a model whose scopes are all kept is an exposed pass,
+    # which prefetches nothing (Note [exposed passes] in engine/model_hooks.py).
+    for _ in range(2):
+        model(x)  # the order is learned, every scope kept and loaded
+    released = model.blocks[3].fc.weight._ot.scope
+    assert released.state is ScopeState.RESIDENT
+    before = released.loads_on_demand
+    model.blocks[1].release = released  # after the pass's first prefetch remembered blocks 1-4
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
     assert released.loads_on_demand == before and released.state is ScopeState.RESIDENT

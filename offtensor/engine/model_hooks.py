@@ -1,0 +1,152 @@
+"""The hooks on the wrapped model's own forward (ModelHooks), and its exposed passes (ExposedPass):
+inference passes whose scopes' copies are put in place once for the whole forward."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..dispatch import compile as _compile
+from ..dispatch import wrapper_guards as _distributed
+from ..dispatch.function_apply import recorded_functions
+from .call_args import call_tensors
+from .engine import Engine, ModelForward
+from .failures import FailureCheck
+from .hooks import Hook, ScopeHooks
+
+# Note [exposed passes]
+# A kept scope's steady call still runs its hooks' checks and bookkeeping (Note [steady calls] in
+# engine/engine.py), and between kernels, out of cache, that path is what a host-bound inference
+# forward pays above the plain model; with no scope hook doing anything, the same forward costs
+# about what the plain model does. So when the model's forward starts with grad off, outside
+# backward, transforms, tracing, compiled code and data parallelism, with nothing held back, no
+# timed layout, no input requiring grad, and every scope kept, resident, current and idle
+# (`ScopeHooks.exposable`), its pre-hook exposes every scope's copies at once (an eager call's
+# plan, Note [calls of a loaded scope] in engine/hooks.py) and the scopes' hooks return at their
+# first check; the model's post-hook takes the copies out and copies what the forward wrote into
+# them into the masters, as each call's end would have, also when the forward raised. Nothing of
+# the schedule's moves: the pass is not one of the learned order's. A scope call that cannot
+# skip (grad enabled inside the forward, backward, a transform, its parameters registered anew)
+# ends the exposed pass for every scope, writes kept, and the forward goes on as a plain pass
+# from there; a call on another thread is refused (the engine counts as busy). An interrupt
+# that leaves the pass is found by the model's call record, at its next forward or at a write
+# through a parameter (`live`): the copies go, their writes not copied back (Note [writes after an
+# interrupt] in engine/hooks.py). A forward of the model inside its own exposed pass ends it.
+
+_graph_task = torch._C._current_graph_task_id
+_transforms = torch._C._functorch.peek_interpreter_stack
+
+
+class ExposedPass:
+    """The model's current exposed pass, if any (Note [exposed passes])."""
+
+    def __init__(self, engine: Engine, scope_hooks: list[ScopeHooks], model_calls: FailureCheck) -> None:
+        self.engine = engine
+        self.scope_hooks = scope_hooks
+        self._model_calls = model_calls  # the record of the model call that began the pass
+        self.active = False
+        for hooks in scope_hooks:
+            hooks.exposed_pass = self
+
+    def begin(self, args: tuple, kwargs: dict) -> bool:
+        """If the model's forward starting now can be an exposed pass: every scope exposed,
+        and True; else False, nothing changed."""
+        engine, grads = self.engine, self.engine.grads
+        if (torch.is_grad_enabled() or recorded_functions.depth or engine.model_forward is not ModelForward.OUTSIDE
+                or _graph_task() != -1 or _transforms() is not None or _compile.tracing() or _distributed.active()
+                or engine.streams.switched_from is not None or engine.live.holds_back
+                or engine.budget.timed is not None or grads.stepper is not None or grads.reducer is not None
+                or grads.in_backward() or any(t.requires_grad for t in call_tensors(args, kwargs))
+                or not all(hooks.exposable() for hooks in self.scope_hooks)):
+            return False
+        engine.model_forward = ModelForward.EXPOSED
+        self.active = True  # first: an interrupt in the loop leaves what `drop` takes back
+        for hooks in self.scope_hooks:
+            hooks.expose_for_pass()
+        return True
+
+    def end(self) -> None:
+        """The pass ends: every scope's copies out, what the forward wrote into them copied into
+        the masters (each scope's, also when one of them raises: the first error is raised)."""
+        error: RuntimeError | None = None
+        for hooks in self.scope_hooks:
+            if hooks.in_pass:
+                try:
+                    hooks.leave_pass(copy_back=True)
+                except RuntimeError as e:  # a written copy whose master is compressed or in a file
+                    error = error or e
+        self._ended()
+        if error is not None:
+            raise error
+
+    def end_for_calls(self) -> None:
+        """A scope's call cannot skip its hooks: the pass ends, and the forward goes on as a
+        plain pass from this call on."""
+        self.end()
+        self.engine.begin_forward()
+
+    def live(self) -> bool:
+        """The pass runs: its model call was not left by an interrupt (a stack walk: asked for
+        a write through a parameter whose copies are exposed); an interrupted one is dropped."""
+        if self.active and self._model_calls.drop_interrupted():
+            self.drop()
+        return self.active
+
+    def drop(self) -> None:
+        """An interrupt left the pass: the copies out, their writes not copied back."""
+        for hooks in self.scope_hooks:
+            if hooks.in_pass:
+                hooks.leave_pass(copy_back=False)
+        self._ended()
+
+    def _ended(self) -> None:
+        self.active = False
+        self.engine.model_forward = ModelForward.OUTSIDE
+
+
+class ModelHooks:
+    """The hooks on the wrapped model's own forward: it starts the first scope's load
+    (Engine.begin_forward) or an exposed pass, and, if it raises, releases every scope."""
+
+    def __init__(self, engine: Engine, scope_hooks: list[ScopeHooks]) -> None:
+        self.engine = engine
+        self.scope_hooks = scope_hooks
+        self.calls = FailureCheck()
+        self.exposed = ExposedPass(engine, scope_hooks, self.calls)
+
+    def install(self, model: nn.Module) -> None:
+        pre = Hook(self._pre, self._compiled_pre)
+        self.engine.handles.append(model.register_forward_pre_hook(pre, with_kwargs=True))
+        self.engine.handles.append(model.register_forward_hook(Hook(self._post), always_call=True))
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._begin(args, kwargs, exposable=True)
+
+    def _compiled_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._begin(args, kwargs, exposable=False)
+
+    def _begin(self, args: tuple, kwargs: dict, *, exposable: bool) -> None:
+        engine = self.engine
+        engine.thread.check("the model's forward")
+        interrupted = self.calls.enter()
+        if self.exposed.active:  # left by an interrupt, or this forward runs inside it
+            if interrupted:
+                self.exposed.drop()
+            else:
+                self.exposed.end()
+        if interrupted:
+            engine.abort()  # an earlier forward was interrupted (KeyboardInterrupt): as if it raised
+        for hooks in self.scope_hooks:  # before anything else runs: FailureCheck.drop_interrupted
+            hooks.drop_interrupted()
+        if exposable and self.exposed.begin(args, kwargs):
+            return
+        engine.begin_forward()
+
+    def _post(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self.engine.thread.foreign():  # a call refused by ThreadOwner.check: nothing to undo
+            return
+        failed = self.calls.failed()
+        if self.exposed.active:
+            self.exposed.end()
+            return
+        self.engine.end_forward(failed=failed)
