@@ -50,13 +50,14 @@ class ExposedPass:
 
     def begin(self, args: tuple, kwargs: dict) -> bool:
         """If the model's forward starting now can be an exposed pass: every scope exposed,
-        and True; else False, nothing changed."""
+        and True; else False, nothing changed. (A backward in progress: ThreadOwner.check refused
+        the forward already.)"""
         engine, grads = self.engine, self.engine.grads
         if (torch.is_grad_enabled() or recorded_functions.depth or engine.model_forward is not ModelForward.OUTSIDE
                 or _graph_task() != -1 or _transforms() is not None or _compile.tracing() or _distributed.active()
                 or engine.streams.switched_from is not None or engine.live.holds_back
                 or engine.budget.timed is not None or grads.stepper is not None or grads.reducer is not None
-                or grads.in_backward() or any(t.requires_grad for t in call_tensors(args, kwargs))
+                or any(t.requires_grad for t in call_tensors(args, kwargs))
                 or not all(hooks.exposable() for hooks in self.scope_hooks)):
             return False
         engine.model_forward = ModelForward.EXPOSED

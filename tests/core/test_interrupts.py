@@ -319,72 +319,27 @@ def test_interrupt_at_every_event_of_the_clipped_steps_total_norm_leaves_no_stat
     _check_step(model, x, y, overlap=True)
 
 
-def test_interrupt_anywhere_in_an_inference_call_that_carries_leaves_no_state_changed(one_thread):
-    """Inference calls under a VRAM budget, whose ends load the next call's first scopes and carry
-    them (Note [carried into the next forward] in budget/vram.py), interrupted at spread-out
-    points: no setting is left changed, the next calls equal a plain copy's, nothing but kept
-    and carried scopes holds device memory, and a training step after them is exact."""
-    model = _build(budget=True).eval()
+def _fuzz_inference(variant: str, build: Callable[[], torch.nn.Module], check: Callable[[torch.nn.Module], None],
+                    *, every_event: bool = False) -> None:
+    """Interrupt a no_grad call of `build()`'s model (after three that learn its order) at
+    spread-out points, or at every event in the full tier (`every_event`): no setting is left
+    changed, the next calls equal a plain copy's and pass `check`, and a training step after
+    them is exact."""
+    model = build()
     x, y = torch.randn(4, 8), torch.randn(4, 4)
 
     def call() -> None:
         with torch.no_grad():
             model(x)
 
-    for _ in range(3):  # learn the order: the calls' ends carry
+    for _ in range(3):
         call()
-    assert any(s.carried for s in offtensor.summary(model).scopes), "nothing carried between calls"
-    expected = _global_state()
-    counter = Interrupter(at=None)
-    counter.run(call)
-    total = counter.events
-    assert total > 100, total
-    points = _interrupt_points("inference_carry", total)
-    failures: list[str] = []
-    for at in points:
-        Interrupter(at).run(call)
-        try:
-            state = _global_state()
-            changed = {k: (expected[k], v) for k, v in state.items() if v != expected[k]}
-            assert not changed, f"state changed (before, after): {changed}"
-            reference = copy.deepcopy(model)
-            with torch.no_grad():
-                for _ in range(2):
-                    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
-            assert_all_scopes_offloaded(model)
-            _check_step(model, x, y, overlap=False)
-            call()  # (the step released what the calls carried: carry again)
-        except Exception as e:  # noqa: BLE001 - collected, reported together below
-            failures.append(f"interrupt at event {at}/{total}: {type(e).__name__}: {e}"[:600])
-            _restore_global_state(expected)
-            model = _build(budget=True).eval()
-            for _ in range(3):
-                call()
-    assert not failures, f"{len(failures)} of {len(points)} interrupt points failed:\n" + "\n".join(failures[:10])
-
-
-def test_interrupt_anywhere_in_an_exposed_inference_pass_leaves_no_state_changed(one_thread):
-    """Inference forwards of a model whose scopes are all kept, each an exposed pass (Note
-    [exposed passes] in engine/model_hooks.py), interrupted at spread-out points (every event in
-    the full tier): no setting is left changed, the next forwards equal a plain copy's and leave
-    no copy in the modules' attributes, and a training step after them is exact."""
-    model = mlp_of_blocks(n_blocks=3)
-    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=1 << 30))
-    x, y = torch.randn(4, 8), torch.randn(4, 4)
-
-    def call() -> None:
-        with torch.no_grad():
-            model(x)
-
-    for _ in range(3):  # learn the order and load: later calls are exposed passes
-        call()
-    assert model._offtensor_engine.scopes and all(s.kept for s in offtensor.summary(model).scopes)
     expected = _global_state()
     counter = Interrupter(at=None)
     counter.run(call)
     total = counter.events
     assert total > 50, total
-    points = list(range(1, total + 1)) if tiers.FULL else _interrupt_points("exposed_pass", total)
+    points = list(range(1, total + 1)) if every_event and tiers.FULL else _interrupt_points(variant, total)
     failures: list[str] = []
     for at in points:
         Interrupter(at).run(call)
@@ -396,18 +351,48 @@ def test_interrupt_anywhere_in_an_exposed_inference_pass_leaves_no_state_changed
             with torch.no_grad():
                 for _ in range(2):
                     torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
-            exposed = [(name, key) for name, m in model.named_modules() for key in m._parameters if key in m.__dict__]
-            assert not exposed, f"copies left in the modules' attributes: {exposed}"
+            check(model)
             _check_step(model, x, y, overlap=False)
-            call()
+            call()  # (the step released what the calls carried: carry again)
         except Exception as e:  # noqa: BLE001 - collected, reported together below
             failures.append(f"interrupt at event {at}/{total}: {type(e).__name__}: {e}"[:600])
             _restore_global_state(expected)
-            model = mlp_of_blocks(n_blocks=3)
-            offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=1 << 30))
+            model = build()
             for _ in range(3):
                 call()
     assert not failures, f"{len(failures)} of {len(points)} interrupt points failed:\n" + "\n".join(failures[:10])
+
+
+def test_interrupt_anywhere_in_an_inference_call_that_carries_leaves_no_state_changed(one_thread):
+    """Inference calls under a VRAM budget, whose ends load the next call's first scopes and carry
+    them (Note [carried into the next forward] in budget/vram.py), interrupted at spread-out
+    points: nothing but kept and carried scopes holds device memory after the next calls."""
+    def build() -> torch.nn.Module:
+        model = _build(budget=True).eval()
+        with torch.no_grad():
+            for _ in range(3):  # learn the order: the calls' ends carry
+                model(torch.randn(4, 8))
+        assert any(s.carried for s in offtensor.summary(model).scopes), "nothing carried between calls"
+        return model
+
+    _fuzz_inference("inference_carry", build, assert_all_scopes_offloaded)
+
+
+def test_interrupt_anywhere_in_an_exposed_inference_pass_leaves_no_state_changed(one_thread):
+    """Inference forwards of a model whose scopes are all kept, each an exposed pass (Note
+    [exposed passes] in engine/model_hooks.py), interrupted anywhere (every event in the full
+    tier): the next forwards leave no copy in the modules' attributes."""
+    def build() -> torch.nn.Module:
+        model = mlp_of_blocks(n_blocks=3)
+        offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=1 << 30))
+        assert all(s.kept for s in offtensor.summary(model).scopes)
+        return model
+
+    def nothing_exposed(model: torch.nn.Module) -> None:
+        exposed = [(name, key) for name, m in model.named_modules() for key in m._parameters if key in m.__dict__]
+        assert not exposed, f"copies left in the modules' attributes: {exposed}"
+
+    _fuzz_inference("exposed_pass", build, nothing_exposed, every_event=True)
 
 
 def _tiny_routed_moe() -> torch.nn.Module:
