@@ -389,6 +389,7 @@ def test_gradient_hooks_registered_before_wrap_fire_and_come_back_at_unwrap(devi
     backward_both(1)
     assert seen[0] == ["post fc1"]
     offtensor.unwrap(model)
+    model.to(device)  # unwrap leaves the parameters on the host
     backward_both(2)  # the `register_hook` hook and fc1's post hook are back on the plain parameters
     assert seen[0] == ["post fc1"]
     for hs in handles:
