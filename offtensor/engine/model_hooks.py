@@ -44,9 +44,13 @@ class ExposedPass:
         self.engine = engine
         self.scope_hooks = scope_hooks
         self._model_calls = model_calls  # the record of the model call that began the pass
-        self.active = False
         for hooks in scope_hooks:
             hooks.exposed_pass = self
+
+    @property
+    def active(self) -> bool:
+        """A pass is exposed (or an interrupt left one): the engine's state says so."""
+        return self.engine.model_forward is ModelForward.EXPOSED
 
     def begin(self, args: tuple, kwargs: dict) -> bool:
         """If the model's forward starting now can be an exposed pass: every scope exposed,
@@ -60,8 +64,7 @@ class ExposedPass:
                 or any(t.requires_grad for t in call_tensors(args, kwargs))
                 or not all(hooks.exposable() for hooks in self.scope_hooks)):
             return False
-        engine.model_forward = ModelForward.EXPOSED
-        self.active = True  # first: an interrupt in the loop leaves what `drop` takes back
+        engine.model_forward = ModelForward.EXPOSED  # first: an interrupt in the loop leaves what `drop` takes back
         for hooks in self.scope_hooks:
             hooks.expose_for_pass()
         return True
@@ -74,9 +77,9 @@ class ExposedPass:
             if hooks.in_pass:
                 try:
                     hooks.leave_pass(copy_back=True)
-                except RuntimeError as e:  # a written copy whose master is compressed or in a file
+                except RuntimeError as e:  # a written copy that cannot be copied back (MasterWrites)
                     error = error or e
-        self._ended()
+        self.engine.model_forward = ModelForward.OUTSIDE
         if error is not None:
             raise error
 
@@ -98,10 +101,6 @@ class ExposedPass:
         for hooks in self.scope_hooks:
             if hooks.in_pass:
                 hooks.leave_pass(copy_back=False)
-        self._ended()
-
-    def _ended(self) -> None:
-        self.active = False
         self.engine.model_forward = ModelForward.OUTSIDE
 
 
@@ -146,7 +145,7 @@ class ModelHooks:
     def _post(self, module: nn.Module, args: tuple, output: object) -> None:
         if self.engine.thread.foreign():  # a call refused by ThreadOwner.check: nothing to undo
             return
-        failed = self.calls.failed()
+        failed = self.calls.failed()  # (pops the call's record in either case)
         if self.exposed.active:
             self.exposed.end()
             return
