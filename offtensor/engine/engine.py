@@ -249,11 +249,7 @@ class Engine:
             self._start_pass(scope)
 
     def _start_pass(self, first: Scope) -> None:
-        self.grads.reset_if_stale()
-        self.calls.pass_started()
-        self._forget_backward()
-        trained = self.training is TrainingState.TRAINING
-        self.training = TrainingState.EXPECTING_BACKWARD if trained else TrainingState.INFERENCE
+        start_grad_pass(self)
         for scope in self.scopes:
             scope.calls.new_pass()
             if scope is not first:
@@ -428,6 +424,16 @@ class Engine:
             self.live.release_all()
         for callback in self.on_abort:
             callback()
+
+
+def start_grad_pass(engine: Engine) -> None:
+    """What a pass's start does for the gradient path and the training state (also for an exposed
+    pass with grad: Note [exposed passes] in engine/model_hooks.py)."""
+    engine.grads.reset_if_stale()
+    engine.calls.pass_started()
+    engine._forget_backward()
+    trained = engine.training is TrainingState.TRAINING
+    engine.training = TrainingState.EXPECTING_BACKWARD if trained else TrainingState.INFERENCE
 
 
 # Note [steady calls]

@@ -69,6 +69,7 @@ _PACKED = operator.attrgetter("packed")
 class PassPort(Protocol):
     """What a scope's hooks ask of the model's exposed pass (ExposedPass in engine/model_hooks.py)."""
 
+    grad: bool  # the pass began with grad enabled: its calls place the backward's triggers
     def live(self) -> bool: ...  # the pass runs: its model call was not left by an interrupt
     def end_for_calls(self) -> None: ...  # a call that cannot skip its hooks: the pass goes on as a plain one
 
@@ -167,13 +168,17 @@ class ScopeHooks(EagerExposure):
         """The forward pre-hook run by eager code; the compiled path for a module whose own
         `forward` is compiled (Note [a compiled forward method] in dispatch/compile.py)."""
         if self.in_pass:  # Note [exposed passes] in engine/model_hooks.py: the checks inline, asked at each call
-            plan, thread = self._attrs, _thread_id()
-            if (not torch.is_grad_enabled() and _graph_task() == -1 and _transforms() is None
-                    and self.engine.thread.owner == thread and self.scope.state is ScopeState.RESIDENT
-                    and plan is not None and plan.fits(self.scope)):
-                return
-            if self.engine.thread.owner == thread and self.exposed_pass is not None:
-                self.exposed_pass.end_for_calls()  # (another thread's call is refused below)
+            plan, thread, exposed_pass = self._attrs, _thread_id(), self.exposed_pass
+            if (_graph_task() == -1 and _transforms() is None and self.engine.thread.owner == thread
+                    and self.scope.state is ScopeState.RESIDENT and plan is not None and plan.fits(self.scope)
+                    and exposed_pass is not None):
+                if exposed_pass.grad:
+                    _hook_pass_call(self, call_tensors(args, kwargs))
+                    return
+                if not torch.is_grad_enabled():
+                    return
+            if self.engine.thread.owner == thread and exposed_pass is not None:
+                exposed_pass.end_for_calls()  # (another thread's call is refused below)
         if self._steady_pre(module, args, kwargs):
             return
         self._in_pre_hook = True
@@ -197,8 +202,10 @@ class ScopeHooks(EagerExposure):
             self._expose_loaded(False)
 
     def _eager_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self.in_pass:
-            return  # a call of an exposed pass, or one refused on another thread: nothing to end
+        if self.in_pass:  # a call of an exposed pass, or one refused on another thread: nothing to end
+            if torch.is_grad_enabled() and self.engine.thread.owner == _thread_id():
+                _hook_outputs(self, output)  # (a pass with grad off ended when grad was turned on)
+            return
         if self._exposure.aliases is not None:  # exposed by _expose_loaded
             if not self._steady_end(output):
                 self._end_loaded_call(module, args, kwargs, output)
@@ -499,6 +506,15 @@ def _hook_inputs(hooks: ScopeHooks, tensors: list[torch.Tensor]) -> None:
         done = _AllInputGrads(hooks, len(inputs))
         for t in inputs:
             on_grad(t, done)
+
+
+def _hook_pass_call(hooks: ScopeHooks, tensors: list[torch.Tensor]) -> None:
+    """A call of an exposed pass with grad (Note [exposed passes] in engine/model_hooks.py): counted
+    if it can add to a gradient, as a steady call is, and its inputs hooked."""
+    if hooks.engine.calls.counts(tensors):
+        hooks.scope.calls.grad_call()
+    if torch.is_grad_enabled():
+        _hook_inputs(hooks, tensors)
 
 
 def _hook_outputs(hooks: ScopeHooks, output: Any) -> bool:

@@ -10,28 +10,29 @@ from ..dispatch import compile as _compile
 from ..dispatch import wrapper_guards as _distributed
 from ..dispatch.function_apply import recorded_functions
 from .call_args import call_tensors
-from .engine import Engine, ModelForward
+from .engine import Engine, ModelForward, start_grad_pass
 from .failures import FailureCheck
 from .hooks import Hook, ScopeHooks
 
 # Note [exposed passes]
 # A kept scope's steady call still runs its hooks' checks and bookkeeping (Note [steady calls] in
-# engine/engine.py), and between kernels, out of cache, that path is what a host-bound inference
-# forward pays above the plain model; with no scope hook doing anything, the same forward costs
-# about what the plain model does. So when the model's forward starts with grad off, outside
-# backward, transforms, tracing, compiled code and data parallelism, with nothing held back, no
-# timed layout, no input requiring grad, and every scope kept, resident, current and idle
+# engine/engine.py), and between kernels, out of cache, that path is what a host-bound forward
+# pays above the plain model. So when the model's forward starts outside backward, transforms,
+# tracing, compiled code, custom Functions and data parallelism, with no optimizer worker, nothing
+# held back, no timed layout, and every scope kept, resident, current and idle
 # (`ScopeHooks.exposable`), its pre-hook exposes every scope's copies at once (an eager call's
-# plan, Note [calls of a loaded scope] in engine/hooks.py) and the scopes' hooks return at their
-# first check; the model's post-hook takes the copies out and copies what the forward wrote into
-# them into the masters, as each call's end would have, also when the forward raised. Nothing of
-# the schedule's moves: the pass is not one of the learned order's. A scope call that cannot
-# skip (grad enabled inside the forward, backward, a transform, its parameters registered anew)
-# ends the exposed pass for every scope, writes kept, and the forward goes on as a plain pass
-# from there; a call on another thread is refused (the engine counts as busy). An interrupt
-# that leaves the pass is found by the model's call record, at its next forward or at a write
-# through a parameter (`live`): the copies go, their writes not copied back (Note [writes after an
-# interrupt] in engine/hooks.py). A forward of the model inside its own exposed pass ends it.
+# plan, Note [calls of a loaded scope] in engine/hooks.py); the post-hook takes them out and copies
+# what the forward wrote into the masters, also when it raised. The scopes' hooks return at their
+# first check; in a pass begun with grad on they still count a call that can add to a gradient
+# and place the backward's triggers on its inputs and outputs (Note [backward triggers]), so the
+# backward runs per scope as after steady calls, and the pass starts as a pass does for gradients
+# (`start_grad_pass`); with grad off an input may not require grad. The schedule is not moved: the
+# pass is not one of the learned order's. A call that cannot skip (grad turned on in a pass begun
+# without, a transform, its parameters registered anew) ends the pass for every scope, writes
+# kept, and the forward goes on as a plain pass; a call on another thread is refused (the engine
+# counts as busy). An interrupt is found by the model's call record, at its next forward or a
+# write through a parameter (`live`): the copies go, their writes not copied back (Note [writes
+# after an interrupt] in engine/hooks.py). A forward of the model inside its own pass ends it.
 
 _graph_task = torch._C._current_graph_task_id
 _transforms = torch._C._functorch.peek_interpreter_stack
@@ -44,6 +45,7 @@ class ExposedPass:
         self.engine = engine
         self.scope_hooks = scope_hooks
         self._model_calls = model_calls  # the record of the model call that began the pass
+        self.grad = False  # the pass began with grad enabled
         for hooks in scope_hooks:
             hooks.exposed_pass = self
 
@@ -57,21 +59,28 @@ class ExposedPass:
         and True; else False, nothing changed. (A backward in progress: ThreadOwner.check refused
         the forward already.)"""
         engine, grads = self.engine, self.engine.grads
-        if (torch.is_grad_enabled() or recorded_functions.depth or engine.model_forward is not ModelForward.OUTSIDE
+        grad = torch.is_grad_enabled()
+        if (recorded_functions.depth or engine.model_forward is not ModelForward.OUTSIDE
                 or _graph_task() != -1 or _transforms() is not None or _compile.tracing() or _distributed.active()
                 or engine.streams.switched_from is not None or engine.live.holds_back
                 or engine.budget.timed is not None or grads.stepper is not None or grads.reducer is not None
-                or any(t.requires_grad for t in call_tensors(args, kwargs))
+                or (not grad and any(t.requires_grad for t in call_tensors(args, kwargs)))
                 or not all(hooks.exposable() for hooks in self.scope_hooks)):
             return False
+        if grad:
+            start_grad_pass(engine)
+        self.grad = grad
         engine.model_forward = ModelForward.EXPOSED  # first: an interrupt in the loop leaves what `drop` takes back
         for hooks in self.scope_hooks:
             hooks.expose_for_pass()
         return True
 
-    def end(self) -> None:
+    def end(self, *, failed: bool = False) -> None:
         """The pass ends: every scope's copies out, what the forward wrote into them copied into
-        the masters (each scope's, also when one of them raises: the first error is raised)."""
+        the masters (each scope's, also when one of them raises: the first error is raised);
+        `failed`: the forward raised, and the graph of a pass with grad went with it."""
+        if failed and self.grad:
+            self.engine.calls.pass_failed()
         error: RuntimeError | None = None
         for hooks in self.scope_hooks:
             if hooks.in_pass:
@@ -147,6 +156,6 @@ class ModelHooks:
             return
         failed = self.calls.failed()  # (pops the call's record in either case)
         if self.exposed.active:
-            self.exposed.end()
+            self.exposed.end(failed=failed)
             return
         self.engine.end_forward(failed=failed)

@@ -23,8 +23,9 @@ FORMS = ("add_", "data", "data=", "copy_", "setitem")
 @pytest.fixture
 def passes(monkeypatch):
     """How many forwards began as exposed passes, and how many steady scope calls ran."""
-    counts = {"exposed": 0, "plain": 0, "steady calls": 0}
+    counts = {"exposed": 0, "plain": 0, "steady calls": 0, "backward starts": 0}
     begin, start = model_hooks.ExposedPass.begin, engine_module.start_kept_call
+    start_backward, pre_backward = engine_module.start_kept_backward, engine_module.Engine.pre_backward
 
     def counting_begin(self, args, kwargs):
         exposed = begin(self, args, kwargs)
@@ -35,7 +36,18 @@ def passes(monkeypatch):
         counts["steady calls"] += 1
         start(*args)
 
+    def counting_start_backward(*args):
+        started = start_backward(*args)
+        counts["backward starts"] += started  # else Engine.pre_backward starts it
+        return started
+
+    def counting_pre_backward(*args, **kwargs):
+        counts["backward starts"] += 1
+        pre_backward(*args, **kwargs)
+
     monkeypatch.setattr(model_hooks.ExposedPass, "begin", counting_begin)
+    monkeypatch.setattr("offtensor.engine.hooks.start_kept_backward", counting_start_backward)
+    monkeypatch.setattr(engine_module.Engine, "pre_backward", counting_pre_backward)
     monkeypatch.setattr("offtensor.engine.hooks.start_kept_call", counting_start)
     return counts
 
@@ -86,12 +98,108 @@ def test_inference_forwards_of_a_kept_model_are_exposed_passes_equal_to_the_unwr
     with context():
         model(x)
     assert passes["steady calls"] == steady, "a scope's hooks did work in an exposed pass"
-    # A forward with grad on is a plain pass, and trains as the unwrapped model does.
+    # A forward with grad on is an exposed pass too, and trains as the unwrapped model does: each
+    # scope's backward starts (and ends) from the hooks its call placed.
     model(x).square().sum().backward()
+    assert passes["backward starts"] == 4
     reference(x).square().sum().backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
-    assert passes["steady calls"] > steady
+    assert passes["steady calls"] == steady
+
+
+@pytest.mark.parametrize("checkpoint", [None, "reentrant", "non_reentrant"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "backward_and_step"])
+def test_training_forwards_of_a_kept_model_are_exposed_passes_that_train_as_the_unwrapped_model(
+        checkpoint, overlap, passes):
+    # Two micro-batches per step: the first forward after a step finds its copies older than the
+    # masters (not exposable: it refreshes them), the second is an exposed pass; each backward
+    # adds to what the other left (accumulation), and backward_and_step steps after both.
+    model, reference = _pair(lambda: mlp_of_blocks(n_blocks=4, checkpoint=checkpoint))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(4):
+        for micro in range(2):
+            x = torch.randn(3, 8)
+            loss, ref_loss = model(x).square().mean(), reference(x).square().mean()
+            torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0, msg=f"step {step}.{micro}")
+            ref_loss.backward()
+            if overlap and micro == 1:
+                offtensor.backward_and_step(loss, opt)
+            else:
+                loss.backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=f"step {step}: {name}")
+        if not overlap:
+            opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        ref_opt.zero_grad(set_to_none=step % 2 == 0)
+        _assert_same(model, reference)
+        _nothing_exposed(model)
+    assert passes["exposed"] >= 3, passes
+
+
+def test_two_exposed_forwards_before_one_backward_step_after_both_gradients(passes):
+    # backward_and_step hands a scope to the optimizer at its backward's end only when one call
+    # can add to its gradients: the calls of exposed passes count as the scopes' own calls do.
+    model, reference = _pair(lambda: mlp_of_blocks(n_blocks=3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(3, 8), torch.randn(3, 8)
+    for _ in range(3):
+        model(x).sum().backward()  # the order learned; copies current
+        reference(x).sum().backward()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    before = passes["exposed"]
+    loss = model(x).square().mean() + model(y).abs().mean()
+    assert passes["exposed"] == before + 2, passes
+    offtensor.backward_and_step(loss, opt)
+    (reference(x).square().mean() + reference(y).abs().mean()).backward()
+    ref_opt.step()
+    _assert_same(model, reference)
+
+
+def test_a_scope_called_in_an_exposed_pass_and_outside_it_steps_after_both_gradients(passes):
+    # The first block also called on its own after the model's exposed pass: two calls that add to
+    # its gradients, one counted by the pass.
+    model, reference = _pair(lambda: mlp_of_blocks(n_blocks=3, in_features=16, hidden=16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, h = torch.randn(3, 16), torch.randn(3, 16, requires_grad=True)
+    for _ in range(3):
+        model(x).sum().backward()
+        reference(x).sum().backward()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    before = passes["exposed"]
+    loss = model(x).square().mean() + model.blocks[0](h).abs().mean()
+    assert passes["exposed"] == before + 1, passes
+    offtensor.backward_and_step(loss, opt)
+    (reference(x).square().mean() + reference.blocks[0](h).abs().mean()).backward()
+    ref_opt.step()
+    _assert_same(model, reference)
+
+
+def test_a_training_forward_that_raises_in_an_exposed_pass_leaves_the_model_training_as_the_unwrapped_one(passes):
+    model, reference = _pair(lambda: mlp_of_blocks(n_blocks=3))
+    x = torch.randn(3, 8)
+    for _ in range(3):
+        model(x).sum().backward()
+        reference(x).sum().backward()
+    before = passes["exposed"]
+    failing = model.blocks[1].register_forward_hook(lambda m, a, out: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        model(x).sum().backward()
+    failing.remove()
+    assert passes["exposed"] == before + 1, passes
+    _nothing_exposed(model)
+    for _ in range(2):
+        model(x).square().sum().backward()
+        reference(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
 
 
 class Writing(nn.Module):
