@@ -16,7 +16,8 @@ from tiers import FULL
 from torch import nn
 
 import offtensor
-from offtensor.engine import hooks as hooks_module  # the steady path's callers
+from offtensor.engine import hooks as hooks_module
+from offtensor.engine import model_hooks
 
 FORMS = ("none", "add_", "data", "data=", "copy_", "setitem")
 
@@ -163,9 +164,12 @@ def _operation(pair: Pair, rng: random.Random, x: torch.Tensor) -> tuple[str, li
 
 
 @pytest.mark.parametrize("seed", range(12) if FULL else range(2))
-def test_kept_scopes_with_steady_calls_match_the_unwrapped_model_through_a_seeded_sequence(seed, monkeypatch):
-    steady, ended = [0], [0]
-    start, end = hooks_module.start_kept_call, hooks_module.end_kept_call
+@pytest.mark.parametrize("path", ["steady", "exposed"])
+def test_kept_scopes_with_steady_calls_match_the_unwrapped_model_through_a_seeded_sequence(seed, path, monkeypatch):
+    # "steady": exposed passes off, so that the calls take the steady path; "exposed": on
+    # (Note [exposed passes] in engine/model_hooks.py), and the calls a pass cannot take steady.
+    steady, ended, exposed = [0], [0], [0]
+    start, end, begin = hooks_module.start_kept_call, hooks_module.end_kept_call, model_hooks.ExposedPass.begin
 
     def counting_start(*args):
         steady[0] += 1
@@ -176,8 +180,14 @@ def test_kept_scopes_with_steady_calls_match_the_unwrapped_model_through_a_seede
         ended[0] += done
         return done
 
+    def counting_begin(self, args, kwargs):
+        began = path == "exposed" and begin(self, args, kwargs)
+        exposed[0] += began
+        return began
+
     monkeypatch.setattr(hooks_module, "start_kept_call", counting_start)
     monkeypatch.setattr(hooks_module, "end_kept_call", counting_end)
+    monkeypatch.setattr(model_hooks.ExposedPass, "begin", counting_begin)
     backwards = {True: 0, False: 0}  # Note [steady backward of a kept scope]: taken or not
     start_backward = hooks_module.start_kept_backward
 
@@ -205,7 +215,10 @@ def test_kept_scopes_with_steady_calls_match_the_unwrapped_model_through_a_seede
         pair.check(_forward(pair, x, "train"), f"train, accumulating={accumulate}")
         assert backwards[True] - before[True] == (0 if accumulate else 3), backwards
         assert backwards[False] - before[False] == (4 if accumulate else 1), backwards
-    assert calls == 0 or steady[0] > 0, "no call took the steady path"
-    assert steady[0] == 0 or ended[0] > 0, "no steady call ended steady"
+    if path == "steady":
+        assert calls == 0 or steady[0] > 0, "no call took the steady path"
+        assert steady[0] == 0 or ended[0] > 0, "no steady call ended steady"
+    else:
+        assert calls == 0 or exposed[0] > 0, "no forward was an exposed pass"
     for scope in offtensor.summary(pair.wrapped).scopes:
         assert scope.kept, scope
