@@ -523,7 +523,9 @@ def start_kept_backward(engine: Engine, scope: Scope) -> bool:
     engine.access.backward_scope = scope
     engine.training = TrainingState.TRAINING
     schedule = engine.schedule
-    schedule.prefetch(schedule.backward_needs(scope), scope, with_grads=False)
+    ahead = schedule.backward_needs(scope)
+    if len(engine.live) < len(engine.scopes):  # else every scope is loaded: a weights' prefetch loads nothing
+        schedule.prefetch(ahead, scope, with_grads=False)
     scope.resident_for_backward()
     engine.budget.started(scope, "backward")
     return True

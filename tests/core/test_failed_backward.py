@@ -240,21 +240,21 @@ def test_a_backward_interrupted_while_adding_a_scopes_gradients_publishes_none_i
     per scope's gradients] in engine/grads.py). An exception there (an interrupt, an
     out-of-memory error) must leave `.grad` unset on a parameter whose gradient was not copied
     yet, not pointing at its reused buffer, which still holds the last step's gradient."""
-    from offtensor.engine import grads
+    from offtensor.engine import host_grads
 
     model, reference = _model_and_reference("streamed", None)
     first, second = (torch.randn(4, 8), torch.randn(4, 4)), (torch.randn(4, 8), torch.randn(4, 4))
     _loss(model, first).backward()
     model.zero_grad(set_to_none=True)  # the buffers stay, for the next backward to reuse
-    real, calls = grads.destination, []
+    real, batches = host_grads.CopiesHome.copy, []
 
-    def failing(slot, current, *more):
-        calls.append(slot)
-        if len(calls) == 2:
+    def failing(self, batch):
+        batches.append([slot for slot, _, _ in batch])
+        if len(batches) == 2:  # the second scope's batch, its destinations all taken
             raise InjectedFailure("injected failure while adding a scope's gradients")
-        return real(slot, current, *more)
+        return real(self, batch)
 
-    monkeypatch.setattr(grads, "destination", failing)
+    monkeypatch.setattr(host_grads.CopiesHome, "copy", failing)
     with pytest.raises(InjectedFailure):
         _loss(model, second).backward()
     monkeypatch.undo()
@@ -263,6 +263,7 @@ def test_a_backward_interrupted_while_adding_a_scopes_gradients_publishes_none_i
     for name, p in model.named_parameters():
         if p.grad is not None:  # published: this backward's gradient, whole
             torch.testing.assert_close(p.grad, ref[name].grad, **EXACT)
-    assert calls[0].param.grad is None  # in the batch that raised: never copied
+    assert all(slot.param.grad is None for slot in batches[1])  # in the batch that raised: never copied
+    assert all(slot.param.grad is not None for slot in batches[0])  # the scope before: published
     _assert_nothing_left_on_the_device(model, "streamed")
     _assert_trains_like_reference(model, reference, first)
