@@ -45,6 +45,12 @@ class TimedLayout:
     def measuring(self) -> bool:
         return self.timer.state is Measuring.MEASURING
 
+    @property
+    def chosen(self) -> bool:
+        """The kept set is chosen: nothing more is measured, and the passes' starts and the
+        scopes' calls have nothing to tell the layout."""
+        return self.timer.state is Measuring.DONE
+
     def pass_failed(self) -> None:
         if self.timer.state is Measuring.MEASURING:
             self.timer.restart()  # a failed pass measures nothing: the next one is measured

@@ -19,7 +19,7 @@ from .hooks import Hook, ScopeHooks
 # engine/engine.py), and between kernels, out of cache, that path is what a host-bound forward
 # pays above the plain model. So when the model's forward starts outside backward, transforms,
 # tracing, compiled code, custom Functions and data parallelism, with no optimizer worker, nothing
-# held back, no timed layout, and every scope kept, resident, current and idle
+# held back, no timed layout still to choose, and every scope kept, resident, current and idle
 # (`ScopeHooks.exposable`), its pre-hook exposes every scope's copies at once (an eager call's
 # plan, Note [calls of a loaded scope] in engine/hooks.py); the post-hook takes them out and copies
 # what the forward wrote into the masters, also when it raised. The scopes' hooks return at their
@@ -63,7 +63,8 @@ class ExposedPass:
         if (recorded_functions.depth or engine.model_forward is not ModelForward.OUTSIDE
                 or _graph_task() != -1 or _transforms() is not None or _compile.tracing() or _distributed.active()
                 or engine.streams.switched_from is not None or engine.live.holds_back
-                or engine.budget.timed is not None or grads.stepper is not None or grads.reducer is not None
+                or not (engine.budget.timed is None or engine.budget.timed.chosen)
+                or grads.stepper is not None or grads.reducer is not None
                 or (not grad and any(t.requires_grad for t in call_tensors(args, kwargs)))
                 or not all(hooks.exposable() for hooks in self.scope_hooks)):
             return False

@@ -390,3 +390,30 @@ def test_another_threads_call_of_a_scope_during_an_exposed_pass_is_refused(passe
         _nothing_exposed(model)
     assert passes["exposed"] >= 1, passes
     assert model.errors and all("while thread" in str(e) for e in model.errors), model.errors
+
+
+def test_passes_are_exposed_once_a_timed_layout_has_chosen_and_train_as_the_unwrapped_model(passes):
+    # layout="timed" (the default on CUDA) measures a pass and chooses at the next pass's start:
+    # until then the scopes' hooks tell it each call; after, nothing is left to tell.
+    model, reference = _pair(lambda: mlp_of_blocks(n_blocks=4),
+                             offtensor.Policy(vram_budget=1 << 30, layout="timed"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    exposed = []
+    for step in range(4):
+        for _micro in range(2):
+            before = passes["exposed"]
+            x = torch.randn(3, 8)
+            model(x).square().mean().backward()
+            reference(x).square().mean().backward()
+            exposed.append(passes["exposed"] - before)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=f"step {step}: {name}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    _assert_same(model, reference)
+    layout = offtensor.summary(model).layout
+    assert layout is not None and layout.timed and layout.predicted_forward_ms is not None, layout
+    assert exposed[:3] == [0, 0, 0] and sum(exposed[3:]) >= 2, exposed  # measured and chosen first
