@@ -38,6 +38,7 @@ import math
 import os
 import threading
 import weakref
+from typing import Any
 
 import numpy as np
 import torch
@@ -138,6 +139,7 @@ def register_pinned(array: np.ndarray, owner: np.ndarray) -> None:
     cuda = torch.cuda.is_available()
     err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) if cuda else 0
     if err != 0:
+        clear_cuda_error()  # Note [a failed runtime call's error]
         with _pinned_lock:
             _pinned_bytes -= nbytes
         raise PinnedMemoryError(
@@ -154,8 +156,47 @@ def _unregister(ptr: int, nbytes: int, cuda: bool) -> None:
     global _pinned_bytes
     with _pinned_lock:
         _pinned_bytes -= nbytes
-    if cuda and torch.cuda.is_initialized():
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+    if cuda and torch.cuda.is_initialized() and int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+        clear_cuda_error()  # Note [a failed runtime call's error]
+
+
+# Note [a failed runtime call's error]
+# A CUDA runtime call that fails also leaves its error as the thread's last error, until
+# `cudaGetLastError` reads it. PyTorch reads it after each kernel launch and raises it there: a
+# page-locking that failed, and that offtensor handled (Note [page-locked memory as a bounded
+# resource]), made the next op of the thread raise "part or all of the requested memory range is
+# already mapped" (error 712), inside backward_and_step a partial step. So offtensor reads it at
+# once, from the runtime library PyTorch loaded (found among the process's mapped files; torch's
+# own `cudart()` bindings have no cudaGetLastError). Without one (a runtime linked statically)
+# there is nothing offtensor can read it from.
+_cudart_lib: list[Any] = []  # [the ctypes library, or None once looked for and not found]
+
+
+def clear_cuda_error() -> None:
+    """Read (and so reset) the CUDA runtime's last error on this thread (Note [a failed runtime
+    call's error])."""
+    if not _cudart_lib:
+        _cudart_lib.append(_loaded_cudart())
+    lib = _cudart_lib[0]
+    if lib is not None:
+        lib.cudaGetLastError()
+
+
+def _loaded_cudart() -> Any:
+    """The CUDA runtime library this process has loaded, through ctypes; None if none is."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
 
 
 class PinningFallback:

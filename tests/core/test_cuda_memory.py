@@ -258,3 +258,24 @@ def _nothing_left(model: nn.Module, baseline: int, x: torch.Tensor, before: torc
     assert_all_scopes_offloaded(model)
     with torch.no_grad():
         torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+
+
+def test_a_page_locking_that_failed_leaves_no_error_for_the_next_op():
+    """A failed cudaHostRegister (here: the same range twice, error 712) is handled by offtensor
+    (PinnedMemoryError, the fallback to pageable memory); the runtime's last error it leaves must
+    not reach the next kernel launch, which PyTorch checks (Note [a failed runtime call's error]
+    in storage/memory.py)."""
+    import numpy as np
+
+    from offtensor.storage.memory import PinnedMemoryError, register_pinned
+
+    raw = np.empty(3 * 4096, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 4096
+    array = raw[start : start + 4096]
+    register_pinned(array, owner=raw)
+    with pytest.raises(PinnedMemoryError):
+        register_pinned(array, owner=array)  # already registered
+    x = torch.randn(64, device="cuda")
+    torch.testing.assert_close((x * 2).cpu(), x.cpu() * 2)  # a launch after the failure: no stale error
+    del array, raw
+    gc.collect()
