@@ -390,7 +390,7 @@ class Engine:
         """End of the outermost backward: nothing stays resident (unless no_offload holds, or
         the backward built a graph that may be differentiated again); after one that raised
         (`failed`, Note [a backward that raised] in engine/grads.py), not even what it carried."""
-        self._forget_backward()
+        self.forget_backward()
         for scope in self.scopes:
             scope.calls.forget_running()
         self.calls.backward_ended()
@@ -405,14 +405,15 @@ class Engine:
             if scope.state is not ScopeState.OFFLOADED:
                 scope.old_grads.drop()
 
-    def _forget_backward(self) -> None:
+    def forget_backward(self) -> None:
+        """No scope's backward runs now, and the schedule's backward starts over."""
         self.access.backward_scope = None
         self.schedule.forget_backward()
 
     def abort(self) -> None:
         """An exception in the forward: drop every device copy and in-flight prefetch; the next
         pass starts afresh."""
-        self._forget_backward()
+        self.forget_backward()
         for scope in self.scopes:
             scope.calls.forget_running()
             scope.calls.new_pass()
@@ -431,7 +432,7 @@ def start_grad_pass(engine: Engine) -> None:
     pass with grad: Note [exposed passes] in engine/model_hooks.py)."""
     engine.grads.reset_if_stale()
     engine.calls.pass_started()
-    engine._forget_backward()
+    engine.forget_backward()
     trained = engine.training is TrainingState.TRAINING
     engine.training = TrainingState.EXPECTING_BACKWARD if trained else TrainingState.INFERENCE
 
