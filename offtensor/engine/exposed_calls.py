@@ -1,5 +1,5 @@
-"""A scope's device copies in its modules' attributes, for one eager call or for the model's
-whole inference pass: EagerExposure, the part of a scope's hooks that puts them there (Note [calls
+"""A scope's device copies in its modules' attributes, for one eager call or for a whole
+pass of the model: EagerExposure, the part of a scope's hooks that puts them there (Note [calls
 of a loaded scope] in engine/hooks.py, Note [exposed passes] in engine/model_hooks.py)."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class EagerExposure:
         # them exposed (Note [calls of a loaded scope]); shared with the copies
         self._exposure = Exposure()
         self._attrs: ExposurePlan | None = None  # while they are exposed
-        # Exposed for the model's whole inference pass, whose calls skip the scope's hooks
+        # Exposed for a whole pass of the model, whose calls skip most of the scope's hooks
         self.in_pass = False
 
     def _expose_plan(self) -> None:

@@ -551,10 +551,7 @@ def _take_common(offload: GradOffload, slots: list[ParamSlot]) -> int:
         return 0
     if task not in offload._tasks:
         offload.enter_backward()
-    # No reducer, no hooks: Note [gradients computed on the host]; the device copies' gradients
-    # are on the engine's device, so only the CPU adopts.
-    adopt = not offload._streams.lagging
-    on_host = adopt and offload._streams.device.type == "cpu"
+    adopt = not offload._streams.lagging  # no reducer, no hooks: Note [gradients computed on the host]
     batch: list[tuple[ParamSlot, torch.Tensor, torch.Tensor]] = []  # (slot, host buffer, gradient)
     # The parameters' requires_grad and `p.grad`, read for all at once in C (nothing below sets them)
     params = list(map(_PARAM, slots))
@@ -573,15 +570,11 @@ def _take_common(offload: GradOffload, slots: list[ParamSlot]) -> int:
                 break
             arrived.pop()
             leaf.grad = None  # the device copy keeps no gradient: it lives on the host
-            if (on_host and grad.dtype is (meta := slot.meta).dtype and grad.is_contiguous()
-                    and grad.shape == meta.shape):
-                buf = slot.host_grad = grad  # adopted, as `destination` would: not copied (CopiesHome.copy)
-            else:
-                buf, _ = destination(slot, None, grad, adopt)
-                slot.host_grad = buf
-                if grad.dtype != buf.dtype:
-                    grad = grad.to(buf.dtype)  # Policy.compute_dtype: cast up on the device
-            batch.append((slot, buf, grad))
+            buf, _ = destination(slot, None, grad, adopt)
+            slot.host_grad = buf
+            if grad.dtype != buf.dtype:
+                grad = grad.to(buf.dtype)  # Policy.compute_dtype: cast up on the device
+            batch.append((slot, buf, grad))  # an adopted one is not copied (CopiesHome.copy)
         n += 1
     if batch:
         offload._copy(batch, [False] * len(batch))  # none held this backward's contributions yet

@@ -279,7 +279,7 @@ class ScopeHooks(EagerExposure):
     # ---- exposed passes (Note [exposed passes] in engine/model_hooks.py) -------------------------
 
     def exposable(self) -> bool:
-        """The scope can be exposed for a whole inference pass: kept, resident, its copies current,
+        """The scope can be exposed for a whole pass of the model: kept, resident, its copies current,
         none of its calls running or recorded, nothing compiled, no master compressed or in a file
         (whose writes are refused inside a call, which an exposed pass does not count); reads only."""
         scope = self.scope

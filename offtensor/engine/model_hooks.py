@@ -1,5 +1,5 @@
 """The hooks on the wrapped model's own forward (ModelHooks), and its exposed passes (ExposedPass):
-inference passes whose scopes' copies are put in place once for the whole forward."""
+passes whose scopes' copies are put in place once for the whole forward."""
 
 from __future__ import annotations
 

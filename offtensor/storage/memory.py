@@ -38,6 +38,7 @@ import math
 import os
 import threading
 import weakref
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -163,25 +164,23 @@ def _unregister(ptr: int, nbytes: int, cuda: bool) -> None:
 # Note [a failed runtime call's error]
 # A CUDA runtime call that fails also leaves its error as the thread's last error, until
 # `cudaGetLastError` reads it. PyTorch reads it after each kernel launch and raises it there: a
-# page-locking that failed, and that offtensor handled (Note [page-locked memory as a bounded
-# resource]), made the next op of the thread raise "part or all of the requested memory range is
-# already mapped" (error 712), inside backward_and_step a partial step. So offtensor reads it at
-# once, from the runtime library PyTorch loaded (found among the process's mapped files; torch's
-# own `cudart()` bindings have no cudaGetLastError). Without one (a runtime linked statically)
-# there is nothing offtensor can read it from.
-_cudart_lib: list[Any] = []  # [the ctypes library, or None once looked for and not found]
+# page-locking that failed, even one offtensor handles (Note [page-locked memory as a bounded
+# resource]), would make the thread's next op raise it (error 712, "part or all of the requested
+# memory range is already mapped"), inside backward_and_step after part of the step. So offtensor
+# reads it at once, from the runtime library PyTorch loaded (found among the process's mapped
+# files; torch's own `cudart()` bindings have no cudaGetLastError). Without one (a runtime linked
+# statically) there is nothing offtensor can read it from.
 
 
 def clear_cuda_error() -> None:
     """Read (and so reset) the CUDA runtime's last error on this thread (Note [a failed runtime
     call's error])."""
-    if not _cudart_lib:
-        _cudart_lib.append(_loaded_cudart())
-    lib = _cudart_lib[0]
+    lib = _loaded_cudart()
     if lib is not None:
         lib.cudaGetLastError()
 
 
+@cache
 def _loaded_cudart() -> Any:
     """The CUDA runtime library this process has loaded, through ctypes; None if none is."""
     import ctypes
