@@ -109,14 +109,11 @@ _ABOUT_THE_PARAMETER = {
     torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.is_signed, torch.Tensor.__len__,
     torch.Tensor.get_device, torch.Tensor.is_pinned, torch.Tensor.data_ptr, torch.Tensor.untyped_storage,
     torch.Tensor.storage_offset, torch.Tensor.requires_grad_, torch.Tensor.retain_grad, torch.Tensor.is_shared,
-    torch.Tensor.__hash__,
+    torch.Tensor.__hash__, torch.is_complex, torch.is_floating_point, torch.numel,
 }
 
 # Allowed while another rank may be stepping a shared master (`_reads_values`).
-_METADATA = _ABOUT_THE_PARAMETER | {
-    torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
-    torch.is_complex, torch.is_floating_point, torch.numel,
-}
+_METADATA = _ABOUT_THE_PARAMETER | {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
 
 # Queries about the master itself, and methods that change the parameter object: never
 # materialized, even when grad mode would otherwise call for a differentiable copy.

@@ -16,7 +16,7 @@ import torch
 
 from . import compile as _compile
 from .masters import MASTER_ONLY
-from .slot import HOLDS, SlotScope, exposed_copy, on_optimizer_worker, worker_state
+from .slot import HOLDS, ParamSlot, SlotScope, exposed_copy, on_optimizer_worker, worker_state
 from .writes import is_inplace, written
 
 # Note [ops in a resident scope]
@@ -74,6 +74,47 @@ def resident_copies(args: tuple, kwargs: dict, *,
 # Types of arguments with no tensor inside (an op's dims, a decoder layer's flags), told apart by
 # `type(x) in SCALAR_TYPES`, without a call.
 SCALAR_TYPES = frozenset({int, float, bool, type(None), str})
+
+
+# Note [a write to a master alone]
+# An optimizer's step on host masters writes one parameter per op (`p.add_(g, alpha=-lr)`,
+# `p.addcdiv_(m, d, value=-lr)`: torch's optimizers take the per-tensor path for host tensors),
+# with only plain tensors and numbers beside it. The general path reaches the same outcome, the
+# master marked written (`master_written`) and the op run on it, through a dozen checks for cases
+# that cannot apply, several Python calls each, at every parameter of every step. So an op that
+# writes its first argument by its name asks `written_alone` first: that argument an offloaded
+# parameter with a plain master in host memory (not compressed or in a file), no deferred or
+# other rank's step on it, not a routed expert, its scope's copies not exposed, not on the
+# optimizer worker, and no other offloaded parameter, list or `out=` among the arguments.
+# Anything else goes the general way. Queries about the parameter itself (`MASTER_ONLY`:
+# `p.size()`, `torch.is_complex(p)`, asked of each parameter at each AdamW step) take the same
+# short path to the master (`on_master_alone`), which the general path reaches for them too.
+
+
+def written_alone(args: tuple, kwargs: dict) -> ParamSlot | None:
+    """The slot of the op's first argument if the op writes it alone (Note [a write to a master
+    alone]); None: take the general path."""
+    slot = on_master_alone(args, kwargs)
+    if slot is None or slot.experts is not None or slot.scope.exposed or "out" in kwargs:
+        return None
+    return slot
+
+
+def on_master_alone(args: tuple, kwargs: dict) -> ParamSlot | None:
+    """The slot of the op's first argument if it is the op's only offloaded parameter, with a
+    plain master in host memory, no deferred or other rank's step on it, off the optimizer
+    worker: the general path would only await its steps and act on that master (Note [a write
+    to a master alone]); else None."""
+    slot = getattr(args[0], "_ot", None) if args else None
+    if (slot is None or slot.packed is not None or slot.pending_step is not None
+            or slot.stepped_elsewhere is not None or getattr(worker_state, "active", False)):
+        return None
+    for a in (*args[1:], *kwargs.values()) if kwargs else args[1:]:
+        if type(a) in SCALAR_TYPES:
+            continue
+        if isinstance(a, (list, tuple)) or getattr(a, "_ot", None) is not None:
+            return None
+    return slot
 
 
 def resident_copies_ready(scope: SlotScope, *, versions_read: bool = False, in_call: bool = True) -> bool:

@@ -28,6 +28,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch._ops import OpOverload
 
 from ..api import MasterHome
 from ..storage.compress import AS_PLAIN, compressed_special, packed_of, packed_property, packed_torch_function
@@ -36,7 +37,7 @@ from . import metadata as _metadata
 from . import wrapper_guards as _distributed
 from .autograd import AUTOGRAD_ENTRIES, REGISTRARS
 from .masters import DERIVED_PROPERTIES, MASTER_ONLY, await_steps, master_values, without_subclass_dispatch
-from .ops import dispatch, requires_grad_changed, resident_copies, run_op
+from .ops import dispatch, on_master_alone, requires_grad_changed, resident_copies, run_op, written_alone
 from .slot import ParamSlot, exposed_copy, on_optimizer_worker
 from .writes import is_inplace, set_data, set_master, writes_by_name, written
 
@@ -132,6 +133,9 @@ def _compiled_region_op(func: Any, args: tuple, kwargs: dict) -> Any:
 #   masters] in storage/compress.py); a property access with no entry acts on the parameter itself;
 # - a function that only reads (`_reads_only`): the short path of ops in a resident scope first
 #   (Note [ops in a resident scope] in dispatch/ops.py), then the default path;
+# - one that writes its first argument by its name (`_writes_first`), or a query about the
+#   parameter itself (`MASTER_ONLY`): the short path of a master written or asked alone first
+#   (Note [a write to a master alone] in dispatch/ops.py), then the default path;
 # - anything else, the default path: `dispatch` gives each parameter what the op gets.
 # A route is called with subclass dispatch on and the call as one tuple `(func, args, kwargs)`,
 # so that turning dispatch off costs no Python frame (a partial of the C function); what it runs
@@ -186,7 +190,8 @@ def _handler(func: Any) -> Handler:
         elif entry is not None and not with_dispatch:
             handler = partial(_handled, entry)
         else:
-            handler = _reading if _reads_only(func) else _default
+            handler = (_reading if _reads_only(func) else _writing if _writes_first(func)
+                       else _querying if func in MASTER_ONLY and not compressed_special(func) else _default)
         _HANDLERS[func] = handler
     return handler
 
@@ -204,6 +209,25 @@ def _reading(func: Any, args: tuple, kwargs: dict) -> Any:
         if found is not None:
             return run_op(func, *found)
     return _default(func, args, kwargs)
+
+
+def _writing(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A function that writes its first argument by its name: the short path for a master
+    written alone (Note [a write to a master alone] in dispatch/ops.py), else the default path."""
+    slot = written_alone(args, kwargs)
+    if slot is None:
+        return _default(func, args, kwargs)
+    slot.scope.master_written(slot)
+    return func(*args, **kwargs)
+
+
+def _querying(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A query about the parameter itself (`MASTER_ONLY`: `p.size()`, `torch.is_complex(p)`, which
+    AdamW asks of each parameter at each step): on the master at once where the default path would
+    do only that (Note [a write to a master alone] in dispatch/ops.py), else the default path."""
+    if on_master_alone(args, kwargs) is None:
+        return _default(func, args, kwargs)
+    return func(*args, **kwargs)
 
 
 def _default(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -276,6 +300,13 @@ def _reads_only(func: Any) -> bool:
     dispatch/ops.py); `out=` and `inplace=True` are the caller's to check."""
     return not (func in MASTER_ONLY or compressed_special(func) or writes_by_name(func)
                 or func is torch.Tensor.__setitem__)
+
+
+def _writes_first(func: Any) -> bool:
+    """`func` writes its first argument by what its name says (`add_`, `__iadd__`), and the default
+    path has no other case for it: Note [a write to a master alone] (dispatch/ops.py)."""
+    return (writes_by_name(func) and not isinstance(func, OpOverload) and func not in MASTER_ONLY
+            and not compressed_special(func) and func is not torch.Tensor.__setitem__)
 
 
 def find_params(args: tuple, kwargs: dict) -> list[OffloadedParameter]:

@@ -11,6 +11,7 @@ from torch import nn
 
 import offtensor
 from offtensor.dispatch import param as param_module
+from offtensor.dispatch.writes import writes_by_name
 from offtensor.scopes import loading as loading_module
 
 
@@ -109,3 +110,61 @@ def test_a_second_handler_for_one_function_raises():
     with pytest.raises(RuntimeError, match="offtensor: two handlers for .*detach"):
         param_module.implements(torch.Tensor.detach)(lambda func, args, kwargs, params: None)
     assert param_module._TABLE[torch.Tensor.detach][0] is param_module._detach  # the first stays
+
+
+@pytest.mark.parametrize("policy", ["kept", "streamed"])
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, foreach=False),
+    lambda ps: torch.optim.AdamW(ps, lr=0.01, foreach=False),
+], ids=["sgd", "adamw"])
+def test_an_optimizer_step_writes_each_master_alone_and_matches_the_unwrapped_model(monkeypatch, policy, make_opt):
+    """A per-tensor optimizer step writes each master alone (Note [a write to a master alone] in
+    dispatch/ops.py): none of its writes takes the general path (its reads of the parameters,
+    weight decay's, do), and the next forward computes with the stepped values, as the unwrapped
+    model does, over several steps."""
+    torch.manual_seed(0)
+    model = Stack()
+    reference = copy.deepcopy(model)
+    budget = offtensor.Policy(vram_budget=1 << 30) if policy == "kept" else offtensor.Policy()
+    offtensor.wrap(model, device="cpu", policy=budget)
+    opt, ref_opt = make_opt(model.parameters()), make_opt(reference.parameters())
+    x = torch.randn(4, 8)
+    calls = _general_calls(monkeypatch)
+    for _ in range(3):
+        for m in (model, reference):
+            m(x).square().sum().backward()
+        calls.clear()
+        opt.step()
+        assert not [f for f in calls if writes_by_name(f)], calls
+        ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_writes_not_alone_take_the_general_path_and_match_the_unwrapped_model(monkeypatch):
+    """A write with another offloaded parameter among its arguments, a list of parameters
+    (`_foreach_add_`) or `out=` takes the general path (Note [a write to a master alone]), and a
+    kept scope then computes with the written values."""
+    torch.manual_seed(0)
+    model = Stack()
+    reference = copy.deepcopy(model)
+    offtensor.wrap(model, device="cpu", policy=offtensor.Policy(vram_budget=1 << 30))
+    x = torch.randn(4, 8)
+    for m in (model, reference):
+        m(x)  # loaded and kept
+    calls = _general_calls(monkeypatch)
+    writes = [
+        lambda m: m.blocks[0].lin.weight.add_(m.blocks[1].lin.weight, alpha=0.5),
+        lambda m: torch._foreach_add_([m.blocks[1].lin.bias, m.blocks[2].norm.weight], 0.25),
+        lambda m: torch.mul(m.blocks[2].lin.weight, 2.0, out=m.blocks[2].lin.weight),
+        lambda m: m.blocks[0].norm.bias.copy_(m.blocks[0].lin.bias),
+    ]
+    for write in writes:
+        calls.clear()
+        with torch.no_grad():
+            write(model), write(reference)
+            torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+        assert calls, "the write took the short path"
