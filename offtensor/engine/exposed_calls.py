@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from ..api import ScopeState
 from ..dispatch.device_copies import Exposure
+from ..dispatch.ops import resident_copies_ready
 from ..scopes.scope import Scope
 from ..scopes.write_tracking import versions_of
 from .call_checks import Home
@@ -71,7 +73,20 @@ class EagerExposure:
 
     def expose_for_pass(self) -> None:
         self.in_pass = True  # first: an interrupt before the copies go in leaves what leave_pass ends
-        self._expose_plan()
+        if self.scope.state is ScopeState.RESIDENT:
+            self._expose_plan()  # else loaded by the pass: exposed at its first call (expose_landed)
+
+    def expose_landed(self) -> ExposurePlan | None:
+        """At a call of the scope in an exposed pass that loads it: the compute stream waits for
+        the load, and the copies are exposed for the rest of the pass (Note [a pass that reloads
+        what a step wrote] in engine/model_hooks.py). Their plan; None if the scope is not such
+        a scope (the pass then ends)."""
+        scope = self.scope
+        if self._attrs is None and self._loaded is None and scope.state is ScopeState.LOADING:
+            scope.compute_waits(None)
+            if scope.state is ScopeState.RESIDENT and resident_copies_ready(scope, in_call=False):
+                self._expose_plan()
+        return self._attrs
 
     def leave_pass(self, *, copy_back: bool) -> None:
         """The exposed pass ends for this scope: its copies taken out, with what the pass wrote

@@ -170,8 +170,8 @@ class ScopeHooks(EagerExposure):
         if self.in_pass:  # Note [exposed passes] in engine/model_hooks.py: the checks inline, asked at each call
             plan, thread, exposed_pass = self._attrs, _thread_id(), self.exposed_pass
             if (_graph_task() == -1 and _transforms() is None and self.engine.thread.owner == thread
-                    and self.scope.state is ScopeState.RESIDENT and plan is not None and plan.fits(self.scope)
-                    and exposed_pass is not None):
+                    and exposed_pass is not None and (plan is not None or (plan := self.expose_landed()) is not None)
+                    and self.scope.state is ScopeState.RESIDENT and plan.fits(self.scope)):
                 if exposed_pass.grad:
                     _hook_pass_call(self, call_tensors(args, kwargs))
                     return
@@ -283,14 +283,26 @@ class ScopeHooks(EagerExposure):
         none of its calls running or recorded, nothing compiled, no master compressed or in a file
         (whose writes are refused inside a call, which an exposed pass does not count); reads only."""
         scope = self.scope
-        return (scope.state is ScopeState.RESIDENT and scope.residency is Residency.KEPT and scope.calls.running == 0
+        return (scope.state is ScopeState.RESIDENT and self._kept_and_idle()
+                and not scope.writes.written_since_copied()
+                and resident_copies_ready(scope, versions_read=True, in_call=False))
+
+    def reloadable(self) -> bool:
+        """The scope is kept but a write to its masters released it (an optimizer step), or it is
+        loading still (an earlier pass did not call it): the pass may load it and expose it at its
+        first call (Note [a pass that reloads what a step wrote] in engine/model_hooks.py); reads only."""
+        scope = self.scope
+        return (scope.state is not ScopeState.RESIDENT and scope.copy_order is not None and self._kept_and_idle()
+                and not any(s.pending_step is not None or s.stepped_elsewhere is not None for s in scope.slots))
+
+    def _kept_and_idle(self) -> bool:
+        scope = self.scope
+        return (scope.residency is Residency.KEPT and scope.calls.running == 0
                 and not scope.routed and not scope.compute_dtype_differs and not any(map(_PACKED, scope.slots))
                 and self._attrs is None
                 and self._exposed is None and self._exposure.aliases is None and not self.calls.records
                 and not self._compiled_seen and not _compile.compiled_function(scope.module.forward)
-                and getattr(scope.module, "_compiled_call_impl", None) is None
-                and not scope.writes.written_since_copied()
-                and resident_copies_ready(scope, versions_read=True, in_call=False))
+                and getattr(scope.module, "_compiled_call_impl", None) is None)
 
     def compiled_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The forward pre-hook when compiled code calls the module: the eager hook, then the

@@ -38,6 +38,19 @@ _graph_task = torch._C._current_graph_task_id
 _transforms = torch._C._functorch.peek_interpreter_stack
 
 
+# Note [a pass that reloads what a step wrote]
+# An optimizer step writes the masters of kept scopes, which releases their copies (Note [VRAM
+# budget] in budget/vram.py): in a training loop every forward follows a step, and it would never
+# be an exposed pass. So a kept scope that a write released (`reloadable`: idle, its copy order
+# learned, no deferred step on its masters) does not stop the pass: the pass's start loads it,
+# as the scope's own call would (copies on the copy stream, its versions noted), and its first
+# call in the pass makes compute wait for the load and exposes its copies (`expose_landed`).
+# Until then its modules hold the parameters themselves, so code that reads one before the
+# scope's call (a tied weight) takes the general path, which copies what it needs and never reads
+# a copy still in flight. A scope the pass does not call stays loading, and the next pass
+# exposes it likewise (or its next call outside a pass takes the load from there).
+
+
 class ExposedPass:
     """The model's current exposed pass, if any (Note [exposed passes])."""
 
@@ -65,9 +78,13 @@ class ExposedPass:
                 or engine.streams.switched_from is not None or engine.live.holds_back
                 or not (engine.budget.timed is None or engine.budget.timed.chosen)
                 or grads.stepper is not None or grads.reducer is not None
-                or (not grad and any(t.requires_grad for t in call_tensors(args, kwargs)))
-                or not all(hooks.exposable() for hooks in self.scope_hooks)):
+                or (not grad and any(t.requires_grad for t in call_tensors(args, kwargs)))):
             return False
+        reloads = [hooks for hooks in self.scope_hooks if not hooks.exposable()]
+        if not all(hooks.reloadable() for hooks in reloads):
+            return False
+        for hooks in reloads:  # Note [a pass that reloads what a step wrote]
+            hooks.scope.load(with_grads=False)  # (one still loading: nothing to do)
         if grad:
             start_grad_pass(engine)
         self.grad = grad
