@@ -7,7 +7,9 @@ plain model's step is its host cost (plus, for streamed scopes, a memcpy of thei
 Rows: a DiT (diffusers' FluxTransformer2DModel) and an LLM (transformers' LlamaForCausalLM),
 random weights built from config objects (nothing downloaded), each in a forward with autograd
 on, a training step (grads set to None, forward, loss, backward), a forward under
-torch.no_grad() and under torch.inference_mode(), and a LoRA training step with gradient
+torch.no_grad() and under torch.inference_mode(), the training step followed by an AdamW step (a
+training loop: each step writes every master, and a kept scope's next forward reloads what it
+wrote), and a LoRA training step with gradient
 checkpointing (the model frozen, rank-4 peft adapters on the attention's q/k/v, checkpointing per
 block: host_overhead_lora.py). Peers: `plain`, offtensor `kept` (every scope resident:
 Policy(vram_budget=2**40)), `streamed` (Policy()), both with param_filter=frozen_only in the
@@ -91,10 +93,13 @@ class Mode:
     context: Callable[[], Any] = torch.enable_grad
     frozen: bool = False  # no autograd: a frozen (fp8) copy computes the same thing
     lora: bool = False  # on the LoRA base (host_overhead_lora.py): adapters trained, checkpointed
+    step: bool = False  # an optimizer step (AdamW, torch's defaults) after backward: a training loop
 
 
 MODES = (Mode("forward"), Mode("train", train=True), Mode("forward, no_grad", context=torch.no_grad, frozen=True),
          Mode("forward, inference_mode", context=torch.inference_mode, frozen=True),
+         # Last of the rows on the shared copies: its steps change the weights (alike for every peer)
+         Mode("train + AdamW step", train=True, step=True),
          Mode("LoRA train, checkpointed", train=True, lora=True))
 
 
@@ -266,6 +271,8 @@ class Memcpy:
 
 def step_fn(w: Workload, model: nn.Module, mode: Mode, device: torch.device) -> Callable[[], torch.Tensor]:
     inputs = {k: v.to(device) for k, v in w.inputs.items()}
+    # A tiny learning rate: the weights move (each step writes every master) and stay well scaled
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-9) if mode.step else None
 
     def step() -> torch.Tensor:
         if mode.train:
@@ -274,6 +281,8 @@ def step_fn(w: Workload, model: nn.Module, mode: Mode, device: torch.device) -> 
             out = w.forward(model, inputs)
             if mode.train:
                 out.float().square().mean().backward()
+        if opt is not None:
+            opt.step()  # the gradients stay for the check
         sync(device)
         return out
 
@@ -392,8 +401,13 @@ def run_row(w: Workload, mode: Mode, models: dict[str, nn.Module], reference: nn
     counted, warm-up steps, then the rounds."""
     cells = {name: Cell() for name in [*models, "memcpy"]}
     steps = {name: step_fn(w, m, mode, device) for name, m in models.items()}
-    ref_out = steps["plain"]()
-    ref_grads = grads(models["plain"]) if mode.train else None
+    taken = dict.fromkeys(steps, 0)  # steps each peer took (the plain model's calibrate the rounds too)
+    steps = {name: _counted(step, taken, name) for name, step in steps.items()}
+    # A row with optimizer steps compares each peer's first step with a copy's: the plain model's
+    # own first step would change its weights before its check
+    first = copy.deepcopy(models["plain"]) if mode.step else models["plain"]
+    ref_out = step_fn(w, first, mode, device)() if mode.step else steps["plain"]()
+    ref_grads = grads(first) if mode.train else None
     silent = [n for n, p in models["plain"].named_parameters() if p.requires_grad and ref_grads is not None
               and (n not in ref_grads or not ref_grads[n].any())]  # equal grads of these prove nothing
     ids = {id(p) for b in w.blocks(models["plain"]) for p in b.parameters()}
@@ -419,7 +433,26 @@ def run_row(w: Workload, mode: Mode, models: dict[str, nn.Module], reference: nn
     cells["memcpy"].check = "-"
     timed: dict[str, Callable[[], Any]] = {**steps, "memcpy": memcpy}
     time_in_turn(timed, cells, args.rounds, args.target_ms / 1e3)
+    if mode.step:  # once each peer has taken as many steps as the plain model, its weights are the plain model's
+        for name, step in steps.items():
+            while taken[name] < taken["plain"] and cells[name].error is None:
+                step()
+            if name != "plain" and cells[name].check == "=" and not same_weights(models[name], models["plain"]):
+                cells[name].check = "FAIL weights after the steps"
     return Row(w.name, mode.name, cells)
+
+
+def _counted(step: Callable[[], torch.Tensor], taken: dict[str, int], name: str) -> Callable[[], torch.Tensor]:
+    def counted() -> torch.Tensor:
+        taken[name] += 1
+        return step()
+
+    return counted
+
+
+def same_weights(model: nn.Module, reference: nn.Module) -> bool:
+    return all(torch.equal(p.detach().cpu(), q.detach().cpu())
+               for p, q in zip(model.parameters(), reference.parameters(), strict=True))
 
 
 def peers_of(args: argparse.Namespace) -> list[str]:
