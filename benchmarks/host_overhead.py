@@ -57,6 +57,7 @@ except ImportError:  # not on Windows: no page faults are counted there
 import offtensor
 
 from .dit import fp8_round_trip_
+from .host_overhead_checks import NO_GRADS, compare, counted, grads, same_weights
 from .host_overhead_lora import NOT_APPLICABLE, diffusers_checkpointing, lora_base, transformers_checkpointing
 from .measure import freed_memory_kept, short_error, sync, version
 from .streamed import fp8_compressed
@@ -66,7 +67,6 @@ HEADERS = {"plain": "plain ms", "kept": "offtensor kept", "streamed": "offtensor
            "fp8": "offtensor fp8 streamed", "diffusers": "diffusers (block, hooks)",
            "accelerate": "accelerate cpu_offload", "memcpy": "memcpy of the scopes"}
 KEEP_ALL = 2**40  # a VRAM budget every scope fits in: each is kept
-NO_GRADS = "keeps no grads"  # accelerate's cpu_offload: the blocks' parameters hold none after backward
 
 
 @dataclass(frozen=True)
@@ -289,26 +289,6 @@ def step_fn(w: Workload, model: nn.Module, mode: Mode, device: torch.device) -> 
     return step
 
 
-def grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
-def compare(out: torch.Tensor, got: dict[str, torch.Tensor] | None, ref: torch.Tensor,
-            ref_grads: dict[str, torch.Tensor] | None, blocks: set[str]) -> str:
-    """'=' when the output (and the grads) equal the reference's bit for bit; 'no grads' when
-    the grads outside the blocks do and the blocks' parameters have none (accelerate's hooks
-    replace them at each call); else what differs."""
-    if not torch.equal(out.detach().cpu(), ref.detach().cpu()):
-        return f"FAIL output max|d| {(out.detach().cpu() - ref.detach().cpu()).abs().max().item():.2g}"
-    if ref_grads is None or got is None:
-        return "="
-    bad = [n for n in set(ref_grads) | set(got)
-           if n not in got or n not in ref_grads or not torch.equal(got[n].cpu(), ref_grads[n].cpu())]
-    if bad and not set(got) & blocks and set(bad) <= blocks:
-        return NO_GRADS
-    return f"FAIL grads of {sorted(bad)[:3]}" if bad else "="
-
-
 def python_calls(fn: Callable[[], Any]) -> int:
     """Python function calls (sys.setprofile 'call' events) in one call of `fn`, on this thread."""
     count = 0
@@ -402,7 +382,7 @@ def run_row(w: Workload, mode: Mode, models: dict[str, nn.Module], reference: nn
     cells = {name: Cell() for name in [*models, "memcpy"]}
     steps = {name: step_fn(w, m, mode, device) for name, m in models.items()}
     taken = dict.fromkeys(steps, 0)  # steps each peer took (the plain model's calibrate the rounds too)
-    steps = {name: _counted(step, taken, name) for name, step in steps.items()}
+    steps = {name: counted(step, taken, name) for name, step in steps.items()}
     # A row with optimizer steps compares each peer's first step with a copy's: the plain model's
     # own first step would change its weights before its check
     first = copy.deepcopy(models["plain"]) if mode.step else models["plain"]
@@ -440,19 +420,6 @@ def run_row(w: Workload, mode: Mode, models: dict[str, nn.Module], reference: nn
             if name != "plain" and cells[name].check == "=" and not same_weights(models[name], models["plain"]):
                 cells[name].check = "FAIL weights after the steps"
     return Row(w.name, mode.name, cells)
-
-
-def _counted(step: Callable[[], torch.Tensor], taken: dict[str, int], name: str) -> Callable[[], torch.Tensor]:
-    def counted() -> torch.Tensor:
-        taken[name] += 1
-        return step()
-
-    return counted
-
-
-def same_weights(model: nn.Module, reference: nn.Module) -> bool:
-    return all(torch.equal(p.detach().cpu(), q.detach().cpu())
-               for p, q in zip(model.parameters(), reference.parameters(), strict=True))
 
 
 def peers_of(args: argparse.Namespace) -> list[str]:
