@@ -76,45 +76,68 @@ def resident_copies(args: tuple, kwargs: dict, *,
 SCALAR_TYPES = frozenset({int, float, bool, type(None), str})
 
 
-# Note [a write to a master alone]
+# Note [one parameter on the general path's way]
 # An optimizer's step on host masters writes one parameter per op (`p.add_(g, alpha=-lr)`,
 # `p.addcdiv_(m, d, value=-lr)`: torch's optimizers take the per-tensor path for host tensors),
-# with only plain tensors and numbers beside it. The general path reaches the same outcome, the
-# master marked written (`master_written`) and the op run on it, through a dozen checks for cases
-# that cannot apply, several Python calls each, at every parameter of every step. So an op that
-# writes its first argument by its name asks `written_alone` first: that argument an offloaded
-# parameter with a plain master in host memory (not compressed or in a file), no deferred or
-# other rank's step on it, not a routed expert, its scope's copies not exposed, not on the
-# optimizer worker, and no other offloaded parameter, list or `out=` among the arguments.
-# Anything else goes the general way. Queries about the parameter itself (`MASTER_ONLY`:
-# `p.size()`, `torch.is_complex(p)`, asked of each parameter at each AdamW step) take the same
-# short path to the master (`on_master_alone`), which the general path reaches for them too.
+# with only plain tensors and numbers beside it, asks about it (`torch.is_complex(p)`, at each
+# AdamW step), and reads it (`grad.add(p, alpha=wd)`). The general path reaches each outcome, the
+# master marked written and the op run on it, the query answered by the master, the read given
+# what `materialize` gives, through a dozen checks for cases that cannot apply, several Python
+# calls each, at every parameter of every step. So these ops first ask `lone_parameter`: one
+# offloaded parameter among the top-level arguments (no list holding tensors), with a plain
+# master in host memory (not compressed or in a file), no deferred or other rank's step on it,
+# not a routed expert, neither tracing nor on the optimizer worker. Then a write of it as the
+# first argument outside an exposed call (`written_alone`) goes to the master, a query to the
+# master, a read to what materialize gives (`read_alone`). Anything else goes the general way.
+
+
+def lone_parameter(args: tuple, kwargs: dict) -> ParamSlot | None:
+    """The slot of the op's one offloaded parameter if the op may take the short path (Note [one
+    parameter on the general path's way]); None: take the general path."""
+    if getattr(worker_state, "active", False) or _compile.tracing():  # on_optimizer_worker(), inline
+        return None
+    found = None
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if type(a) in SCALAR_TYPES:
+            continue
+        if isinstance(a, (list, tuple)):
+            return None
+        slot = getattr(a, "_ot", None)
+        if slot is not None:
+            if found is not None:
+                return None
+            found = slot
+    if (found is None or found.packed is not None or found.pending_step is not None
+            or found.stepped_elsewhere is not None or found.experts is not None):
+        return None
+    return found
+
+
+def on_first(slot: ParamSlot | None, args: tuple) -> bool:
+    """`slot` is not None and the first argument's (the parameter an in-place op writes, a query
+    is about)."""
+    return slot is not None and bool(args) and getattr(args[0], "_ot", None) is slot
 
 
 def written_alone(args: tuple, kwargs: dict) -> ParamSlot | None:
-    """The slot of the op's first argument if the op writes it alone (Note [a write to a master
-    alone]); None: take the general path."""
-    slot = on_master_alone(args, kwargs)
-    if slot is None or slot.experts is not None or slot.scope.exposed or "out" in kwargs:
+    """The slot of the op's first argument if the op writes it alone (Note [one parameter on the
+    general path's way]); None: take the general path."""
+    slot = lone_parameter(args, kwargs)
+    if slot is None or not on_first(slot, args) or slot.scope.exposed or "out" in kwargs:
         return None
     return slot
 
 
-def on_master_alone(args: tuple, kwargs: dict) -> ParamSlot | None:
-    """The slot of the op's first argument if it is the op's only offloaded parameter, with a
-    plain master in host memory, no deferred or other rank's step on it, off the optimizer
-    worker: the general path would only await its steps and act on that master (Note [a write
-    to a master alone]); else None."""
-    slot = getattr(args[0], "_ot", None) if args else None
-    if (slot is None or slot.packed is not None or slot.pending_step is not None
-            or slot.stepped_elsewhere is not None or getattr(worker_state, "active", False)):
-        return None
-    for a in (*args[1:], *kwargs.values()) if kwargs else args[1:]:
-        if type(a) in SCALAR_TYPES:
-            continue
-        if isinstance(a, (list, tuple)) or getattr(a, "_ot", None) is not None:
-            return None
-    return slot
+def read_alone(func: Any, args: tuple, kwargs: dict, slot: ParamSlot) -> Any:
+    """`func` with `slot`'s parameter, its one offloaded parameter (`lone_parameter`), given
+    what `materialize` gives it, as `dispatch` would."""
+    p = slot.param
+    ids = {id(p)}
+    replacement = slot.scope.materialize(slot, op_device(args, kwargs, ids))
+    if replacement is None:
+        return func(*args, **kwargs)
+    args, kwargs = substitute(args, kwargs, {id(p): replacement}, ids)
+    return run_op(func, args, kwargs, [p])
 
 
 def resident_copies_ready(scope: SlotScope, *, versions_read: bool = False, in_call: bool = True) -> bool:

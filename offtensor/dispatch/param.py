@@ -37,7 +37,16 @@ from . import metadata as _metadata
 from . import wrapper_guards as _distributed
 from .autograd import AUTOGRAD_ENTRIES, REGISTRARS
 from .masters import DERIVED_PROPERTIES, MASTER_ONLY, await_steps, master_values, without_subclass_dispatch
-from .ops import dispatch, on_master_alone, requires_grad_changed, resident_copies, run_op, written_alone
+from .ops import (
+    dispatch,
+    lone_parameter,
+    on_first,
+    read_alone,
+    requires_grad_changed,
+    resident_copies,
+    run_op,
+    written_alone,
+)
 from .slot import ParamSlot, exposed_copy, on_optimizer_worker
 from .writes import is_inplace, set_data, set_master, writes_by_name, written
 
@@ -135,7 +144,7 @@ def _compiled_region_op(func: Any, args: tuple, kwargs: dict) -> Any:
 #   (Note [ops in a resident scope] in dispatch/ops.py), then the default path;
 # - one that writes its first argument by its name (`_writes_first`), or a query about the
 #   parameter itself (`MASTER_ONLY`): the short path of a master written or asked alone first
-#   (Note [a write to a master alone] in dispatch/ops.py), then the default path;
+#   (Note [one parameter on the general path's way] in dispatch/ops.py), then the default path;
 # - anything else, the default path: `dispatch` gives each parameter what the op gets.
 # A route is called with subclass dispatch on and the call as one tuple `(func, args, kwargs)`,
 # so that turning dispatch off costs no Python frame (a partial of the C function); what it runs
@@ -208,12 +217,15 @@ def _reading(func: Any, args: tuple, kwargs: dict) -> Any:
         found = resident_copies(args, kwargs, indexing=func is _GETITEM)
         if found is not None:
             return run_op(func, *found)
+        slot = lone_parameter(args, kwargs)  # Note [one parameter on the general path's way] (dispatch/ops.py)
+        if slot is not None:
+            return read_alone(func, args, kwargs, slot)
     return _default(func, args, kwargs)
 
 
 def _writing(func: Any, args: tuple, kwargs: dict) -> Any:
     """A function that writes its first argument by its name: the short path for a master
-    written alone (Note [a write to a master alone] in dispatch/ops.py), else the default path."""
+    written alone (Note [one parameter on the general path's way] in dispatch/ops.py), else the default path."""
     slot = written_alone(args, kwargs)
     if slot is None:
         return _default(func, args, kwargs)
@@ -224,8 +236,8 @@ def _writing(func: Any, args: tuple, kwargs: dict) -> Any:
 def _querying(func: Any, args: tuple, kwargs: dict) -> Any:
     """A query about the parameter itself (`MASTER_ONLY`: `p.size()`, `torch.is_complex(p)`, which
     AdamW asks of each parameter at each step): on the master at once where the default path would
-    do only that (Note [a write to a master alone] in dispatch/ops.py), else the default path."""
-    if on_master_alone(args, kwargs) is None:
+    do only that (Note [one parameter on the general path's way] in dispatch/ops.py), else the default path."""
+    if not on_first(lone_parameter(args, kwargs), args):
         return _default(func, args, kwargs)
     return func(*args, **kwargs)
 
@@ -304,7 +316,7 @@ def _reads_only(func: Any) -> bool:
 
 def _writes_first(func: Any) -> bool:
     """`func` writes its first argument by what its name says (`add_`, `__iadd__`), and the default
-    path has no other case for it: Note [a write to a master alone] (dispatch/ops.py)."""
+    path has no other case for it: Note [one parameter on the general path's way] (dispatch/ops.py)."""
     return (writes_by_name(func) and not isinstance(func, OpOverload) and func not in MASTER_ONLY
             and not compressed_special(func) and func is not torch.Tensor.__setitem__)
 
