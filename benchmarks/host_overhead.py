@@ -9,9 +9,9 @@ random weights built from config objects (nothing downloaded), each in a forward
 on, a training step (grads set to None, forward, loss, backward), a forward under
 torch.no_grad() and under torch.inference_mode(), the training step followed by an AdamW step (a
 training loop: each step writes every master, and a kept scope's next forward reloads what it
-wrote), and a LoRA training step with gradient
-checkpointing (the model frozen, rank-4 peft adapters on the attention's q/k/v, checkpointing per
-block: host_overhead_lora.py). Peers: `plain`, offtensor `kept` (every scope resident:
+wrote; on a GPU the plain model steps there, offtensor on the host: that row counts the host's
+AdamW), and a LoRA training step with gradient checkpointing (the model frozen, rank-4 peft
+adapters on the attention's q/k/v, checkpointing per block: host_overhead_lora.py). Peers: `plain`, offtensor `kept` (every scope resident:
 Policy(vram_budget=2**40)), `streamed` (Policy()), both with param_filter=frozen_only in the
 LoRA row, `fp8` (Policy(frozen_format="fp8") on a frozen copy: the no-grad and inference rows),
 diffusers' block-level group offloading and accelerate's cpu_offload on each block (not in the
@@ -57,7 +57,7 @@ except ImportError:  # not on Windows: no page faults are counted there
 import offtensor
 
 from .dit import fp8_round_trip_
-from .host_overhead_checks import NO_GRADS, compare, counted, grads, same_weights
+from .host_overhead_checks import CLOSE, CLOSE_MEANS, NO_GRADS, compare, compare_weights, counted, grads
 from .host_overhead_lora import NOT_APPLICABLE, diffusers_checkpointing, lora_base, transformers_checkpointing
 from .measure import freed_memory_kept, short_error, sync, version
 from .streamed import fp8_compressed
@@ -417,8 +417,8 @@ def run_row(w: Workload, mode: Mode, models: dict[str, nn.Module], reference: nn
         for name, step in steps.items():
             while taken[name] < taken["plain"] and cells[name].error is None:
                 step()
-            if name != "plain" and cells[name].check == "=" and not same_weights(models[name], models["plain"]):
-                cells[name].check = "FAIL weights after the steps"
+            if name != "plain" and cells[name].check == "=":
+                cells[name].check = compare_weights(models[name], models["plain"], exact=device.type == "cpu")
     return Row(w.name, mode.name, cells)
 
 
@@ -522,8 +522,11 @@ def faults_table(rows: list[Row]) -> list[str]:
 
 def checks(rows: list[Row]) -> str:
     bad = [f"{r.workload} {r.mode} {p}: {c.check}" for r in rows for p, c in r.cells.items()
-           if c.error is None and c.check not in ("=", "-") and not (p == "accelerate" and c.check == NO_GRADS)]
-    return "checks: every output and grad equals the plain model's" if not bad else "checks: FAIL " + "; ".join(bad)
+           if c.error is None and c.check not in ("=", "-", CLOSE) and not (p == "accelerate" and c.check == NO_GRADS)]
+    close = any(c.check == CLOSE for r in rows for c in r.cells.values())
+    if bad:
+        return "checks: FAIL " + "; ".join(bad)
+    return "checks: every output and grad equals the plain model's" + (f" ({CLOSE}: {CLOSE_MEANS})" if close else "")
 
 
 def parse(name: str, argv: list[str]) -> argparse.Namespace:

@@ -31,9 +31,23 @@ def compare(out: torch.Tensor, got: dict[str, torch.Tensor] | None, ref: torch.T
     return f"FAIL grads of {sorted(bad)[:3]}" if bad else "="
 
 
-def same_weights(model: nn.Module, reference: nn.Module) -> bool:
-    return all(torch.equal(p.detach().cpu(), q.detach().cpu())
-               for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+# Near the plain model's weights after optimizer steps taken on another device: the plain model on
+# a GPU steps there (torch's foreach AdamW), offtensor on the host masters, and the two round
+# differently (about 1e-9 on these weights).
+CLOSE = "~"
+CLOSE_MEANS = "the weights after optimizer steps within rounding of the plain model's, which steps on the device"
+
+
+def compare_weights(model: nn.Module, reference: nn.Module, *, exact: bool) -> str:
+    """'=' when every parameter equals the reference's bit for bit; CLOSE, not `exact`, when
+    within torch.testing's tolerances; else a FAIL."""
+    pairs = [(p.detach().cpu(), q.detach().cpu())
+             for p, q in zip(model.parameters(), reference.parameters(), strict=True)]
+    if all(torch.equal(p, q) for p, q in pairs):
+        return "="
+    if not exact and all(torch.allclose(p, q, rtol=1.3e-6, atol=1e-5) for p, q in pairs):
+        return CLOSE
+    return "FAIL weights after the steps"
 
 
 def counted(step: Callable[[], torch.Tensor], taken: dict[str, int], name: str) -> Callable[[], torch.Tensor]:

@@ -115,3 +115,23 @@ def test_freed_memory_is_kept_for_reuse_within_the_benchmark():
     _, mapped = _faults_per_round("mmap")
     assert max(kept[3:]) < pages // 20, kept  # the first rounds grow the heap
     assert min(mapped[3:]) > pages // 2, mapped  # the rounds do fault where memory is not kept
+
+
+def test_weights_after_steps_on_another_device_may_differ_by_rounding_only():
+    """The training-loop row compares weights bit for bit on the CPU; where the plain model steps
+    on a GPU, within rounding, and anything more is a failure either way."""
+    from torch import nn
+
+    from benchmarks.host_overhead_checks import CLOSE, compare_weights
+
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.load_state_dict(a.state_dict())
+    assert compare_weights(a, b, exact=True) == "="
+    with torch.no_grad():
+        b.weight.add_(b.weight.abs() * 4e-7)  # a few units in the last place
+    assert compare_weights(a, b, exact=True).startswith("FAIL")
+    assert compare_weights(a, b, exact=False) == CLOSE
+    with torch.no_grad():
+        b.weight.add_(1e-3)
+    assert compare_weights(a, b, exact=False).startswith("FAIL")
