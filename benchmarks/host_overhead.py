@@ -11,11 +11,12 @@ torch.no_grad() and under torch.inference_mode(), the training step followed by 
 training loop: each step writes every master, and a kept scope's next forward reloads what it
 wrote; on a GPU the plain model steps there, offtensor on the host: that row counts the host's
 AdamW), and a LoRA training step with gradient checkpointing (the model frozen, rank-4 peft
-adapters on the attention's q/k/v, checkpointing per block: host_overhead_lora.py). Peers: `plain`, offtensor `kept` (every scope resident:
-Policy(vram_budget=2**40)), `streamed` (Policy()), both with param_filter=frozen_only in the
-LoRA row, `fp8` (Policy(frozen_format="fp8") on a frozen copy: the no-grad and inference rows),
-diffusers' block-level group offloading and accelerate's cpu_offload on each block (not in the
-LoRA row: it keeps no grads), when installed; `memcpy`: one copy of the scopes' bytes.
+adapters on the attention's q/k/v, checkpointing per block: host_overhead_lora.py). Peers:
+`plain`, offtensor `kept` (every scope resident: Policy(vram_budget=2**40)), `streamed`
+(Policy()), both with param_filter=frozen_only in the LoRA row, `fp8` (Policy(frozen_format=
+"fp8") on a frozen copy: the no-grad and inference rows), diffusers' block-level group offloading
+and accelerate's cpu_offload on each block (not in the LoRA row: it keeps no grads), when
+installed; `memcpy`: one copy of the scopes' bytes.
 
 Method: one thread (torch.set_num_threads(1)); each peer's step timed with time.thread_time();
 in each round every peer runs its steps in turn (the order rotated each round), and a peer's
@@ -383,8 +384,7 @@ def run_row(w: Workload, mode: Mode, models: dict[str, nn.Module], reference: nn
     steps = {name: step_fn(w, m, mode, device) for name, m in models.items()}
     taken = dict.fromkeys(steps, 0)  # steps each peer took (the plain model's calibrate the rounds too)
     steps = {name: counted(step, taken, name) for name, step in steps.items()}
-    # A row with optimizer steps compares each peer's first step with a copy's: the plain model's
-    # own first step would change its weights before its check
+    # With optimizer steps, a copy's first step is the reference: the plain model's would step it
     first = copy.deepcopy(models["plain"]) if mode.step else models["plain"]
     ref_out = step_fn(w, first, mode, device)() if mode.step else steps["plain"]()
     ref_grads = grads(first) if mode.train else None
