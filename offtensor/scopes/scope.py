@@ -398,10 +398,12 @@ class Scope:
         streams.wait_for_left_copies()  # Note [copies an interrupt left] in scopes/streams.py
         self.old_grads.drop()
         self.writes.in_call.clear()  # the next load copies the masters as they are
+        # OFFLOADED before the memory goes: an interrupt between the two leaves a buffer that the
+        # next load allocates again in place, never a RESIDENT scope without memory (Note [interrupts])
+        self._to_offloaded()
         self.device.free(self.slots)  # retired instead under a saved graph (Note [higher-order gradients])
         _forget_routed(self)
         torch.clear_autocast_cache()  # Note [autocast's cast cache]
-        self._to_offloaded()
         if self.residency is Residency.CARRIED:
             self.set_residency(Residency.STREAMED)
         self.live.released(self)
