@@ -200,7 +200,7 @@ def _handler(func: Any) -> Handler:
             handler = partial(_handled, entry)
         else:
             handler = (_reading if _reads_only(func) else _writing if _writes_first(func)
-                       else _querying if func in MASTER_ONLY and not compressed_special(func) else _default)
+                       else _querying if func in MASTER_ONLY else _default)
         _HANDLERS[func] = handler
     return handler
 
@@ -236,7 +236,8 @@ def _writing(func: Any, args: tuple, kwargs: dict) -> Any:
 def _querying(func: Any, args: tuple, kwargs: dict) -> Any:
     """A query about the parameter itself (`MASTER_ONLY`: `p.size()`, `torch.is_complex(p)`, which
     AdamW asks of each parameter at each step): on the master at once where the default path would
-    do only that (Note [one parameter on the general path's way] in dispatch/ops.py), else the default path."""
+    do only that (a plain master: a compressed one's answers are packed_torch_function's; Note [one
+    parameter on the general path's way] in dispatch/ops.py), else the default path."""
     if not on_first(lone_parameter(args, kwargs), args):
         return _default(func, args, kwargs)
     return func(*args, **kwargs)
