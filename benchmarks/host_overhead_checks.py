@@ -33,7 +33,7 @@ def compare(out: torch.Tensor, got: dict[str, torch.Tensor] | None, ref: torch.T
 
 # Near the plain model's weights after optimizer steps taken on another device: the plain model on
 # a GPU steps there (torch's foreach AdamW), offtensor on the host masters, and the two round
-# differently (about 1e-9 on these weights).
+# differently. The tolerances are torch.testing's for float32.
 CLOSE = "~"
 CLOSE_MEANS = "the weights after optimizer steps within rounding of the plain model's, which steps on the device"
 

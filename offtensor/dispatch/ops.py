@@ -26,7 +26,7 @@ from .writes import is_inplace, written
 # path (below) ends at the scope's device copy after a dozen checks for cases that cannot apply,
 # and a DiT's blocks run many short kernels, between which the host must keep up: that host time
 # per op was the gap between a kept model and the resident one. So `resident_copies` answers
-# this case first: an op that only reads (`reads_only`, decided once per function by the
+# this case first: an op that only reads (`_routed_handler`, decided once per function by the
 # caller), no tracing or torch.func transform, not the optimizer worker, and each parameter in
 # the top-level arguments with a copy that `ParamSlot.ready_copy` (dispatch/slot.py) gives without
 # host work, which is also where `OpAccess.materialize` starts. Anything else goes the general way.
@@ -151,19 +151,25 @@ def resident_copies_ready(scope: SlotScope, *, versions_read: bool = False, in_c
     slots = scope.slots
     if (in_call and scope.calls.running <= 0) or scope.copy_order is None:
         return False
-    holds = HOLDS[0]
-    if scope.holds_seen != holds:  # Note [masters held from ops] (dispatch/slot.py)
-        for slot in slots:  # a loop over plain fields: asked per parameter
-            if slot.pending_step is not None or slot.stepped_elsewhere is not None:
-                return False
-        scope.holds_seen = holds
-    if not scope.writes.copies_current(len(slots), versions_read=versions_read):
+    if not masters_free(scope) or not scope.writes.copies_current(len(slots), versions_read=versions_read):
         return False
     changes = REQUIRES_GRAD_CHANGES[0]
     if scope.requires_grad_seen != changes:  # the user froze or unfroze parameters since the last call
         for slot in slots:
             slot.use_device_copy()
         scope.requires_grad_seen = changes
+    return True
+
+
+def masters_free(scope: SlotScope) -> bool:
+    """No deferred optimizer step or other rank holds any of the scope's masters, looked at once
+    per count of holds (Note [masters held from ops] in dispatch/slot.py)."""
+    holds = HOLDS[0]
+    if scope.holds_seen != holds:
+        for slot in scope.slots:  # a loop over plain fields: asked per parameter
+            if slot.pending_step is not None or slot.stepped_elsewhere is not None:
+                return False
+        scope.holds_seen = holds
     return True
 
 

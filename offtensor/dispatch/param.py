@@ -140,11 +140,11 @@ def _compiled_region_op(func: Any, args: tuple, kwargs: dict) -> Any:
 #   (`p.data`, `p.grad`, `w.T`: the accessors of the tensor's attributes), once the parameters'
 #   deferred steps are done and compressed masters have had their own cases (Note [compressed
 #   masters] in storage/compress.py); a property access with no entry acts on the parameter itself;
-# - a function that only reads (`_reads_only`): the short path of ops in a resident scope first
-#   (Note [ops in a resident scope] in dispatch/ops.py), then the default path;
-# - one that writes its first argument by its name (`_writes_first`), or a query about the
-#   parameter itself (`MASTER_ONLY`): the short path of a master written or asked alone first
-#   (Note [one parameter on the general path's way] in dispatch/ops.py), then the default path;
+# - a function that only reads (`_routed_handler`): the short path of ops in a resident scope
+#   first (Note [ops in a resident scope] in dispatch/ops.py), then the default path;
+# - one that writes its first argument by its name, or a query about the parameter itself
+#   (`MASTER_ONLY`): the short path of a master written or asked alone first (Note [one
+#   parameter on the general path's way] in dispatch/ops.py), then the default path;
 # - anything else, the default path: `dispatch` gives each parameter what the op gets.
 # A route is called with subclass dispatch on and the call as one tuple `(func, args, kwargs)`,
 # so that turning dispatch off costs no Python frame (a partial of the C function); what it runs
@@ -199,8 +199,7 @@ def _handler(func: Any) -> Handler:
         elif entry is not None and not with_dispatch:
             handler = partial(_handled, entry)
         else:
-            handler = (_reading if _reads_only(func) else _writing if _writes_first(func)
-                       else _querying if func in MASTER_ONLY else _default)
+            handler = _routed_handler(func)
         _HANDLERS[func] = handler
     return handler
 
@@ -306,20 +305,20 @@ def _note_requires_grad(params: list) -> None:
             slot.note_requires_grad()
 
 
-def _reads_only(func: Any) -> bool:
-    """`func` only reads its arguments and the default path does not treat it specially
-    (master-only ops, compressed masters' own cases, in-place writes by name or schema), so that
-    inside a resident scope it gets the device copies (Note [ops in a resident scope] in
-    dispatch/ops.py); `out=` and `inplace=True` are the caller's to check."""
-    return not (func in MASTER_ONLY or compressed_special(func) or writes_by_name(func)
-                or func is torch.Tensor.__setitem__)
-
-
-def _writes_first(func: Any) -> bool:
-    """`func` writes its first argument by what its name says (`add_`, `__iadd__`), and the default
-    path has no other case for it: Note [one parameter on the general path's way] (dispatch/ops.py)."""
-    return (writes_by_name(func) and not isinstance(func, OpOverload) and func not in MASTER_ONLY
-            and not compressed_special(func) and func is not torch.Tensor.__setitem__)
+def _routed_handler(func: Any) -> Handler:
+    """The handler of a function with no entry of its own and not a property access (Note [op
+    routing]): a query about the parameter itself (`MASTER_ONLY`); the default path for what it
+    treats specially (compressed masters' own cases, `p[i] = v`) and for an aten overload written
+    by its schema; a write by its name (`add_`, `__iadd__`); else a function that only reads, whose
+    ops inside a resident scope get the device copies (Note [ops in a resident scope] in
+    dispatch/ops.py; `out=` and `inplace=True` are the handler's to check)."""
+    if func in MASTER_ONLY:
+        return _querying
+    if compressed_special(func) or func is torch.Tensor.__setitem__:
+        return _default
+    if writes_by_name(func):
+        return _default if isinstance(func, OpOverload) else _writing
+    return _reading
 
 
 def find_params(args: tuple, kwargs: dict) -> list[OffloadedParameter]:

@@ -41,7 +41,7 @@ from ..api import Residency, ScopeState
 from ..dispatch import compile as _compile
 from ..dispatch import wrapper_guards as _distributed
 from ..dispatch.device_copies import unmark_exposed
-from ..dispatch.ops import resident_copies_ready
+from ..dispatch.ops import masters_free, resident_copies_ready
 from ..dispatch.slot import in_backward
 from ..scopes.experts import fill_all_experts
 from ..scopes.scope import Scope
@@ -293,7 +293,7 @@ class ScopeHooks(EagerExposure):
         first call (Note [a pass that reloads what a step wrote] in engine/model_hooks.py); reads only."""
         scope = self.scope
         return (scope.state is not ScopeState.RESIDENT and scope.copy_order is not None and self._kept_and_idle()
-                and not any(s.pending_step is not None or s.stepped_elsewhere is not None for s in scope.slots))
+                and masters_free(scope))
 
     def _kept_and_idle(self) -> bool:
         scope = self.scope
