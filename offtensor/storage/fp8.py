@@ -126,7 +126,7 @@ class FusedDequantization:
     def __init__(self, rows: list[list[int]], chunks: list[tuple[int, int, int]], dtype: torch.dtype) -> None:
         self._host = torch.tensor(rows, dtype=torch.int64).reshape(-1, self.COLUMNS).pin_memory()
         self._table: torch.Tensor | None = None  # on the device, copied at the first launch
-        self.chunks = chunks  # per chunk: (first row, rows, the largest numel)
+        self.chunks = chunks  # per chunk: (first row, rows, the most programs of any matrix)
         self.dtype = dtype
 
     @classmethod
@@ -136,6 +136,8 @@ class FusedDequantization:
         with Triton (each is then its own, `unpack_into`)."""
         if device.type != "cuda" or _fused_dequantize() is None:
             return None
+        from .kernels import tiles_of
+
         entries = [e for chunk in chunks for e in chunk]
         if not entries:
             return None
@@ -144,7 +146,8 @@ class FusedDequantization:
         rows: list[list[int]] = []
         spans: list[tuple[int, int, int]] = []
         for chunk in chunks:
-            spans.append((len(rows), len(chunk), max((out.numel() for *_, out in chunk), default=0)))
+            spans.append((len(rows), len(chunk), max((tiles_of(out.numel(), rows_cols(out.shape)[1])
+                                                      for *_, out in chunk if out.numel()), default=0)))
             for master_dtype, offset, device_offset, out in chunk:
                 if master_dtype != dtype or out.dtype != dtype or not out.is_contiguous():
                     return None
@@ -159,14 +162,14 @@ class FusedDequantization:
         layout) into `out_flat` (the scope's uint8 device buffer), on the current stream."""
         from .kernels import dequantize_segments
 
-        first, count, numel = self.chunks[chunk]
-        if not count or not numel:
+        first, count, tiles = self.chunks[chunk]
+        if not count or not tiles:
             return
         table = self._table
         if table is None:  # ordered before every launch: the same (current) stream
             table = self._table = self._host.to(out_flat.device, non_blocking=True)
         dequantize_segments(staging.view(torch.float8_e4m3fn), staging.view(self.dtype), out_flat.view(self.dtype),
-                            table, first, count, numel)
+                            table, first, count, tiles)
 
 
 FP8 = Float8Rows()

@@ -447,6 +447,41 @@ def test_cuda_fused_fp8_dequantization_is_bit_identical_to_the_two_kernels(dtype
         assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8)), (rows, cols)
 
 
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_one_kernel_dequantizes_matrices_of_every_size_into_their_places_only():
+    """Note [load plans]: a chunk's matrices in one launch, each as many tiles as it has (a small
+    one beside a large one, rows and columns ending mid-tile, an empty one), the same bits as the
+    two kernels, and nothing written between or after them."""
+    pytest.importorskip("triton")
+    from offtensor.storage.kernels import dequantize_segments, tiles_of
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(3, 5), (1030, 300), (0, 7), (9, 257), (64, 3072), (17, 1)]
+    dtype = torch.bfloat16
+    values = [(torch.randn(shape, device="cuda", generator=gen) * 300).clamp(-448, 448).to(torch.float8_e4m3fn)
+              for shape in shapes]
+    scales = [(torch.rand(shape[0], device="cuda", generator=gen) * 10 + 1e-3).to(dtype) for shape in shapes]
+    table, value_at, scale_at, out_at = [], 0, 0, 0
+    for shape in shapes:
+        numel = shape[0] * shape[1]
+        table.append([value_at, scale_at, out_at, numel, shape[1]])
+        value_at, scale_at, out_at = value_at + numel, scale_at + shape[0], out_at + numel + 3  # 3 values apart
+    flat_values = torch.cat([v.flatten().view(torch.uint8) for v in values]).view(torch.float8_e4m3fn)
+    out = torch.full((out_at,), float("nan"), dtype=dtype, device="cuda")
+    tiles = max(tiles_of(numel, cols) for *_, numel, cols in table if numel)
+    dequantize_segments(flat_values, torch.cat(scales), out, torch.tensor(table, device="cuda"), 1, len(shapes) - 1,
+                        tiles)  # every matrix but the first
+    for i, (shape, (*_, at, numel, _cols)) in enumerate(zip(shapes, table, strict=True)):
+        got = out[at : at + numel]
+        if i == 0:
+            assert got.isnan().all()
+        else:
+            expected = (values[i].to(dtype) * scales[i][:, None]).flatten()
+            assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), shape
+        assert out[at + numel : at + numel + 3].isnan().all(), shape
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("device", devices)
 def test_a_vram_budget_keeps_compressed_frozen_scopes_dequantized_once(device, fmt):
