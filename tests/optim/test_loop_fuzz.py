@@ -3,7 +3,8 @@
 For each seed a small model is built (`mlp_of_blocks`, other `BlockStack` variants, or a tiny
 HF Llama), an unwrapped reference is made before `wrap`, and a random configuration is drawn:
 which modules are scopes (one with `keep_for_backward`), split scopes (`max_scope_bytes`),
-`prefetch`, activation checkpointing, frozen parameters (before or after `wrap`, optionally
+`prefetch`, a VRAM budget (a few blocks kept, or every scope: exposed passes), activation
+checkpointing, frozen parameters (before or after `wrap`, optionally
 `param_filter=frozen_only`), the optimizer (SGD with momentum, AdamW, Adagrad; foreach or not;
 built before or after `wrap`, over all or only the trainable parameters).
 
@@ -142,6 +143,10 @@ def _draw_config(seed: int) -> tuple[random.Random, dict]:
     # A VRAM budget keeping this many blocks beyond what streaming needs (own generator: the
     # draws above, and so what each seed tested before, stay as they were).
     cfg["budget_blocks"] = random.Random(seed * 7919 + 1).choice([None, None, 0, 1, 3])
+    # Or a budget that keeps every scope: forwards become exposed passes, and the one after each
+    # step reloads what the step wrote (Note [exposed passes], Note [a pass that reloads what a
+    # step wrote] in engine/model_hooks.py). Own generator, as above.
+    cfg["all_kept"] = cfg["budget_blocks"] is None and random.Random(seed * 7919 + 2).random() < 0.5
     return rng, cfg
 
 
@@ -386,6 +391,8 @@ def test_training_loop_fuzz(fuzz_seed):
     if cfg["budget_blocks"] is not None:
         largest = max(device_layout_bytes(model.get_submodule(n)) for n in cfg["selected"])
         policy_kwargs["vram_budget"] = (2 + cfg["prefetch"] + cfg["budget_blocks"]) * largest
+    elif cfg["all_kept"]:
+        policy_kwargs["vram_budget"] = 2**40
     policy = offtensor.Policy(**policy_kwargs)
 
     ref_opt = opt = None
