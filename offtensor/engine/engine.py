@@ -330,9 +330,11 @@ class Engine:
         if self.hold():
             return
         # Under reentrant checkpointing the forward runs without grad: only the training state
-        # (Note [training state]) and a counted call of this pass say a backward follows.
-        expected = (self.training is not TrainingState.INFERENCE and scope.module.training
-                    and self.calls.pass_counted)
+        # (Note [training state]) and a counted call of this pass say a backward follows. With
+        # grad on, the call's outputs say it: outputs that require no grad are in no graph, and
+        # no backward reaches the scope (its parameters frozen, the model training others).
+        expected = (not torch.is_grad_enabled() and self.training is not TrainingState.INFERENCE
+                    and scope.module.training and self.calls.pass_counted)
         if self.schedule.is_last(scope) and (backward_expected or expected):
             # Backward starts with this scope, kept resident, or (a split block recomputed under
             # checkpointing) with another one: prefetch that, weights only (the user may still

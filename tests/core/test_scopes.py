@@ -751,3 +751,34 @@ def test_a_kept_scope_released_during_a_pass_is_prefetched_again(monkeypatch):
     model.blocks[1].release = released  # after the pass's first prefetch remembered blocks 1-4
     torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
     assert released.loads_on_demand == before and released.state is ScopeState.RESIDENT
+
+
+@pytest.mark.parametrize("device", devices)
+def test_a_backward_that_reaches_no_scope_leaves_no_scope_resident(device):
+    """A model that trained its blocks, then froze them and its input layer and trains its head
+    only: the scopes' outputs are in no graph, so no backward reaches them, and none stays
+    resident for one, the forward's last scope included (it stayed until the next forward,
+    though the loop trains). The model trains as the unwrapped one does throughout."""
+    model = mlp_of_blocks(3)
+    reference = reference_then_offload(model, device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):
+        if step == 1:
+            for m in (model, reference):
+                m.input.requires_grad_(False)
+                m.blocks.requires_grad_(False)
+        x = torch.randn(5, 8, generator=gen).to(device)
+        loss = model(x).square().mean()
+        if step:
+            assert_all_scopes_offloaded(model)  # after the forward already: no backward will come
+        loss.backward()
+        reference(x).square().mean().backward()
+        assert_all_scopes_offloaded(model)
+        assert_grads_match(model, reference, rtol=0, atol=0)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert_params_match(model, reference, rtol=0, atol=0)
