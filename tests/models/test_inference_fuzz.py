@@ -638,8 +638,10 @@ class _Side:
             elif kind == "alias_write":
                 alias = self.aliases.get(op["name"])
                 if alias is not None:
-                    self._write(dict(op, form="mul_" if op["form"] in ("data_assign", "data_copy_") else op["form"]),
-                                target=alias)
+                    # Not through the alias's own `.data`: a tensor with a version counter of its
+                    # own, whose writes no copy can see (docs/design.md, Limits)
+                    form = "mul_" if op["form"] in ("data_assign", "data_copy_", "data_add") else op["form"]
+                    self._write(dict(op, form=form), target=alias)
             elif kind == "toggle_grad":
                 self._toggle(op)
             elif kind == "toggle_block":
