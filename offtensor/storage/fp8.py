@@ -146,15 +146,18 @@ class FusedDequantization:
         rows: list[list[int]] = []
         spans: list[tuple[int, int, int]] = []
         for chunk in chunks:
-            spans.append((len(rows), len(chunk), max((tiles_of(out.numel(), rows_cols(out.shape)[1])
-                                                      for *_, out in chunk if out.numel()), default=0)))
+            first, tiles = len(rows), 0
             for master_dtype, offset, device_offset, out in chunk:
                 if master_dtype != dtype or out.dtype != dtype or not out.is_contiguous():
                     return None
                 scale = offset + scale_offset(out.shape)
                 if scale % size or device_offset % size:
                     return None
-                rows.append([offset, scale // size, device_offset // size, out.numel(), rows_cols(out.shape)[1]])
+                cols = rows_cols(out.shape)[1]
+                rows.append([offset, scale // size, device_offset // size, out.numel(), cols])
+                if out.numel():
+                    tiles = max(tiles, tiles_of(out.numel(), cols))
+            spans.append((first, len(chunk), tiles))
         return cls(rows, spans, dtype)
 
     def launch(self, chunk: int, staging: torch.Tensor, out_flat: torch.Tensor) -> None:
