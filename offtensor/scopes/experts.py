@@ -44,8 +44,10 @@ Copies are issued per layer, not per expert: the pre-hook that reads the router'
 it for each routed parameter at once, while the scope is resident (else the call's first op does,
 by the usual path), before transformers' own preparation (sorting tokens by expert), so that the
 link does not idle through it; an eager loop's `w[e]` then finds its rows there. One section
-of the copy stream with one event for compute to wait on, one `copy_` per run of consecutive
-experts; rows the expert cache holds are copied in one `_foreach_copy_`. Later ops take the
+of the copy stream with one event for compute to wait on, one copy per run of consecutive
+experts, all in one `_foreach_copy_` (a lone expert's rows by views made once per device copy
+and master, not sliced at each copy: `_run_views`); rows the expert cache holds are copied in
+one `_foreach_copy_` too. Later ops take the
 short path of ops (`hinted`), an indexing one checks the rows it reads (Note [ops in a resident
 scope] in dispatch/ops.py). Hits and misses count once per expert and call, as an op loop reading
 each expert once counted them. Per expert, each copy would cost a stream switch, an event and a
@@ -117,6 +119,8 @@ class ExpertRows:
         # not index the parameter gets the device copy by the short path (ParamSlot.ready_copy)
         self.hinted = False
         self.row_bytes = slot.master.nbytes // max(self.count, 1)  # one expert's, as the master holds it
+        # (device view, master, each expert's rows of both): made once per pair (Note [one copy per run])
+        self._rows: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
 
     def forget(self, *, graph_reads: bool = False) -> None:
         """No expert is on the device (released, or a load that leaves them to ops). What says
@@ -224,8 +228,8 @@ class ExpertRows:
                     staged.append((run, (master[run].to(view.device, non_blocking=True),)))
                 self.traffic.bytes_to_device += len(experts) * self.row_bytes
             else:
-                for run in runs:
-                    view[run].copy_(master[run], non_blocking=True)
+                into, sources = self._run_views(runs)
+                torch._foreach_copy_(into, sources, non_blocking=True)
                 self.traffic.bytes_to_device += len(experts) * self.row_bytes
             copied = streams.record(h2d)
         streams.reads_masters(copied)
@@ -240,6 +244,17 @@ class ExpertRows:
                 packed.unpack_rows_into(view[run], rows)
             else:
                 view[run].copy_(rows[0])
+
+    def _run_views(self, runs: list[slice]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The device copy's and the master's rows of each run; a run of one expert (a decode
+        token's most often) by views made once, not sliced at each copy."""
+        slot, made = self.slot, self._rows
+        view, master = slot.device_view, slot.master
+        if made is None or made[0] is not view or made[1] is not master:
+            self._rows = made = (view, master, view.unbind(0), master.unbind(0))
+        _, _, view_rows, master_rows = made
+        return ([view_rows[r.start] if r.stop - r.start == 1 else view[r] for r in runs],
+                [master_rows[r.start] if r.stop - r.start == 1 else master[r] for r in runs])
 
 
 def _runs(experts: list[int]) -> list[slice]:
