@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_params_match, devices, device_layout_bytes, mlp_of_blocks, offload, unwrapped_reference
+from conftest import assert_params_match, device_layout_bytes, devices, mlp_of_blocks, offload, unwrapped_reference
 from torch import nn
 
 import offtensor
