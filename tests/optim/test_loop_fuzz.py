@@ -14,6 +14,8 @@ either `set_to_none`; the optimizer's or the model's), `backward_and_step` or `b
 [clip_grad_norm_;] step()`, learning-rate changes right after the step, no-grad forwards,
 steps inside `no_offload()`, gradient-penalty losses, `eval()`/`train()` toggles,
 `requires_grad` toggles, a forward that raises (the step is abandoned, on both models alike),
+an optimizer step whose pre-hook or post-hook raises (no step, or a step its post-hooks did not
+follow),
 and `state_dict()` / `copy.deepcopy(model)` at random points (also right after
 `backward_and_step`, before its deferred steps are done).
 
@@ -228,6 +230,10 @@ def _describe(plan: dict) -> str:
 
 
 
+def _raise_in_step(*_) -> None:
+    raise FuzzError("raised by the fuzzer's optimizer step hook")
+
+
 class _Runner:
     """One model, its optimizer and its armed-exception hook; runs a plan."""
 
@@ -284,6 +290,18 @@ class _Runner:
         owner = self.opt if plan["zero_grad_of"] == "optimizer" else self.model
         owner.zero_grad(set_to_none=plan["set_to_none"])
 
+    def _step(self, plan: dict) -> None:
+        """`opt.step()`, with a pre-hook or post-hook of its own that raises if the plan says so."""
+        if plan["step_raise"] is None:
+            self.opt.step()
+            return
+        register = self.opt.register_step_pre_hook if plan["step_raise"] == "pre" else self.opt.register_step_post_hook
+        handle = register(_raise_in_step)
+        try:
+            self.opt.step()
+        finally:
+            handle.remove()
+
     def _run(self, plan: dict, result: dict) -> None:
         opt, n = self.opt, plan["n_micro"]
         if plan["zero_grad"] == "before":
@@ -328,7 +346,7 @@ class _Runner:
         if not plan["bas"]:
             if plan["clip"]:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), 0.5)
-            opt.step()
+            self._step(plan)
         if plan["lr_scale"] is not None:  # applies from the next step, deferred steps or not
             for group in opt.param_groups:
                 group["lr"] *= plan["lr_scale"]
@@ -418,9 +436,11 @@ def test_training_loop_fuzz(fuzz_seed):
     gen = torch.Generator().manual_seed(1000 + fuzz_seed)
     training = True
     n_steps = rng.randint(4, 8)
+    step_rng = random.Random(fuzz_seed * 7919 + 3)  # its own: the other draws stay as they were
     try:
         for step in range(n_steps):
             plan = _draw_step(rng, cfg, training, gen)
+            plan["step_raise"] = step_rng.choice([None] * 10 + ["pre", "post"])
             if step == n_steps - 1:
                 plan["check"] = True
             if plan["toggle_mode"]:
