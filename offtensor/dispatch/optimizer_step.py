@@ -39,20 +39,20 @@ from .slot import ParamSlot, on_optimizer_worker
 
 # Note [an eager optimizer step]
 # An eager step writes each master through in-place ops on the parameter (AdamW: `is_complex(p)`,
-# `p.mul_` for the decay, `p.addcdiv_`), each dispatched through OffloadedParameter's
-# `__torch_function__` to the master it would reach anyway (`written_alone` in dispatch/ops.py):
-# a share of the host's step time that the plain model does not pay. So the global pre-hook
-# treats each offloaded parameter with a gradient that such a write could take (`written_alone`)
-# as its first write would (`master_written`: no copy reads it, a kept scope's stale copy goes,
-# staged and cached copies are stale, graphs that saved a copy see it modified) and makes it an
-# nn.Parameter for the step: its ops run on the master as a plain parameter's. The global
-# post-hook gives the class back (`restore`; nothing copied a master in between, but a staged
-# copy counts as stale all the same). Not in a backward (an optimizer in a post-accumulate-grad
-# hook), nor for backward_and_step's views and worker, nor for a parameter whose scope is in a
-# call or still resident after the write. A step that raises runs no post-hook, and a closure
-# (LBFGS) calls the model inside the step: so every module hook of offtensor's and every scope's
-# load restore first, and the model never computes with, loads or writes through a parameter of
-# the plain class.
+# `p.mul_`, `p.addcdiv_`), each dispatched through OffloadedParameter's `__torch_function__` to
+# the master it reaches anyway (`written_alone` in dispatch/ops.py): host time a plain model does
+# not pay. So the global pre-hook does for each offloaded parameter with a gradient that such a
+# write could take what its first write would (`master_written`: no copy reads the master, a kept
+# scope's copy goes, staged and cached copies are stale, graphs that saved a copy see it
+# modified), before the step (a write through `p.data` bumps no counter a load reads), and makes
+# it an nn.Parameter: its ops run on the master as a plain parameter's. The post-hook gives the
+# class back (`restore`). Not in a backward (an optimizer in a post-accumulate-grad hook), nor
+# for backward_and_step's views and worker, nor for a wrapper whose step may or may not call its
+# `optimizer`'s (accelerate's, in an accumulation step: the inner step's hooks act), nor for a
+# parameter whose scope is in a call or still resident after the write. A step that raises runs
+# no post-hook, and a closure (LBFGS) calls the model inside the step: so each module hook of
+# offtensor's and each scope's load restore first; the model never computes with, loads or
+# writes through a parameter of the plain class.
 
 made_plain: list[tuple[nn.Parameter, ParamSlot]] = []  # made plain for the step running now
 
@@ -62,7 +62,8 @@ def before_optimizer_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     optimizer step])."""
     if _compile.in_compiled_region():
         _compile.run_outside_dynamo(_before_compiled_step, (optimizer,))
-    elif not (getattr(optimizer, "_offtensor_view", False) or torch._C._current_graph_task_id() != -1):
+    elif not (getattr(optimizer, "_offtensor_view", False) or torch._C._current_graph_task_id() != -1
+              or isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)):
         _make_plain(optimizer)
 
 

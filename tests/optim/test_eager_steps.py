@@ -110,3 +110,41 @@ def test_unwrap_after_a_step_that_raised_leaves_plain_parameters_with_the_writte
     assert not optimizer_step.made_plain
     assert {type(p) for p in model.parameters()} == {nn.Parameter}
     assert_params_match(model, reference, rtol=0, atol=0)
+
+
+class Accumulating(torch.optim.Optimizer):
+    """A wrapper as accelerate's AcceleratedOptimizer is: its step calls `optimizer.step()` only
+    when the gradients are synced (the last micro-batch of an accumulation)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.sync = False
+        super().__init__(optimizer.param_groups, {})
+        self.param_groups, self.state = optimizer.param_groups, optimizer.state  # shared, as accelerate's
+
+    def step(self, closure=None):  # type: ignore[override]
+        if self.sync:
+            self.optimizer.step(closure)
+
+
+def test_a_wrapper_step_that_skips_its_optimizer_keeps_the_kept_scopes():
+    """Only the inner step, when it runs, counts as writing the masters: a kept scope stays
+    resident through the accumulation steps, and training matches the plain model's."""
+    model, reference = _model_and_reference("cpu", True)
+    opt = Accumulating(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ref_opt = Accumulating(torch.optim.AdamW(reference.parameters(), lr=1e-2))
+    engine_scopes = offtensor.summary(model).scopes
+    for i in range(6):
+        x, y = torch.randn(4, 8), torch.randn(4, 4)
+        loads = sum(s.loads for s in offtensor.summary(model).scopes)
+        for m, o in ((model, opt), (reference, ref_opt)):
+            o.sync = i % 3 == 2
+            F.mse_loss(m(x), y).backward()
+            o.step()
+            if o.sync:
+                o.zero_grad()
+        if i % 3 == 1:  # a forward after a step that wrote nothing: nothing loaded again
+            assert sum(s.loads for s in offtensor.summary(model).scopes) == loads
+        assert not optimizer_step.made_plain
+    assert len(engine_scopes) == 3
+    assert_params_match(model, reference, rtol=0, atol=0)
