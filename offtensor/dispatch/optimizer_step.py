@@ -74,6 +74,7 @@ def after_optimizer_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
 
 
 def _make_plain(optimizer: torch.optim.Optimizer) -> None:
+    """Its offloaded parameters that the step may write alone, treated as written and made plain."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             if type(p) is not OffloadedParameter:
