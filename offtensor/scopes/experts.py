@@ -45,9 +45,9 @@ it for each routed parameter at once, while the scope is resident (else the call
 by the usual path), before transformers' own preparation (sorting tokens by expert), so that the
 link does not idle through it; an eager loop's `w[e]` then finds its rows there. One section
 of the copy stream with one event for compute to wait on, one copy per run of consecutive
-experts, all in one `_foreach_copy_` (a lone expert's rows by views made once per device copy
-and master, not sliced at each copy: `_run_views`); rows the expert cache holds are copied in
-one `_foreach_copy_` too. Later ops take the
+experts (a lone expert's rows by views made once per device copy and master, not sliced at
+each copy: `_run_views`; not one `_foreach_copy_`, whose copies from host memory took longer on
+CUDA); rows the expert cache holds are copied in one `_foreach_copy_`. Later ops take the
 short path of ops (`hinted`), an indexing one checks the rows it reads (Note [ops in a resident
 scope] in dispatch/ops.py). Hits and misses count once per expert and call, as an op loop reading
 each expert once counted them. Per expert, each copy would cost a stream switch, an event and a
@@ -228,8 +228,8 @@ class ExpertRows:
                     staged.append((run, (master[run].to(view.device, non_blocking=True),)))
                 self.traffic.bytes_to_device += len(experts) * self.row_bytes
             else:
-                into, sources = self._run_views(runs)
-                torch._foreach_copy_(into, sources, non_blocking=True)
+                for into, rows in zip(*self._run_views(runs), strict=True):
+                    into.copy_(rows, non_blocking=True)
                 self.traffic.bytes_to_device += len(experts) * self.row_bytes
             copied = streams.record(h2d)
         streams.reads_masters(copied)

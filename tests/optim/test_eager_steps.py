@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_params_match, device_layout_bytes, devices, mlp_of_blocks, offload, unwrapped_reference
+from conftest import (
+    assert_params_match,
+    device_layout_bytes,
+    devices,
+    mlp_of_blocks,
+    offload,
+    tolerances,
+    unwrapped_reference,
+)
 from torch import nn
 
 import offtensor
@@ -65,7 +73,7 @@ def test_an_eager_step_runs_on_plain_parameters_and_gives_them_back(device, kept
         assert {type(p) for p in offloaded} == {offtensor.OffloadedParameter}
     assert seen == [{nn.Parameter}] * 3
     assert not optimizer_step.made_plain
-    assert_params_match(model, reference, rtol=0, atol=0)
+    assert_params_match(model, reference, **tolerances(device))
 
 
 @pytest.mark.parametrize("kept", POLICIES)
@@ -89,13 +97,13 @@ def test_a_step_that_raises_halfway_leaves_no_stale_copy(device, kept):
             else:
                 o.step()
             o.zero_grad()
-        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+        torch.testing.assert_close(outs[0], outs[1], **tolerances(device))
         # Left plain by the step that raised, until the next forward
         left = {nn.Parameter} if i == 1 else {offtensor.OffloadedParameter}
         assert {type(p) for p in _offloaded(model)} == left
         assert bool(optimizer_step.made_plain) == (i == 1)
     assert not optimizer_step.made_plain
-    assert_params_match(model, reference, rtol=0, atol=0)
+    assert_params_match(model, reference, **tolerances(device))
 
 
 def test_unwrap_after_a_step_that_raised_leaves_plain_parameters_with_the_written_values():
