@@ -228,8 +228,8 @@ class ExpertRows:
                     staged.append((run, (master[run].to(view.device, non_blocking=True),)))
                 self.traffic.bytes_to_device += len(experts) * self.row_bytes
             else:
-                for into, rows in zip(*self._run_views(runs), strict=True):
-                    into.copy_(rows, non_blocking=True)
+                for into, source in zip(*self._run_views(runs), strict=True):
+                    into.copy_(source, non_blocking=True)
                 self.traffic.bytes_to_device += len(experts) * self.row_bytes
             copied = streams.record(h2d)
         streams.reads_masters(copied)
