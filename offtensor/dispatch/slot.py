@@ -119,8 +119,6 @@ class CountsWrites(Protocol):
 
     master_writes: int  # writes since wrap (a staged copy or a cached expert row is stale after one)
 
-    def written(self) -> None: ...  # one more
-
 
 class MastersAt(Protocol):
     """Where a scope's masters live, as its source says (MasterSource in scopes/sources.py, above)."""

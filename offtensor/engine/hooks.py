@@ -42,7 +42,6 @@ from ..dispatch import compile as _compile
 from ..dispatch import wrapper_guards as _distributed
 from ..dispatch.device_copies import unmark_exposed
 from ..dispatch.ops import masters_free, resident_copies_ready
-from ..dispatch.optimizer_step import made_plain, restore
 from ..dispatch.slot import in_backward
 from ..scopes.experts import fill_all_experts
 from ..scopes.scope import Scope
@@ -493,8 +492,6 @@ class Hook:
         self.compiled_fn = fn if compiled_fn is None else compiled_fn
 
     def __call__(self, *args: Any) -> Any:
-        if made_plain:  # Note [an eager optimizer step] in dispatch/optimizer_step.py
-            restore()
         # in_compiled_region(), inlined: asked at each call of a scope, twice
         if torch.compiler.is_compiling() or _compile.eval_frame_callback() is not None:
             return _compile.run_outside_dynamo(self.compiled_fn, args)

@@ -28,7 +28,6 @@ from ..dispatch.autograd import give_back_tensor_hooks, take_tensor_hooks
 from ..dispatch.device_copies import device_copy
 from ..dispatch.function_apply import intercept_function_apply
 from ..dispatch.masters import master_values, without_subclass_dispatch
-from ..dispatch.optimizer_step import restore
 from ..dispatch.param import OffloadedParameter
 from ..dispatch.slot import ParamSlot
 from ..dispatch.wrapper_guards import check_model
@@ -234,7 +233,6 @@ def unwrap(model: nn.Module) -> nn.Module:
             + (f" (a {type(root).__name__})" if root is not None else "")
         )
     wait_for_steps()  # a deferred optimizer step may still write the masters
-    restore()  # parameters a step that raised left plain (Note [an eager optimizer step])
     if engine.grads.reducer is not None:  # leave data-parallel mode (distributed/data_parallel.py)
         engine.grads.reducer.close()
     return _undo_wrap(engine, model)

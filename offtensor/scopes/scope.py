@@ -53,7 +53,6 @@ from torch import nn
 from ..api import MasterHome, Policy, Residency, ScopeState
 from ..dispatch.call_counts import CallCounts
 from ..dispatch.masters import master_requires_grad
-from ..dispatch.optimizer_step import made_plain, restore
 from ..dispatch.slot import ParamSlot, alive, in_backward, weakly
 from ..storage.memory import HostBuffer, PinningFallback
 from .device_buffer import DeviceBuffer
@@ -322,8 +321,6 @@ class Scope:
         """OFFLOADED -> LOADING: allocate on compute, copy host->device on the copy stream;
         `with_grads`: also fetch the existing host gradients (accumulation)."""
         if self.state is ScopeState.OFFLOADED:
-            if made_plain:  # Note [an eager optimizer step] in dispatch/optimizer_step.py
-                restore()
             self._start_load()
         if with_grads:
             self.old_grads.fetch(self.device.flat.device)
