@@ -97,42 +97,30 @@ class _Queue(TorchDispatchMode):
         kwargs = kwargs or {}
         if not func._schema.is_mutable:
             return func(*args, **kwargs)
-        targets = _tensors(kwargs["out"] if "out" in kwargs else args[0])  # a list for a foreach op
-        touched = {t.untyped_storage()._cdata for t in _tensors([*args, *kwargs.values()])}
+        target = kwargs["out"] if "out" in kwargs else args[0]
+        touched = {t.untyped_storage()._cdata for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)}
         # A version counter moves when an op is issued, as on a GPU, not when it runs (`_run`).
-        for target in targets:
-            if not target.is_inference():  # inference tensors have no version counter
-                torch._C._autograd._unsafe_set_version_counter((target,), (target._version + 1,))
+        if not target.is_inference():  # inference tensors have no version counter
+            torch._C._autograd._unsafe_set_version_counter((target,), (target._version + 1,))
         with _LOCK:
             self.stream.queue.append((lambda: _run(func, args, kwargs, self.stream), touched))
             self.stream.issued += 1
-        if not func._schema.returns:  # a foreach op's
-            return None
-        return kwargs["out"] if "out" in kwargs else args[0]
-
-
-def _tensors(values: Any) -> list[torch.Tensor]:
-    """The tensors among `values` (a tensor, or a list or tuple of arguments, a foreach op's
-    lists of tensors among them)."""
-    if isinstance(values, torch.Tensor):
-        return [values]
-    found: list[torch.Tensor] = []
-    for v in values if isinstance(values, (list, tuple)) else ():
-        found.extend(_tensors(v) if isinstance(v, (list, tuple)) else [v] if isinstance(v, torch.Tensor) else [])
-    return found
+        return target
 
 
 def _run(func: Any, args: tuple, kwargs: dict, stream: LazyStream) -> None:
     """Run queued work, unless a tensor it touches was freed since (a release that did not wait
     for the work: on a GPU the work would write or read freed memory); that is noted instead."""
-    for t in _tensors([*args, *kwargs.values()]):
-        if t.numel() and t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
+    for t in [*args, *kwargs.values()]:
+        if isinstance(t, torch.Tensor) and t.numel() and (
+                t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size()):
             stream.errors.append(f"{func} on the {stream.name} stream ran after its memory was freed")
             return
-    with contextlib.ExitStack() as versions:
-        for target in _tensors(kwargs["out"] if "out" in kwargs else args[0]):
-            if not target.is_inference():
-                versions.enter_context(torch.autograd._unsafe_preserve_version_counter(target))
+    target = kwargs["out"] if "out" in kwargs else args[0]
+    if target.is_inference():
+        func(*args, **kwargs)
+        return
+    with torch.autograd._unsafe_preserve_version_counter(target):
         func(*args, **kwargs)
 
 

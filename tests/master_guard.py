@@ -35,13 +35,12 @@ one of those ranges; the message maps the address to the slot's qualified name.
 # What is allowed on master storage
 - ``aten.copy_`` with the master as the *source* (``args[1]``): offtensor's loads
   (``device.flat.copy_(masters.flat)``, ``device_view.copy_(param)``) and its CUDA temporary
-  copies; ``aten._foreach_copy_`` likewise (a routed expert's rows). A master as the
-  *destination* (a write) inside forward/backward is flagged.
+  copies. A master as the *destination* (a write) inside forward/backward is flagged.
 - ``aten.slice`` of a scope's ``masters.flat`` itself (the tensor object, not a parameter): a run
   of the host buffer that a load copies from (Note [load plans] in offtensor/scopes/loading.py);
-  ``aten.select``, ``aten.unbind`` and ``aten.slice`` of a slot's ``master`` (offtensor's plain tensor over the
-  master's bytes, not the parameter): the rows of a routed expert a load copies (Note [routed
-  experts] in offtensor/scopes/experts.py).
+  ``aten.select``, ``aten.unbind`` and ``aten.slice`` of a slot's ``master`` (offtensor's plain
+  tensor over the master's bytes, not the parameter): the rows of a routed expert a load copies
+  (Note [routed experts] in offtensor/scopes/experts.py).
 - ``aten._to_copy``: offtensor's CPU temporary copy (``master.detach().to(copy=True)``). When the
   guarded engine computes on CUDA, a ``_to_copy`` whose result stays on the CPU is flagged (that
   is a user's ``w.T.float()``; offtensor copies to the device with ``copy_``).
@@ -107,7 +106,7 @@ def _kind_of(func) -> int:
     packet = getattr(func, "overloadpacket", None)
     if packet in _ALLOWED:
         return _ALLOW
-    if packet is aten.copy_ or packet is aten._foreach_copy_:
+    if packet is aten.copy_:
         return _COPY
     if packet is aten._to_copy:
         return _TO_COPY
@@ -259,9 +258,8 @@ class MasterGuard(TorchDispatchMode):
         if kind == _COPY:
             # copies out of a master are offtensor's loads; a write into one is not allowed
             dest = args[0] if args else kwargs.get("self")
-            for d in dest if isinstance(dest, list) else [dest]:  # a list: _foreach_copy_'s
-                if isinstance(d, torch.Tensor) and self._hit(d) >= 0:
-                    self._violation(func, d, "writes into")
+            if isinstance(dest, torch.Tensor) and self._hit(dest) >= 0:
+                self._violation(func, dest, "writes into")
             return
         if kind == _TO_COPY:
             if self._cuda:

@@ -44,10 +44,9 @@ Copies are issued per layer, not per expert: the pre-hook that reads the router'
 it for each routed parameter at once, while the scope is resident (else the call's first op does,
 by the usual path), before transformers' own preparation (sorting tokens by expert), so that the
 link does not idle through it; an eager loop's `w[e]` then finds its rows there. One section
-of the copy stream with one event for compute to wait on, one copy per run of consecutive
-experts (a lone expert's rows by views made once per device copy and master, not sliced at
-each copy: `_run_views`; not one `_foreach_copy_`, whose copies from host memory took longer on
-CUDA); rows the expert cache holds are copied in one `_foreach_copy_`. Later ops take the
+of the copy stream with one event for compute to wait on, one `copy_` per run of consecutive
+experts (a lone expert's rows by views made once, `_run_views`; a `_foreach_copy_` from host
+memory is slower on CUDA); rows the expert cache holds are copied in one `_foreach_copy_`. Later ops take the
 short path of ops (`hinted`), an indexing one checks the rows it reads (Note [ops in a resident
 scope] in dispatch/ops.py). Hits and misses count once per expert and call, as an op loop reading
 each expert once counted them. Per expert, each copy would cost a stream switch, an event and a
@@ -228,7 +227,7 @@ class ExpertRows:
                     staged.append((run, (master[run].to(view.device, non_blocking=True),)))
                 self.traffic.bytes_to_device += len(experts) * self.row_bytes
             else:
-                for into, source in zip(*self._run_views(runs), strict=True):
+                for into, source in self._run_views(runs):
                     into.copy_(source, non_blocking=True)
                 self.traffic.bytes_to_device += len(experts) * self.row_bytes
             copied = streams.record(h2d)
@@ -245,7 +244,7 @@ class ExpertRows:
             else:
                 view[run].copy_(rows[0])
 
-    def _run_views(self, runs: list[slice]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _run_views(self, runs: list[slice]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The device copy's and the master's rows of each run; a run of one expert (a decode
         token's most often) by views made once, not sliced at each copy."""
         slot, made = self.slot, self._rows
@@ -253,8 +252,8 @@ class ExpertRows:
         if made is None or made[0] is not view or made[1] is not master:
             self._rows = made = (view, master, view.unbind(0), master.unbind(0))
         _, _, view_rows, master_rows = made
-        return ([view_rows[r.start] if r.stop - r.start == 1 else view[r] for r in runs],
-                [master_rows[r.start] if r.stop - r.start == 1 else master[r] for r in runs])
+        return [(view_rows[r.start], master_rows[r.start]) if r.stop - r.start == 1 else (view[r], master[r])
+                for r in runs]
 
 
 def _runs(experts: list[int]) -> list[slice]:
