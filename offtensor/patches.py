@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.utils.clip_grad as _clip_grad
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 PLAIN_FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"].__func__
@@ -42,10 +42,12 @@ def function_apply(replacement: Callable[..., Any]) -> None:
         setattr(torch.autograd.Function, "apply", classmethod(replacement))  # noqa: B010
 
 
-def optimizer_step_pre_hook(hook: Callable[..., Any]) -> None:
-    """`hook(optimizer, args, kwargs)` before every optimizer's step."""
+def optimizer_step_hooks(before: Callable[..., Any], after: Callable[..., Any]) -> None:
+    """`before(optimizer, args, kwargs)` before every optimizer's step, `after` after it (not
+    after a step that raised)."""
     if "optimizer_step" not in _handles:
-        _handles["optimizer_step"] = register_optimizer_step_pre_hook(hook)
+        _handles["optimizer_step"] = register_optimizer_step_pre_hook(before)
+        _handles["optimizer_step_after"] = register_optimizer_step_post_hook(after)
 
 
 def parameter_registration_hook(hook: Callable[[nn.Module, str, nn.Parameter], Any]) -> None:

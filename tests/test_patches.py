@@ -41,7 +41,7 @@ def test_installing_twice_keeps_one_patch():
     model, _ = mlp_and_reference("cpu")  # a wrap installs the optimizer step pre-hook
     assert "optimizer_step" in patches._handles
     calls_seen = []
-    patches.optimizer_step_pre_hook(lambda *a: calls_seen.append(a))  # already installed: ignored
+    patches.optimizer_step_hooks(lambda *a: calls_seen.append(a), lambda *a: calls_seen.append(a))  # installed: ignored
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     opt.step()
     assert calls_seen == []

@@ -107,10 +107,17 @@ def lone_parameter(args: tuple, kwargs: dict) -> ParamSlot | None:
             if found is not None:
                 return None
             found = slot
-    if (found is None or found.packed is not None or found.pending_step is not None
-            or found.stepped_elsewhere is not None or found.experts is not None):
+    if found is None or not plain_master(found):
         return None
     return found
+
+
+def plain_master(slot: ParamSlot) -> bool:
+    """The slot's master is a plain one in host memory (not compressed or in a file), with no
+    deferred or other rank's step on it, not a routed expert's (Note [one parameter on the general
+    path's way])."""
+    return (slot.packed is None and slot.pending_step is None and slot.stepped_elsewhere is None
+            and slot.experts is None)
 
 
 def on_first(slot: ParamSlot | None, args: tuple) -> bool:

@@ -119,6 +119,8 @@ class CountsWrites(Protocol):
 
     master_writes: int  # writes since wrap (a staged copy or a cached expert row is stale after one)
 
+    def written(self) -> None: ...  # one more
+
 
 class MastersAt(Protocol):
     """Where a scope's masters live, as its source says (MasterSource in scopes/sources.py, above)."""
@@ -182,6 +184,8 @@ class SlotScope(Protocol):
     def materialize(self, slot: ParamSlot, op_device: torch.device | None) -> torch.Tensor | None: ...
 
     def master_written(self, slot: ParamSlot) -> None: ...
+
+    def masters_stepped(self, slots: list[ParamSlot]) -> None: ...
 
     def before_master_write(self, slot: ParamSlot, *, written: bool = True) -> None: ...
 

@@ -33,7 +33,7 @@ from ..budget.shared import ModelCalls, SharedBudget
 from ..budget.vram import NoBudget, budget_for
 from ..dispatch import compile as _compile
 from ..dispatch import wrapper_guards as _distributed
-from ..dispatch.optimizer_step import watch_compiled_steps
+from ..dispatch.optimizer_step import watch_optimizer_steps
 from ..dispatch.param import OffloadedParameter
 from ..dispatch.slot import ParamSlot, in_backward
 from ..scopes.expert_cache import ExpertCache
@@ -167,7 +167,7 @@ class Engine:
         self.ring: StagingRing | None = None
         self.pinning = PinningFallback()  # to the ring, when page-locking fails
         engines.add(self)
-        watch_compiled_steps()  # Note [a compiled optimizer step] (dispatch/optimizer_step.py)
+        watch_optimizer_steps()  # Notes [a compiled optimizer step], [an eager optimizer step]
 
     def __deepcopy__(self, memo: dict) -> None:
         return None  # a copy of the model is not wrapped (Note [copies of a wrapped model])

@@ -41,6 +41,8 @@ from ..api import Residency, ScopeState
 from ..dispatch import compile as _compile
 from ..dispatch import wrapper_guards as _distributed
 from ..dispatch.device_copies import unmark_exposed
+from ..dispatch.eager_step import OPEN as STEP_WINDOW
+from ..dispatch.eager_step import close_window
 from ..dispatch.ops import masters_free, resident_copies_ready
 from ..dispatch.slot import in_backward
 from ..scopes.experts import fill_all_experts
@@ -492,6 +494,8 @@ class Hook:
         self.compiled_fn = fn if compiled_fn is None else compiled_fn
 
     def __call__(self, *args: Any) -> Any:
+        if STEP_WINDOW[0] is not None:  # Note [an eager optimizer step] in dispatch/eager_step.py
+            close_window()
         # in_compiled_region(), inlined: asked at each call of a scope, twice
         if torch.compiler.is_compiling() or _compile.eval_frame_callback() is not None:
             return _compile.run_outside_dynamo(self.compiled_fn, args)

@@ -80,6 +80,19 @@ class MasterWrites:
         self.before_master_write(slot)
         slot.device_copies_written()
 
+    def masters_stepped(self, scope: Scope, slots: list[ParamSlot]) -> None:
+        """`master_written` of each of `slots`, the scope's, outside its calls and not on the
+        optimizer worker, with what is the scope's done once: before an eager optimizer step
+        (Note [an eager optimizer step] in dispatch/eager_step.py)."""
+        scope.masters.written()
+        for slot in slots:
+            slot.retired_copies_written()
+        self.streams.sync_master_reads()
+        if scope.state is not ScopeState.OFFLOADED:
+            scope.release(force=True)
+        for slot in slots:
+            slot.device_copies_written()
+
     def before_master_write(self, slot: ParamSlot, *, written: bool = True) -> None:
         """Before an in-place op on a master: no copy may still be reading it, and a device copy
         made from the old value is stale. `written`: False for an offloaded argument that the op

@@ -26,6 +26,7 @@ from ..api import Policy
 from ..budget.shared import SharedBudget
 from ..dispatch.autograd import give_back_tensor_hooks, take_tensor_hooks
 from ..dispatch.device_copies import device_copy
+from ..dispatch.eager_step import close_window
 from ..dispatch.function_apply import intercept_function_apply
 from ..dispatch.masters import master_values, without_subclass_dispatch
 from ..dispatch.param import OffloadedParameter
@@ -233,6 +234,7 @@ def unwrap(model: nn.Module) -> nn.Module:
             + (f" (a {type(root).__name__})" if root is not None else "")
         )
     wait_for_steps()  # a deferred optimizer step may still write the masters
+    close_window()  # Note [an eager optimizer step] in dispatch/eager_step.py
     if engine.grads.reducer is not None:  # leave data-parallel mode (distributed/data_parallel.py)
         engine.grads.reducer.close()
     return _undo_wrap(engine, model)

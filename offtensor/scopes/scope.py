@@ -52,6 +52,7 @@ from torch import nn
 
 from ..api import MasterHome, Policy, Residency, ScopeState
 from ..dispatch.call_counts import CallCounts
+from ..dispatch.eager_step import close_window
 from ..dispatch.masters import master_requires_grad
 from ..dispatch.slot import ParamSlot, alive, in_backward, weakly
 from ..storage.memory import HostBuffer, PinningFallback
@@ -89,6 +90,8 @@ class WritesToMasters(Protocol):
     """What a write to a master does to the device copies (MasterWrites in engine/writes.py, above)."""
 
     def master_written(self, slot: ParamSlot) -> None: ...
+
+    def masters_stepped(self, scope: Scope, slots: list[ParamSlot]) -> None: ...
 
     def before_master_write(self, slot: ParamSlot, *, written: bool = True) -> None: ...
 
@@ -321,6 +324,7 @@ class Scope:
         """OFFLOADED -> LOADING: allocate on compute, copy host->device on the copy stream;
         `with_grads`: also fetch the existing host gradients (accumulation)."""
         if self.state is ScopeState.OFFLOADED:
+            close_window()  # Note [an eager optimizer step] in dispatch/eager_step.py
             self._start_load()
         if with_grads:
             self.old_grads.fetch(self.device.flat.device)
@@ -444,6 +448,9 @@ class Scope:
 
     def master_written(self, slot: ParamSlot) -> None:
         self.engine.writes.master_written(slot)
+
+    def masters_stepped(self, slots: list[ParamSlot]) -> None:
+        self.engine.writes.masters_stepped(self, slots)
 
     def before_master_write(self, slot: ParamSlot, *, written: bool = True) -> None:
         self.engine.writes.before_master_write(slot, written=written)

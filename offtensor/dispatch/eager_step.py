@@ -1,0 +1,87 @@
+"""An eager optimizer step's writes of the masters without dispatch per op: the step window,
+opened by the global optimizer step pre-hook (dispatch/optimizer_step.py, above) and asked by
+`OffloadedParameter.__torch_function__` (dispatch/param.py, above) first.
+
+# Note [an eager optimizer step]
+An eager step on host masters writes each parameter through a few in-place ops (AdamW:
+`torch.is_complex(p)`, the decay's `p.mul_`, `p.addcdiv_`; SGD: `p.add_`), each dispatched
+through `__torch_function__` to the master it reaches anyway, after `master_written` (Note [one
+parameter on the general path's way] in dispatch/ops.py): host time a plain model does not pay,
+at every parameter of every step. So the global step pre-hook does for each offloaded parameter
+with a gradient what its first write would (`master_written`: no copy reads the master, a kept
+scope's copy goes, staged copies are stale, graphs that saved a copy see it modified) and opens
+a window: until it closes, an op of `STEP_OPS` on this thread whose first argument is such a
+parameter, with no other offloaded parameter beside it, runs on the master at once. The class
+never changes, so anything else (`requires_grad_`, `p.data = t`, a read) takes the usual way
+and, on the window's thread, closes it first. It closes at the post-hook, and because a step that
+raises runs none, at anything that could make a device or staged copy of a master current again
+or hold a master elsewhere: a module hook of offtensor's, a scope's load, the next step's
+pre-hook, a deferred or another rank's step (`HOLDS`), unwrap. A closed window bumps the masters'
+write counts once more (`masters.written()`), for a staged copy made in between.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .ops import SCALAR_TYPES
+from .slot import HOLDS, ParamSlot
+
+# The in-place updates torch's optimizers make on a parameter, and the query AdamW asks of it.
+STEP_OPS = frozenset({
+    torch.Tensor.add_, torch.Tensor.sub_, torch.Tensor.mul_, torch.Tensor.div_, torch.Tensor.addcdiv_,
+    torch.Tensor.addcmul_, torch.Tensor.lerp_, torch.Tensor.clamp_, torch.is_complex, torch.Tensor.is_complex,
+})
+_LISTS = (list, tuple)
+
+
+class StepWindow:
+    """The parameters one eager step may write without dispatch (Note [an eager optimizer step])."""
+
+    __slots__ = ("thread", "holds", "marked", "masters")
+
+    def __init__(self, slots: list[ParamSlot]) -> None:
+        self.thread = threading.get_ident()
+        self.holds = HOLDS[0]
+        self.marked = {id(slot.param): slot.param for slot in slots}  # holding them: no id is reused
+        self.masters = list({id(slot.scope.masters): slot.scope.masters for slot in slots}.values())
+
+    def admits(self, args: tuple, kwargs: dict | None) -> bool:
+        """An op of `STEP_OPS` on a parameter of `marked`, `args[0]`, may run on the master at once."""
+        if HOLDS[0] != self.holds or threading.get_ident() != self.thread:
+            return False
+        for a in (*args[1:], *kwargs.values()) if kwargs else args[1:]:
+            kind = type(a)
+            if kind is torch.Tensor or kind in SCALAR_TYPES:
+                continue
+            if kind in _LISTS or getattr(a, "_ot", None) is not None:
+                return False
+        return True
+
+
+OPEN: list[StepWindow | None] = [None]  # the window open now, if any
+
+
+def open_window(slots: list[ParamSlot]) -> None:
+    close_window()
+    if slots:
+        OPEN[0] = StepWindow(slots)
+
+
+def close_window() -> None:
+    window = OPEN[0]
+    if window is None:
+        return
+    OPEN[0] = None  # first: an interrupt in the loop leaves the window closed
+    for masters in window.masters:
+        masters.written()
+
+
+def close_on_other_op() -> None:
+    """An op the window does not admit, about to take the usual way: on the window's thread it
+    closes the window (Note [an eager optimizer step])."""
+    window = OPEN[0]
+    if window is not None and window.thread == threading.get_ident():
+        close_window()
