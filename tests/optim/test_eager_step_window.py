@@ -10,7 +10,15 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_params_match, devices, device_layout_bytes, mlp_of_blocks, offload, unwrapped_reference
+from conftest import (
+    assert_params_match,
+    device_layout_bytes,
+    devices,
+    mlp_of_blocks,
+    offload,
+    tolerances,
+    unwrapped_reference,
+)
 from torch import nn
 
 import offtensor
@@ -77,7 +85,8 @@ def test_the_window_is_open_for_the_step_only(device, kept):
             o.zero_grad()
         assert eager_step.OPEN[0] is None
     assert seen == [offloaded] * 3
-    assert_params_match(model, reference, rtol=0, atol=0)
+    # Bit for bit on the CPU; on CUDA the reference's AdamW steps on the GPU (tolerances)
+    assert_params_match(model, reference, **tolerances(device))
 
 
 @pytest.mark.parametrize("kept", POLICIES)
