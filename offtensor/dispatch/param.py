@@ -33,12 +33,12 @@ from torch._ops import OpOverload
 from ..api import MasterHome
 from ..storage.compress import AS_PLAIN, compressed_special, packed_of, packed_property, packed_torch_function
 from . import compile as _compile
-from . import eager_step as _eager_step
 from . import metadata as _metadata
 from . import wrapper_guards as _distributed
 from .autograd import AUTOGRAD_ENTRIES, REGISTRARS
 from .eager_step import OPEN as _STEP_WINDOW
 from .eager_step import STEP_OPS as _STEP_OPS
+from .eager_step import close_on_other_op
 from .masters import DERIVED_PROPERTIES, MASTER_ONLY, await_steps, master_values, without_subclass_dispatch
 from .ops import (
     dispatch,
@@ -90,7 +90,7 @@ class OffloadedParameter(nn.Parameter):
         if window is not None:  # Note [an eager optimizer step] (dispatch/eager_step.py)
             if func in _STEP_OPS and args and id(args[0]) in window.marked and window.admits(args, kwargs):
                 return _disabled_torch_function_impl(func, (), args, kwargs or {})
-            _eager_step.close_on_other_op()
+            close_on_other_op()
         if _compile.compiling():  # an op outside the parameter's scope: Note [an op in compiled code]
             return _compile.run_outside_dynamo(_compiled_region_op, (func, args, kwargs or {}))
         try:

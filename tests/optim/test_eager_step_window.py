@@ -95,7 +95,7 @@ def test_after_a_step_that_raised_writes_and_flags_are_seen(device, kept):
     """The second step writes half the masters and raises: no post-hook runs, the window stays
     open. Then a write through an op the window admits (`mul_`) and a requires_grad change
     (which closes it); the next forward computes with what the plain model has, and the frozen
-    parameter gets no gradient (training-loop fuzzer seed 9049, on an earlier design)."""
+    parameter gets no gradient."""
     model, reference = _model_and_reference(device, kept)
     opt, ref_opt = HalfThenRaise(model.parameters(), 2), HalfThenRaise(reference.parameters(), 2)
     pairs = _pairs(model, reference)
