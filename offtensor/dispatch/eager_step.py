@@ -11,7 +11,10 @@ at every parameter of every step. So the global step pre-hook does for each offl
 with a gradient what its first write would (`master_written`: no copy reads the master, a kept
 scope's copy goes, staged copies are stale, graphs that saved a copy see it modified) and opens
 a window: until it closes, an op of `STEP_OPS` on this thread whose first argument is such a
-parameter, with no other offloaded parameter beside it, runs on the master at once. The class
+parameter, with no other offloaded parameter beside it, runs on the master at once, and so does
+a read of one beside a plain tensor under no_grad (`STEP_READS`: weight decay as L2,
+`grad.add(p, alpha=wd)`), which finds the master current: the pre-hook released the scope's
+device copy, and a load closes the window. The class
 never changes, so anything else (`requires_grad_`, `p.data = t`, a read) takes the usual way
 and, on the window's thread, closes it first. It closes at the post-hook, and because a step that
 raises runs none, at anything that could make a device or staged copy of a master current again
@@ -34,6 +37,9 @@ STEP_OPS = frozenset({
     torch.Tensor.add_, torch.Tensor.sub_, torch.Tensor.mul_, torch.Tensor.div_, torch.Tensor.addcdiv_,
     torch.Tensor.addcmul_, torch.Tensor.lerp_, torch.Tensor.clamp_, torch.is_complex, torch.Tensor.is_complex,
 })
+# The read of a parameter beside its gradient that torch's optimizers make: weight decay as L2
+# (Adam, SGD, Adagrad, RMSprop, NAdam, RAdam, Adamax: `grad.add(p, alpha=weight_decay)`).
+STEP_READS = frozenset({torch.Tensor.add, torch.add})
 _LISTS = (list, tuple)
 
 
@@ -59,6 +65,15 @@ class StepWindow:
             if kind in _LISTS or getattr(a, "_ot", None) is not None:
                 return False
         return True
+
+    def admits_read(self, args: tuple, kwargs: dict | None) -> bool:
+        """An op of `STEP_READS`, `args[0]` (a plain tensor) with a parameter of `marked`,
+        `args[1]`, may read the master at once: under no_grad (else autograd needs the parameter's
+        gradient path), with scalar keywords only."""
+        if (type(args[0]) is not torch.Tensor or torch.is_grad_enabled() or HOLDS[0] != self.holds
+                or threading.get_ident() != self.thread):
+            return False
+        return not kwargs or all(type(v) in SCALAR_TYPES for v in kwargs.values())
 
 
 OPEN: list[StepWindow | None] = [None]  # the window open now, if any

@@ -38,6 +38,7 @@ from . import wrapper_guards as _distributed
 from .autograd import AUTOGRAD_ENTRIES, REGISTRARS
 from .eager_step import OPEN as _STEP_WINDOW
 from .eager_step import STEP_OPS as _STEP_OPS
+from .eager_step import STEP_READS as _STEP_READS
 from .eager_step import close_on_other_op
 from .masters import DERIVED_PROPERTIES, MASTER_ONLY, await_steps, master_values, without_subclass_dispatch
 from .ops import (
@@ -89,6 +90,9 @@ class OffloadedParameter(nn.Parameter):
         window = _STEP_WINDOW[0]
         if window is not None:  # Note [an eager optimizer step] (dispatch/eager_step.py)
             if func in _STEP_OPS and args and id(args[0]) in window.marked and window.admits(args, kwargs):
+                return _disabled_torch_function_impl(func, (), args, kwargs or {})
+            if (func in _STEP_READS and len(args) == 2 and id(args[1]) in window.marked
+                    and window.admits_read(args, kwargs)):
                 return _disabled_torch_function_impl(func, (), args, kwargs or {})
             close_on_other_op()
         if _compile.compiling():  # an op outside the parameter's scope: Note [an op in compiled code]

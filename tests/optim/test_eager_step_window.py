@@ -89,6 +89,35 @@ def test_the_window_is_open_for_the_step_only(device, kept):
     assert_params_match(model, reference, **tolerances(device))
 
 
+WEIGHT_DECAY_AS_L2 = [
+    pytest.param(lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1), id="Adam"),
+    pytest.param(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.1), id="SGD"),
+    pytest.param(lambda ps: torch.optim.RMSprop(ps, lr=1e-2, weight_decay=0.1), id="RMSprop"),
+]
+
+
+@pytest.mark.parametrize("make", WEIGHT_DECAY_AS_L2)
+@pytest.mark.parametrize("kept", POLICIES)
+@pytest.mark.parametrize("device", devices)
+def test_weight_decay_reads_keep_the_window_open(device, kept, make):
+    """Weight decay as L2 reads each parameter beside its gradient (`grad.add(p, alpha=wd)`):
+    admitted, so the window stays open to the step's end; training as the plain model."""
+    model, reference = _model_and_reference(device, kept)
+    opt, ref_opt = make(model.parameters()), make(reference.parameters())
+    open_at_end = []
+    # The optimizer's own post-hooks run before the global one that closes the window
+    opt.register_step_post_hook(lambda *_: open_at_end.append(eager_step.OPEN[0] is not None))
+    for x, y in _batches(device, 3):
+        for m, o in ((model, opt), (reference, ref_opt)):
+            F.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+        assert eager_step.OPEN[0] is None
+    # The first step makes the optimizer's state (`torch.zeros_like(p)`, which closes it)
+    assert open_at_end[1:] == [True, True]
+    assert_params_match(model, reference, **tolerances(device))
+
+
 @pytest.mark.parametrize("kept", POLICIES)
 @pytest.mark.parametrize("device", devices)
 def test_after_a_step_that_raised_writes_and_flags_are_seen(device, kept):
@@ -175,6 +204,17 @@ def test_what_the_window_admits():
 
         eager_step.open_window([p._ot])
         p.add_(p)  # an offloaded parameter beside it
+        assert eager_step.OPEN[0] is None
+
+        values = p.detach().clone()
+        eager_step.open_window([p._ot])
+        decayed = torch.add(ones, p, alpha=0.5), ones.add(p, alpha=0.5)  # weight decay as L2
+        assert eager_step.OPEN[0] is not None
+        for d in decayed:
+            assert type(d) is torch.Tensor
+            torch.testing.assert_close(d, ones.add(values, alpha=0.5), rtol=0, atol=0)
+        with torch.enable_grad():
+            ones.add(p)  # autograd needs the parameter's gradient path: the usual way
         assert eager_step.OPEN[0] is None
 
         eager_step.open_window([p._ot])
