@@ -698,13 +698,15 @@ def most_device_bytes(monkeypatch):
 
 def fuzz_optimizer(cfg: dict, model: nn.Module) -> torch.optim.Optimizer:
     """The fuzzers' optimizer: cfg["optimizer"] (sgd, adamw, adagrad), over all parameters or the
-    trainable ones (cfg["opt_over"]), foreach or not."""
+    trainable ones (cfg["opt_over"]), foreach or not, with cfg["weight_decay"] if drawn."""
     params = [p for p in model.parameters() if cfg["opt_over"] == "all" or p.requires_grad]
+    decay = cfg.get("weight_decay")
+    options = {"foreach": cfg["foreach"], **({} if decay is None else {"weight_decay": decay})}
     if cfg["optimizer"] == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=cfg["foreach"])
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, **options)
     if cfg["optimizer"] == "adamw":
-        return torch.optim.AdamW(params, lr=1e-2, foreach=cfg["foreach"])
-    return torch.optim.Adagrad(params, lr=0.05, foreach=cfg["foreach"])
+        return torch.optim.AdamW(params, lr=1e-2, **options)
+    return torch.optim.Adagrad(params, lr=0.05, **options)
 
 
 class FuzzError(Exception):

@@ -12,11 +12,11 @@ with a gradient what its first write would (`master_written`: no copy reads the 
 scope's copy goes, staged copies are stale, graphs that saved a copy see it modified) and opens
 a window: until it closes, an op of `STEP_OPS` on this thread whose first argument is such a
 parameter, with no other offloaded parameter beside it, runs on the master at once, and so does
-a read of one beside a plain tensor under no_grad (`STEP_READS`: weight decay as L2,
-`grad.add(p, alpha=wd)`), which finds the master current: the pre-hook released the scope's
-device copy, and a load closes the window. The class
-never changes, so anything else (`requires_grad_`, `p.data = t`, a read) takes the usual way
-and, on the window's thread, closes it first. It closes at the post-hook, and because a step that
+a host read of one beside a plain tensor under no_grad (`STEP_READS`: weight decay as L2,
+`grad.add(p, alpha=wd)`) where the usual way would read the master too (no compute dtype): the
+master is current, as the pre-hook released the scope's device copy and a load closes the
+window. The class never changes, so anything else (`requires_grad_`, `p.data = t`, a read)
+takes the usual way and, on the window's thread, closes it first. It closes at the post-hook, and because a step that
 raises runs none, at anything that could make a device or staged copy of a master current again
 or hold a master elsewhere: a module hook of offtensor's, a scope's load, the next step's
 pre-hook, a deferred or another rank's step (`HOLDS`), unwrap. A closed window bumps the masters'
@@ -46,12 +46,16 @@ _LISTS = (list, tuple)
 class StepWindow:
     """The parameters one eager step may write without dispatch (Note [an eager optimizer step])."""
 
-    __slots__ = ("thread", "holds", "marked", "masters")
+    __slots__ = ("thread", "holds", "marked", "readable", "masters")
 
     def __init__(self, slots: list[ParamSlot]) -> None:
         self.thread = threading.get_ident()
         self.holds = HOLDS[0]
         self.marked = {id(slot.param): slot.param for slot in slots}  # holding them: no id is reused
+        # Those a host op reads as the master itself: not cast to a compute dtype for it, not
+        # compressed (Scope.temporary_copy)
+        self.readable = {id(slot.param) for slot in slots
+                         if slot.packed is None and slot.device_view.dtype == slot.master.dtype}
         self.masters = list({id(slot.scope.masters): slot.scope.masters for slot in slots}.values())
 
     def admits(self, args: tuple, kwargs: dict | None) -> bool:
@@ -67,11 +71,12 @@ class StepWindow:
         return True
 
     def admits_read(self, args: tuple, kwargs: dict | None) -> bool:
-        """An op of `STEP_READS`, `args[0]` (a plain tensor) with a parameter of `marked`,
-        `args[1]`, may read the master at once: under no_grad (else autograd needs the parameter's
-        gradient path), with scalar keywords only."""
-        if (type(args[0]) is not torch.Tensor or torch.is_grad_enabled() or HOLDS[0] != self.holds
-                or threading.get_ident() != self.thread):
+        """An op of `STEP_READS`, `args[0]` (a plain host tensor) with a parameter of
+        `readable`, `args[1]`, may read the master at once: under no_grad (else autograd needs the
+        parameter's gradient path), with scalar keywords only."""
+        first = args[0]
+        if (type(first) is not torch.Tensor or not first.is_cpu or torch.is_grad_enabled()
+                or HOLDS[0] != self.holds or threading.get_ident() != self.thread):
             return False
         return not kwargs or all(type(v) in SCALAR_TYPES for v in kwargs.values())
 

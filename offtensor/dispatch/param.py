@@ -91,7 +91,7 @@ class OffloadedParameter(nn.Parameter):
         if window is not None:  # Note [an eager optimizer step] (dispatch/eager_step.py)
             if func in _STEP_OPS and args and id(args[0]) in window.marked and window.admits(args, kwargs):
                 return _disabled_torch_function_impl(func, (), args, kwargs or {})
-            if (func in _STEP_READS and len(args) == 2 and id(args[1]) in window.marked
+            if (func in _STEP_READS and len(args) == 2 and id(args[1]) in window.readable
                     and window.admits_read(args, kwargs)):
                 return _disabled_torch_function_impl(func, (), args, kwargs or {})
             close_on_other_op()

@@ -224,6 +224,20 @@ def test_what_the_window_admits():
         assert masters.master_writes > writes and eager_step.OPEN[0] is None
 
 
+def test_a_read_of_a_master_cast_for_the_device_takes_the_usual_way():
+    """Under Policy(compute_dtype) a host op reads a parameter as its copy in that dtype
+    (Scope.temporary_copy), not the master: the window does not admit it."""
+    model = offload(mlp_of_blocks(n_blocks=2), "cpu", policy=offtensor.Policy(compute_dtype=torch.bfloat16))
+    p = _offloaded(model)[0]
+    ones = torch.ones(p.shape)
+    values = p.detach().clone()
+    with torch.no_grad():
+        eager_step.open_window([p._ot])
+        decayed = ones.add(p, alpha=0.5)
+    assert eager_step.OPEN[0] is None
+    torch.testing.assert_close(decayed, ones.add(values.to(torch.bfloat16), alpha=0.5), rtol=0, atol=0)
+
+
 def test_unwrap_after_a_step_that_raised_closes_the_window():
     model, reference = _model_and_reference("cpu", True)
     opt, ref_opt = HalfThenRaise(model.parameters(), 1), HalfThenRaise(reference.parameters(), 1)

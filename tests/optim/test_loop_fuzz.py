@@ -145,6 +145,9 @@ def _draw_config(seed: int) -> tuple[random.Random, dict]:
     # A VRAM budget keeping this many blocks beyond what streaming needs (own generator: the
     # draws above, and so what each seed tested before, stay as they were).
     cfg["budget_blocks"] = random.Random(seed * 7919 + 1).choice([None, None, 0, 1, 3])
+    # Weight decay (SGD's and Adagrad's as L2, a read of each parameter in the step window). Own
+    # generator, as above.
+    cfg["weight_decay"] = random.Random(seed * 7919 + 2).choice([None, None, 0.1])
     # Or a budget that keeps every scope: forwards become exposed passes, and the one after each
     # step reloads what the step wrote (Note [exposed passes], Note [a pass that reloads what a
     # step wrote] in engine/model_hooks.py). Own generator, as above.
