@@ -50,6 +50,17 @@ def _batches(device: str, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(4, 8, device=device), torch.randn(4, 4, device=device)) for _ in range(n)]
 
 
+def _train_both(model: nn.Module, reference: nn.Module, opt: torch.optim.Optimizer,
+                ref_opt: torch.optim.Optimizer, device: str, steps: int = 3) -> None:
+    """`steps` training steps of both models; no window is open after a step."""
+    for x, y in _batches(device, steps):
+        for m, o in ((model, opt), (reference, ref_opt)):
+            F.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+        assert eager_step.OPEN[0] is None
+
+
 class HalfThenRaise(torch.optim.SGD):
     """SGD that, on step `fail_at`, writes the first half of its parameters and raises."""
 
@@ -78,12 +89,7 @@ def test_the_window_is_open_for_the_step_only(device, kept):
     seen = []
     # A hook of the optimizer's own runs after the global pre-hook, right before the step
     opt.register_step_pre_hook(lambda *_: seen.append(set(eager_step.OPEN[0].marked)))
-    for x, y in _batches(device, 3):
-        for m, o in ((model, opt), (reference, ref_opt)):
-            F.mse_loss(m(x), y).backward()
-            o.step()
-            o.zero_grad()
-        assert eager_step.OPEN[0] is None
+    _train_both(model, reference, opt, ref_opt, device)
     assert seen == [offloaded] * 3
     # Bit for bit on the CPU; on CUDA the reference's AdamW steps on the GPU (tolerances)
     assert_params_match(model, reference, **tolerances(device))
@@ -107,12 +113,7 @@ def test_weight_decay_reads_keep_the_window_open(device, kept, make):
     open_at_end = []
     # The optimizer's own post-hooks run before the global one that closes the window
     opt.register_step_post_hook(lambda *_: open_at_end.append(eager_step.OPEN[0] is not None))
-    for x, y in _batches(device, 3):
-        for m, o in ((model, opt), (reference, ref_opt)):
-            F.mse_loss(m(x), y).backward()
-            o.step()
-            o.zero_grad()
-        assert eager_step.OPEN[0] is None
+    _train_both(model, reference, opt, ref_opt, device)
     # The first step makes the optimizer's state (`torch.zeros_like(p)`, which closes it)
     assert open_at_end[1:] == [True, True]
     assert_params_match(model, reference, **tolerances(device))
