@@ -16,11 +16,12 @@ a host read of one beside a plain tensor under no_grad (`STEP_READS`: weight dec
 `grad.add(p, alpha=wd)`) where the usual way would read the master too (no compute dtype): the
 master is current, as the pre-hook released the scope's device copy and a load closes the
 window. The class never changes, so anything else (`requires_grad_`, `p.data = t`, a read)
-takes the usual way and, on the window's thread, closes it first. It closes at the post-hook, and because a step that
-raises runs none, at anything that could make a device or staged copy of a master current again
-or hold a master elsewhere: a module hook of offtensor's, a scope's load, the next step's
-pre-hook, a deferred or another rank's step (`HOLDS`), unwrap. A closed window bumps the masters'
-write counts once more (`masters.written()`), for a staged copy made in between.
+takes the usual way and, on the window's thread, closes it first. It closes at the post-hook,
+and because a step that raises runs none, at anything that could make a device or staged copy
+of a master current again or hold a master elsewhere: a module hook of offtensor's, a scope's
+load, the next step's pre-hook, a deferred or another rank's step (`HOLDS`), unwrap. A closed
+window bumps the masters' write counts once more (`masters.written()`), for a staged copy made
+in between.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class StepWindow:
 
     def admits(self, args: tuple, kwargs: dict | None) -> bool:
         """An op of `STEP_OPS` on a parameter of `marked`, `args[0]`, may run on the master at once."""
-        if HOLDS[0] != self.holds or threading.get_ident() != self.thread:
+        if not self._current():
             return False
         for a in (*args[1:], *kwargs.values()) if kwargs else args[1:]:
             kind = type(a)
@@ -75,10 +76,13 @@ class StepWindow:
         `readable`, `args[1]`, may read the master at once: under no_grad (else autograd needs the
         parameter's gradient path), with scalar keywords only."""
         first = args[0]
-        if (type(first) is not torch.Tensor or not first.is_cpu or torch.is_grad_enabled()
-                or HOLDS[0] != self.holds or threading.get_ident() != self.thread):
+        if type(first) is not torch.Tensor or not first.is_cpu or torch.is_grad_enabled() or not self._current():
             return False
         return not kwargs or all(type(v) in SCALAR_TYPES for v in kwargs.values())
+
+    def _current(self) -> bool:
+        """Asked on the window's thread, with no deferred or other rank's step begun since it opened."""
+        return HOLDS[0] == self.holds and threading.get_ident() == self.thread
 
 
 OPEN: list[StepWindow | None] = [None]  # the window open now, if any
