@@ -241,7 +241,10 @@ class ScopeHooks(EagerExposure):
         """The forward hook of an exposed call that can end steady: what _end_loaded_call would
         do, and True; else False, nothing changed (Note [steady calls] in engine/engine.py)."""
         engine, loaded = self.engine, self._loaded
-        if (loaded is None or self._exposure.aliases or sys.exc_info()[1] is not None
+        # Only a kept scope's call ends steady (end_kept_call): a streamed one's release decides
+        # more, so it is refused first, before the version read.
+        if (loaded is None or self.scope.residency is not Residency.KEPT or self._exposure.aliases
+                or sys.exc_info()[1] is not None
                 or engine.thread.owner != _thread_id() or _graph_task() != -1
                 or versions_of(loaded[0].leaves) != loaded[1]
                 or not end_kept_call(engine, self.scope)):

@@ -20,6 +20,7 @@ not see.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -45,6 +46,8 @@ class HostMasters:
         # Writes through the parameters so far (`written`), for write_mark and the sources: a
         # staged copy, a host-cast shadow or a cached expert row made before one is stale.
         self.master_writes = 0
+        # The host buffer's address and each master's address in it, in slot order (take_back)
+        self._places: tuple[int, list[int]] | None = None
 
     def written(self) -> None:
         """The masters change, or may change unseen (a write through a parameter, `p.data` handed
@@ -73,8 +76,15 @@ class HostMasters:
 
     def take_back(self, slots: list[ParamSlot]) -> None:
         """Copy the masters moved out of the host buffer (into shared memory) back into it and
-        point the parameters at them (Note [masters moved out of the host buffer])."""
+        point the parameters at them (Note [masters moved out of the host buffer]). `slots`:
+        the scope's, at every call (the places are worked out once per host buffer)."""
         base, buffer = self.flat.data_ptr(), self.buffer
+        places = self._places
+        if places is None or places[0] != base:
+            self._places = places = (base, [base + slot.offset for slot in slots])
+        # Every master in its place, asked in one C map at each load: none moved, nothing to do
+        if list(map(_DATA_PTR, map(_MASTER, slots))) == places[1]:
+            return
         for slot in slots:
             master = slot.master
             if slot.packed is not None or master.data_ptr() == base + slot.offset or master.numel() == 0:
@@ -86,6 +96,10 @@ class HostMasters:
             without_subclass_dispatch(_set_master, slot.param, place)
             slot.master = place
             self.written()
+
+
+_DATA_PTR = torch._C.TensorBase.data_ptr
+_MASTER = operator.attrgetter("master")
 
 
 def _set_master(p: torch.Tensor, master: torch.Tensor) -> None:
