@@ -12,7 +12,7 @@ scope's whole host allocation, does not: the loads that copy from it (whole-scop
 converting loads' staging copies, sharded loads) would go on copying the weights as they were
 at the move while the optimizer steps the moved masters, and the forward would compute with
 stale weights. `take_back`, at each load and before data_parallel copies the masters into
-shared memory, finds a moved master by its address (one comparison per parameter), copies it
+shared memory, finds a moved master by its address (all compared in one map), copies it
 back into its place in the host allocation and points the parameter at it again (pinned again
 on CUDA). The other process keeps the copy it got; what this process writes afterwards, it does
 not see.
