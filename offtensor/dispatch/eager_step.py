@@ -53,10 +53,8 @@ class StepWindow:
         self.thread = threading.get_ident()
         self.holds = HOLDS[0]
         self.marked = {id(slot.param): slot.param for slot in slots}  # holding them: no id is reused
-        # Those a host op reads as the master itself: not cast to a compute dtype for it, not
-        # compressed (Scope.temporary_copy)
-        self.readable = {id(slot.param) for slot in slots
-                         if slot.packed is None and slot.device_view.dtype == slot.master.dtype}
+        # Those a host op reads as the master itself (Scope.temporary_copy converts no other)
+        self.readable = {id(slot.param) for slot in slots if not slot.converts()}
         self.masters = list({id(slot.scope.masters): slot.scope.masters for slot in slots}.values())
 
     def admits(self, args: tuple, kwargs: dict | None) -> bool:

@@ -459,6 +459,11 @@ class ParamSlot:
         in storage/staging.py)."""
         return tuple(-1 if (alias := ref()) is None else alias._version for ref, _ in self.data_aliases)
 
+    def converts(self) -> bool:
+        """The device copy is not the master's bytes: dequantized (compressed master) or cast to
+        a compute dtype; a host op then reads a converted copy too (Scope.temporary_copy)."""
+        return self.packed is not None or self.device_view.dtype != self.master.dtype
+
     def data_copied(self) -> None:
         """The master was copied: only later writes through `p.data` aliases count."""
         self.data_written()

@@ -90,7 +90,7 @@ class LoadPlan:
         self.chunk_bytes = CHUNK_BYTES
         layout = sorted(order, key=lambda s: s.offset)
         rank = {slot: i for i, slot in enumerate(layout)}
-        converting = [staged and _converts(s) for s in layout]
+        converting = [staged and s.converts() for s in layout]  # converted by `_convert`
         self.chunks: list[_Chunk] = []
         self.routed_from = len(order) - routed  # position of the first routed parameter
         lo, nbytes = 0, 0
@@ -324,11 +324,6 @@ class LoadProgress:
             streams.wait(compute, self.chunk_ready[i])
         self.chunks_waited = max(self.chunks_waited, target + 1)
         return self.chunks_waited > last and not self.held_back
-
-
-def _converts(slot: ParamSlot) -> bool:
-    """The parameter's device copy is not its master's bytes: dequantized or cast (`_convert`)."""
-    return slot.packed is not None or slot.device_view.dtype != slot.master.dtype
 
 
 def _convert(slot: ParamSlot, staging: torch.Tensor) -> None:
