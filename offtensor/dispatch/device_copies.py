@@ -138,11 +138,16 @@ def _same(obj: Any) -> Any:
 _DATA_GET = torch._C.TensorBase.data.__get__  # type: ignore[attr-defined]
 
 
+def copy_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """The view of a scope's flat device buffer that a load writes a parameter's copy through."""
+    return flat[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+
+
 def device_copy(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size,
                 requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A parameter's device copy in a scope's flat device buffer (which must be allocated),
     as (the leaf ops see, the view the loader writes through)."""
-    view = flat[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+    view = copy_view(flat, offset, dtype, shape)
     base = torch.empty(0, dtype=dtype, device=flat.device)
     base.set_(flat.untyped_storage(), offset // dtype.itemsize, shape, view.stride())
     # A leaf of its own (not a view of `flat`), made without requires_grad_(), which

@@ -69,7 +69,7 @@ from torch import nn
 from ..api import MasterHome, Residency, ScopeState
 from ..storage.compress import StoredMaster
 from .call_counts import CallCounts
-from .device_copies import device_copy
+from .device_copies import copy_view, device_copy
 
 # ParamSlot.retired is written by the main thread (a retire) and by the optimizer worker (a
 # step of that master): both hold this lock.
@@ -511,12 +511,31 @@ class ParamSlot:
             if leaf is not None:
                 torch.autograd.graph.increment_version(leaf)
 
-    def retire_device_copy(self, flat: torch.Tensor) -> None:
-        """Keep a weak reference to the current device copy and make a new one in `flat`."""
-        with _retired_lock: self.retired = alive(self.retired) + [weakref.ref(self.device_leaf)]  # noqa: E701
+    def retire_device_copy(self, flat: torch.Tensor) -> weakref.ref:
+        """Keep a weak reference to the current device copy and make a new one in `flat`; that
+        reference (which the optimizer worker may take off `retired` at once)."""
+        ref = weakref.ref(self.device_leaf)
+        with _retired_lock: self.retired = alive(self.retired) + [ref]  # noqa: E701
         self.device_leaf, self.device_view = device_copy(
             flat, self.device_offset, self.device_view.dtype, self.param.shape, self.device_leaf.requires_grad)
         self.hook_device_leaf()
+        return ref
+
+    def take_back_device_copy(self, flat: torch.Tensor, leaf: torch.Tensor | None, hooks: LeafHooks) -> None:
+        """Make `leaf`, a device copy retired in `flat`'s storage with `hooks` on it, the device
+        copy again; None: no graph held it, so a new one is made in its place (Note [retired
+        copies taken back] in scopes/device_buffer.py)."""
+        with _retired_lock: self.retired = [r for r in self.retired if (t := r()) is not None and t is not leaf]  # noqa: E701
+        if leaf is None:
+            self.device_leaf, self.device_view = device_copy(
+                flat, self.device_offset, self.device_view.dtype, self.param.shape, self.device_leaf.requires_grad)
+            self.hook_device_leaf()
+            return
+        self.device_leaf = leaf
+        self.device_view = copy_view(flat, self.device_offset, self.device_view.dtype, self.param.shape)
+        self.leaf_hooks = hooks
+        if self.grad_hooks or self.hands_at_once:  # asked for while it was retired
+            self.hook_at_once()
 
     def graph_leaves(self) -> list[torch.Tensor]:
         """Every tensor that stands for this parameter in an autograd graph and can receive a

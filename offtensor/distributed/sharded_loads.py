@@ -262,6 +262,7 @@ class ShardedSource(BufferSource):
     as the source it replaces, which unwrap puts back (Note [sharded loads])."""
 
     progressive = False
+    gathers = True
 
     def __init__(self, loads: ShardedLoads, inner: MasterSource) -> None:
         self.loads = loads

@@ -16,13 +16,33 @@ counter of the retired copies, so that differentiating the old graph raises auto
 "modified by an inplace operation" error, as it would without offloading.
 `backward(create_graph=True)` into an offloaded parameter's `.grad` cannot work (the host `.grad`
 carries no graph) and raises.
+
+# Note [retired copies taken back]
+A plain parameter is one leaf of every graph that uses it: autograd sums all of its gradient's
+contributions in one input buffer, in the order they arrive, and accumulates that sum. A scope's
+device copies stand for its parameters the same way while the scope keeps them, whatever the
+number of its calls: a load refills the same copies. A retire breaks that: the scope's next call
+(the second forward of a GAN's R1 penalty, built before it) differentiates new copies, so the
+parameter has two leaves, each summing its own contributions, and the host adds the two sums:
+(a + b) + c where autograd adds (a + c) + b, which differ in the last bit. So the load after a
+retire takes the retired copies back, when a graph still holds them (their storage is alive) and
+they hold what a load would copy and nothing else: no gradient left on them (a backward that
+raised may leave one), no write to the masters since (one that offtensor sees empties
+`slot.retired`; the scope compares the masters' versions with those at their copy, for one it
+does not see), no deferred step pending, no routed experts (whose rows change with each call),
+and a source that loads alone (a sharded load is a collective every rank joins). Nothing is
+copied, the copies are the same leaves, and the scope stays `graph_saved`: the graph still holds
+this storage, so the next release retires it again. Bit for bit with the plain model, and one
+load fewer.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from ..dispatch.slot import ParamSlot
+from ..dispatch.slot import LeafHooks, ParamSlot
 from .streams import Streams
 
 
@@ -35,7 +55,10 @@ class DeviceBuffer:
         # A create_graph backward used the device copies: its graph may read them later, so
         # the release retires the storage instead of freeing it (Note [higher-order gradients]).
         self.graph_saved = False
-        self.copies_made = 1  # sets of device copies made: at wrap, then at each `_retire`
+        self.copies_made = 1  # sets of device copies made: at wrap, then at each `_retire` or take-back
+        # The device copies the last retire left to the graphs, with the hooks on each, until the
+        # next load (Note [retired copies taken back]).
+        self.last_retired: list[tuple[weakref.ref, LeafHooks]] | None = None
 
     @property
     def storage(self) -> torch.UntypedStorage:
@@ -44,6 +67,7 @@ class DeviceBuffer:
     def allocate(self, streams: Streams) -> None:
         """Allocate the storage on the compute stream; the copy stream waits for that (Note
         [ordering across streams] in scopes/streams.py)."""
+        self.last_retired = None
         self.flat.untyped_storage().resize_(self.nbytes)  # not the property: at each load
         streams.wait(streams.h2d(), streams.record(streams.compute()))  # alloc_done
 
@@ -69,9 +93,37 @@ class DeviceBuffer:
         """A new, empty storage and new device copies; the old ones are left to the graphs
         that hold them."""
         flat = torch.empty(self.nbytes, dtype=torch.uint8, device=self.flat.device)
+        retired = []
         for slot in slots:
-            slot.retire_device_copy(flat)
+            hooks = slot.leaf_hooks
+            retired.append((slot.retire_device_copy(flat), hooks))
         flat.untyped_storage().resize_(0)
         self.flat = flat
         self.graph_saved = False
         self.copies_made += 1
+        self.last_retired = retired
+
+    def take_back_retired(self, slots: list[ParamSlot]) -> bool:
+        """Make the copies the last retire left the scope's device copies again, if a graph still
+        holds them and no write to a master that offtensor saw came since (the caller asks the
+        rest: Note [retired copies taken back]). False: the load copies into a new storage."""
+        retired = self.last_retired
+        if retired is None:
+            return False
+        leaves = [ref() for ref, _ in retired]
+        held = next((leaf for leaf in leaves if leaf is not None), None)
+        if held is None or any(not slot.retired or slot.retired[-1] is not ref or slot.arrived
+                               for slot, (ref, _) in zip(slots, retired, strict=True)):
+            return False
+        if any(leaf is not None and leaf.grad is not None for leaf in leaves):
+            return False  # a gradient the path has not taken (a backward that raised left it)
+        flat = torch.empty(0, dtype=torch.uint8, device=self.flat.device)
+        flat.set_(held.untyped_storage())
+        assert flat.numel() == self.nbytes, (flat.numel(), self.nbytes)
+        for slot, leaf, (_, hooks) in zip(slots, leaves, retired, strict=True):
+            slot.take_back_device_copy(flat, leaf, hooks)
+        self.flat = flat
+        self.graph_saved = True  # the graph still holds this storage
+        self.copies_made += 1
+        self.last_retired = None
+        return True

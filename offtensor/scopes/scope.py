@@ -333,6 +333,8 @@ class Scope:
         """Enqueue the load: progressive along the learned copy order when the source allows it,
         else whole by the source (Note [master sources] in scopes/sources.py)."""
         self.take_back_masters()
+        if self.device.last_retired is not None and _take_back_retired(self):
+            return
         self.device.allocate(self.streams)
         try:
             loading = _enqueue_load(self)
@@ -499,6 +501,20 @@ def _forget_routed(scope: Scope) -> None:
     for slot in scope.routed:
         if slot.experts is not None:
             slot.experts.forget(graph_reads=graph_reads)
+
+
+def _take_back_retired(scope: Scope) -> bool:
+    """A load that takes back the copies the last retire left, when they hold what it would copy
+    (Note [retired copies taken back] in scopes/device_buffer.py): OFFLOADED -> RESIDENT with
+    nothing copied. False: the load copies."""
+    if (scope.routed or scope.source.gathers or any(slot.pending_step is not None for slot in scope.slots)
+            or not scope.writes.copies_current(len(scope.slots), versions_read=False)
+            or not scope.device.take_back_retired(scope.slots)):
+        return False
+    scope._to_loading(LoadProgress(scope.streams, scope.writes.note_copied, scope.traffic))
+    scope.live.loaded(scope)
+    scope.compute_waits(None)
+    return True
 
 
 def _enqueue_load(scope: Scope) -> LoadProgress:

@@ -69,6 +69,9 @@ class MasterSource(Protocol):
     # `acquire` gives bytes in the device buffer's layout and dtype (cast on the host), so a
     # scope that casts copies them without a staging buffer.
     device_layout: bool
+    # A load is a collective: every rank of a group joins it (Note [sharded loads] in
+    # distributed/sharded_loads.py), so none may skip one alone.
+    gathers: bool
 
     @property
     def home(self) -> MasterHome:
@@ -131,6 +134,7 @@ class BufferSource:
 
     progressive = True
     device_layout = False
+    gathers = False
 
     def __init__(self, pinned: bool) -> None:
         self.pinned = pinned  # the host buffer is page-locked (wrap falls back to pageable)

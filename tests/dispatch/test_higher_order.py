@@ -97,6 +97,53 @@ def test_gradient_penalty_built_before_a_second_forward_trains_like_unwrapped_mo
 
 
 @pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("policy", ["streamed", "split"])
+def test_gradients_of_a_penalty_built_before_a_second_forward_are_bit_for_bit(device, policy):
+    """Regression: the second forward differentiated new device copies of each block (the
+    penalty's graph held the first ones), so each parameter had two leaves whose sums the host
+    added: (a + b) + c where autograd adds (a + c) + b. Before each step, so that no optimizer
+    can round the difference away (AdamW often did)."""
+    model, reference = mlp_and_reference(device, split=policy == "split")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=1e-2)
+    for _ in range(6):
+        real, fake = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device)
+        _r1_loss(reference, real, fake).backward()
+        _r1_loss(model, real, fake).backward()
+        assert_grads_match(model, reference, **tolerances(device))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        assert_all_scopes_offloaded(model)
+    assert_params_match(model, reference, **tolerances(device))
+
+
+@pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("write", ["no_grad", "detached alias"])
+def test_a_write_between_a_penalty_and_the_next_forward_reaches_that_forward(device, write):
+    """The second forward reads the masters as written after the penalty's graph was built
+    (its copies of the first are not taken back), as a plain model reads its parameters. The
+    alias is taken before the graph: only the master's version tells the write through it."""
+    model, reference = mlp_and_reference(device)
+    outs = []
+    for m in (reference, model):
+        weight = m.blocks[1].fc1.weight
+        alias = weight.detach()
+        real = torch.randn(4, 8, device=device, requires_grad=True)
+        (g,) = torch.autograd.grad(m(real).sum(), real, create_graph=True)
+        if write == "no_grad":
+            with torch.no_grad():
+                weight.mul_(1.5)
+        else:
+            alias.mul_(1.5)
+        with torch.no_grad():
+            outs.append(m(torch.ones(4, 8, device=device)))
+        del g
+    torch.testing.assert_close(outs[1], outs[0], **tolerances(device))
+    assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("device", devices)
 def test_gradient_penalty_through_reentrant_checkpointing_raises_as_unwrapped(device):
     """Reentrant checkpointing does not support torch.autograd.grad, with or without offtensor."""
     model = mlp_of_blocks(n_blocks=2)
