@@ -186,7 +186,9 @@ def masters_free(scope: SlotScope) -> bool:
 # parameter's requires_grad was set since its last check: every such write (`p.requires_grad =`,
 # `p.requires_grad_()`, nn.Module.requires_grad_, `p.detach_()`) reaches an offloaded parameter
 # through `__torch_function__`, which counts it here; a device copy is made with its parameter's
-# flag (wrap) or its predecessor's (retire_device_copy), so no other change can part them.
+# flag (wrap) or its predecessor's (retire_device_copy), and a retired copy comes back only with
+# the flag of the copy it replaces (Note [retired copies taken back] in scopes/device_buffer.py),
+# so no other change can part them.
 REQUIRES_GRAD_CHANGES = [0]  # writes of requires_grad to offloaded parameters, since import
 
 

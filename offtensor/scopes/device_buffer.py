@@ -27,7 +27,9 @@ parameter has two leaves, each summing its own contributions, and the host adds 
 (a + b) + c where autograd adds (a + c) + b, which differ in the last bit. So the load after a
 retire takes the retired copies back, when a graph still holds them (their storage is alive) and
 they hold what a load would copy and nothing else: no gradient left on them (a backward that
-raised may leave one), no write to the masters since (one that offtensor sees empties
+raised may leave one), each one's requires_grad that of its parameter and of the copy it
+replaces (a kept scope checks the flags only after a change: Note [requires_grad changes] in
+dispatch/ops.py), no write to the masters since (one that offtensor sees empties
 `slot.retired`; the scope compares the masters' versions with those at their copy, for one it
 does not see), no deferred step pending, no routed experts (whose rows change with each call),
 and a source that loads alone (a sharded load is a collective every rank joins). Nothing is
@@ -115,8 +117,13 @@ class DeviceBuffer:
         if held is None or any(not slot.retired or slot.retired[-1] is not ref or slot.arrived
                                for slot, (ref, _) in zip(slots, retired, strict=True)):
             return False
-        if any(leaf is not None and leaf.grad is not None for leaf in leaves):
-            return False  # a gradient the path has not taken (a backward that raised left it)
+        for slot, leaf in zip(slots, leaves, strict=True):
+            if leaf is None:
+                continue
+            if leaf.grad is not None:
+                return False  # a gradient the path has not taken (a backward that raised left it)
+            if leaf.requires_grad != slot.device_leaf.requires_grad or leaf.requires_grad != slot.requires_grad:
+                return False  # Note [requires_grad changes] in dispatch/ops.py
         flat = torch.empty(0, dtype=torch.uint8, device=self.flat.device)
         flat.set_(held.untyped_storage())
         assert flat.numel() == self.nbytes, (flat.numel(), self.nbytes)

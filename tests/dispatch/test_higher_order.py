@@ -119,6 +119,34 @@ def test_gradients_of_a_penalty_built_before_a_second_forward_are_bit_for_bit(de
 
 
 @pytest.mark.parametrize("device", devices)
+def test_a_parameter_unfrozen_after_its_copy_was_retired_gets_its_gradient(device):
+    """Regression: a kept scope released by backward_and_step under no_offload (its copies
+    retired under the penalty's graph), its frozen parameter then unfrozen: the next load took
+    back the retired copy, frozen, after the scope's call had set its copies' flags, so the first
+    micro-batch's gradient of that parameter was lost (Note [requires_grad changes])."""
+    model = mlp_of_blocks(n_blocks=3)
+    model.blocks[1].fc1.bias.requires_grad_(False)
+    policy = offtensor.Policy(vram_budget=2**40, param_filter=offtensor.frozen_only)
+    reference = reference_then_offload(model, device, policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    real, fake = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device)
+    with offtensor.no_offload(model):
+        offtensor.backward_and_step(_r1_loss(model, real, fake), opt, zero_grad=True)
+    offtensor.wait_for_steps()
+    _r1_loss(reference, real, fake).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    for m in (model, reference):
+        m.blocks[1].fc1.bias.requires_grad_(True)
+    for _ in range(2):
+        real, fake = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device)
+        for m in (model, reference):
+            _r1_loss(m, real, fake).backward()
+    assert_grads_match(model, reference, **tolerances(device))
+
+
+@pytest.mark.parametrize("device", devices)
 @pytest.mark.parametrize("write", ["no_grad", "detached alias"])
 def test_a_write_between_a_penalty_and_the_next_forward_reaches_that_forward(device, write):
     """The second forward reads the masters as written after the penalty's graph was built
