@@ -71,6 +71,12 @@ class EagerExposure:
             self.engine.writes.exposed_call_ended(
                 self.scope, list(zip(plan.slots, plan.leaves, versions, strict=True)), aliased=aliased)
 
+    def copies_retired(self) -> None:
+        """The scope's copies were retired (Note [higher-order gradients] in
+        scopes/device_buffer.py): the plan made for them must not keep them, and their storage,
+        alive once no graph holds them; the next call makes one for the copies then current."""
+        self._plan = None
+
     def expose_for_pass(self) -> None:
         self.in_pass = True  # first: an interrupt before the copies go in leaves what leave_pass ends
         if self.scope.state is ScopeState.RESIDENT:

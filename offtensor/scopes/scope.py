@@ -125,6 +125,8 @@ class CallHooks(Protocol):
 
     def exposure_live(self) -> bool: ...  # its copies are exposed by a call that still runs
 
+    def copies_retired(self) -> None: ...  # a release retired its copies: let go of them
+
 
 class LiveScopes:
     """The scopes of one wrapped model that are not OFFLOADED, in load order."""
@@ -407,7 +409,10 @@ class Scope:
         # OFFLOADED before the memory goes: an interrupt between the two leaves a buffer that the
         # next load allocates again in place, never a RESIDENT scope without memory (Note [interrupts])
         self._to_offloaded()
+        made = self.device.copies_made
         self.device.free(self.slots)  # retired instead under a saved graph (Note [higher-order gradients])
+        if self.device.copies_made != made and self.hooks is not None:
+            self.hooks.copies_retired()  # the graphs alone keep retired copies alive
         _forget_routed(self)
         torch.clear_autocast_cache()  # Note [autocast's cast cache]
         if self.residency is Residency.CARRIED:

@@ -7,6 +7,8 @@ device copies the new graph had saved.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ from conftest import (
     assert_all_scopes_offloaded,
     assert_grads_match,
     assert_params_match,
+    device_layout_bytes,
     devices,
     mlp_and_reference,
     mlp_of_blocks,
@@ -246,22 +249,47 @@ def test_backward_with_create_graph_into_offloaded_grads_raises_naming_offtensor
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gradient_penalty_steps_leave_no_device_memory_behind():
-    """Retired device storages go with the graphs that held them: memory does not grow."""
+@pytest.mark.parametrize("penalty", ["wgan-gp", "r1"])
+def test_gradient_penalty_steps_leave_no_device_memory_behind(penalty):
+    """Retired device storages go with the graphs that held them: memory does not grow, and
+    between steps no more than a block's bytes stay (the R1 penalty's second forward takes the
+    retired copies back: Note [retired copies taken back])."""
     model = mlp_of_blocks(n_blocks=3, hidden=256)
     offtensor.wrap(model, device="cuda")
     model.to("cuda")
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     allocated = []
     for _ in range(4):
         x, y = torch.randn(4, 8, device="cuda"), torch.randn(4, 4, device="cuda")
-        _penalized_loss(model, x, y).backward()
+        loss = _penalized_loss(model, x, y) if penalty == "wgan-gp" else _r1_loss(model, x, y)
+        loss.backward()
+        del loss
         opt.step()
         opt.zero_grad()
         torch.cuda.synchronize()
         allocated.append(torch.cuda.memory_allocated())
     assert_all_scopes_offloaded(model)
     assert allocated[-1] == allocated[1], allocated
+    assert allocated[-1] - before < device_layout_bytes(model.blocks[0]), (before, allocated)
+
+
+@pytest.mark.parametrize("device", devices)
+def test_a_gradient_penalty_step_leaves_no_retired_copy_alive(device):
+    """Regression: the plan that exposes a scope's copies in its calls kept the copies a release
+    retired, and with them their storage, after the graphs let go of them: with the R1 penalty,
+    whose second forward takes retired copies back, the whole model's device copies stayed
+    between steps."""
+    model, _ = mlp_and_reference(device)
+    for _ in range(2):
+        real, fake = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device)
+        _r1_loss(model, real, fake).backward()
+    gc.collect()
+    alive = [str(slot) for scope in model._offtensor_engine.scopes for slot in scope.slots
+             if any(ref() is not None for ref in slot.retired)]
+    assert not alive, alive
+    assert_all_scopes_offloaded(model)
 
 
 @pytest.mark.parametrize("device", devices)
