@@ -73,13 +73,14 @@ class DeviceBuffer:
         self.flat.untyped_storage().resize_(self.nbytes)  # not the property: at each load
         streams.wait(streams.h2d(), streams.record(streams.compute()))  # alloc_done
 
-    def free(self, slots: list[ParamSlot]) -> None:
+    def free(self, slots: list[ParamSlot]) -> bool:
         """Give the memory back (on the compute stream, after every queued use), or leave it
-        to the graphs that saved it (Note [higher-order gradients])."""
+        to the graphs that saved it (Note [higher-order gradients]): True."""
         if self.graph_saved:
             self._retire(slots)
-        else:
-            self.flat.untyped_storage().resize_(0)
+            return True
+        self.flat.untyped_storage().resize_(0)
+        return False
 
     def free_after_enqueued(self, streams: Streams, slots: list[ParamSlot]) -> None:
         """`free`, after every copy and conversion enqueued into the buffer so far: for a load

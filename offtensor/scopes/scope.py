@@ -409,10 +409,9 @@ class Scope:
         # OFFLOADED before the memory goes: an interrupt between the two leaves a buffer that the
         # next load allocates again in place, never a RESIDENT scope without memory (Note [interrupts])
         self._to_offloaded()
-        made = self.device.copies_made
-        self.device.free(self.slots)  # retired instead under a saved graph (Note [higher-order gradients])
-        if self.device.copies_made != made and self.hooks is not None:
-            self.hooks.copies_retired()  # the graphs alone keep retired copies alive
+        # Retired instead under a saved graph (Note [higher-order gradients]), which alone keeps them
+        if self.device.free(self.slots) and self.hooks is not None:
+            self.hooks.copies_retired()
         _forget_routed(self)
         torch.clear_autocast_cache()  # Note [autocast's cast cache]
         if self.residency is Residency.CARRIED:
