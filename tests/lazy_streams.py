@@ -170,7 +170,7 @@ def lazy_streams() -> Iterator[list[LazyStream]]:
         saved_allocate(self, s)
         self.flat.fill_(255)  # NaN in every float dtype: a read before its load's wait shows
 
-    def free(self: device_buffer.DeviceBuffer, slots: list) -> None:
+    def free(self: device_buffer.DeviceBuffer, slots: list) -> bool:
         # On a GPU, the allocator may hand the memory to the next tensor at once: work still
         # queued on a side stream would write into that tensor.
         storage = self.flat.untyped_storage()._cdata
@@ -178,7 +178,7 @@ def lazy_streams() -> Iterator[list[LazyStream]]:
             if stream.pending_on(storage):
                 stream.errors.append(f"a device buffer was freed while work queued on the {stream.name} "
                                      "stream still touches it")
-        saved_free(self, slots)
+        return saved_free(self, slots)  # whether it retired (Scope.release asks)
 
     streams.Streams.compute = lambda self: _COMPUTE  # type: ignore[method-assign]
     streams.Streams.lagging = True  # the gradients' copies go through the d2h stream too
