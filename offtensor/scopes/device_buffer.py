@@ -61,6 +61,7 @@ class DeviceBuffer:
         # The device copies the last retire left to the graphs, with the hooks on each, until the
         # next load (Note [retired copies taken back]).
         self.last_retired: list[tuple[weakref.ref, LeafHooks]] | None = None
+        self.taking_back = False  # set while a take-back switches the slots' copies, one by one
 
     @property
     def storage(self) -> torch.UntypedStorage:
@@ -128,10 +129,28 @@ class DeviceBuffer:
         flat = torch.empty(0, dtype=torch.uint8, device=self.flat.device)
         flat.set_(held.untyped_storage())
         assert flat.numel() == self.nbytes, (flat.numel(), self.nbytes)
+        # An interrupt in the loop leaves some slots switched: the next load undoes them
+        # (`undo_take_back`). `graph_saved` before the storage: never a free of what a graph holds.
+        self.taking_back = True
         for slot, leaf, (_, hooks) in zip(slots, leaves, retired, strict=True):
             slot.take_back_device_copy(flat, leaf, hooks)
-        self.flat = flat
         self.graph_saved = True  # the graph still holds this storage
+        self.flat = flat
         self.copies_made += 1
         self.last_retired = None
+        self.taking_back = False
         return True
+
+    def undo_take_back(self, slots: list[ParamSlot]) -> None:
+        """After a take-back an interrupt cut short: the slots it switched get new copies in the
+        current storage, as a retire makes them; the load then copies (Note [interrupts])."""
+        storage = self.flat.untyped_storage()
+        if not storage.nbytes():  # not switched yet (else only the flags below were left)
+            storage.resize_(self.nbytes)  # device_copy needs the memory, as in `_retire`
+            for slot in slots:
+                if slot.device_leaf.untyped_storage()._cdata != storage._cdata:
+                    slot.retire_device_copy(self.flat)
+            storage.resize_(0)
+        self.copies_made += 1
+        self.last_retired = None
+        self.taking_back = False

@@ -511,6 +511,8 @@ def _take_back_retired(scope: Scope) -> bool:
     """A load that takes back the copies the last retire left, when they hold what it would copy
     (Note [retired copies taken back] in scopes/device_buffer.py): OFFLOADED -> RESIDENT with
     nothing copied. False: the load copies."""
+    if scope.device.taking_back:
+        scope.device.undo_take_back(scope.slots)
     if (scope.routed or scope.source.gathers or any(slot.pending_step is not None for slot in scope.slots)
             or not scope.writes.copies_current(len(scope.slots), versions_read=False)
             or not scope.device.take_back_retired(scope.slots)):

@@ -26,6 +26,7 @@ from conftest import (
 )
 
 import offtensor
+from offtensor.dispatch.slot import ParamSlot
 
 
 def _penalized_loss(model, x, y):
@@ -147,6 +148,41 @@ def test_a_parameter_unfrozen_after_its_copy_was_retired_gets_its_gradient(devic
         for m in (model, reference):
             _r1_loss(m, real, fake).backward()
     assert_grads_match(model, reference, **tolerances(device))
+
+
+@pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("at", [0, 1, 3])
+def test_an_interrupt_in_a_take_back_leaves_the_next_steps_like_unwrapped(device, at, monkeypatch):
+    """A take-back switches the slots' copies one by one. Interrupted after `at` of them, the
+    next load gives the switched ones new copies in the scope's storage again (else they kept
+    the retired storage, which no later load writes: stale after the step below)."""
+    model, reference = mlp_and_reference(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=1e-2)
+    switched = []
+    take_back = ParamSlot.take_back_device_copy
+
+    def interrupted(slot, *args):
+        if len(switched) == at:
+            raise KeyboardInterrupt
+        switched.append(slot)
+        return take_back(slot, *args)
+
+    monkeypatch.setattr(ParamSlot, "take_back_device_copy", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _r1_loss(model, torch.randn(4, 8, device=device), torch.randn(4, 8, device=device))
+    monkeypatch.undo()
+    for step in range(4):  # without a penalty first: no retire to replace the switched copies
+        real, fake = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device)
+        for m in (model, reference):
+            loss = _r1_loss(m, real, fake) if step >= 2 else m(real).pow(2).mean()
+            loss.backward()
+        assert_grads_match(model, reference, **tolerances(device))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    assert_params_match(model, reference, **tolerances(device))
+    assert_all_scopes_offloaded(model)
 
 
 @pytest.mark.parametrize("device", devices)
