@@ -101,13 +101,14 @@ def test_gradient_penalty_built_before_a_second_forward_trains_like_unwrapped_mo
 
 
 @pytest.mark.parametrize("device", devices)
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant"])
 @pytest.mark.parametrize("policy", ["streamed", "split"])
-def test_gradients_of_a_penalty_built_before_a_second_forward_are_bit_for_bit(device, policy):
+def test_gradients_of_a_penalty_built_before_a_second_forward_are_bit_for_bit(device, policy, checkpoint):
     """Regression: the second forward differentiated new device copies of each block (the
     penalty's graph held the first ones), so each parameter had two leaves whose sums the host
     added: (a + b) + c where autograd adds (a + c) + b. Before each step, so that no optimizer
     can round the difference away (AdamW often did)."""
-    model, reference = mlp_and_reference(device, split=policy == "split")
+    model, reference = mlp_and_reference(device, split=policy == "split", checkpoint=checkpoint)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=1e-2)
     for _ in range(6):
