@@ -32,9 +32,10 @@ _TensorBase = torch._C.TensorBase
 #   whatever the function raises (a `with DisableTorchFunctionSubclass():` is left disabled by an
 #   interrupt where `with` calls `__exit__`, at the end of its body or at a `return` in it);
 # - what must change for a while (the current CUDA stream during a copy, no_offload's holds, the
-#   latest backward_and_step) is recorded where the next entry point finds and undoes it if an
-#   interrupt skipped the undo (Streams.restore, no_offload's weak set of holds,
-#   backward_and_step's `close_if_abandoned`; the end of backward forgets its worker).
+#   latest backward_and_step) is recorded where the next entry point (a forward, a backward, an
+#   eager optimizer step) finds and undoes it if an interrupt skipped the undo (Streams.restore,
+#   no_offload's weak set of holds, backward_and_step's `close_if_abandoned`; the end of
+#   backward forgets its worker).
 # The optimizer worker thread changes its own thread-local settings (worker_state.active, its
 # intra-op thread count): signals reach only the main thread.
 # tests/core/test_interrupts.py raises KeyboardInterrupt at every few traced events of a step.

@@ -77,6 +77,9 @@ def _eagerly_written(optimizer: torch.optim.Optimizer) -> list[ParamSlot]:
             if plain_master(slot) and not (scope.exposed or scope.calls.running) and master_grad(p) is not None:
                 by_scope.setdefault(id(scope), []).append(slot)
     for slots in by_scope.values():
+        # An entry point: the step's own device ops (GPU-resident parameters) must not run on a
+        # side stream an interrupt left current (Note [interrupts] in dispatch/masters.py).
+        slots[0].scope.streams.restore()
         slots[0].scope.masters_stepped(slots)
     return [slot for slots in by_scope.values() if slots[0].scope.state is ScopeState.OFFLOADED for slot in slots]
 

@@ -122,6 +122,13 @@ class CountsWrites(Protocol):
     def written(self) -> None: ...  # one more
 
 
+class StreamsLeft(Protocol):
+    """A scope's streams (Streams in scopes/streams.py, above), as an entry point below the engine
+    sees them."""
+
+    def restore(self) -> None: ...  # the stream an interrupt left current goes (Note [interrupts])
+
+
 class MastersAt(Protocol):
     """Where a scope's masters live, as its source says (MasterSource in scopes/sources.py, above)."""
 
@@ -157,6 +164,9 @@ class SlotScope(Protocol):
 
     @property
     def source(self) -> MastersAt: ...  # where its masters live and its loads copy from
+
+    @property
+    def streams(self) -> StreamsLeft: ...
     residency: Residency  # streamed, kept or carried
 
     @property

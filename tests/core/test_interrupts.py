@@ -650,3 +650,23 @@ def test_an_interrupt_anywhere_in_a_recorded_function_leaves_no_function_counted
     for at in range(1, counter.events + 1):
         assert Interrupter(at).run(lambda: _Double.apply(x)), at
         assert recorded_functions.depth == 0, f"a Function still counted after an interrupt at event {at}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_optimizer_step_after_an_interrupt_left_the_copy_stream_current_runs_on_compute():
+    """A KeyboardInterrupt at a `with streams.on(...)` block's exit (Python traces the `with`
+    line again before `__exit__`, outside the block's handler) leaves the copy stream current.
+    The next eager optimizer step is an entry point: its device ops (the parameters left on the
+    GPU) run on the stream that was current before, not unordered on offtensor's copy stream."""
+    model = mlp_of_blocks(n_blocks=2)
+    offtensor.wrap(model, lambda name, m: name in ("blocks.0", "blocks.1"), device="cuda")
+    model.to("cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8, device="cuda")).sum().backward()
+    compute = torch.cuda.current_stream()
+    streams = model._offtensor_engine.streams
+    streams.on(streams.h2d()).__enter__()  # what such an interrupt leaves
+    assert torch.cuda.current_stream() != compute
+    opt.step()
+    assert torch.cuda.current_stream() == compute
