@@ -526,10 +526,14 @@ class ParamSlot:
         reference (which the optimizer worker may take off `retired` at once)."""
         ref = weakref.ref(self.device_leaf)
         with _retired_lock: self.retired = alive(self.retired) + [ref]  # noqa: E701
+        self._new_device_copy(flat)
+        return ref
+
+    def _new_device_copy(self, flat: torch.Tensor) -> None:
+        """A new device copy in `flat`, with the current one's requires_grad, and its hooks."""
         self.device_leaf, self.device_view = device_copy(
             flat, self.device_offset, self.device_view.dtype, self.param.shape, self.device_leaf.requires_grad)
         self.hook_device_leaf()
-        return ref
 
     def take_back_device_copy(self, flat: torch.Tensor, leaf: torch.Tensor | None, hooks: LeafHooks) -> None:
         """Make `leaf`, a device copy retired in `flat`'s storage with `hooks` on it, the device
@@ -537,9 +541,7 @@ class ParamSlot:
         copies taken back] in scopes/device_buffer.py)."""
         with _retired_lock: self.retired = [r for r in self.retired if (t := r()) is not None and t is not leaf]  # noqa: E701
         if leaf is None:
-            self.device_leaf, self.device_view = device_copy(
-                flat, self.device_offset, self.device_view.dtype, self.param.shape, self.device_leaf.requires_grad)
-            self.hook_device_leaf()
+            self._new_device_copy(flat)
             return
         self.device_leaf = leaf
         self.device_view = copy_view(flat, self.device_offset, self.device_view.dtype, self.param.shape)

@@ -18,24 +18,17 @@ counter of the retired copies, so that differentiating the old graph raises auto
 carries no graph) and raises.
 
 # Note [retired copies taken back]
-A plain parameter is one leaf of every graph that uses it: autograd sums all of its gradient's
-contributions in one input buffer, in the order they arrive, and accumulates that sum. A scope's
-device copies stand for its parameters the same way while the scope keeps them, whatever the
-number of its calls: a load refills the same copies. A retire breaks that: the scope's next call
-(the second forward of a GAN's R1 penalty, built before it) differentiates new copies, so the
-parameter has two leaves, each summing its own contributions, and the host adds the two sums:
-(a + b) + c where autograd adds (a + c) + b, which differ in the last bit. So the load after a
-retire takes the retired copies back, when a graph still holds them (their storage is alive) and
-they hold what a load would copy and nothing else: no gradient left on them (a backward that
-raised may leave one), each one's requires_grad that of its parameter and of the copy it
-replaces (a kept scope checks the flags only after a change: Note [requires_grad changes] in
-dispatch/ops.py), no write to the masters since (one that offtensor sees empties
-`slot.retired`; the scope compares the masters' versions with those at their copy, for one it
-does not see), no deferred step pending, no routed experts (whose rows change with each call),
-and a source that loads alone (a sharded load is a collective every rank joins). Nothing is
-copied, the copies are the same leaves, and the scope stays `graph_saved`: the graph still holds
-this storage, so the next release retires it again. Bit for bit with the plain model, and one
-load fewer.
+Autograd sums all contributions to a plain parameter's gradient in its one leaf's input buffer,
+in arrival order. A scope's copies are that one leaf across its calls (a load refills them), but
+after a retire the next call (an R1 penalty's second forward) would differentiate new copies:
+two leaves, summed apart and added on the host, (a + b) + c against autograd's (a + c) + b. So
+the load after a retire takes the retired copies back while a graph holds them (their storage is
+alive) and they hold what a load would copy: no gradient left on them (a backward that raised),
+the requires_grad of their parameter and of the copy they replace (Note [requires_grad changes]
+in dispatch/ops.py), no write to the masters since (a seen one empties `slot.retired`, an unseen
+one shows in the versions), no deferred step, no routed experts (their rows change per call),
+and a source that loads alone (a sharded load is a collective). Nothing is copied, and the scope
+stays `graph_saved`: the next release retires this storage again.
 """
 
 from __future__ import annotations
