@@ -54,6 +54,7 @@ class OverlappedStep:
         self.zero_grad = zero_grad
         self.piece_bytes = piece_bytes  # parameter bytes per worker step (Note [deferred steps])
         self._ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self._handable = self._ids - as_of.stepped_whole  # what the worker may step
         # Names of the offloaded parameters; the others are named by their position.
         self._names = {id(p): p._ot.name if hasattr(p, "_ot") else f"param_groups[{i}][{j}]"
                        for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])}
@@ -93,7 +94,7 @@ class OverlappedStep:
         its only one in this backward (Note [early handover]); `landed`: the copy's event."""
         scope = scope_of(slot)
         if (scope.calls.grad_since_backward > 1 or owning_engine(scope).grads.late_gradients or slot.used_outside
-                or id(slot.param) not in self._ids):
+                or id(slot.param) not in self._handable):
             return
         batch, nbytes = self._early.get(scope, ([], 0))
         batch.append(slot)
@@ -118,7 +119,7 @@ class OverlappedStep:
             return  # another call's backward may still add to these grads; or queued already
         self._ended.add(id(scope))
         order = scope.copy_order or scope.slots
-        slots = [s for s in order if s.grad_written and id(s.param) in self._ids and not s.used_outside
+        slots = [s for s in order if s.grad_written and id(s.param) in self._handable and not s.used_outside
                  and id(s.param) not in self._handed]
         self._hand(scope, cut(slots, self.piece_bytes), grads_offloaded, early=False)
 

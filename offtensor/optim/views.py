@@ -22,6 +22,17 @@ raises, naming the class and the attribute (a partial step, Note [partial steps]
 of the user's the call returns once a part has written back, so the attribute reads as after
 `step()`. What a step changes in place (a list, a tensor counter) runs once per part, as its
 step hooks do.
+
+# Note [groups stepped whole]
+torch's SGD with momentum, foreach or fused, picks its kernel for a whole param group (per
+device and dtype) from the parameters it steps: foreach updates the momentum buffers with one
+`_foreach_mul_` when every one of them has a buffer and per tensor otherwise (the two differ in
+the last bit in bf16), and fused treats the step as the first when none has one. After a layer
+is unfrozen, or at an expert's first routed step, some have a buffer and some not, and a part
+of the group stepped on its own would take the other kernel. Such a group (buffers on some of
+its parameters that may have a gradient, and not all of them, as of the call) is stepped whole,
+in one view with the rest after backward; the worker steps it from the next call on. Other
+torch.optim update rules treat each parameter alone.
 """
 
 from __future__ import annotations
@@ -45,6 +56,9 @@ class OptimizerAsOfCall:
         self.attributes = Attributes(optimizer)
         # One of torch.optim's own classes (Note [worker steps without subclass dispatch] in optim/worker.py)
         self.is_torch_optim = type(optimizer).__module__.startswith("torch.optim.")
+        # Parameters of groups stepped in one view after backward (Note [groups stepped whole]).
+        self.stepped_whole = {id(p) for g in optimizer.param_groups if _kernel_depends_on_group(optimizer, g)
+                              for p in g["params"]}
 
     def step(self, ids: set[int], updated: Any = None, *, substitute: dict[int, torch.Tensor] | None = None,
              state: Any = None) -> None:
@@ -94,6 +108,19 @@ def step_subset(optimizer: torch.optim.Optimizer, ids: set[int], as_of: list[tup
         for k, v in sub.items():
             if k != "params" and (k not in old or v is not old[k]):
                 g[k] = v
+
+
+def _kernel_depends_on_group(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """Note [groups stepped whole]: SGD with momentum, foreach or fused, and momentum buffers
+    on some of the group's parameters that may have a gradient, not all."""
+    if not isinstance(optimizer, torch.optim.SGD) or not group.get("momentum"):
+        return False
+    if not (group.get("foreach") or group.get("fused")):
+        return False
+    state = optimizer.state
+    has_buffer = {p in state and state[p].get("momentum_buffer") is not None
+                  for p in group["params"] if p.requires_grad or p.grad is not None}
+    return len(has_buffer) > 1
 
 
 _UNSET = object()  # an attribute the optimizer does not have

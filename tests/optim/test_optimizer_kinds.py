@@ -450,3 +450,33 @@ def test_error_if_backward_and_step_is_given_an_optimizer_whose_step_was_replace
             o.step()
         assert_params_match(model, reference, rtol=0, atol=0)
     assert_all_scopes_offloaded(model)
+
+
+@pytest.mark.parametrize("stepped", ["whole model", "offloaded only"])
+def test_sgd_momentum_steps_like_unwrapped_when_only_some_parameters_have_a_buffer(stepped):
+    """torch's foreach SGD picks its momentum kernel by whether every parameter with a gradient
+    in the group has a buffer: after a layer is unfrozen some have none, and the group steps per
+    tensor, which differs from the foreach kernel in the last bit in bf16. A piece of such a
+    group stepped on its own would take the other kernel (Note [groups stepped whole])."""
+    torch.manual_seed(0)
+    model = mlp_of_blocks(dtype=torch.bfloat16)
+    reference = reference_then_offload(model, "cpu")
+    batches = [(torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(4, 4, dtype=torch.bfloat16))
+               for _ in range(5)]
+    for m in (reference, model):
+        params = m.parameters() if stepped == "whole model" else [p for b in m.blocks for p in b.parameters()]
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True)
+        m.blocks[1].requires_grad_(False)
+        for i, (x, y) in enumerate(batches):
+            if i == 2:
+                m.blocks[1].requires_grad_(True)  # no momentum buffer yet: the group steps per tensor
+            loss = F.mse_loss(m(x).float(), y.float())
+            if m is model:
+                offtensor.backward_and_step(loss, opt, zero_grad=True, piece_bytes=1)
+            else:
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        offtensor.wait_for_steps()
+    assert_params_match(model, reference, rtol=0, atol=0)
+    assert_all_scopes_offloaded(model)
