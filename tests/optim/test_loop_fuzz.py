@@ -6,7 +6,8 @@ which modules are scopes (one with `keep_for_backward`), split scopes (`max_scop
 `prefetch`, a VRAM budget (a few blocks kept, or every scope: exposed passes), activation
 checkpointing, frozen parameters (before or after `wrap`, optionally
 `param_filter=frozen_only`), the optimizer (SGD with momentum, AdamW, Adagrad; foreach or not;
-built before or after `wrap`, over all or only the trainable parameters).
+built before or after `wrap`, over all or only the trainable parameters), and bf16 weights with
+a block frozen for the first steps.
 
 Then a random loop of 4-8 steps runs, each step made of 1-3 micro-batches with `zero_grad`
 anywhere (before forward, between a forward and its backward, after the step, or not at all;
@@ -156,6 +157,10 @@ def _draw_config(seed: int) -> tuple[random.Random, dict]:
     # (foreach SGD's momentum: Note [groups stepped whole] in optim/views.py). Own generator.
     bf16 = cfg["model"] != "llama" and random.Random(seed * 7919 + 4).random() < 0.25
     cfg["dtype"] = torch.bfloat16 if bf16 else torch.float32
+    # A block frozen from the first step and unfrozen before step `thaw[1]` (bf16 seeds): its
+    # parameters meet the others' optimizer state late. Own generator.
+    thaw_rng = random.Random(seed * 7919 + 5)
+    cfg["thaw"] = (thaw_rng.choice(_block_names(cfg)), thaw_rng.randint(1, 3)) if bf16 else None
     return rng, cfg
 
 
@@ -450,6 +455,9 @@ def test_training_loop_fuzz(fuzz_seed):
             plan["step_raise"] = step_rng.choice([None] * 10 + ["pre", "post"])
             if step == n_steps - 1:
                 plan["check"] = True
+            if cfg["thaw"] is not None and step in (0, cfg["thaw"][1]):
+                for m in (model, reference):
+                    m.get_submodule(cfg["thaw"][0]).requires_grad_(step != 0)
             if plan["toggle_mode"]:
                 training = not training
                 model.train(training)
