@@ -299,8 +299,11 @@ def test_gradient_penalty_steps_leave_no_device_memory_behind(penalty):
     before = torch.cuda.memory_allocated()
     allocated = []
     for _ in range(4):
-        x, y = torch.randn(4, 8, device="cuda"), torch.randn(4, 4, device="cuda")
-        loss = _penalized_loss(model, x, y) if penalty == "wgan-gp" else _r1_loss(model, x, y)
+        x = torch.randn(4, 8, device="cuda")
+        if penalty == "wgan-gp":
+            loss = _penalized_loss(model, x, torch.randn(4, 4, device="cuda"))
+        else:
+            loss = _r1_loss(model, x, torch.randn(4, 8, device="cuda"))  # real, fake
         loss.backward()
         del loss
         opt.step()
