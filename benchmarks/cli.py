@@ -91,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true",
                    help="--shape flux: after each row's timed iterations, one more under torch.profiler (CUDA): "
                         "compute busy, compute waiting on copies, compute waiting on the host, link busy")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="--shape flux and the MoE shapes: after each row's timed iterations, one more under "
+                        "cProfile: the N functions with the most time of their own and offtensor's N by time "
+                        "including what they call (benchmarks/host_profile.py)")
     p.add_argument("--profile-dump", default=None, metavar="DIR",
                    help="with --profile: each row's device events as DIR/PEER_SCENARIO.jsonl.gz, the link's "
                         "idle gaps as DIR/PEER_SCENARIO.gaps.jsonl.gz")

@@ -38,6 +38,7 @@ from .dit import (
 )
 from .dit_profile import describe, describe_host, host_calls, where_time_goes
 from .dit_report import format_dit_table, judge_dit_rows
+from .host_profile import describe_python, python_profile
 from .measure import GiB, PhaseClock, free_memory, measure_bandwidth, setup_failed, short_error, sync
 from .model import BuiltModel, materialize
 from .optimizer import make_adamw
@@ -245,6 +246,9 @@ def _scenario(built: BuiltModel, s: Scenario, row: Row, peer: str, inputs: dict[
         row.profile_ms = where_time_goes(work.step, device, dump)
         row.host_calls_ms = host_calls(work.step, device, dump=dump and dump.replace(".jsonl.gz", ".gaps.jsonl.gz"))
         work.drain()
+    if getattr(args, "host_profile", 0):  # Note [a row's host profile]
+        row.host_profile = python_profile(work.step, device, args.host_profile)
+        work.drain()
     work.optimizers.clear()
     _check_output(row, captured[0], run)
     print(f"  {peer}/{s.name}: median {row.median_ms:.1f} ms"
@@ -256,6 +260,8 @@ def _scenario(built: BuiltModel, s: Scenario, row: Row, peer: str, inputs: dict[
         print(f"    {describe(row.profile_ms)}", flush=True)
     if row.host_calls_ms is not None:
         print(f"    {describe_host(row.host_calls_ms)}", flush=True)
+    if row.host_profile is not None:
+        print("\n".join(f"    {line}" for line in describe_python(row.host_profile)), flush=True)
 
 
 def _fp8_references(built: BuiltModel, scenarios: list[Scenario], inputs: dict[str, torch.Tensor],

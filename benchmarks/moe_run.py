@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import offtensor
 
 from .dit_profile import where_time_goes
+from .host_profile import describe_python, python_profile
 from .measure import GiB, free_memory, measure_bandwidth, setup_failed, short_error, sync, timed
 from .model import BuiltModel, enable_checkpointing
 from .moe import MOE_SHAPES, QUICK_MOE_SHAPES, ActiveBytes, MoeShape, build_moe, setup_moe_peer, with_cache
@@ -55,6 +56,7 @@ class MoeRow:
     host_copies_per_step: int | None = None
     compute_busy_ms: float | None = None  # decode-1 on CUDA: one profiled step's kernels (Note [a decode step's floor])
     link_busy_ms: float | None = None
+    host_profile: dict[str, Any] | None = None  # --host-profile: one decode step under cProfile (host_profile.py)
 
     @property
     def x_active(self) -> float | None:
@@ -112,6 +114,8 @@ def _decode(built: BuiltModel, s: Scenario, device: torch.device, args: argparse
             timeline = where_time_goes(one, device)  # None off CUDA
             if timeline is not None:
                 row.compute_busy_ms, row.link_busy_ms = timeline["compute_busy_ms"], timeline["link_busy_ms"]
+        if getattr(args, "host_profile", 0):  # Note [a row's host profile]
+            row.host_profile = python_profile(one, device, args.host_profile)
     row.active_bytes = active.per_step()
     active.steps = active.total = 0
     return out
@@ -251,6 +255,8 @@ def _scenario(built: BuiltModel, s: Scenario, device: torch.device, args: argpar
           + (f"; one profiled step: kernels busy {row.compute_busy_ms:.1f} ms, link busy {row.link_busy_ms:.1f} ms"
              if row.compute_busy_ms is not None and row.link_busy_ms is not None else ""),
           flush=True)
+    if row.host_profile is not None:
+        print("\n".join(f"    {line}" for line in describe_python(row.host_profile)), flush=True)
 
 
 def run_moe_peer(peer: str, shape: MoeShape, scenarios: list[Scenario], device: torch.device,

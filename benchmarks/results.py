@@ -46,6 +46,7 @@ class Row:
     dequant_ms: float | None = None  # those elements at the measured dequantization rate (--shape flux)
     profile_ms: dict[str, float] | None = None  # --profile: where one iteration's time went (--shape flux)
     host_calls_ms: dict[str, float] | None = None  # --profile: the CUDA runtime calls the host spent longest in
+    host_profile: dict[str, Any] | None = None  # --host-profile: one iteration under cProfile (host_profile.py)
     predicted_ms: float | None = None  # a timed layout's predicted step, from offtensor.summary() (--shape flux)
     # --shape flux: the first iteration's output against the reference's: bit for bit (exact),
     # else the largest absolute difference; the reference ('resident', or 'fp8 reference': the

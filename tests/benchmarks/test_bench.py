@@ -787,6 +787,23 @@ def test_flux_quick_run_has_each_peer_row_its_roofline_and_bit_exact_outputs(tmp
     assert "vram_budget=" in result["setups"]["offtensor-vram12-fp8"]["how"]
 
 
+def test_host_profile_names_where_a_rows_host_time_went(tmp_path, capsys, one_thread):
+    """--host-profile N: one more iteration under cProfile per row; offtensor's hooks are in the
+    streamed row's list and not in the resident row's (Note [a row's host profile])."""
+    _, rows = _flux_run(tmp_path, "--peers", "resident", "offtensor", "--scenarios", "infer-1024px",
+                        "--host-profile", "5")
+    printed = capsys.readouterr().out
+    for peer in ("resident", "offtensor"):
+        profile = rows[("infer-1024px", peer)]["host_profile"]
+        assert profile["host_wall_ms"] > 0 and profile["host_thread_ms"] > 0 and profile["profiled_ms"] > 0
+        assert len(profile["own"]) == 5
+        assert all(e["calls"] > 0 and 0 <= e["own_ms"] <= e["cumulative_ms"] + 1e-9 for e in profile["own"])
+        assert bool(profile["offtensor"]) == (peer == "offtensor")
+    ours = [e["function"] for e in rows[("infer-1024px", "offtensor")]["host_profile"]["offtensor"]]
+    assert any(f.startswith("offtensor/engine/hooks.py:") for f in ours), ours
+    assert printed.count("host profile: step") == 2 and "offtensor, by time including what it calls:" in printed
+
+
 @pytest.mark.full_tier  # every peer: ~40 s on a 2-core host
 def test_flux_quick_run_with_every_peer(tmp_path, one_thread):
     from benchmarks.dit_run import DIT_PEER_NAMES

@@ -137,3 +137,16 @@ def test_decode_floor_is_the_resident_step_plus_the_bytes_at_the_link_speed():
     resident.compute_busy_ms = 4.0  # profiled on CUDA: the kernels' busy time, not the host-bound step
     floor, ratio = decode_floor(rows, routed, h2d=50e9)
     assert floor == pytest.approx(24.0) and ratio == pytest.approx(1.5)
+
+
+def test_host_profile_of_a_routed_decode_step(tmp_path, capsys, one_thread):
+    """--host-profile on a MoE shape: the decode rows carry one step's cProfile (batch 1 and 8)."""
+    out = tmp_path / "moe.json"
+    assert bench.main(["--quick", "--device", "cpu", "--shape", "qwen3-30b-a3b", "--layers", "2", "--warmup", "1",
+                       "--iters", "1", "--peers", "resident", "offtensor-routed", "--scenarios", "decode-1",
+                       "--host-profile", "4", "--json", str(out)]) == 0
+    rows = {(r["scenario"], r["peer"]): r for r in json.loads(out.read_text())["results"]}
+    routed = rows[("decode-1", "offtensor-routed")]["host_profile"]
+    assert len(routed["own"]) == 4 and routed["offtensor"], routed
+    assert not rows[("decode-1", "resident")]["host_profile"]["offtensor"]
+    assert "host profile: step" in capsys.readouterr().out
