@@ -17,7 +17,8 @@ waits (host side, off the main thread) for the scope's `grads_offloaded` event, 
 view of the optimizer restricted to those parameters (same state, same hooks, the param groups'
 hyperparameters as they were when `backward_and_step` was called). Per-parameter optimizers
 (SGD, Adam, AdamW, Adagrad, ... in any of their single-tensor, foreach or fused forms) give
-exactly the same update as one `optimizer.step()` after backward. The rest (parameters on the
+exactly the same update as one `optimizer.step()` after backward, save a group whose kernel
+depends on which parameters it steps (Note [groups stepped whole] in optim/views.py). The rest (parameters on the
 device, scopes used more than once per forward, parameters also used outside their scope) is
 stepped on the calling thread once backward has returned.
 

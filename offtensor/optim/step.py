@@ -54,7 +54,8 @@ class OverlappedStep:
         self.zero_grad = zero_grad
         self.piece_bytes = piece_bytes  # parameter bytes per worker step (Note [deferred steps])
         self._ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        self._handable = self._ids - as_of.stepped_whole  # what the worker may step
+        # What the worker may step (Note [groups stepped whole] in optim/views.py)
+        self._handable = self._ids - as_of.stepped_whole if as_of.stepped_whole else self._ids
         # Names of the offloaded parameters; the others are named by their position.
         self._names = {id(p): p._ot.name if hasattr(p, "_ot") else f"param_groups[{i}][{j}]"
                        for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])}
